@@ -1,0 +1,5 @@
+import sys
+
+from memrad.cli import main
+
+sys.exit(main())

@@ -1,0 +1,173 @@
+"""The daemon's life: one instance per user (a held lock), a pidfile that says where it
+serves, graceful stop on SIGTERM, and cleanup of what a killed daemon left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from memrad.config import Settings
+from memrad.paths import lockfile_path, log_path, pidfile_path, socket_path
+
+log = logging.getLogger("memrad")
+
+DETACHED_ENV = "MEMRA_DETACHED"
+
+
+class AlreadyRunning(RuntimeError):
+    pass
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonInfo:
+    """The pidfile's contents. `url` is None while the model is still loading."""
+
+    pid: int
+    started_at: float
+    log: str
+    url: str | None = None
+    model: str | None = None
+    device: str | None = None
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, path: Path) -> "DaemonInfo | None":
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def _lock_is_held() -> bool:
+    """True when a live daemon holds the lock (the kernel drops it when a process dies)."""
+    with open(lockfile_path(), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+def clean_stale_files() -> list[Path]:
+    """Remove the pidfile and socket a killed daemon left; return what was removed."""
+    removed = []
+    for path in (pidfile_path(), socket_path()):
+        if path.exists() or path.is_symlink():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def find_running() -> DaemonInfo | None:
+    """The running daemon's pidfile record, or None (cleaning stale files on the way)."""
+    if not _lock_is_held():
+        for path in clean_stale_files():
+            log.debug("removed stale %s", path)
+        return None
+    info = DaemonInfo.read(pidfile_path())
+    if info is None:
+        # Locked but no pidfile yet: a daemon is between taking the lock and writing it.
+        return DaemonInfo(pid=0, started_at=time.time(), log=str(log_path()))
+    return info
+
+
+def configure_logging(level: str, detached: bool) -> None:
+    """Detached, stderr already is the log file; attached, log to the terminal and the file."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if not detached:
+        handlers.append(logging.FileHandler(log_path()))
+    logging.basicConfig(level=level.upper(), handlers=handlers, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def serve(settings: Settings) -> None:
+    """Run the daemon in this process until SIGTERM/SIGINT. Blocks."""
+    lock = open(lockfile_path(), "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        info = DaemonInfo.read(pidfile_path())
+        where = f" (pid {info.pid}, {info.url})" if info else ""
+        raise AlreadyRunning(f"memrad is already running{where}; `memrad stop` stops it") from None
+    for path in clean_stale_files():
+        log.info("removed stale %s left by a daemon that did not stop cleanly", path)
+    info = DaemonInfo(pid=os.getpid(), started_at=time.time(), log=str(log_path()))
+    info.write(pidfile_path())
+    try:
+        engine, device, dtype = _load(settings)
+        from memrad.server.app import make_app
+
+        app = make_app(settings, engine, device, dtype)
+        asyncio.run(_run(app, settings, info, engine.model_id, device))
+    finally:
+        clean_stale_files()
+        lock.close()
+
+
+def _load(settings: Settings):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from memrad.engine.engine import Engine
+    from memrad.engine.loader import load_model, resolve_threads
+
+    hf_logging.disable_progress_bar()
+    threads = resolve_threads(settings.model.threads)
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    loaded = load_model(settings.model.name, settings.model.device, settings.model.dtype,
+                        progress=lambda msg: log.info("%s", msg))
+    log.info("loaded %s in %.1f s on %s (%s, %d threads, prefill chunk %d, context %d)",
+             loaded.model_id, time.perf_counter() - started, loaded.device.type, loaded.dtype_name,
+             threads, settings.engine.prefill_chunk, loaded.context_len)
+    engine = Engine(loaded, settings.engine.prefill_chunk, threads)
+    return engine, loaded.device.type, loaded.dtype_name
+
+
+async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device: str) -> None:
+    from aiohttp import web
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           shutdown_timeout=settings.server.shutdown_grace_s + 5)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.server.host, settings.server.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise StartupError(
+            f"cannot listen on {settings.server.host}:{settings.server.port} ({exc.strerror}); "
+            "another program uses that port: pick another with --port or MEMRA_PORT") from None
+    host, port = runner.addresses[0][:2]
+    url = f"http://{settings.server.host}:{port}"
+    DaemonInfo(pid=info.pid, started_at=info.started_at, log=info.log, url=url,
+               model=model_id, device=device).write(pidfile_path())
+    log.info("serving %s on %s (pid %d)", model_id, url, info.pid)
+    await stop.wait()
+    log.info("stopping: finishing or cancelling in-flight requests")
+    await runner.cleanup()
+    log.info("stopped")

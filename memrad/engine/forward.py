@@ -1,0 +1,53 @@
+"""The two model steps: prefill on the canonical grid, and one-token decode.
+
+Shapes at the boundary: input_ids [1, T], position_ids [1, T], logits out [V] (last
+position only). The cache is a transformers `Cache` mutated in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from memrad.grid import grid_chunks
+
+
+def cache_length(cache) -> int:
+    return int(cache.get_seq_length())
+
+
+@torch.inference_mode()
+def prefill(model, cache, token_ids: Sequence[int], start: int, chunk: int,
+            cancelled: Callable[[], bool] = lambda: False) -> torch.Tensor | None:
+    """Prime absolute positions [start, start + len(token_ids)) into `cache`.
+
+    `cache` must already hold exactly `start` tokens. Chunks are cut at absolute multiples
+    of `chunk` (see memrad.grid), so a resumed prefill runs the same shapes as a cold one.
+    Returns the last position's logits [V] in float32, or None if cancelled between chunks.
+    """
+    assert cache_length(cache) == start, "prefill must continue exactly where the cache ends"
+    assert len(token_ids) > 0, "prefill needs at least one token"
+    device = model.device
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    logits = None
+    for a, b in grid_chunks(start, start + len(token_ids), chunk):
+        if cancelled():
+            return None
+        input_ids = ids[a - start : b - start].unsqueeze(0)  # [1, T]
+        position_ids = torch.arange(a, b, device=device).unsqueeze(0)  # [1, T]
+        out = model(input_ids=input_ids, position_ids=position_ids, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1]  # [V]
+    return logits.float()
+
+
+@torch.inference_mode()
+def decode_one_token(model, cache, token_id: int, position: int) -> torch.Tensor:
+    """Feed one token at absolute `position`; return the next-token logits [V] in float32."""
+    assert cache_length(cache) == position, "decode must continue exactly where the cache ends"
+    device = model.device
+    input_ids = torch.tensor([[token_id]], dtype=torch.long, device=device)  # [1, 1]
+    position_ids = torch.tensor([[position]], dtype=torch.long, device=device)  # [1, 1]
+    out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+    return out.logits[0, -1].float()  # [V]

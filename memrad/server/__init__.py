@@ -1,0 +1,1 @@
+"""The HTTP side: aiohttp app factory and OpenAI-compatible routes."""

@@ -1,0 +1,231 @@
+"""Request bodies -> validated records. Pure: no engine, no aiohttp.
+
+Every rejection names the field (`param`) and says what a valid value looks like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memrad.request import Identity, SamplingParams
+from memrad.server.errors import invalid
+
+MAX_NAME_CHARS = 256
+MAX_STOPS = 4
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated body, before tokenization. Exactly one of messages / prompt is set."""
+
+    model: str | None
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    identity: Identity | None
+    cache_salt: str | None
+    messages: tuple[dict, ...] | None = None
+    tools: tuple[dict, ...] | None = None
+    prompt: str | tuple[int, ...] | None = None
+
+
+def parse_chat(body: Any, header_session_id: str | None) -> ParsedRequest:
+    body = _object(body)
+    return ParsedRequest(
+        messages=_messages(body.get("messages")),
+        tools=_tools(body.get("tools")),
+        **_common(body, header_session_id, max_tokens_keys=("max_completion_tokens", "max_tokens")),
+    )
+
+
+def parse_completion(body: Any, header_session_id: str | None) -> ParsedRequest:
+    body = _object(body)
+    _unsupported(body, "echo", (None, False), "echo is not supported")
+    _unsupported(body, "suffix", (None, ""), "suffix (fill-in-the-middle) is not supported")
+    _unsupported(body, "best_of", (None, 1), "best_of must be 1")
+    return ParsedRequest(prompt=_prompt(body.get("prompt")),
+                         **_common(body, header_session_id, max_tokens_keys=("max_tokens",)))
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+def _common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str, ...]) -> dict:
+    n = _int(body, "n", minimum=1)
+    if n not in (None, 1):
+        raise invalid("n must be 1: memrad generates one choice per request", "n")
+    _unsupported(body, "logprobs", (None, False), "logprobs are not supported")
+    _unsupported(body, "top_logprobs", (None, 0), "top_logprobs are not supported")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _number(body, key, -2.0, 2.0) not in (None, 0, 0.0):
+            raise invalid(f"{key} is not supported; send 0 or leave it out", key)
+    if body.get("logit_bias") not in (None, {}):
+        raise invalid("logit_bias is not supported", "logit_bias")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise invalid('response_format is not supported except {"type": "text"}', "response_format")
+    stream = _bool(body, "stream") or False
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise invalid("stream_options must be an object like {\"include_usage\": true}", "stream_options")
+    include_usage = _bool(options or {}, "include_usage", "stream_options.include_usage") or False
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise invalid("model must be a non-empty string", "model")
+    max_tokens = None
+    for key in max_tokens_keys:
+        value = _int(body, key, minimum=1)
+        if value is not None:
+            max_tokens = value
+            break
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    if top_p == 0.0:
+        raise invalid("top_p must be greater than 0 and at most 1", "top_p")
+    sampling = SamplingParams(
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        seed=_int(body, "seed"),
+        max_tokens=max_tokens,
+        stop=_stops(body.get("stop")),
+    )
+    return dict(model=model, sampling=sampling, stream=stream, include_usage=include_usage,
+                identity=identity_of(body, header_session_id),
+                cache_salt=_name(body.get("cache_salt"), "cache_salt"))
+
+
+def identity_of(body: dict, header_session_id: str | None) -> Identity | None:
+    """Body `session_id`, else body `user`, else header `x-session-id`: the body beats the header."""
+    for key in ("session_id", "user"):
+        name = _name(body.get(key), key)
+        if name is not None:
+            return Identity(name, key)  # type: ignore[arg-type]
+    name = _name(header_session_id, "x-session-id")
+    return Identity(name, "x-session-id") if name is not None else None
+
+
+def _name(value: Any, param: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
+        raise invalid(f"{param} must be a non-empty string of at most {MAX_NAME_CHARS} characters", param)
+    return value
+
+
+def _messages(value: Any) -> tuple[dict, ...]:
+    if value is None:
+        raise invalid("messages is required: a non-empty array of {role, content} objects", "messages")
+    if not isinstance(value, list) or not value:
+        raise invalid("messages must be a non-empty array of {role, content} objects", "messages")
+    return tuple(_message(m, i) for i, m in enumerate(value))
+
+
+def _message(message: Any, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise invalid(f"{where} must be an object with role and content", where)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise invalid(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{where}.role")
+    out: dict = {"role": "system" if role == "developer" else role}
+    content = message.get("content")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant" or not isinstance(tool_calls, list):
+            raise invalid(f"{where}.tool_calls must be an array on an assistant message", f"{where}.tool_calls")
+        out["tool_calls"] = tool_calls
+    if content is None and not (role == "assistant" and tool_calls):
+        raise invalid(f"{where}.content is required", f"{where}.content")
+    out["content"] = _content(content, f"{where}.content") if content is not None else ""
+    for key in ("name", "tool_call_id"):
+        if key in message and message[key] is not None:
+            if not isinstance(message[key], str):
+                raise invalid(f"{where}.{key} must be a string", f"{where}.{key}")
+            out[key] = message[key]
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}: "
+                              "this model accepts text only", f"{where}[{j}]")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise invalid(f"{where} must be a string or an array of text parts", where)
+
+
+def _tools(value: Any) -> tuple[dict, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise invalid("tools must be an array of tool objects", "tools")
+    return tuple(value)
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise invalid("prompt must not be empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return tuple(value)
+    if isinstance(value, list) and len(value) > 1:
+        raise invalid("prompt must be one string (batches of prompts are not supported)", "prompt")
+    raise invalid("prompt is required: a non-empty string or an array of token ids", "prompt")
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if (not isinstance(value, list) or len(value) > MAX_STOPS
+            or not all(isinstance(s, str) and s for s in value)):
+        raise invalid(f"stop must be a non-empty string or an array of at most {MAX_STOPS} of them", "stop")
+    return tuple(value)
+
+
+def _unsupported(body: dict, key: str, allowed: tuple, message: str) -> None:
+    if body.get(key) not in allowed:
+        raise invalid(message, key)
+
+
+def _bool(body: dict, key: str, param: str | None = None) -> bool | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise invalid(f"{param or key} must be true or false", param or key)
+    return value
+
+
+def _int(body: dict, key: str, minimum: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid(f"{key} must be an integer", key)
+    if minimum is not None and value < minimum:
+        raise invalid(f"{key} must be at least {minimum}; got {value}", key)
+    return value
+
+
+def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise invalid(f"{key} must be a number between {lo:g} and {hi:g}", key)
+    if not lo <= value <= hi:
+        raise invalid(f"{key} must be between {lo:g} and {hi:g}; got {value}", key)
+    return value

@@ -1,0 +1,1 @@
+"""memra-tui: the live inspector of memrad's cache decisions (imports no torch)."""
