@@ -1,0 +1,63 @@
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from memrad.config import SettingsError, default_settings_dict, known_keys, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_documented_config_file_lists_every_key_with_its_default():
+    data = tomllib.loads((REPO / "config" / "memrad.toml").read_text())
+    flat = {f"{section}.{key}": value for section, table in data.items() for key, value in table.items()}
+    assert flat == default_settings_dict()
+
+
+def test_the_documented_config_file_names_every_environment_variable():
+    text = (REPO / "config" / "memrad.toml").read_text()
+    for key, f in known_keys().items():
+        assert f.metadata["env"] in text, key
+
+
+def test_precedence_defaults_then_file_then_env_then_flags(tmp_path):
+    user = tmp_path / "memrad.toml"
+    user.write_text("[server]\nport = 9000\nmax_queue = 3\n[engine]\nprefill_chunk = 64\n")
+    env = {"MEMRA_PORT": "9100", "MEMRA_PREFILL_CHUNK": "128"}
+    s = load_settings(flags={"server.port": 9200}, env=env, config_file=user)
+    assert s.server.port == 9200           # flag beats env
+    assert s.engine.prefill_chunk == 128   # env beats file
+    assert s.server.max_queue == 3         # file beats default
+    assert s.server.host == "127.0.0.1"    # default
+
+
+def test_memra_config_names_the_user_file(tmp_path):
+    user = tmp_path / "other.toml"
+    user.write_text("[model]\nthreads = 3\n")
+    assert load_settings(env={"MEMRA_CONFIG": str(user)}).model.threads == 3
+
+
+def test_missing_default_user_file_is_fine_but_a_named_one_must_exist(tmp_path):
+    load_settings(env={"XDG_CONFIG_HOME": str(tmp_path)})
+    with pytest.raises(SettingsError, match="cannot read config file"):
+        load_settings(env={"MEMRA_CONFIG": str(tmp_path / "nope.toml")})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[server]\nprot = 1\n", "unknown key 'server.prot'"),
+    ("[server]\nport = 'x'\n", "server.port must be int"),
+    ("[model]\ndevice = 'tpu'\n", "model.device must be one of auto, cpu, cuda"),
+    ("[engine]\nprefill_chunk = 0\n", "engine.prefill_chunk must be >= 1"),
+    ("server = 1\n", "must be a \\[section\\] table"),
+    ("[server\n", "not valid TOML"),
+])
+def test_bad_config_files_say_what_is_wrong(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SettingsError, match=message):
+        load_settings(env={}, config_file=path)
+
+
+def test_bad_environment_values_name_the_variable():
+    with pytest.raises(SettingsError, match="environment variable MEMRA_PREFILL_CHUNK: engine.prefill_chunk must be int"):
+        load_settings(env={"MEMRA_PREFILL_CHUNK": "big"})

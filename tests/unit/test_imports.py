@@ -1,0 +1,13 @@
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("module", ["tui", "tui.cli", "memrad.cli", "memrad.server.app", "memrad.scheduler"])
+def test_front_ends_import_no_torch_or_transformers(module):
+    code = (f"import sys, {module}; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
