@@ -54,19 +54,11 @@ class DaemonInfo:
             return None
 
 
-def _lock_is_held() -> bool:
-    """True when a live daemon holds the lock (the kernel drops it when a process dies)."""
-    with open(lockfile_path(), "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return False
-
-
 def clean_stale_files() -> list[Path]:
-    """Remove the pidfile and socket a killed daemon left; return what was removed."""
+    """Remove the pidfile and socket a killed daemon left; return what was removed.
+
+    Call only while holding the lock, so a daemon that is starting cannot lose its pidfile.
+    """
     removed = []
     for path in (pidfile_path(), socket_path()):
         if path.exists() or path.is_symlink():
@@ -76,16 +68,37 @@ def clean_stale_files() -> list[Path]:
 
 
 def find_running() -> DaemonInfo | None:
-    """The running daemon's pidfile record, or None (cleaning stale files on the way)."""
-    if not _lock_is_held():
-        for path in clean_stale_files():
-            log.debug("removed stale %s", path)
-        return None
-    info = DaemonInfo.read(pidfile_path())
-    if info is None:
-        # Locked but no pidfile yet: a daemon is between taking the lock and writing it.
-        return DaemonInfo(pid=0, started_at=time.time(), log=str(log_path()))
-    return info
+    """The running daemon's pidfile record, or None (cleaning stale files on the way).
+
+    A live daemon holds the lock for its whole life and the kernel drops it when the
+    process dies, so a lock we can take means any pidfile or socket is stale.
+    """
+    with open(lockfile_path(), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info = DaemonInfo.read(pidfile_path())
+            # Locked but no pidfile yet: a daemon is between taking the lock and writing it.
+            return info or DaemonInfo(pid=0, started_at=time.time(), log=str(log_path()))
+        try:
+            for path in clean_stale_files():
+                log.debug("removed stale %s", path)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
+def _take_lock(handle, wait_s: float = 2.0) -> bool:
+    """Take the daemon lock; wait briefly, since `find_running` holds it for an instant."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
 
 def configure_logging(level: str, detached: bool) -> None:
@@ -101,9 +114,8 @@ def configure_logging(level: str, detached: bool) -> None:
 def serve(settings: Settings) -> None:
     """Run the daemon in this process until SIGTERM/SIGINT. Blocks."""
     lock = open(lockfile_path(), "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not _take_lock(lock):
+        lock.close()
         info = DaemonInfo.read(pidfile_path())
         where = f" (pid {info.pid}, {info.url})" if info else ""
         raise AlreadyRunning(f"memrad is already running{where}; `memrad stop` stops it") from None

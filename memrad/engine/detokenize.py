@@ -2,8 +2,8 @@
 
 Decoding one token at a time is wrong for byte-level and sentencepiece tokenizers (a
 character can span tokens; a leading space depends on the previous token). Like vLLM we
-decode the window since the last emitted text twice, with and without the newest tokens, and emit the difference
-once it no longer ends in a partial character.
+decode the window since the last emitted text twice, with and without the newest tokens,
+and emit the difference once it no longer ends in a partial character.
 """
 
 from __future__ import annotations

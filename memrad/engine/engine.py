@@ -173,4 +173,7 @@ class Engine:
             committed_text=request.prompt_text + text,
             completion=completion,
         )
-        self.on_finished(state)
+        try:
+            self.on_finished(state)
+        except Exception:  # a parking failure must not fail the request it came from
+            log.exception("on_finished hook failed for %s", request.request_id)

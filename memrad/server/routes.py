@@ -17,7 +17,7 @@ from memrad.scheduler import Job, QueueFull, ShuttingDown
 from memrad.server.context import CONTEXT, ServerContext
 from memrad.server.errors import APIError, invalid, server_error, unavailable
 from memrad.server.validate import ParsedRequest, parse_chat, parse_completion
-from memrad.server.wire import Envelope, Kind, new_request_id, sse
+from memrad.server.wire import Envelope, Kind, finish_reason, new_request_id, sse
 
 log = logging.getLogger("memrad.server")
 
@@ -138,11 +138,6 @@ class _ClientWatch:
             if getter is not None:
                 getter.cancel()
 
-    async def completion(self) -> Completion | None:
-        async for _ in self.deltas():
-            pass
-        return await self.job.result
-
 
 async def _whole(envelope: Envelope, job: Job, watch: _ClientWatch) -> web.Response:
     async for _ in watch.deltas():
@@ -182,17 +177,13 @@ async def _stream(request: web.Request, envelope: Envelope, parsed: ParsedReques
     if completion is None or completion.finish_reason == "cancelled":
         await send(unavailable("the request was cancelled because memrad is shutting down").body())
         return response
-    await send(envelope.chunk(finish=_finish(completion), with_usage_field=usage_field))
+    await send(envelope.chunk(finish=finish_reason(completion), with_usage_field=usage_field))
     if usage_field:
         await send(envelope.usage_chunk(completion))
     await send("[DONE]")
     if not watch.gone:
         await response.write_eof()
     return response
-
-
-def _finish(completion: Completion) -> str:
-    return "length" if completion.finish_reason == "length" else "stop"
 
 
 def _log_request(envelope: Envelope, job: Job, c: Completion | None, stream: bool, gone: bool) -> None:

@@ -27,7 +27,7 @@ def usage(c: Completion) -> dict:
 
 
 def finish_reason(c: Completion) -> str:
-    # A cancelled request that still reaches the client ended by shutdown; call it "stop".
+    """OpenAI's finish_reason; cancelled requests never reach this (they end in an error)."""
     return "length" if c.finish_reason == "length" else "stop"
 
 

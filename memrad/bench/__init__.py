@@ -1,0 +1,1 @@
+"""Benchmark harnesses. They print numbers; docs/BENCHMARKS.md records them with the command."""

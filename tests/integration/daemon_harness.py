@@ -1,0 +1,170 @@
+"""Integration harness: a real `memrad` daemon on the default model, started the way a user
+starts it (the `memrad` console script, detached), isolated from any daemon a developer runs.
+
+Isolation: every daemon gets its own XDG_RUNTIME_DIR (mode 0700, or platformdirs ignores it),
+XDG_STATE_HOME (log) and XDG_CONFIG_HOME (no user memrad.toml), a free port, and no inherited
+MEMRA_* settings. The model cache is left alone, so the converted default model is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+MODEL_ID = "SmolLM2-135M-Instruct"
+THREADS = 2
+CLI_TIMEOUT_S = 300.0  # `memrad start` may have to fetch the default model on a fresh machine
+
+
+def expected_device() -> tuple[str, str]:
+    """(device, dtype) that `--device auto --dtype auto` picks on this machine."""
+    import torch
+
+    return ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
+
+
+def memrad_script() -> str:
+    """The console script installed next to this interpreter (else the one on PATH)."""
+    beside = Path(sys.executable).parent / "memrad"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("memrad")
+    if found is None:
+        pytest.fail("the `memrad` console script is not installed: python3 -m pip install -e '.[test]'")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+def is_memrad_daemon(pid: int) -> bool:
+    """Guard for the SIGKILL fallback: never kill a recycled pid that is not a memrad daemon."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"memrad" in argv and b"--foreground" in argv
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class Daemon:
+    """One isolated memrad instance: its env, its port, and the CLI pointed at it."""
+
+    def __init__(self, root: Path) -> None:
+        runtime = root / "runtime"
+        runtime.mkdir(mode=0o700)
+        runtime.chmod(0o700)  # mkdir's mode is masked by the umask; platformdirs wants exactly 0700
+        state = root / "state"
+        state.mkdir()
+        config = root / "config"
+        config.mkdir()
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("MEMRA_") or k == "MEMRA_CACHE_DIR"}
+        env.update(XDG_RUNTIME_DIR=str(runtime), XDG_STATE_HOME=str(state),
+                   XDG_CONFIG_HOME=str(config), PYTHONUNBUFFERED="1")
+        self.env = env
+        self.runtime_dir = runtime / "memra"
+        self.pidfile = self.runtime_dir / "memrad.pid"
+        self.log_file = state / "memra" / "log" / "memrad.log"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.pids: set[int] = set()  # every daemon pid seen, for the teardown fallback
+        self.start_result: subprocess.CompletedProcess | None = None
+
+    def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        return subprocess.run([memrad_script(), *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def start(self) -> subprocess.CompletedProcess:
+        result = self.cli("start", "--port", str(self.port), "--threads", str(THREADS),
+                          timeout=CLI_TIMEOUT_S)
+        self.start_result = result
+        self._remember_pid()
+        return result
+
+    def status(self) -> dict:
+        result = self.cli("status", "--json")
+        report = json.loads(result.stdout)
+        if report.get("running") and report.get("pid"):
+            self.pids.add(report["pid"])
+        return report
+
+    def _remember_pid(self) -> None:
+        try:
+            pid = json.loads(self.pidfile.read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            return
+        if pid > 0:
+            self.pids.add(pid)
+
+    def log_text(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+    def get_json(self, path: str, timeout: float = 30.0) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def post(self, path: str, body: bytes | dict, timeout: float = 60.0) -> tuple[int, dict]:
+        """POST and return (status, parsed JSON body) for 2xx and 4xx/5xx alike."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            with err:
+                return err.code, json.loads(err.read())
+
+    def shutdown(self) -> None:
+        """Stop gracefully; SIGKILL whatever daemon pid is still alive after that."""
+        self._remember_pid()
+        try:
+            self.cli("stop", "--timeout", "20", timeout=40)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in self.pids:
+            if (pid_alive(pid) and not wait_until(lambda: not pid_alive(pid), 5.0)
+                    and is_memrad_daemon(pid)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                wait_until(lambda: not pid_alive(pid), 5.0)
