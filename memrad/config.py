@@ -48,6 +48,18 @@ class EngineSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolSettings:
+    enabled: bool = _key(True, "MEMRA_REUSE_POOL")
+    max_sessions: int = _key(32, "MEMRA_POOL_MAX_SESSIONS")
+    max_bytes: int = _key(0, "MEMRA_POOL_MAX_BYTES")
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseSettings:
+    mode: str = _key("exact", "MEMRA_REUSE_MODE")
+
+
+@dataclass(frozen=True, slots=True)
 class LogSettings:
     level: str = _key("info", "MEMRA_LOG_LEVEL")
 
@@ -57,6 +69,8 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    reuse: ReuseSettings = field(default_factory=ReuseSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
 
@@ -64,6 +78,7 @@ _CHOICES = {
     "model.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "log.level": ("debug", "info", "warning", "error"),
+    "reuse.mode": ("exact", "fast"),
 }
 _MINIMUM = {
     "server.port": 0,
@@ -71,6 +86,8 @@ _MINIMUM = {
     "server.shutdown_grace_s": 0,
     "model.threads": 0,
     "engine.prefill_chunk": 1,
+    "pool.max_sessions": 0,
+    "pool.max_bytes": 0,
 }
 
 

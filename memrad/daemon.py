@@ -141,7 +141,8 @@ def _load(settings: Settings):
     from transformers.utils import logging as hf_logging
 
     from memrad.engine.engine import Engine
-    from memrad.engine.loader import load_model, resolve_threads
+    from memrad.engine.loader import default_pool_bytes, load_model, resolve_threads
+    from memrad.reuse.pool import ReusePool
 
     hf_logging.disable_progress_bar()
     threads = resolve_threads(settings.model.threads)
@@ -152,7 +153,15 @@ def _load(settings: Settings):
     log.info("loaded %s in %.1f s on %s (%s, %d threads, prefill chunk %d, context %d)",
              loaded.model_id, time.perf_counter() - started, loaded.device.type, loaded.dtype_name,
              threads, settings.engine.prefill_chunk, loaded.context_len)
-    engine = Engine(loaded, settings.engine.prefill_chunk, threads)
+    pool = None
+    if settings.pool.enabled:
+        max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)
+        pool = ReusePool(settings.pool.max_sessions, max_bytes)
+        log.info("reuse pool: %s mode, up to %d sessions and %.1f GiB", settings.reuse.mode,
+                 settings.pool.max_sessions, max_bytes / 2**30)
+    else:
+        log.info("reuse pool disabled: every request runs cold")
+    engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode)
     return engine, loaded.device.type, loaded.dtype_name
 
 

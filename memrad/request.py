@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from memrad.protocol import Decision
+
 IdentitySource = Literal["session_id", "user", "x-session-id"]
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -58,6 +60,7 @@ class Completion:
     cached_tokens: int
     ttft_s: float | None
     total_s: float
+    decision: Decision | None = None  # what the reuse tiers decided (None: not planned)
 
     @property
     def total_tokens(self) -> int:

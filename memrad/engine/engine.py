@@ -1,12 +1,15 @@
-"""The engine: one request at a time, prefill on the grid, decode, hand the state on.
+"""The engine: one request at a time, plan reuse, prefill on the grid, decode, park.
 
-    request -> prefill(prompt) -> [prompt checkpoint] -> sample -> feed -> sample -> ... -> finish
-                                        ^ captured before the first generated token is fed
-                                          back (the "init feed"): a client that strips the
-                                          reply sends back exactly the prompt, never that token.
+    plan -> rebuild state at checkpoint c (or cold: c = 0)
+         -> prefill(prompt[c:]) on the grid -> [prompt checkpoint P] -> sample -> feed -> ...
+                                                  ^ captured before the first generated token
+                                                    is fed back (the "init feed"): a client that
+                                                    strips or rewrites the reply sends back
+                                                    exactly the prompt, never that token.
+         -> park: the state, its tokens and text replace the session it resumed from.
 
-When a request ends (finished, stopped, or cancelled) its cache state and token history go
-to `on_finished`, the hook the reuse pool parks from.
+Non-croppable (recurrent) state is snapshotted during prefill at floor(P) (the exact
+checkpoint) and at P (the prompt checkpoint), since it cannot be cut back later.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ from memrad.engine.forward import cache_length, decode_one_token, prefill
 from memrad.engine.loader import LoadedModel
 from memrad.engine.prompt import encode_text, render_chat
 from memrad.engine.sampling import make_generator, sample
+from memrad.engine.state import ParkedState, Snapshot, is_croppable
+from memrad.grid import grid_floor
+from memrad.protocol import Decision
 from memrad.request import Completion, FinishReason, GenerationRequest
+from memrad.reuse.planner import Mode, Plan, RequestView, plan
+from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
 from memrad.stops import StopMatcher
 
 log = logging.getLogger("memrad.engine")
@@ -32,11 +40,11 @@ log = logging.getLogger("memrad.engine")
 
 @dataclass(frozen=True)
 class FinishedState:
-    """Everything a finished request leaves behind.
+    """Everything a finished request leaves behind (also handed to `on_finished`).
 
     `cache` holds exactly `cache_token_ids` (prompt + the generated tokens that were fed
     back); `prompt_checkpoint` is the prompt length, whose state existed before the init
-    feed. `committed_text` is the prompt text plus what the client was sent.
+    feed. `prompt_logits` [V] are the logits the first token was sampled from.
     """
 
     request: GenerationRequest
@@ -46,16 +54,30 @@ class FinishedState:
     prompt_checkpoint: int
     committed_text: str
     completion: Completion
+    prompt_logits: torch.Tensor | None
+    session: ParkedSession | None  # what was parked, if anything
 
 
 FinishHook = Callable[[FinishedState], None]
 
 
+@dataclass
+class _Prefilled:
+    """Bookkeeping of one request's prefill."""
+
+    start: int
+    primed_to: int
+    snapshots: dict[int, Snapshot]
+
+
 class Engine:
-    def __init__(self, loaded: LoadedModel, prefill_chunk: int, threads: int) -> None:
+    def __init__(self, loaded: LoadedModel, prefill_chunk: int, threads: int,
+                 pool: ReusePool | None = None, mode: Mode = "exact") -> None:
         self.loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.threads = threads
+        self.pool = pool  # None: reuse disabled, nothing is parked or resumed
+        self.mode = mode
         self.on_finished: FinishHook | None = None
 
     @property
@@ -65,6 +87,10 @@ class Engine:
     @property
     def context_len(self) -> int:
         return self.loaded.context_len
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.loaded.tokenizer)
 
     def init_worker_thread(self) -> None:
         """Run once on the thread that will call `generate`: fix the intra-op thread count."""
@@ -79,14 +105,22 @@ class Engine:
     def decode_prompt(self, ids: list[int]) -> str:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.loaded.tokenizer)
-
     def new_cache(self):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.loaded.model.config)
+
+    def namespace(self, request: GenerationRequest) -> Namespace:
+        return Namespace(self.model_id, request.cache_salt)
+
+    def plan(self, request: GenerationRequest) -> Plan:
+        """Decide reuse for `request` (pure; the pool is only read)."""
+        if self.pool is None:
+            return Plan(Decision(request.request_id, "cold", "reuse pool disabled", 0,
+                                 request.num_prompt_tokens))
+        view = RequestView(request.request_id, request.prompt_ids, request.prompt_text,
+                           self.namespace(request))
+        return plan(view, self.pool.sessions(), self.mode, self.prefill_chunk)
 
     def generate(self, request: GenerationRequest, emit: Callable[[str], None],
                  cancelled: Callable[[], bool]) -> Completion:
@@ -103,9 +137,14 @@ class Engine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.context_len - checkpoint
         assert checkpoint + max_tokens <= self.context_len, "validated before queueing"
 
-        cache = self.new_cache()
-        logits = prefill(model, cache, prompt, 0, self.prefill_chunk, cancelled)
+        decided = self.plan(request)
+        log.info("%s %s", request.request_id, decided.decision.render())
+        cache, pre = self._prefill_start(decided)
+        logits = prefill(model, cache, prompt[pre.start:], pre.start, self.prefill_chunk, cancelled,
+                         after_chunk=self._snapshotter(cache, pre, checkpoint))
+        prompt_logits = logits
         generated: list[int] = []
+        num_fed = 0  # generated tokens fed back into the cache (decode steps run)
         sent: list[str] = []
         ttft_s: float | None = None
         finish: FinishReason
@@ -113,7 +152,8 @@ class Engine:
             finish = "cancelled"
         else:
             # The prompt checkpoint: state after prompt[:checkpoint], before the init feed.
-            assert cache_length(cache) == checkpoint, "prompt checkpoint must equal the prompt length"
+            assert pre.primed_to == checkpoint, "prompt checkpoint must equal the prompt length"
+            assert cache_length(cache) in (None, checkpoint), "cache must hold exactly the prompt"
             generator = make_generator(params.seed)
             detok = IncrementalDetokenizer(tokenizer)
             stops = StopMatcher(params.stop)
@@ -138,7 +178,8 @@ class Engine:
                 if cancelled():
                     finish = "cancelled"
                     break
-                logits = decode_one_token(model, cache, token, checkpoint + len(generated) - 1)
+                logits = decode_one_token(model, cache, token, checkpoint + num_fed)
+                num_fed += 1
             if finish != "cancelled":
                 tail = stops.feed(detok.flush()) + stops.flush()
                 if tail:
@@ -146,34 +187,95 @@ class Engine:
                     emit(tail)
 
         text = "".join(sent)
+        fed = tuple(generated[:num_fed])
         completion = Completion(
             text=text,
             finish_reason=finish,
             prompt_tokens=checkpoint,
             completion_tokens=len(generated),
-            cached_tokens=0,
+            cached_tokens=pre.start,
             ttft_s=ttft_s,
             total_s=time.perf_counter() - started,
+            decision=decided.decision,
         )
-        self._hand_on(request, cache, generated, text, completion)
+        session = self._park(request, decided, cache, pre, fed, text)
+        self._hand_on(FinishedState(
+            request=request, cache=cache, cache_token_ids=tuple(prompt[: pre.primed_to]) + fed,
+            generated_ids=tuple(generated), prompt_checkpoint=pre.primed_to,
+            committed_text=request.prompt_text + text, completion=completion,
+            prompt_logits=prompt_logits, session=session))
         return completion
 
-    def _hand_on(self, request: GenerationRequest, cache, generated: list[int], text: str,
-                 completion: Completion) -> None:
+    def _prefill_start(self, decided: Plan) -> tuple[Any, _Prefilled]:
+        if decided.session is None:
+            return self.new_cache(), _Prefilled(0, 0, {})
+        cache = decided.session.state.rebuild(self.loaded.model.config, decided.checkpoint)
+        return cache, _Prefilled(decided.checkpoint, decided.checkpoint, {})
+
+    def _snapshotter(self, cache: Any, pre: _Prefilled, prompt_len: int) -> Callable[[int], None]:
+        """Clone non-croppable state at floor(P) and at P as prefill passes them."""
+        wanted: set[int] = set()
+        if not is_croppable(cache):
+            wanted = {grid_floor(prompt_len, self.prefill_chunk)} | ({prompt_len} if self.mode == "fast" else set())
+        if pre.start in wanted and pre.start > 0:
+            pre.snapshots[pre.start] = Snapshot.take(cache, pre.start)
+
+        def after_chunk(end: int) -> None:
+            pre.primed_to = end
+            if end in wanted:
+                pre.snapshots[end] = Snapshot.take(cache, end)
+
+        return after_chunk
+
+    def _exact_limit(self, decided: Plan, primed_to: int) -> int:
+        """Positions <= the result came from grid prefill chunks (see DESIGN: Exactness)."""
+        start = decided.checkpoint
+        parent_exact = decided.session.exact_limit if decided.session is not None else 0
+        if start % self.prefill_chunk == 0 and start <= max(parent_exact, 0):
+            return grid_floor(primed_to, self.prefill_chunk)
+        return grid_floor(min(start, parent_exact), self.prefill_chunk)
+
+    def _park(self, request: GenerationRequest, decided: Plan, cache: Any, pre: _Prefilled,
+              fed: tuple[int, ...], text: str) -> ParkedSession | None:
+        if self.pool is None or pre.primed_to == 0:
+            return None
+        token_ids = tuple(request.prompt_ids[: pre.primed_to]) + fed
+        croppable = is_croppable(cache)
+        snapshots = {pos: snap for pos, snap in pre.snapshots.items() if pos < len(token_ids)}
+        state = ParkedState(final=Snapshot.adopt(cache, len(token_ids)), snapshots=snapshots,
+                            croppable=croppable)
+        now = time.time()
+        parent = decided.session
+        session = ParkedSession(
+            session_id=self.pool.new_id(),
+            namespace=self.namespace(request),
+            identity=request.identity,
+            token_ids=token_ids,
+            text=request.prompt_text + text,
+            prompt_checkpoint=pre.primed_to,
+            checkpoints=() if croppable else tuple(sorted({*snapshots, len(token_ids)})),
+            croppable=croppable,
+            exact_limit=self._exact_limit(decided, pre.primed_to),
+            num_bytes=state.num_bytes,
+            created_at=parent.created_at if parent is not None else now,
+            last_used_at=now,
+            hits=parent.hits + 1 if parent is not None else 0,
+            state=state,
+        )
+        if not self.pool.can_park(session.num_bytes):
+            log.info("%s not parked: %d bytes exceed the pool's cap of %d bytes", request.request_id,
+                     session.num_bytes, self.pool.max_bytes)
+            if parent is not None:
+                self.pool.remove(parent.session_id)
+            return None
+        for old in self.pool.park(session, replaces=parent.session_id if parent is not None else None):
+            log.info("evicted %s (%d tokens, %d bytes)", old.session_id, old.num_tokens, old.num_bytes)
+        return session
+
+    def _hand_on(self, state: FinishedState) -> None:
         if self.on_finished is None:
             return
-        in_cache = cache_length(cache)
-        fed = tuple(generated[: max(0, in_cache - len(request.prompt_ids))])
-        state = FinishedState(
-            request=request,
-            cache=cache,
-            cache_token_ids=tuple(request.prompt_ids[:in_cache]) + fed,
-            generated_ids=tuple(generated),
-            prompt_checkpoint=min(in_cache, len(request.prompt_ids)),
-            committed_text=request.prompt_text + text,
-            completion=completion,
-        )
         try:
             self.on_finished(state)
-        except Exception:  # a parking failure must not fail the request it came from
-            log.exception("on_finished hook failed for %s", request.request_id)
+        except Exception:  # a hook failure must not fail the request it came from
+            log.exception("on_finished hook failed for %s", state.request.request_id)

@@ -1,7 +1,9 @@
 """The two model steps: prefill on the canonical grid, and one-token decode.
 
 Shapes at the boundary: input_ids [1, T], position_ids [1, T], logits out [V] (last
-position only). The cache is a transformers `Cache` mutated in place.
+position only). The cache is a transformers `Cache` mutated in place. Positions are passed
+explicitly: after a rebuild the cache's own length bookkeeping is not trusted, and
+Mamba2-only caches cannot report a length at all.
 """
 
 from __future__ import annotations
@@ -13,20 +15,31 @@ import torch
 from memrad.grid import grid_chunks
 
 
-def cache_length(cache) -> int:
-    return int(cache.get_seq_length())
+def cache_length(cache) -> int | None:
+    """Tokens the cache holds, or None where it cannot tell (recurrent-only caches)."""
+    try:
+        return int(cache.get_seq_length())
+    except (NotImplementedError, AttributeError, TypeError, ValueError):
+        return None
+
+
+def _check_position(cache, position: int) -> None:
+    known = cache_length(cache)
+    assert known is None or known == position, f"cache holds {known} tokens, expected {position}"
 
 
 @torch.inference_mode()
 def prefill(model, cache, token_ids: Sequence[int], start: int, chunk: int,
-            cancelled: Callable[[], bool] = lambda: False) -> torch.Tensor | None:
+            cancelled: Callable[[], bool] = lambda: False,
+            after_chunk: Callable[[int], None] | None = None) -> torch.Tensor | None:
     """Prime absolute positions [start, start + len(token_ids)) into `cache`.
 
-    `cache` must already hold exactly `start` tokens. Chunks are cut at absolute multiples
-    of `chunk` (see memrad.grid), so a resumed prefill runs the same shapes as a cold one.
-    Returns the last position's logits [V] in float32, or None if cancelled between chunks.
+    `cache` must hold exactly `start` tokens. Chunks are cut at absolute multiples of
+    `chunk` (see memrad.grid), so a resumed prefill runs the same shapes as a cold one.
+    `after_chunk(end)` runs after each chunk (snapshots hook in here). Returns the last
+    position's logits [V] in float32, or None if cancelled between chunks.
     """
-    assert cache_length(cache) == start, "prefill must continue exactly where the cache ends"
+    _check_position(cache, start)
     assert len(token_ids) > 0, "prefill needs at least one token"
     device = model.device
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
@@ -39,13 +52,15 @@ def prefill(model, cache, token_ids: Sequence[int], start: int, chunk: int,
         out = model(input_ids=input_ids, position_ids=position_ids, cache=cache,
                     use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1]  # [V]
+        if after_chunk is not None:
+            after_chunk(b)
     return logits.float()
 
 
 @torch.inference_mode()
 def decode_one_token(model, cache, token_id: int, position: int) -> torch.Tensor:
     """Feed one token at absolute `position`; return the next-token logits [V] in float32."""
-    assert cache_length(cache) == position, "decode must continue exactly where the cache ends"
+    _check_position(cache, position)
     device = model.device
     input_ids = torch.tensor([[token_id]], dtype=torch.long, device=device)  # [1, 1]
     position_ids = torch.tensor([[position]], dtype=torch.long, device=device)  # [1, 1]

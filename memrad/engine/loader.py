@@ -23,6 +23,10 @@ from memrad.engine.pull import (
 
 log = logging.getLogger("memrad.engine")
 
+# transformers 5.x: these ignore cached recurrent state in multi-token forwards, so chunked
+# prefill and suffix priming would silently compute the wrong thing. Refused at load.
+_REFUSED_MODEL_TYPES = ("mamba", "falcon_mamba", "jamba")
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -92,6 +96,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_id, folder = resolve_model_folder(spec, progress, allow_pull)
+    refuse_unsupported(folder)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     progress(f"loading {model_id} from {folder} ({dev.type}, {dt})")
@@ -110,6 +115,38 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         context_len=_context_len(model.config),
         eos_ids=_eos_ids(model, tokenizer),
     )
+
+
+def refuse_unsupported(folder: Path) -> None:
+    from transformers import AutoConfig
+
+    model_type = getattr(AutoConfig.from_pretrained(folder), "model_type", None)
+    if model_type in _REFUSED_MODEL_TYPES:
+        raise ModelUnavailable(
+            f"{folder} is a {model_type} model: in transformers 5.x its multi-token forward ignores "
+            "cached recurrent state, so chunked prefill and resumed turns would be wrong. Use an "
+            "attention, Mamba-2 or hybrid linear-attention model (e.g. Qwen3-Next, LFM2, FalconH1)."
+        )
+
+
+def default_pool_bytes(device: torch.device) -> int:
+    """The reuse pool's byte cap when config says 0: a quarter of available RAM on the CPU,
+    half of the GPU memory still free after loading the model on CUDA."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    return _available_ram_bytes() // 4
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _context_len(config: Any) -> int:

@@ -3,12 +3,25 @@ import torch
 
 from memrad.engine.engine import Engine
 from memrad.engine.loader import load_model
-from tiny import save_tiny_llama
+from tiny import save_tiny
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def tiny_dir(tmp_path_factory):
+    """Folders of tiny random models, made once per kind per test session."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            made[kind] = save_tiny(tmp_path_factory.mktemp(f"tiny-{kind}"), kind)
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_dir):
+    return tiny_dir("llama")
 
 
 @pytest.fixture(scope="session")

@@ -49,8 +49,63 @@ def build_llama(vocab_size: int, seed: int = 0, max_positions: int = 1024) -> Ll
 
 def save_tiny_llama(folder: Path) -> Path:
     """Write a loadable Hugging Face folder (config, safetensors, tokenizer, template)."""
+    return save_tiny(folder, "llama")
+
+
+def _slow_decay(model) -> None:
+    """Make recurrent state decay slowly, so a wrong or stale state changes the logits."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.fill_(-6.0)
+
+
+def build_qwen3_next(vocab_size: int, seed: int = 0):
+    """Gated DeltaNet (recurrent + conv state) layers beside full attention."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        max_position_embeddings=1024, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    model = Qwen3NextForCausalLM(config).eval()
+    _slow_decay(model)
+    return model
+
+
+def build_falcon_h1(vocab_size: int, seed: int = 0):
+    """Mamba-2 and attention side by side in every layer (LinearAttentionAndFullAttentionLayer)."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    torch.manual_seed(seed)
+    config = FalconH1Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, max_position_embeddings=1024,
+        eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    model = FalconH1ForCausalLM(config).eval()
+    _slow_decay(model)
+    return model
+
+
+def save_tiny(folder: Path, kind: str) -> Path:
+    """A loadable folder for `kind` in llama | qwen3_next | falcon_h1 | mamba."""
     tokenizer = build_tokenizer()
-    model = build_llama(len(tokenizer))
+    if kind == "llama":
+        model = build_llama(len(tokenizer))
+    elif kind == "qwen3_next":
+        model = build_qwen3_next(len(tokenizer))
+    elif kind == "falcon_h1":
+        model = build_falcon_h1(len(tokenizer))
+    elif kind == "mamba":
+        from transformers import MambaConfig, MambaForCausalLM
+
+        model = MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2))
+    else:
+        raise ValueError(kind)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

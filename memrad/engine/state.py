@@ -1,0 +1,123 @@
+"""Cache state that outlives a request: snapshot, rebuild, size.
+
+The only code that knows transformers' cache-layer internals (5.x):
+
+  - DynamicLayer (full attention) grows by torch.cat and never writes a tensor in place, so
+    holding its keys/values by reference is a free, safe snapshot, and a view
+    keys[..., :p, :] is the exact state after p tokens (croppable).
+  - Linear-attention / Mamba / conv layers (LinearAttention*Layer) update conv and
+    recurrent state in place and have no per-position index: a snapshot must clone them,
+    and a rebuild must clone again so the parked copy stays intact. `Cache.crop` cannot be
+    trusted for them (it raises, or after activate_past_recording rewinds only conv state).
+  - Sliding-window layers keep only the last window: not croppable; snapshots only.
+
+Shapes: keys/values [B=1, H_kv, T, D]; conv state [1, C, K]; recurrent state model-specific.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_LINEAR_DICTS = ("conv_states", "recurrent_states")
+_LINEAR_FLAGS = ("is_conv_states_initialized", "is_recurrent_states_initialized",
+                 "has_previous_state", "conv_kernel_size")
+
+
+def _is_linear(layer: Any) -> bool:
+    return hasattr(layer, "recurrent_states")
+
+
+def is_croppable(cache: Any) -> bool:
+    """True when every layer is plain full attention (or holds nothing)."""
+    from transformers.cache_utils import DummyLayer, DynamicLayer
+
+    return all(type(layer) in (DynamicLayer, DummyLayer) for layer in cache.layers)
+
+
+def _copy_layer(layer: Any) -> Any:
+    """A copy sharing attention tensors (never written in place) and owning linear state."""
+    out = copy.copy(layer)
+    if _is_linear(layer):
+        for name in _LINEAR_DICTS:
+            setattr(out, name, {i: None if t is None else t.clone() for i, t in getattr(layer, name).items()})
+        for name in _LINEAR_FLAGS:
+            setattr(out, name, dict(getattr(layer, name)))
+    return out
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The state of every layer after `num_tokens` tokens."""
+
+    num_tokens: int
+    layers: tuple[Any, ...]
+
+    @classmethod
+    def take(cls, cache: Any, num_tokens: int) -> "Snapshot":
+        return cls(num_tokens, tuple(_copy_layer(layer) for layer in cache.layers))
+
+    @classmethod
+    def adopt(cls, cache: Any, num_tokens: int) -> "Snapshot":
+        """Take ownership of a finished request's cache without copying anything."""
+        return cls(num_tokens, tuple(cache.layers))
+
+
+@dataclass(frozen=True)
+class ParkedState:
+    """What the engine keeps for a parked session.
+
+    `final` is the state after all of the session's tokens; `snapshots` hold earlier
+    positions whose non-croppable state was cloned during prefill.
+    """
+
+    final: Snapshot
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    croppable: bool = True
+
+    def can_rebuild(self, position: int) -> bool:
+        if self.croppable:
+            return 0 < position <= self.final.num_tokens
+        return position == self.final.num_tokens or position in self.snapshots
+
+    def rebuild(self, config: Any, position: int) -> Any:
+        """A fresh cache holding exactly the state after `position` tokens. Leaves self intact."""
+        from transformers import DynamicCache
+
+        assert self.can_rebuild(position), f"no state for position {position}"
+        source = self.snapshots.get(position, self.final)
+        cache = DynamicCache(config=config)
+        layers = [_copy_layer(layer) for layer in source.layers]
+        if source.num_tokens != position:
+            for layer in layers:  # croppable: plain attention, views are free
+                if getattr(layer, "keys", None) is not None:
+                    layer.keys = layer.keys[..., :position, :]
+                    layer.values = layer.values[..., :position, :]
+        cache.layers = layers
+        return cache
+
+    @property
+    def num_bytes(self) -> int:
+        return state_bytes([self.final, *self.snapshots.values()])
+
+
+def _tensors(layer: Any) -> list[torch.Tensor]:
+    found = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor)]
+    if _is_linear(layer):
+        for name in _LINEAR_DICTS:
+            found.extend(t for t in getattr(layer, name).values() if isinstance(t, torch.Tensor))
+    return found
+
+
+def state_bytes(snapshots: list[Snapshot]) -> int:
+    """Bytes of the distinct storages the snapshots hold (shared views count once)."""
+    seen: dict[int, int] = {}
+    for snap in snapshots:
+        for layer in snap.layers:
+            for t in _tensors(layer):
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -1,0 +1,121 @@
+"""Parked sessions: the state finished requests left behind, under count and byte caps.
+
+Mechanism only: the pool stores, looks up, replaces and evicts (least recently used
+first). Which session a request may resume from is the planner's business. Admission is
+check-then-act: `park` evicts first and never leaves the pool over a cap.
+
+Invariants, checked on park:
+  - a session's prompt checkpoint is never past its committed tokens;
+  - every listed checkpoint lies within the committed tokens;
+  - bytes_parked <= max_bytes and len(sessions) <= max_sessions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from memrad.request import Identity
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Reuse never crosses a namespace: a different model or cache_salt shares nothing."""
+
+    model: str
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedSession:
+    session_id: str
+    namespace: Namespace
+    identity: Identity | None
+    token_ids: tuple[int, ...]  # exactly the tokens the parked state covers
+    text: str                   # prompt text + the reply as the client was sent it
+    prompt_checkpoint: int      # the prompt length: state before the first generated token was fed
+    checkpoints: tuple[int, ...]  # positions with a snapshot of non-croppable (recurrent) state
+    croppable: bool             # attention-only state: any position <= len(token_ids) can be rebuilt
+    exact_limit: int            # positions <= this were produced by prefill chunks on the grid
+    num_bytes: int
+    created_at: float
+    last_used_at: float
+    hits: int = 0
+    state: Any = field(default=None, compare=False, repr=False)  # engine-owned tensors
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class PoolFull(Exception):
+    """A single session is larger than the whole byte cap."""
+
+
+class ReusePool:
+    def __init__(self, max_sessions: int, max_bytes: int) -> None:
+        self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self._sessions: OrderedDict[str, ParkedSession] = OrderedDict()  # LRU first
+        self._lock = threading.Lock()
+        self._next_id = 1
+
+    def new_id(self) -> str:
+        with self._lock:
+            session_id = f"s{self._next_id}"
+            self._next_id += 1
+            return session_id
+
+    @property
+    def bytes_parked(self) -> int:
+        with self._lock:
+            return sum(s.num_bytes for s in self._sessions.values())
+
+    def sessions(self, namespace: Namespace | None = None) -> list[ParkedSession]:
+        """A snapshot list, least recently used first. Does not mutate."""
+        with self._lock:
+            return [s for s in self._sessions.values() if namespace is None or s.namespace == namespace]
+
+    def get(self, session_id: str) -> ParkedSession | None:
+        with self._lock:
+            return self._sessions.get(session_id)
+
+    def can_park(self, num_bytes: int) -> bool:
+        return self.max_sessions >= 1 and num_bytes <= self.max_bytes
+
+    def park(self, session: ParkedSession, replaces: str | None = None) -> list[ParkedSession]:
+        """Add `session` (dropping `replaces` first); evict LRU sessions until it fits.
+
+        Returns the evicted sessions (not counting the replaced one).
+        """
+        if not self.can_park(session.num_bytes):
+            raise PoolFull(f"session of {session.num_bytes} bytes exceeds the pool's cap of {self.max_bytes}")
+        assert session.prompt_checkpoint <= session.num_tokens, "prompt checkpoint past the committed tokens"
+        assert all(0 < c <= session.num_tokens for c in session.checkpoints), "checkpoint outside the tokens"
+        evicted = []
+        with self._lock:
+            if replaces is not None:
+                self._sessions.pop(replaces, None)
+            used = sum(s.num_bytes for s in self._sessions.values())
+            while self._sessions and (len(self._sessions) >= self.max_sessions
+                                      or used + session.num_bytes > self.max_bytes):
+                _, old = self._sessions.popitem(last=False)
+                used -= old.num_bytes
+                evicted.append(old)
+            self._sessions[session.session_id] = session
+        return evicted
+
+    def touch(self, session_id: str) -> None:
+        """Count a hit and make the session most recently used."""
+        with self._lock:
+            old = self._sessions.get(session_id)
+            if old is not None:
+                self._sessions[session_id] = replace(old, hits=old.hits + 1, last_used_at=time.time())
+                self._sessions.move_to_end(session_id)
+
+    def remove(self, session_id: str) -> ParkedSession | None:
+        with self._lock:
+            return self._sessions.pop(session_id, None)

@@ -1,0 +1,100 @@
+"""The planner's decisions, told as stories over hand-built parked sessions (no model)."""
+
+from memrad.reuse.planner import RequestView, checkpoint_at_or_below, common_prefix_len, plan, verify
+from memrad.reuse.pool import Namespace, ParkedSession
+
+NS = Namespace("m", None)
+C = 16
+
+
+def session(tokens, *, sid="s1", ns=NS, text="", prompt=None, exact=None, croppable=True, checkpoints=()):
+    prompt = len(tokens) if prompt is None else prompt
+    return ParkedSession(session_id=sid, namespace=ns, identity=None, token_ids=tuple(tokens), text=text,
+                         prompt_checkpoint=prompt, checkpoints=tuple(checkpoints), croppable=croppable,
+                         exact_limit=(prompt - prompt % C) if exact is None else exact, num_bytes=1,
+                         created_at=0.0, last_used_at=0.0)
+
+
+def view(tokens, text="", ns=NS):
+    return RequestView("r", tuple(tokens), text, ns)
+
+
+FIRST = list(range(100, 150))          # a 50-token first prompt
+REPLY = [7, 8, 9]                      # the reply's tokens, fed back
+SECOND = FIRST + REPLY + [2, 200, 201, 202]
+
+
+def test_common_prefix():
+    assert common_prefix_len((1, 2, 3), (1, 2, 4)) == 2
+    assert common_prefix_len((1, 2), (1, 2, 3)) == 2
+    assert common_prefix_len((), (1,)) == 0
+
+
+def test_exact_mode_resumes_at_the_last_grid_position_of_the_first_prompt():
+    parked = session(FIRST + REPLY, prompt=50)
+    decided = plan(view(SECOND), [parked], "exact", C)
+    assert decided.decision.render() == "token-prefix: resumed (session s1; checkpoint 48; primed 9)"
+    assert (decided.checkpoint, decided.decision.reused_tokens, decided.decision.primed_tokens) == (48, 48, 9)
+    assert decided.session is parked
+
+
+def test_fast_mode_reuses_the_prompt_and_the_reply():
+    parked = session(FIRST + REPLY, prompt=50)
+    decided = plan(view(SECOND), [parked], "fast", C)
+    assert decided.decision.render() == "token-prefix: resumed (session s1; checkpoint 53; primed 4)"
+
+
+def test_text_prefix_nominates_when_the_reply_retokenizes_differently():
+    parked = session(FIRST + REPLY, prompt=50, text="<sys>hello<user>hi<asst>Hey")
+    retokenized = FIRST + [77, 2, 200]  # same text, other token boundaries in the reply
+    decided = plan(view(retokenized, "<sys>hello<user>hi<asst>Hey<end><user>more"), [parked], "exact", C)
+    assert decided.decision.render() == "text-prefix: resumed (session s1; checkpoint 48; primed 5)"
+    fast = plan(view(retokenized, "<sys>hello<user>hi<asst>Hey<end><user>more"), [parked], "fast", C)
+    assert fast.decision.render() == ("text-prefix: resumed (session s1; history diverged at 50 of checkpoint 52, "
+                                      "resumed from earlier checkpoint 50; primed 3)")
+
+
+def test_a_trimmed_reply_is_not_a_prefix_and_runs_cold():
+    parked = session(FIRST + REPLY, prompt=50, text="<sys>hello<user>hi<asst>Hey there")
+    decided = plan(view(FIRST + [7, 2, 200], "<sys>hello<user>hi<asst>Hey<end><user>more"), [parked], "exact", C)
+    assert decided.decision.render() == ("cold (no nomination: no parked session's tokens or text prefix "
+                                         "this prompt (1 parked))")
+    assert decided.session is None and decided.decision.primed_tokens == 53
+
+
+def test_other_namespaces_are_invisible():
+    salted = session(FIRST + REPLY, ns=Namespace("m", "tenant-b"))
+    other_model = session(FIRST + REPLY, sid="s2", ns=Namespace("other", None))
+    decided = plan(view(SECOND), [salted, other_model], "fast", C)
+    assert decided.decision.render() == "cold (nothing parked for this model and cache_salt)"
+
+
+def test_the_longest_extension_is_nominated():
+    short = session(FIRST[:20], sid="short", prompt=20)
+    long = session(FIRST + REPLY, sid="long", prompt=50)
+    assert plan(view(SECOND), [long, short], "fast", C).decision.candidate == "long"
+    assert plan(view(SECOND), [short, long], "fast", C).decision.candidate == "long"
+
+
+def test_the_same_prompt_again_leaves_no_suffix_for_a_recurrent_snapshot():
+    parked = session(FIRST, prompt=50, croppable=False, checkpoints=(48, 50), exact=48)
+    verdict = verify(parked, tuple(FIRST), "fast", C)
+    assert (verdict.checkpoint, verdict.reason) == (48, "session s1; checkpoint 48; primed 2")
+    only_end = session(FIRST, prompt=50, croppable=False, checkpoints=(50,), exact=0)
+    assert verify(only_end, tuple(FIRST), "fast", C).reason == "no suffix to prime (prompt 50 tokens, checkpoint 50)"
+
+
+def test_a_short_prompt_has_no_exact_checkpoint():
+    parked = session(FIRST[:10], prompt=10)
+    decided = plan(view(FIRST[:10] + [1, 2]), [parked], "exact", C)
+    assert decided.decision.render() == ("token-prefix: declined (no exact checkpoint below the prompt's end "
+                                         "(prompt 12 tokens, exact up to 0))")
+    assert decided.session is None and decided.decision.reused_tokens == 0
+
+
+def test_recurrent_sessions_resume_only_from_snapshots():
+    parked = session(FIRST + REPLY, prompt=50, croppable=False, checkpoints=(48, 53), exact=48)
+    assert plan(view(SECOND), [parked], "exact", C).checkpoint == 48
+    assert plan(view(SECOND), [parked], "fast", C).checkpoint == 53
+    assert checkpoint_at_or_below(parked, 52, "fast", C) == 48
+    assert checkpoint_at_or_below(parked, 47, "fast", C) is None

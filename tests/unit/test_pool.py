@@ -1,0 +1,68 @@
+import pytest
+
+from memrad.reuse.pool import Namespace, ParkedSession, PoolFull, ReusePool
+
+NS = Namespace("m", None)
+
+
+def parked(sid, num_bytes=10, tokens=(1, 2, 3), prompt=3):
+    return ParkedSession(session_id=sid, namespace=NS, identity=None, token_ids=tuple(tokens), text="",
+                         prompt_checkpoint=prompt, checkpoints=(), croppable=True, exact_limit=0,
+                         num_bytes=num_bytes, created_at=0.0, last_used_at=0.0)
+
+
+def ids(pool):
+    return [s.session_id for s in pool.sessions()]
+
+
+def test_least_recently_used_is_evicted_first_by_count():
+    pool = ReusePool(max_sessions=2, max_bytes=1000)
+    assert pool.park(parked("a")) == []
+    pool.park(parked("b"))
+    evicted = pool.park(parked("c"))
+    assert [s.session_id for s in evicted] == ["a"]
+    assert ids(pool) == ["b", "c"]
+
+
+def test_the_byte_cap_is_never_exceeded():
+    pool = ReusePool(max_sessions=10, max_bytes=100)
+    for i in range(20):
+        pool.park(parked(f"s{i}", num_bytes=30 + i % 3))
+        assert pool.bytes_parked <= 100
+    assert len(pool.sessions()) == 3
+
+
+def test_a_resumed_session_replaces_the_one_it_came_from():
+    pool = ReusePool(max_sessions=2, max_bytes=1000)
+    pool.park(parked("a"))
+    pool.park(parked("b"))
+    assert pool.park(parked("a2"), replaces="a") == []  # replacing frees a slot: nothing evicted
+    assert ids(pool) == ["b", "a2"]
+
+
+def test_touch_makes_a_session_most_recent_and_counts_the_hit():
+    pool = ReusePool(max_sessions=2, max_bytes=1000)
+    pool.park(parked("a"))
+    pool.park(parked("b"))
+    pool.touch("a")
+    assert ids(pool) == ["b", "a"] and pool.get("a").hits == 1
+    assert [s.session_id for s in pool.park(parked("c"))] == ["b"]
+
+
+def test_check_then_act_a_session_larger_than_the_cap_is_refused_whole():
+    pool = ReusePool(max_sessions=4, max_bytes=50)
+    pool.park(parked("a", num_bytes=40))
+    assert not pool.can_park(60)
+    with pytest.raises(PoolFull):
+        pool.park(parked("big", num_bytes=60))
+    assert ids(pool) == ["a"]
+
+
+def test_a_prompt_checkpoint_past_the_tokens_is_an_invariant_violation():
+    pool = ReusePool(max_sessions=4, max_bytes=50)
+    with pytest.raises(AssertionError, match="prompt checkpoint past the committed tokens"):
+        pool.park(parked("bad", tokens=(1, 2), prompt=3))
+
+
+def test_zero_sessions_parks_nothing():
+    assert not ReusePool(max_sessions=0, max_bytes=50).can_park(1)
