@@ -1,0 +1,86 @@
+"""The reuse pool on the real default model, in process: exact resumes equal cold runs."""
+
+import pytest
+import torch
+
+from memrad.engine.engine import Engine
+from memrad.engine.loader import load_model
+from memrad.request import GenerationRequest, SamplingParams
+from memrad.reuse.pool import ReusePool
+
+pytestmark = pytest.mark.integration
+
+CHUNK = 256
+TOOLS = "\n".join(
+    f"- {name}(path): {what}. Returns the result as plain text; errors are reported, never raised."
+    for name, what in [
+        ("read_file", "read a file from the workspace"), ("write_file", "write a file in the workspace"),
+        ("list_dir", "list the entries of a directory"), ("run_tests", "run the project's test suite"),
+        ("grep", "search the workspace for a regular expression"), ("git_diff", "show uncommitted changes"),
+        ("open_issue", "read an issue from the tracker"), ("run_shell", "run a shell command in a sandbox"),
+    ]
+)
+SYSTEM = {"role": "system", "content": (
+    "You are a careful coding agent working in a Python repository. Think step by step, read before "
+    "you write, keep changes small, and run the tests after every change. You can call these tools:\n"
+    f"{TOOLS}\n{TOOLS}\nAnswer briefly and precisely.")}
+FIRST_USER = {"role": "user", "content": "List the files in the repository root and say what each is for."}
+
+
+@pytest.fixture(scope="module")
+def smol():
+    torch.set_num_threads(2)
+    return load_model("default", device="cpu", dtype="float32")
+
+
+def engine_for(smol, mode):
+    engine = Engine(smol, CHUNK, 2, ReusePool(8, 2**31), mode)
+    engine.finished = []
+    engine.on_finished = engine.finished.append
+    return engine
+
+
+def ask(engine, messages, rid, salt=None, max_tokens=24):
+    text, ids = engine.render_chat(messages, None)
+    request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
+                                SamplingParams(temperature=0.0, max_tokens=max_tokens), cache_salt=salt)
+    return engine.generate(request, lambda _: None, lambda: False), engine.finished[-1]
+
+
+def second_turn(first_reply: str):
+    return [SYSTEM, FIRST_USER, {"role": "assistant", "content": first_reply},
+            {"role": "user", "content": "Now open README.md and summarise it in one line."}]
+
+
+def test_exact_mode_resumes_at_the_grid_and_matches_the_cold_run(smol):
+    engine = engine_for(smol, "exact")
+    first, _ = ask(engine, [SYSTEM, FIRST_USER], "t1")
+    assert first.prompt_tokens > CHUNK, "the system prompt must span a grid point"
+    warm, warm_state = ask(engine, second_turn(first.text), "t2")
+    cold, cold_state = ask(engine, second_turn(first.text), "t2-cold", salt="cold")
+    assert warm.decision.outcome == "resumed", warm.decision.render()
+    assert warm.cached_tokens == first.prompt_tokens - first.prompt_tokens % CHUNK
+    assert cold.cached_tokens == 0
+    assert torch.equal(warm_state.prompt_logits, cold_state.prompt_logits)
+    assert warm.text == cold.text
+
+
+def test_fast_mode_covers_the_first_prompt_and_the_reply(smol):
+    engine = engine_for(smol, "fast")
+    first, first_state = ask(engine, [SYSTEM, FIRST_USER], "t1")
+    warm, warm_state = ask(engine, second_turn(first.text), "t2")
+    cold, cold_state = ask(engine, second_turn(first.text), "t2-cold", salt="cold")
+    assert warm.decision.tier == "token-prefix", warm.decision.render()
+    assert warm.cached_tokens == first_state.session.num_tokens
+    assert warm.cached_tokens >= first.prompt_tokens + first.completion_tokens - 1
+    difference = (warm_state.prompt_logits - cold_state.prompt_logits).abs().max().item()
+    assert difference < 1e-2  # close, not bit-identical: the reply's KV came from decode steps
+
+
+def test_a_client_that_trims_the_reply_misses_the_prefix_tiers(smol):
+    engine = engine_for(smol, "exact")
+    first, _ = ask(engine, [SYSTEM, FIRST_USER], "t1")
+    trimmed = first.text[: len(first.text) // 2].rstrip()
+    warm, _ = ask(engine, second_turn(trimmed), "t2")
+    assert warm.decision.outcome == "cold" and warm.cached_tokens == 0
+    assert warm.decision.reason.startswith("no nomination")
