@@ -265,9 +265,7 @@ class Engine:
         if not self.pool.can_park(session.num_bytes):
             log.info("%s not parked: %d bytes exceed the pool's cap of %d bytes", request.request_id,
                      session.num_bytes, self.pool.max_bytes)
-            if parent is not None:
-                self.pool.remove(parent.session_id)
-            return None
+            return None  # the parent (if any) stays: its state is intact and still valid
         for old in self.pool.park(session, replaces=parent.session_id if parent is not None else None):
             log.info("evicted %s (%d tokens, %d bytes)", old.session_id, old.num_tokens, old.num_bytes)
         return session

@@ -13,9 +13,8 @@ Invariants, checked on park:
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from memrad.request import Identity
@@ -107,14 +106,6 @@ class ReusePool:
                 evicted.append(old)
             self._sessions[session.session_id] = session
         return evicted
-
-    def touch(self, session_id: str) -> None:
-        """Count a hit and make the session most recently used."""
-        with self._lock:
-            old = self._sessions.get(session_id)
-            if old is not None:
-                self._sessions[session_id] = replace(old, hits=old.hits + 1, last_used_at=time.time())
-                self._sessions.move_to_end(session_id)
 
     def remove(self, session_id: str) -> ParkedSession | None:
         with self._lock:

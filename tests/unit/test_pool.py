@@ -40,15 +40,6 @@ def test_a_resumed_session_replaces_the_one_it_came_from():
     assert ids(pool) == ["b", "a2"]
 
 
-def test_touch_makes_a_session_most_recent_and_counts_the_hit():
-    pool = ReusePool(max_sessions=2, max_bytes=1000)
-    pool.park(parked("a"))
-    pool.park(parked("b"))
-    pool.touch("a")
-    assert ids(pool) == ["b", "a"] and pool.get("a").hits == 1
-    assert [s.session_id for s in pool.park(parked("c"))] == ["b"]
-
-
 def test_check_then_act_a_session_larger_than_the_cap_is_refused_whole():
     pool = ReusePool(max_sessions=4, max_bytes=50)
     pool.park(parked("a", num_bytes=40))
