@@ -60,6 +60,11 @@ class ReuseSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class AffinitySettings:
+    enabled: bool = _key(True, "MEMRA_AFFINITY")
+
+
+@dataclass(frozen=True, slots=True)
 class LogSettings:
     level: str = _key("info", "MEMRA_LOG_LEVEL")
 
@@ -71,6 +76,7 @@ class Settings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     pool: PoolSettings = field(default_factory=PoolSettings)
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
+    affinity: AffinitySettings = field(default_factory=AffinitySettings)
     log: LogSettings = field(default_factory=LogSettings)
 
 

@@ -161,7 +161,12 @@ def _load(settings: Settings):
                  settings.pool.max_sessions, max_bytes / 2**30)
     else:
         log.info("reuse pool disabled: every request runs cold")
-    engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode)
+    engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
+                    settings.affinity.enabled)
+    if pool is not None:
+        openers = ", ".join(sorted(loaded.tokenizer.convert_ids_to_tokens(list(engine.openers))))
+        log.info("affinity: %s; message openers: %s", "on" if settings.affinity.enabled else "off (MEMRA_AFFINITY=0)",
+                 openers or "none found in the chat template (implicit nomination never fires)")
     return engine, loaded.device.type, loaded.dtype_name
 
 

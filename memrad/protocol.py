@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Outcome = Literal["resumed", "declined", "cold"]
-Tier = Literal["token-prefix", "text-prefix"]
+Tier = Literal["token-prefix", "text-prefix", "affinity"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,8 +18,11 @@ class Decision:
     """What the reuse tiers decided for one request, and why.
 
     `tier` is the tier that nominated a parked session (None: nothing was nominated);
-    `checkpoint` is the position resumed from (None unless resumed); `reused_tokens` +
-    `primed_tokens` always equal the prompt length.
+    `nomination` is how affinity nominated it (explicit by name, or implicit by
+    fingerprint) and `source` the field that carried the name; `checkpoint` is the position
+    resumed from (None unless resumed); `divergence` is the first position where the
+    prompt's tokens differ from the candidate's (None when they never do);
+    `reused_tokens` + `primed_tokens` always equal the prompt length.
     """
 
     request_id: str
@@ -30,6 +33,11 @@ class Decision:
     tier: Tier | None = None
     candidate: str | None = None
     checkpoint: int | None = None
+    nomination: Literal["explicit", "implicit"] | None = None
+    source: str | None = None
+    shared_segments: int | None = None
+    divergence: int | None = None
+    ttft_s: float | None = None
 
     def render(self) -> str:
         head = f"{self.tier}: {self.outcome}" if self.tier else self.outcome

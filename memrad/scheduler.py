@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from memrad.protocol import Decision
 from memrad.request import Completion, GenerationRequest
 
 log = logging.getLogger("memrad.scheduler")
@@ -26,7 +27,8 @@ log = logging.getLogger("memrad.scheduler")
 class EngineLike(Protocol):
     def init_worker_thread(self) -> None: ...
     def generate(self, request: GenerationRequest, emit: Callable[[str], None],
-                 cancelled: Callable[[], bool]) -> Completion: ...
+                 cancelled: Callable[[], bool],
+                 on_decision: Callable[[Decision], None] | None = None) -> Completion: ...
 
 
 class QueueFull(Exception):
@@ -42,7 +44,10 @@ class ShuttingDown(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """A queued or running request. `deltas` yields text, then None when generation ends."""
+    """A queued or running request.
+
+    `deltas` yields the reuse Decision first, then text, then None when generation ends.
+    """
 
     request: GenerationRequest
     submitted_at: float
@@ -103,8 +108,8 @@ class Scheduler:
         try:
             if job.cancelled:
                 return None
-            emit = lambda text: loop.call_soon_threadsafe(job.deltas.put_nowait, text)  # noqa: E731
-            return self._engine.generate(job.request, emit, job.cancel_event.is_set)
+            put = lambda item: loop.call_soon_threadsafe(job.deltas.put_nowait, item)  # noqa: E731
+            return self._engine.generate(job.request, put, job.cancel_event.is_set, on_decision=put)
         finally:
             loop.call_soon_threadsafe(job.deltas.put_nowait, None)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from memrad.engine.sampling import make_generator, sample
 from memrad.engine.state import ParkedState, Snapshot, is_croppable
 from memrad.grid import grid_floor
 from memrad.protocol import Decision
+from memrad.reuse.fingerprint import chain, derive_openers
 from memrad.request import Completion, FinishReason, GenerationRequest
 from memrad.reuse.planner import Mode, Plan, RequestView, plan
 from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
@@ -72,12 +73,15 @@ class _Prefilled:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, prefill_chunk: int, threads: int,
-                 pool: ReusePool | None = None, mode: Mode = "exact") -> None:
+                 pool: ReusePool | None = None, mode: Mode = "exact", affinity: bool = True) -> None:
         self.loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.threads = threads
         self.pool = pool  # None: reuse disabled, nothing is parked or resumed
         self.mode = mode
+        self.affinity = affinity
+        # Control tokens that open a chat message: the fingerprint splits prompts at them.
+        self.openers = derive_openers(loaded.tokenizer)
         self.on_finished: FinishHook | None = None
 
     @property
@@ -119,15 +123,18 @@ class Engine:
             return Plan(Decision(request.request_id, "cold", "reuse pool disabled", 0,
                                  request.num_prompt_tokens))
         view = RequestView(request.request_id, request.prompt_ids, request.prompt_text,
-                           self.namespace(request))
-        return plan(view, self.pool.sessions(), self.mode, self.prefill_chunk)
+                           self.namespace(request), request.identity,
+                           chain(request.prompt_ids, self.openers))
+        return plan(view, self.pool.sessions(), self.mode, self.prefill_chunk, self.affinity)
 
     def generate(self, request: GenerationRequest, emit: Callable[[str], None],
-                 cancelled: Callable[[], bool]) -> Completion:
+                 cancelled: Callable[[], bool],
+                 on_decision: Callable[[Decision], None] | None = None) -> Completion:
         """Run `request` to completion, calling `emit` with each text delta.
 
         Blocking; call from the engine's single worker thread. `cancelled` is polled between
-        prefill chunks and before every decode step.
+        prefill chunks and before every decode step; `on_decision` hears the reuse decision
+        before any prefill work starts.
         """
         started = time.perf_counter()
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
@@ -139,6 +146,8 @@ class Engine:
 
         decided = self.plan(request)
         log.info("%s %s", request.request_id, decided.decision.render())
+        if on_decision is not None:
+            on_decision(decided.decision)
         cache, pre = self._prefill_start(decided)
         logits = prefill(model, cache, prompt[pre.start:], pre.start, self.prefill_chunk, cancelled,
                          after_chunk=self._snapshotter(cache, pre, checkpoint))
@@ -196,7 +205,7 @@ class Engine:
             cached_tokens=pre.start,
             ttft_s=ttft_s,
             total_s=time.perf_counter() - started,
-            decision=decided.decision,
+            decision=replace(decided.decision, ttft_s=ttft_s),
         )
         session = self._park(request, decided, cache, pre, fed, text)
         self._hand_on(FinishedState(
@@ -256,6 +265,7 @@ class Engine:
             checkpoints=() if croppable else tuple(sorted({*snapshots, len(token_ids)})),
             croppable=croppable,
             exact_limit=self._exact_limit(decided, pre.primed_to),
+            fingerprint=chain(token_ids[: pre.primed_to], self.openers),
             num_bytes=state.num_bytes,
             created_at=parent.created_at if parent is not None else now,
             last_used_at=now,

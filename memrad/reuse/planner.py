@@ -1,7 +1,9 @@
 """Which parked session a request resumes from, and at which checkpoint. Pure policy.
 
 Tiers nominate, in order: token-prefix (the prompt's token ids extend a session's
-committed tokens), then text-prefix (the prompt's text extends its committed text).
+committed tokens), text-prefix (the prompt's text extends its committed text), then
+affinity (identity: a name, or the structural fingerprint; see identity.py). Only sessions
+of the request's namespace and with the same name (or both unnamed) are ever candidates.
 Verification decides: the request resumes only from a checkpoint its own tokens reproduce
 exactly, with at least one token left to prime.
 
@@ -16,11 +18,13 @@ Usable checkpoints of a session, by mode (C = prefill chunk, P = prompt checkpoi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from memrad.grid import grid_floor
 from memrad.protocol import Decision, Tier
+from memrad.request import Identity
+from memrad.reuse.identity import Nomination, Refusal, nominate
 from memrad.reuse.pool import Namespace, ParkedSession
 
 Mode = Literal["exact", "fast"]
@@ -32,6 +36,8 @@ class RequestView:
     prompt_ids: tuple[int, ...]
     prompt_text: str
     namespace: Namespace
+    identity: Identity | None = None
+    fingerprint: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,31 +73,37 @@ def checkpoint_at_or_below(session: ParkedSession, limit: int, mode: Mode, chunk
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    checkpoint: int | None  # None: declined
+    checkpoint: int | None   # None: declined
     reason: str
+    divergence: int | None   # first differing position, if the prompt diverges from the session
 
 
 def verify(session: ParkedSession, prompt_ids: tuple[int, ...], mode: Mode, chunk: int) -> Verdict:
     """Resume only where the prompt reproduces the session's tokens, leaving a suffix to prime."""
     num_prompt = len(prompt_ids)
     shared = common_prefix_len(prompt_ids, session.token_ids)
+    divergence = shared if shared < min(num_prompt, session.num_tokens) else None
     top = checkpoint_at_or_below(session, num_prompt - 1, mode, chunk)
     if top is None:
         at_end = checkpoint_at_or_below(session, num_prompt, mode, chunk)
-        if at_end is not None and at_end == num_prompt:
-            return Verdict(None, f"no suffix to prime (prompt {num_prompt} tokens, checkpoint {at_end})")
+        if at_end is not None and at_end == num_prompt and shared >= num_prompt:
+            return Verdict(None, f"no suffix to prime (prompt {num_prompt} tokens, checkpoint {at_end})", divergence)
         return Verdict(None, f"no {mode} checkpoint below the prompt's end "
-                             f"(prompt {num_prompt} tokens, exact up to {session.exact_limit})")
+                             f"(prompt {num_prompt} tokens, exact up to {session.exact_limit})", divergence)
     chosen = checkpoint_at_or_below(session, min(shared, num_prompt - 1), mode, chunk)
     if chosen is None:
-        return Verdict(None, f"history diverged at {shared} of checkpoint {top}")
+        return Verdict(None, f"history diverged at {shared} of checkpoint {top}", divergence)
     if chosen < top:
-        return Verdict(chosen, f"session {session.session_id}; history diverged at {shared} of checkpoint "
-                               f"{top}, resumed from earlier checkpoint {chosen}; primed {num_prompt - chosen}")
-    return Verdict(chosen, f"session {session.session_id}; checkpoint {chosen}; primed {num_prompt - chosen}")
+        return Verdict(chosen, f"history diverged at {shared} of checkpoint {top}, resumed from earlier "
+                               f"checkpoint {chosen}; primed {num_prompt - chosen}", divergence)
+    return Verdict(chosen, f"checkpoint {chosen}; primed {num_prompt - chosen}", divergence)
 
 
-def _nominate(view: RequestView, sessions: list[ParkedSession]) -> tuple[Tier, ParkedSession] | None:
+def _same_name(a: Identity | None, b: Identity | None) -> bool:
+    return (a.name if a else None) == (b.name if b else None)
+
+
+def _nominate_prefix(view: RequestView, sessions: list[ParkedSession]) -> tuple[Tier, ParkedSession] | None:
     by_tokens = [s for s in sessions if s.num_tokens <= len(view.prompt_ids)
                  and view.prompt_ids[: s.num_tokens] == s.token_ids]
     if by_tokens:
@@ -102,26 +114,46 @@ def _nominate(view: RequestView, sessions: list[ParkedSession]) -> tuple[Tier, P
     return None
 
 
-def plan(view: RequestView, sessions: list[ParkedSession], mode: Mode, chunk: int) -> Plan:
+def _decide(view: RequestView, tier: Tier, session: ParkedSession, mode: Mode, chunk: int,
+            lead: str, **fields) -> Plan:
+    """Verify a nominated session and record the outcome; `lead` starts the reason."""
+    num_prompt = len(view.prompt_ids)
+    verdict = verify(session, view.prompt_ids, mode, chunk)
+    base = Decision(view.request_id, "declined", verdict.reason, 0, num_prompt, tier=tier,
+                    candidate=session.session_id, divergence=verdict.divergence, **fields)
+    if verdict.checkpoint is None:
+        return Plan(base)
+    resumed = replace(base, outcome="resumed", reason=f"{lead}; {verdict.reason}",
+                      reused_tokens=verdict.checkpoint, primed_tokens=num_prompt - verdict.checkpoint,
+                      checkpoint=verdict.checkpoint)
+    return Plan(resumed, session, verdict.checkpoint)
+
+
+def plan(view: RequestView, sessions: list[ParkedSession], mode: Mode, chunk: int,
+         affinity: bool = True) -> Plan:
     """Decide for one request; `sessions` are all parked sessions (any namespace)."""
     num_prompt = len(view.prompt_ids)
 
-    def cold(reason: str) -> Plan:
-        return Plan(Decision(view.request_id, "cold", reason, 0, num_prompt))
+    def cold(reason: str, **fields) -> Plan:
+        return Plan(Decision(view.request_id, "cold", reason, 0, num_prompt, **fields))
 
     mine = [s for s in sessions if s.namespace == view.namespace]
     if not mine:
         return cold("nothing parked for this model and cache_salt")
-    nominated = _nominate(view, mine)
-    if nominated is None:
+    eligible = [s for s in mine if _same_name(s.identity, view.identity)]
+    prefixed = _nominate_prefix(view, eligible)
+    if prefixed is not None:
+        tier, session = prefixed
+        return _decide(view, tier, session, mode, chunk, f"session {session.session_id}")
+    if not affinity:
         return cold(f"no nomination: no parked session's tokens or text prefix this prompt "
-                    f"({len(mine)} parked)")
-    tier, session = nominated
-    verdict = verify(session, view.prompt_ids, mode, chunk)
-    if verdict.checkpoint is None:
-        return Plan(Decision(view.request_id, "declined", verdict.reason, 0, num_prompt,
-                             tier=tier, candidate=session.session_id))
-    decision = Decision(view.request_id, "resumed", verdict.reason, verdict.checkpoint,
-                        num_prompt - verdict.checkpoint, tier=tier, candidate=session.session_id,
-                        checkpoint=verdict.checkpoint)
-    return Plan(decision, session, verdict.checkpoint)
+                    f"({len(eligible)} eligible parked); affinity off")
+    chosen = nominate(view.identity, view.fingerprint, mine)
+    if isinstance(chosen, Nomination):
+        return _decide(view, "affinity", chosen.session, mode, chunk, chosen.describe(),
+                       nomination=chosen.kind, source=chosen.source, shared_segments=chosen.shared_segments)
+    assert isinstance(chosen, Refusal)
+    if chosen.blocked is not None:
+        return Plan(Decision(view.request_id, "declined", chosen.reason, 0, num_prompt, tier="affinity",
+                             candidate=chosen.blocked.session_id, shared_segments=chosen.shared_segments))
+    return cold(f"no nomination: {chosen.reason}", shared_segments=chosen.shared_segments)

@@ -39,6 +39,7 @@ class ParkedSession:
     checkpoints: tuple[int, ...]  # positions with a snapshot of non-croppable (recurrent) state
     croppable: bool             # attention-only state: any position <= len(token_ids) can be rebuilt
     exact_limit: int            # positions <= this were produced by prefill chunks on the grid
+    fingerprint: tuple[int, ...]  # segment hash chain of the prompt (memrad.reuse.fingerprint)
     num_bytes: int
     created_at: float
     last_used_at: float

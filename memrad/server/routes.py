@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from memrad import __version__
+from memrad.protocol import Decision
 from memrad.request import Completion, GenerationRequest
 from memrad.scheduler import Job, QueueFull, ShuttingDown
 from memrad.server.context import CONTEXT, ServerContext
@@ -104,8 +105,21 @@ async def _serve(request: web.Request, ctx: ServerContext, kind: Kind, parsed: P
             job.cancel()  # the handler is leaving early (error or cancellation)
 
 
+DECISION_HEADER = "x-memra-decision"
+
+
+def decision_header(decision: Decision | None) -> dict[str, str]:
+    """The decision's one rendering, made header-safe (control and non-ASCII chars escaped)."""
+    if decision is None:
+        return {}
+    return {DECISION_HEADER: json.dumps(decision.render())[1:-1]}
+
+
 class _ClientWatch:
-    """Relays a job's text deltas and cancels the job as soon as the client is gone."""
+    """Relays a job's items and cancels the job as soon as the client is gone.
+
+    A job yields its reuse Decision first, then text deltas; `items()` yields both.
+    """
 
     def __init__(self, request: web.Request, job: Job) -> None:
         self.request = request
@@ -120,7 +134,7 @@ class _ClientWatch:
         self.gone = True
         self.job.cancel()
 
-    async def deltas(self) -> AsyncIterator[str]:
+    async def items(self) -> AsyncIterator[Decision | str]:
         getter: asyncio.Future | None = None
         try:
             while True:
@@ -140,18 +154,28 @@ class _ClientWatch:
 
 
 async def _whole(envelope: Envelope, job: Job, watch: _ClientWatch) -> web.Response:
-    async for _ in watch.deltas():
-        pass
+    decision = None
+    async for item in watch.items():
+        if isinstance(item, Decision):
+            decision = item
     completion = await job.result
     _log_request(envelope, job, completion, stream=False, gone=watch.gone)
     if completion is None or completion.finish_reason == "cancelled":
         raise unavailable("the request was cancelled because memrad is shutting down")
-    return web.json_response(envelope.whole(completion))
+    body = envelope.whole(completion)
+    if decision is not None:
+        body["memra"] = {"decision": decision.render()}
+    return web.json_response(body, headers=decision_header(decision))
 
 
 async def _stream(request: web.Request, envelope: Envelope, parsed: ParsedRequest, job: Job,
                   watch: _ClientWatch) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    items = watch.items()
+    # The decision comes before any prefill work, so waiting for it delays nothing.
+    first = await anext(items, None)
+    decision = first if isinstance(first, Decision) else None
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **decision_header(decision)})
     await response.prepare(request)
     usage_field = parsed.include_usage
 
@@ -165,8 +189,11 @@ async def _stream(request: web.Request, envelope: Envelope, parsed: ParsedReques
 
     if envelope.kind == "chat":
         await send(envelope.chunk(first=True, with_usage_field=usage_field))
-    async for delta in watch.deltas():
-        await send(envelope.chunk(delta, with_usage_field=usage_field))
+    if isinstance(first, str):
+        await send(envelope.chunk(first, with_usage_field=usage_field))
+    async for item in items:
+        if isinstance(item, str):
+            await send(envelope.chunk(item, with_usage_field=usage_field))
     try:
         completion = await job.result
     except Exception as exc:

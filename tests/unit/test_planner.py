@@ -11,7 +11,7 @@ def session(tokens, *, sid="s1", ns=NS, text="", prompt=None, exact=None, croppa
     prompt = len(tokens) if prompt is None else prompt
     return ParkedSession(session_id=sid, namespace=ns, identity=None, token_ids=tuple(tokens), text=text,
                          prompt_checkpoint=prompt, checkpoints=tuple(checkpoints), croppable=croppable,
-                         exact_limit=(prompt - prompt % C) if exact is None else exact, num_bytes=1,
+                         exact_limit=(prompt - prompt % C) if exact is None else exact, fingerprint=(), num_bytes=1,
                          created_at=0.0, last_used_at=0.0)
 
 
@@ -56,10 +56,14 @@ def test_text_prefix_nominates_when_the_reply_retokenizes_differently():
 
 def test_a_trimmed_reply_is_not_a_prefix_and_runs_cold():
     parked = session(FIRST + REPLY, prompt=50, text="<sys>hello<user>hi<asst>Hey there")
-    decided = plan(view(FIRST + [7, 2, 200], "<sys>hello<user>hi<asst>Hey<end><user>more"), [parked], "exact", C)
+    trimmed = view(FIRST + [7, 2, 200], "<sys>hello<user>hi<asst>Hey<end><user>more")
+    decided = plan(trimmed, [parked], "exact", C, affinity=False)
     assert decided.decision.render() == ("cold (no nomination: no parked session's tokens or text prefix "
-                                         "this prompt (1 parked))")
+                                         "this prompt (1 eligible parked); affinity off)")
     assert decided.session is None and decided.decision.primed_tokens == 53
+    # affinity on, but these ids have no control tokens to fingerprint
+    assert plan(trimmed, [parked], "exact", C).decision.render() == (
+        "cold (no nomination: prompt has no message control tokens to fingerprint)")
 
 
 def test_other_namespaces_are_invisible():
@@ -79,7 +83,7 @@ def test_the_longest_extension_is_nominated():
 def test_the_same_prompt_again_leaves_no_suffix_for_a_recurrent_snapshot():
     parked = session(FIRST, prompt=50, croppable=False, checkpoints=(48, 50), exact=48)
     verdict = verify(parked, tuple(FIRST), "fast", C)
-    assert (verdict.checkpoint, verdict.reason) == (48, "session s1; checkpoint 48; primed 2")
+    assert (verdict.checkpoint, verdict.reason) == (48, "checkpoint 48; primed 2")
     only_end = session(FIRST, prompt=50, croppable=False, checkpoints=(50,), exact=0)
     assert verify(only_end, tuple(FIRST), "fast", C).reason == "no suffix to prime (prompt 50 tokens, checkpoint 50)"
 

@@ -7,7 +7,7 @@ NS = Namespace("m", None)
 
 def parked(sid, num_bytes=10, tokens=(1, 2, 3), prompt=3):
     return ParkedSession(session_id=sid, namespace=NS, identity=None, token_ids=tuple(tokens), text="",
-                         prompt_checkpoint=prompt, checkpoints=(), croppable=True, exact_limit=0,
+                         prompt_checkpoint=prompt, checkpoints=(), croppable=True, exact_limit=0, fingerprint=(),
                          num_bytes=num_bytes, created_at=0.0, last_used_at=0.0)
 
 

@@ -20,7 +20,7 @@ class FakeEngine:
     def init_worker_thread(self):
         self.thread = threading.current_thread().name
 
-    def generate(self, request, emit, cancelled):
+    def generate(self, request, emit, cancelled, on_decision=None):
         self.release.wait(5)
         self.order.append(request.request_id)
         done = 0

@@ -27,7 +27,7 @@ class Wrapped:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, request, emit, cancelled):
+    def generate(self, request, emit, cancelled, on_decision=None):
         if self.gate is not None:
             self.gate.wait(10)
         if self.fail_on and self.fail_on in request.prompt_text:
@@ -37,7 +37,7 @@ class Wrapped:
             time.sleep(self.step_delay_s)
             emit(text)
 
-        completion = self._engine.generate(request, slow_emit, cancelled)
+        completion = self._engine.generate(request, slow_emit, cancelled, on_decision)
         self.finished.append(completion)
         return completion
 

@@ -23,18 +23,49 @@ CORPUS = [
 ] * 20
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE with ChatML control tokens <|im_start|>=1, <|im_end|>=2."""
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+GEMMA = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}<start_of_turn>"
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('Only user and assistant roles are supported') }}{% elif m['role'] == 'user' %}"
+    "[INST] {{ m['content'] }}[/INST]{% else %} {{ m['content'] }}</s>{% endif %}{% endfor %}"
+)
+# style -> (special tokens, eos, bos, template, expected message openers)
+STYLES = {
+    "chatml": (SPECIALS, "<|im_end|>", None, CHATML, {"<|im_start|>"}),
+    "llama3": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+               "<|eot_id|>", "<|begin_of_text|>", LLAMA3, {"<|start_header_id|>"}),
+    "gemma": (["<pad>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<end_of_turn>", "<bos>", GEMMA,
+              {"<start_of_turn>"}),
+    "mistral": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "</s>", "<s>", MISTRAL, {"[INST]", "[/INST]"}),
+}
+
+
+def build_tokenizer(style: str = "chatml") -> PreTrainedTokenizerFast:
+    """A byte-level BPE whose control tokens and chat template follow `style`.
+
+    chatml (the default): <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2, as in SmolLM2.
+    """
+    specials, eos, bos, template, _ = STYLES[style]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")
-    fast.chat_template = CHATML
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos,
+                                   pad_token=specials[0])
+    fast.chat_template = template
     return fast
 
 

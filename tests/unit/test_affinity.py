@@ -1,0 +1,141 @@
+"""Identity nominates, bytes decide: affinity stories over hand-built sessions (no model).
+
+Token id 1 opens a message (as <|im_start|> does in ChatML); 2 closes one.
+"""
+
+import dataclasses
+
+from memrad.request import Identity
+from memrad.reuse.fingerprint import chain
+from memrad.reuse.planner import RequestView, plan
+from memrad.reuse.pool import Namespace, ParkedSession
+
+NS = Namespace("m", None)
+OPEN = frozenset({1})
+C = 16
+
+
+def msg(role, *content):
+    return [1, role, *content, 2, 10]
+
+
+SYSTEM = msg(50, *range(100, 140))           # 44 tokens
+USER1 = msg(51, *range(200, 220))
+REPLY1 = [*range(300, 330)]                 # the reply as generated (with a <think> part)
+REPLY1_STRIPPED = [*range(300, 305), *range(322, 330)]
+USER2 = msg(51, *range(400, 410))
+GEN = [1, 52, 10]                           # the generation prompt: "<|im_start|>assistant\n"
+
+
+def park(prompt, reply, sid="s1", identity=None, **extra):
+    tokens = tuple(prompt + reply)
+    fields = dict(session_id=sid, namespace=NS, identity=identity, token_ids=tokens, text="",
+                  prompt_checkpoint=len(prompt), checkpoints=(), croppable=True,
+                  exact_limit=len(prompt) - len(prompt) % C, fingerprint=chain(prompt, OPEN),
+                  num_bytes=1, created_at=0.0, last_used_at=0.0)
+    fields.update(extra)
+    return ParkedSession(**fields)
+
+
+def ask(prompt, identity=None):
+    return RequestView("r", tuple(prompt), "", NS, identity, chain(prompt, OPEN))
+
+
+TURN2 = SYSTEM + USER1 + GEN
+TURN3 = SYSTEM + USER1 + [1, 52, 10, *REPLY1_STRIPPED, 2, 10] + USER2 + GEN  # 5 segments
+REPLY3 = [*range(500, 530)]
+# turn 4: the client sends reply 3 back with its last 10 tokens trimmed
+TURN4 = TURN3 + REPLY3[:20] + [2, 10] + msg(51, 600, 601) + GEN
+
+
+def test_the_bar_of_three_segments():
+    # turn 2's prompt shares system + user1 with turn 1's: 2 < 3, no nomination
+    parked = park(TURN2, REPLY1)
+    d = plan(ask(TURN3), [parked], "fast", C).decision
+    assert d.render() == "cold (no nomination: 2 shared segments < 3)"
+    assert d.shared_segments == 2
+    # one turn later the chain shares system, user1, reply1, user2: nominated. Fast mode reuses
+    # the prompt and the untouched start of the reply (up to where the trim diverges).
+    parked3 = park(TURN3, REPLY3)
+    d4 = plan(ask(TURN4), [parked3], "fast", C).decision
+    diverged = len(TURN3) + 20
+    assert d4.render() == (f"affinity: resumed (implicit, 4 shared segments; history diverged at {diverged} "
+                           f"of checkpoint {len(TURN3) + 30}, resumed from earlier checkpoint {diverged}; "
+                           f"primed {len(TURN4) - diverged})")
+    assert (d4.nomination, d4.source, d4.shared_segments, d4.divergence) == ("implicit", None, 4, diverged)
+
+
+def test_exact_mode_resumes_at_the_grid_below_the_previous_prompt():
+    d = plan(ask(TURN4), [park(TURN3, REPLY3)], "exact", C).decision
+    floor = len(TURN3) - len(TURN3) % C
+    assert d.render() == f"affinity: resumed (implicit, 4 shared segments; checkpoint {floor}; " \
+                         f"primed {len(TURN4) - floor})"
+    assert d.reused_tokens + d.primed_tokens == len(TURN4)
+
+
+def test_a_named_client_resumes_from_turn_two():
+    alice = Identity("a1", "session_id")
+    parked = park(TURN2, REPLY1, identity=alice)
+    d = plan(ask(TURN3, alice), [parked], "fast", C).decision
+    lcp = len(TURN2) + 5  # the stripped reply keeps its first 5 tokens
+    assert d.render() == (f'affinity: resumed (explicit, session_id "a1", 2 shared segments; history diverged '
+                          f"at {lcp} of checkpoint {len(TURN2) + 30}, resumed from earlier checkpoint {lcp}; "
+                          f"primed {len(TURN3) - lcp})")
+    assert (d.nomination, d.source, d.divergence) == ("explicit", "session_id", lcp)
+
+
+VICTIM = SYSTEM + msg(51, *range(700, 760)) + GEN        # 111 tokens: exact up to 96
+
+
+def test_a_false_claim_is_nominated_but_never_resumes_foreign_state():
+    victim = park(VICTIM, [*range(800, 820)], identity=Identity("a1", "user"))
+    attacker = msg(50, *range(900, 940)) + msg(51, *range(900, 960)) + GEN  # other system prompt too
+    d = plan(ask(attacker, Identity("a1", "x-session-id")), [victim], "exact", C).decision
+    assert d.render() == "affinity: declined (history diverged at 2 of checkpoint 96)"
+    assert (d.outcome, d.reused_tokens, d.candidate, d.nomination, d.divergence) == (
+        "declined", 0, "s1", "explicit", 2)
+
+
+def test_a_claim_resumes_only_the_tokens_it_really_shares():
+    victim = park(VICTIM, [*range(800, 820)], identity=Identity("a1", "user"))
+    attacker = SYSTEM + msg(51, *range(900, 960)) + GEN  # same system prompt, other question
+    d = plan(ask(attacker, Identity("a1", "user")), [victim], "exact", C).decision
+    assert d.render() == (f'affinity: resumed (explicit, user "a1", 1 shared segments; history diverged at 46 '
+                          f"of checkpoint 96, resumed from earlier checkpoint 32; primed {len(attacker) - 32})")
+    assert tuple(attacker[:32]) == victim.token_ids[:32]
+
+
+def test_named_and_unnamed_never_cross():
+    unnamed = park(TURN3, REPLY3)
+    turn4 = TURN4
+    d = plan(ask(turn4, Identity("a1", "session_id")), [unnamed], "fast", C).decision
+    assert d.render() == 'affinity: declined (named "a1" vs unnamed parked session)'
+    named = dataclasses.replace(unnamed, identity=Identity("b2", "user"))
+    d = plan(ask(turn4), [named], "fast", C).decision
+    assert d.render() == 'affinity: declined (unnamed request vs parked session named "b2")'
+    d = plan(ask(turn4, Identity("a1", "user")), [named], "fast", C).decision
+    assert d.render() == 'affinity: declined (named "a1" vs parked session named "b2")'
+
+
+def test_named_requests_ignore_prefix_matches_of_other_names():
+    parked = park(TURN2, REPLY1, identity=Identity("b2", "user"))
+    extended = TURN2 + REPLY1 + [2, 10] + USER2 + GEN
+    d = plan(ask(extended, Identity("a1", "user")), [parked], "fast", C).decision
+    assert d.render() == 'cold (no nomination: no parked session named "a1")' 
+    same = plan(ask(extended, Identity("b2", "session_id")), [parked], "fast", C).decision
+    assert same.render() == (f"token-prefix: resumed (session s1; checkpoint {len(TURN2) + 30}; "
+                             f"primed {len(extended) - len(TURN2) - 30})")
+
+
+def test_two_fresh_conversations_sharing_only_the_system_prompt_are_not_linked():
+    other = park(SYSTEM + msg(51, *range(700, 720)) + GEN, [*range(800, 810)])
+    fresh = SYSTEM + USER1 + GEN
+    d = plan(ask(fresh), [other], "fast", C).decision
+    assert d.render() == "cold (no nomination: 1 shared segments < 3)"
+
+
+def test_affinity_off_keeps_the_prefix_tiers():
+    parked3 = park(TURN3, REPLY3)
+    assert plan(ask(TURN4), [parked3], "fast", C, affinity=False).decision.outcome == "cold"
+    extended = TURN3 + REPLY3 + [2, 10]
+    assert plan(ask(extended), [parked3], "fast", C, affinity=False).decision.tier == "token-prefix"

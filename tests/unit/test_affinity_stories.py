@@ -1,0 +1,147 @@
+"""Session affinity on a tiny model: clients that rewrite their history, told as stories."""
+
+import pytest
+
+from memrad.engine.engine import Engine
+from memrad.engine.loader import load_model
+from memrad.grid import grid_floor
+from memrad.request import GenerationRequest, Identity, SamplingParams
+from memrad.reuse.pool import ReusePool
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_dir):
+    return {kind: load_model(str(tiny_dir(kind)), device="cpu", dtype="float32") for kind in ("llama", "qwen3_next")}
+
+
+def make_engine(loaded, kind="llama", mode="exact", affinity=True):
+    engine = Engine(loaded[kind], CHUNK, 1, ReusePool(16, 10**9), mode, affinity)
+    engine.finished = []
+    engine.on_finished = engine.finished.append
+    return engine
+
+
+def strip_tail(reply: str) -> str:
+    """What a reasoning-stripping client sends back: the first half of the reply."""
+    return reply[: len(reply) // 2]
+
+
+class Client:
+    """A chat client that rewrites every earlier reply before sending the history again."""
+
+    def __init__(self, engine, system, rewrite=strip_tail, identity=None, salt=None):
+        self.engine, self.rewrite, self.identity, self.salt = engine, rewrite, identity, salt
+        self.messages = [{"role": "system", "content": system}]
+        self.turn = 0
+
+    def say(self, text, max_tokens=8):
+        self.turn += 1
+        self.messages.append({"role": "user", "content": text})
+        rendered, ids = self.engine.render_chat(self.messages, None)
+        request = GenerationRequest(f"{id(self)}-{self.turn}", self.engine.model_id, tuple(ids), rendered,
+                                    SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                    identity=self.identity, cache_salt=self.salt)
+        completion = self.engine.generate(request, lambda _: None, lambda: False)
+        self.messages.append({"role": "assistant", "content": self.rewrite(completion.text)})
+        return completion
+
+
+SYSTEM = "You are a helpful coding assistant. Read the file, then answer. " * 3
+QUESTIONS = [f"question {i}: list files, open README.md" for i in range(6)]
+
+
+def test_a_rewriting_client_resumes_via_affinity_from_turn_three_and_cold_without_it(loaded):
+    on = Client(make_engine(loaded), SYSTEM)
+    off = Client(make_engine(loaded, affinity=False), SYSTEM)
+    previous = None
+    for turn, question in enumerate(QUESTIONS, start=1):
+        a, b = on.say(question), off.say(question)
+        assert b.cached_tokens == 0 and b.decision.outcome == "cold"
+        assert a.text == b.text  # exact mode: resumed output equals the affinity-off arm's
+        if turn == 1:
+            assert a.decision.render() == "cold (nothing parked for this model and cache_salt)"
+        elif turn == 2:  # system + first user message: 2 shared segments, under the bar
+            assert a.decision.render() == "cold (no nomination: 2 shared segments < 3)"
+        else:
+            resume = grid_floor(previous.prompt_tokens, CHUNK)
+            assert a.decision.render() == (f"affinity: resumed (implicit, {2 * turn - 2} shared segments; "
+                                           f"checkpoint {resume}; primed {a.prompt_tokens - resume})")
+            assert a.cached_tokens == resume
+        previous = a
+    assert len(on.engine.pool.sessions()) == 2  # turn 1 and the conversation that resumed since turn 3
+
+
+def test_a_named_client_resumes_from_turn_two(loaded):
+    client = Client(make_engine(loaded), SYSTEM, identity=Identity("agent-1", "session_id"))
+    first = client.say(QUESTIONS[0])
+    second = client.say(QUESTIONS[1])
+    resume = grid_floor(first.prompt_tokens, CHUNK)
+    assert second.decision.render() == (f'affinity: resumed (explicit, session_id "agent-1", 2 shared segments; '
+                                        f"checkpoint {resume}; primed {second.prompt_tokens - resume})")
+    assert (second.decision.nomination, second.decision.source) == ("explicit", "session_id")
+
+
+def test_the_prompt_checkpoint_sits_before_the_init_feed(loaded):
+    """Fast mode on a recurrent model resumes exactly at the previous prompt's end.
+
+    Were the checkpoint captured one token later (after the first generated token is fed
+    back), a client that drops the reply would diverge at P of checkpoint P + 1 and every
+    turn would be declined.
+    """
+    engine = make_engine(loaded, "qwen3_next", mode="fast")
+    client = Client(engine, SYSTEM, rewrite=lambda reply: "", identity=Identity("a", "user"))
+    first = client.say(QUESTIONS[0])
+    parked = engine.finished[-1].session
+    assert parked.prompt_checkpoint == first.prompt_tokens
+    assert first.prompt_tokens in parked.checkpoints
+    second = client.say(QUESTIONS[1])
+    assert second.decision.outcome == "resumed", second.decision.render()
+    assert second.decision.checkpoint == first.prompt_tokens
+    assert second.decision.divergence == first.prompt_tokens
+
+
+def test_two_fresh_conversations_sharing_only_the_system_prompt_stay_apart(loaded):
+    engine = make_engine(loaded)
+    one, two = Client(engine, SYSTEM), Client(engine, SYSTEM)
+    one.say("first conversation: list files")
+    one.say("first conversation: open README.md")
+    fresh = two.say("second conversation: run the tests")
+    assert fresh.decision.render() == "cold (no nomination: 1 shared segments < 3)"
+    assert fresh.cached_tokens == 0
+
+
+def test_named_and_unnamed_never_cross(loaded):
+    engine = make_engine(loaded)
+    unnamed = Client(engine, SYSTEM)
+    for q in QUESTIONS[:3]:
+        unnamed.say(q)
+    claimer = Client(engine, SYSTEM, identity=Identity("x", "user"))
+    claimer.messages = list(unnamed.messages)  # the same history, but now with a name
+    done = claimer.say(QUESTIONS[3])
+    assert done.decision.render() == 'affinity: declined (named "x" vs unnamed parked session)'
+    assert done.cached_tokens == 0
+
+
+def test_an_agent_and_its_sub_agent_interleaved_both_keep_resuming(loaded):
+    engine = make_engine(loaded)
+    agent = Client(engine, SYSTEM)
+    sub = Client(engine, "You are a sub-agent. Run one tool and report back briefly. " * 3)
+    for turn in range(1, 5):
+        a = agent.say(f"agent step {turn}: list files")
+        s = sub.say(f"sub-agent step {turn}: run the tests")
+        if turn >= 3:
+            assert a.decision.outcome == s.decision.outcome == "resumed", (a.decision, s.decision)
+            assert a.decision.candidate != s.decision.candidate
+    assert len(engine.pool.sessions()) == 4
+
+
+def test_different_salts_never_share_even_when_named(loaded):
+    engine = make_engine(loaded)
+    a = Client(engine, SYSTEM, identity=Identity("same", "session_id"), salt="tenant-a")
+    a.say(QUESTIONS[0])
+    b = Client(engine, SYSTEM, identity=Identity("same", "session_id"), salt="tenant-b")
+    b.messages = list(a.messages)
+    done = b.say(QUESTIONS[1])
+    assert done.decision.render() == "cold (nothing parked for this model and cache_salt)"
