@@ -225,7 +225,9 @@ class Engine:
         """Clone non-croppable state at floor(P) and at P as prefill passes them."""
         wanted: set[int] = set()
         if not is_croppable(cache):
-            wanted = {grid_floor(prompt_len, self.prefill_chunk)} | ({prompt_len} if self.mode == "fast" else set())
+            wanted = {grid_floor(prompt_len, self.prefill_chunk)}
+            if self.mode == "fast":
+                wanted.add(prompt_len)
         if pre.start in wanted and pre.start > 0:
             pre.snapshots[pre.start] = Snapshot.take(cache, pre.start)
 

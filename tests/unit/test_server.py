@@ -212,3 +212,41 @@ async def test_health_reports_the_served_model_and_counts(server, tiny_engine):
     assert health["status"] == "ok" and health["model"] == tiny_engine.model_id
     assert (health["device"], health["dtype"], health["requests_served"]) == ("cpu", "float32", 1)
     assert health["running"] is None and health["waiting"] == 0
+
+
+async def test_the_decision_reaches_the_client_in_a_header_and_the_body(tiny_loaded):
+    from memrad.engine.engine import Engine
+    from memrad.reuse.pool import ReusePool
+
+    engine = Engine(tiny_loaded, 16, 1, ReusePool(8, 10**9))
+    server = await serve(engine)
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = server.make_url("/v1/chat/completions")
+            body = {"messages": USER, "max_tokens": 4, "temperature": 0, "session_id": "body-name"}
+            async with session.post(url, json=body, headers={"x-session-id": "header-name"}) as resp:
+                first = await resp.json()
+                assert resp.headers["x-memra-decision"] == "cold (nothing parked for this model and cache_salt)"
+            assert first["memra"]["decision"] == resp.headers["x-memra-decision"]
+            (parked,) = engine.pool.sessions()
+            assert (parked.identity.name, parked.identity.source) == ("body-name", "session_id")
+
+            body["messages"] = USER + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                                       {"role": "user", "content": "and then?"}]
+            body["stream"] = True
+            async with session.post(url, json=body) as resp:
+                decision = resp.headers["x-memra-decision"]
+                await resp.read()
+            assert decision.startswith(("token-prefix: resumed (session s1;", "text-prefix: resumed (session s1;"))
+    finally:
+        await server.close()
+
+
+def test_decision_headers_escape_what_http_cannot_carry():
+    from memrad.protocol import Decision
+    from memrad.server.routes import decision_header
+
+    decision = Decision("r", "declined", 'named "ñ\r\nx" vs unnamed parked session', 0, 5, tier="affinity")
+    value = decision_header(decision)["x-memra-decision"]
+    assert value == 'affinity: declined (named \\"\\u00f1\\r\\nx\\" vs unnamed parked session)'
+    assert value.isascii() and "\n" not in value
