@@ -109,10 +109,12 @@ DECISION_HEADER = "x-memra-decision"
 
 
 def decision_header(decision: Decision | None) -> dict[str, str]:
-    """The decision's one rendering, made header-safe (control and non-ASCII chars escaped)."""
+    """The decision's one rendering, made header-safe: non-ASCII and control characters are
+    backslash-escaped (a session name may hold either); everything else reads as logged."""
     if decision is None:
         return {}
-    return {DECISION_HEADER: json.dumps(decision.render())[1:-1]}
+    ascii_text = decision.render().encode("ascii", "backslashreplace").decode("ascii")
+    return {DECISION_HEADER: "".join(c if c.isprintable() else repr(c)[1:-1] for c in ascii_text)}
 
 
 class _ClientWatch:

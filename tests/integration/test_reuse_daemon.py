@@ -51,3 +51,24 @@ def test_with_the_pool_off_every_turn_runs_cold_and_nothing_breaks(make_daemon):
     assert "reuse pool disabled: every request runs cold" in log
     assert log.count("cold (reuse pool disabled)") == 3
     assert daemon.cli("stop").returncode == 0
+
+
+def test_a_rewritten_named_turn_resumes_via_affinity_and_says_so(daemon):
+    client = client_for(daemon)
+    first = client.chat.completions.with_raw_response.create(
+        model="default", messages=[SYSTEM, FIRST_USER], temperature=0, max_tokens=12,
+        extra_body={"session_id": "agent-42"})
+    assert first.headers["x-memra-decision"] == 'cold (no nomination: no parked session named "agent-42")'
+    reply = first.parse()
+    trimmed = reply.choices[0].message.content[:10]  # the client keeps only the start of the reply
+    second = client.chat.completions.with_raw_response.create(
+        model="default", messages=second_turn(trimmed), temperature=0, max_tokens=12,
+        extra_body={"session_id": "agent-42"})
+    p1 = reply.usage.prompt_tokens
+    decision = second.headers["x-memra-decision"]
+    assert decision.startswith('affinity: resumed (explicit, session_id "agent-42", 2 shared segments; '
+                               f"checkpoint {p1 - p1 % CHUNK}; primed ")
+    body = second.parse()
+    assert body.usage.prompt_tokens_details.cached_tokens == p1 - p1 % CHUNK
+    assert body.model_extra["memra"]["decision"] == decision
+    assert f"{body.id} {decision}" in daemon.log_text()
