@@ -150,7 +150,7 @@ class Engine:
             on_decision(decided.decision)
         cache, pre = self._prefill_start(decided)
         logits = prefill(model, cache, prompt[pre.start:], pre.start, self.prefill_chunk, cancelled,
-                         after_chunk=self._snapshotter(cache, pre, checkpoint))
+                         after_chunk=self._snapshotter(cache, pre, checkpoint), on_grid=self.mode == "exact")
         prompt_logits = logits
         generated: list[int] = []
         num_fed = 0  # generated tokens fed back into the cache (decode steps run)

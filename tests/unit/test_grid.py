@@ -1,6 +1,6 @@
 import pytest
 
-from memrad.grid import grid_chunks, grid_floor
+from memrad.grid import grid_chunks, grid_floor, relative_chunks
 
 
 def test_cold_prefill_is_cut_at_multiples_of_the_chunk():
@@ -30,3 +30,9 @@ def test_grid_floor():
     assert grid_floor(511, 256) == 256
     assert grid_floor(512, 256) == 512
     assert grid_floor(3, 256) == 0
+
+
+def test_relative_chunks_count_from_the_start():
+    assert relative_chunks(2426, 2658, 256) == [(2426, 2658)]
+    assert relative_chunks(300, 1100, 256) == [(300, 556), (556, 812), (812, 1068), (1068, 1100)]
+    assert relative_chunks(0, 600, 256) == grid_chunks(0, 600, 256)
