@@ -32,6 +32,7 @@ FLAGS = {
     "prefill_chunk": "engine.prefill_chunk",
     "max_queue": "server.max_queue",
     "log_level": "log.level",
+    "record": "control.record",
 }
 
 
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
     start.add_argument("--max-queue", type=int, help="requests that may wait for the model")
     start.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    start.add_argument("--record", help="append the control socket's events to this JSONL file")
 
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds before it is killed")
@@ -245,7 +247,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         report = {"running": False}
     else:
         report = {"running": True, "pid": info.pid, "url": info.url, "log": info.log,
-                  "state": "serving" if health else "starting"}
+                  "socket": info.socket, "state": "serving" if health else "starting"}
         if health:
             report.update({k: health[k] for k in ("model", "device", "dtype", "uptime_s",
                                                    "requests_served", "waiting", "version")})
@@ -264,6 +266,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  uptime    {_duration(report['uptime_s'])}")
         print(f"  requests  {report['requests_served']} served, {report['waiting']} waiting")
         print(f"  log       {report['log']}")
+        print(f"  socket    {report['socket']}")
     return 0 if report["running"] else 3
 
 

@@ -65,6 +65,12 @@ class AffinitySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ControlSettings:
+    socket: str = _key("", "MEMRA_SOCKET")
+    record: str = _key("", "MEMRA_RECORD")
+
+
+@dataclass(frozen=True, slots=True)
 class LogSettings:
     level: str = _key("info", "MEMRA_LOG_LEVEL")
 
@@ -77,6 +83,7 @@ class Settings:
     pool: PoolSettings = field(default_factory=PoolSettings)
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
     affinity: AffinitySettings = field(default_factory=AffinitySettings)
+    control: ControlSettings = field(default_factory=ControlSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
 

@@ -40,6 +40,7 @@ class DaemonInfo:
     url: str | None = None
     model: str | None = None
     device: str | None = None
+    socket: str | None = None
 
     def write(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -60,7 +61,9 @@ def clean_stale_files() -> list[Path]:
     Call only while holding the lock, so a daemon that is starting cannot lose its pidfile.
     """
     removed = []
-    for path in (pidfile_path(), socket_path()):
+    info = DaemonInfo.read(pidfile_path())
+    custom = [Path(info.socket)] if info is not None and info.socket else []
+    for path in (pidfile_path(), socket_path(), *custom):
         if path.exists() or path.is_symlink():
             path.unlink(missing_ok=True)
             removed.append(path)
@@ -190,10 +193,32 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
             "another program uses that port: pick another with --port or MEMRA_PORT") from None
     host, port = runner.addresses[0][:2]
     url = f"http://{settings.server.host}:{port}"
-    DaemonInfo(pid=info.pid, started_at=info.started_at, log=info.log, url=url,
-               model=model_id, device=device).write(pidfile_path())
-    log.info("serving %s on %s (pid %d)", model_id, url, info.pid)
+    control = await _start_control(app, settings, loop)
+    DaemonInfo(pid=info.pid, started_at=info.started_at, log=info.log, url=url, model=model_id,
+               device=device, socket=str(control.path)).write(pidfile_path())
+    log.info("serving %s on %s (pid %d); control socket %s", model_id, url, info.pid, control.path)
     await stop.wait()
     log.info("stopping: finishing or cancelling in-flight requests")
+    await control.close()
     await runner.cleanup()
     log.info("stopped")
+
+
+async def _start_control(app, settings: Settings, loop):
+    from memrad.server.context import CONTEXT, state_snapshot
+    from memrad.server.control import ControlServer, EventBus
+
+    ctx = app[CONTEXT]
+    record = Path(settings.control.record).expanduser() if settings.control.record else None
+    bus = EventBus(loop, record)
+    ctx.engine.events = bus.publish_threadsafe
+    path = Path(settings.control.socket).expanduser() if settings.control.socket else socket_path()
+    control = ControlServer(path, bus, lambda: state_snapshot(ctx))
+    try:
+        await control.start()
+    except OSError as exc:
+        raise StartupError(f"cannot create the control socket {path} ({exc.strerror}); "
+                           "set another path with MEMRA_SOCKET") from None
+    if record is not None:
+        log.info("recording control events to %s", record)
+    return control

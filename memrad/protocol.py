@@ -6,7 +6,8 @@ and the TUI row say the same words.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Literal
 
 Outcome = Literal["resumed", "declined", "cold"]
@@ -42,3 +43,152 @@ class Decision:
     def render(self) -> str:
         head = f"{self.tier}: {self.outcome}" if self.tier else self.outcome
         return f"{head} ({self.reason})"
+
+
+# --- the control socket's records (memra-tui reads these; see docs/TUI.md) -----------------
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """One message of a fingerprint chain: its token span, a short label, its edge hash."""
+
+    label: str  # the segment's first tokens, e.g. "<|im_start|>user"
+    start: int
+    end: int
+    hash: str   # xxh64, hex
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    session_id: str
+    identity: str | None
+    identity_source: str | None
+    model: str
+    cache_salt: str | None
+    num_tokens: int
+    prompt_checkpoint: int
+    exact_limit: int
+    checkpoints: tuple[int, ...]
+    num_bytes: int
+    age_s: float
+    hits: int
+    segments: tuple[SegmentInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    sessions: int
+    bytes_parked: int
+    max_sessions: int
+    max_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateSnapshot:
+    """The answer to `{"op": "snapshot"}`: every parked session, stats, flags in force."""
+
+    model: str
+    device: str
+    uptime_s: float
+    requests_served: int
+    pool: PoolStats | None  # None: MEMRA_REUSE_POOL=0
+    flags: tuple[tuple[str, str], ...]  # (name, value): mode, affinity, prefill_chunk, ...
+    sessions: tuple[SessionInfo, ...]
+    dropped: int = 0  # events this connection lost while subscribed (always 0 here)
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionEvent:
+    """A request's decision, with the request's own chain for comparing with a session's."""
+
+    at: float
+    decision: Decision
+    prompt_tokens: int
+    identity: str | None
+    segments: tuple[SegmentInfo, ...]
+    # Tokens around the divergence, decoded: (request's text, candidate's text), if any.
+    divergence_context: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnEvent:
+    """A finished request: what TTFT it had at which prompt length, in which conversation."""
+
+    at: float
+    request_id: str
+    conversation: str | None  # the session it parked as (None: not parked)
+    identity: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    outcome: str
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ParkEvent:
+    at: float
+    session: SessionInfo
+    replaced: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EvictEvent:
+    at: float
+    session_id: str
+    num_tokens: int
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """Sent to a subscriber that was too slow: this many events were dropped for it."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolError:
+    message: str
+
+
+RECORDS = {cls.__name__: cls for cls in (
+    Decision, SegmentInfo, SessionInfo, PoolStats, StateSnapshot, DecisionEvent, TurnEvent,
+    ParkEvent, EvictEvent, Dropped, ProtocolError)}
+
+
+def _encode(value):
+    if is_dataclass(value):
+        return {"type": type(value).__name__, **{f.name: _encode(getattr(value, f.name)) for f in fields(value)}}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value):
+    if isinstance(value, dict) and value.get("type") in RECORDS:
+        cls = RECORDS[value["type"]]
+        return cls(**{k: _decode(v) for k, v in value.items() if k != "type"})
+    if isinstance(value, list):
+        return tuple(_decode(v) for v in value)
+    return value
+
+
+def to_line(record) -> bytes:
+    """One record as a newline-terminated JSON line."""
+    return (json.dumps(_encode(record), separators=(",", ":")) + "\n").encode()
+
+
+def from_line(line: bytes | str):
+    """Parse a line written by `to_line`; raises ValueError on anything else."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("type") not in RECORDS:
+        raise ValueError(f"not a memra record: {str(line)[:80]}")
+    try:
+        return _decode(data)
+    except TypeError as exc:
+        raise ValueError(f"malformed {data.get('type')}: {exc}") from None

@@ -1,8 +1,8 @@
 """memra-tui entry point.
 
-The inspector attaches to the daemon's control socket, which lands together with the
-records it shows (parked sessions, decisions). Until then it says so rather than drawing
-an empty UI.
+The inspector attaches to the daemon's control socket (memrad.protocol records). The
+socket and its records exist; the Textual app that draws them is the next step. Until it
+lands this says so rather than drawing an empty UI.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("memra-tui needs a running memrad daemon with a control socket, and this build's "
-          "daemon does not open one yet. Meanwhile `memrad status` and `memrad logs -f` show "
-          "what the daemon is doing.", file=sys.stderr)
+    print("memra-tui's screens are not built yet. The daemon's control socket already serves "
+          "what they will show: `memrad status` prints its path; send {\"op\": \"snapshot\"} or "
+          "{\"op\": \"subscribe\"} as a JSON line (e.g. with `socat - UNIX-CONNECT:PATH`). "
+          "`memrad logs -f` shows every decision meanwhile.", file=sys.stderr)
     return 1

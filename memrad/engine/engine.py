@@ -26,10 +26,11 @@ from memrad.engine.detokenize import IncrementalDetokenizer
 from memrad.engine.forward import cache_length, decode_one_token, prefill
 from memrad.engine.loader import LoadedModel
 from memrad.engine.prompt import encode_text, render_chat
+from memrad.engine.report import divergence_context, segment_infos, session_info
 from memrad.engine.sampling import make_generator, sample
 from memrad.engine.state import ParkedState, Snapshot, is_croppable
 from memrad.grid import grid_floor
-from memrad.protocol import Decision
+from memrad.protocol import Decision, DecisionEvent, EvictEvent, ParkEvent, TurnEvent
 from memrad.reuse.fingerprint import chain, derive_openers
 from memrad.request import Completion, FinishReason, GenerationRequest
 from memrad.reuse.planner import Mode, Plan, RequestView, plan
@@ -83,6 +84,8 @@ class Engine:
         # Control tokens that open a chat message: the fingerprint splits prompts at them.
         self.openers = derive_openers(loaded.tokenizer)
         self.on_finished: FinishHook | None = None
+        # Control-socket events (memrad.protocol records); called on the engine thread.
+        self.events: Callable[[object], None] | None = None
 
     @property
     def model_id(self) -> str:
@@ -148,6 +151,7 @@ class Engine:
         log.info("%s %s", request.request_id, decided.decision.render())
         if on_decision is not None:
             on_decision(decided.decision)
+        self._publish_decision(request, decided)
         cache, pre = self._prefill_start(decided)
         logits = prefill(model, cache, prompt[pre.start:], pre.start, self.prefill_chunk, cancelled,
                          after_chunk=self._snapshotter(cache, pre, checkpoint), on_grid=self.mode == "exact")
@@ -208,6 +212,11 @@ class Engine:
             decision=replace(decided.decision, ttft_s=ttft_s),
         )
         session = self._park(request, decided, cache, pre, fed, text)
+        self._publish(TurnEvent(
+            at=time.time(), request_id=request.request_id, conversation=session.session_id if session else None,
+            identity=request.identity.name if request.identity else None, prompt_tokens=checkpoint,
+            cached_tokens=pre.start, completion_tokens=len(generated), ttft_s=ttft_s,
+            outcome=decided.decision.outcome, finish_reason=finish))
         self._hand_on(FinishedState(
             request=request, cache=cache, cache_token_ids=tuple(prompt[: pre.primed_to]) + fed,
             generated_ids=tuple(generated), prompt_checkpoint=pre.primed_to,
@@ -278,9 +287,42 @@ class Engine:
             log.info("%s not parked: %d bytes exceed the pool's cap of %d bytes", request.request_id,
                      session.num_bytes, self.pool.max_bytes)
             return None  # the parent (if any) stays: its state is intact and still valid
-        for old in self.pool.park(session, replaces=parent.session_id if parent is not None else None):
+        replaced = parent.session_id if parent is not None else None
+        for old in self.pool.park(session, replaces=replaced):
             log.info("evicted %s (%d tokens, %d bytes)", old.session_id, old.num_tokens, old.num_bytes)
+            self._publish(EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
+        if self.events is not None:
+            self._publish(ParkEvent(now, session_info(self.loaded.tokenizer, session, self.openers), replaced))
         return session
+
+    def session_infos(self) -> list:
+        """Every parked session as a SessionInfo record (least recently used first)."""
+        if self.pool is None:
+            return []
+        return [session_info(self.loaded.tokenizer, s, self.openers) for s in self.pool.sessions()]
+
+    def _publish(self, event: object) -> None:
+        if self.events is not None:
+            try:
+                self.events(event)
+            except Exception:  # an inspector must never break serving
+                log.exception("publishing %s failed", type(event).__name__)
+
+    def _publish_decision(self, request: GenerationRequest, decided: Plan) -> None:
+        if self.events is None:
+            return
+        d = decided.decision
+        context = None
+        if d.divergence is not None and d.candidate is not None and self.pool is not None:
+            candidate = self.pool.get(d.candidate)
+            if candidate is not None:
+                context = divergence_context(self.loaded.tokenizer, request.prompt_ids, candidate.token_ids,
+                                             d.divergence)
+        self._publish(DecisionEvent(
+            at=time.time(), decision=d, prompt_tokens=request.num_prompt_tokens,
+            identity=request.identity.name if request.identity else None,
+            segments=segment_infos(self.loaded.tokenizer, request.prompt_ids, self.openers),
+            divergence_context=context))
 
     def _hand_on(self, state: FinishedState) -> None:
         if self.on_finished is None:

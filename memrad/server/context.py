@@ -9,6 +9,7 @@ from typing import Protocol
 from aiohttp import web
 
 from memrad.config import Settings
+from memrad.protocol import PoolStats, StateSnapshot
 from memrad.scheduler import EngineLike, Scheduler
 
 
@@ -35,3 +36,18 @@ class ServerContext:
 
 
 CONTEXT = web.AppKey("context", ServerContext)
+
+
+def state_snapshot(ctx: ServerContext) -> StateSnapshot:
+    """The control socket's `snapshot`: parked sessions, pool stats, the flags in force."""
+    engine, settings = ctx.engine, ctx.settings
+    pool = getattr(engine, "pool", None)
+    stats = None if pool is None else PoolStats(len(pool.sessions()), pool.bytes_parked, pool.max_sessions,
+                                                pool.max_bytes)
+    flags = (("reuse.mode", settings.reuse.mode), ("affinity", str(settings.affinity.enabled).lower()),
+             ("pool", str(settings.pool.enabled).lower()),
+             ("prefill_chunk", str(settings.engine.prefill_chunk)), ("dtype", ctx.dtype))
+    sessions = tuple(engine.session_infos()) if hasattr(engine, "session_infos") else ()
+    return StateSnapshot(model=engine.model_id, device=ctx.device, uptime_s=round(time.time() - ctx.started_at, 3),
+                         requests_served=ctx.scheduler.requests_served, pool=stats, flags=flags,
+                         sessions=sessions)

@@ -1,0 +1,64 @@
+"""Parked sessions and requests as control-socket records (memrad.protocol), for the TUI.
+
+Labels and divergence context need the tokenizer, hence the engine package; the records
+themselves are plain data.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from memrad.protocol import SegmentInfo, SessionInfo
+from memrad.reuse.fingerprint import segments
+from memrad.reuse.pool import ParkedSession
+
+LABEL_TOKENS = 3
+CONTEXT_TOKENS = 12
+
+
+def _readable(text: str, limit: int) -> str:
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def segment_infos(tokenizer: Any, ids: Sequence[int], openers: frozenset[int]) -> tuple[SegmentInfo, ...]:
+    out = []
+    for seg in segments(ids, openers):
+        label = tokenizer.decode(list(ids[seg.start : min(seg.end, seg.start + LABEL_TOKENS)]),
+                                 skip_special_tokens=False)
+        out.append(SegmentInfo(_readable(label.strip(), 32), seg.start, seg.end, f"{seg.hash:016x}"))
+    return tuple(out)
+
+
+def session_info(tokenizer: Any, session: ParkedSession, openers: frozenset[int]) -> SessionInfo:
+    identity = session.identity
+    return SessionInfo(
+        session_id=session.session_id,
+        identity=identity.name if identity else None,
+        identity_source=identity.source if identity else None,
+        model=session.namespace.model,
+        cache_salt=session.namespace.cache_salt,
+        num_tokens=session.num_tokens,
+        prompt_checkpoint=session.prompt_checkpoint,
+        exact_limit=session.exact_limit,
+        checkpoints=session.checkpoints,
+        num_bytes=session.num_bytes,
+        age_s=round(time.time() - session.created_at, 3),
+        hits=session.hits,
+        segments=segment_infos(tokenizer, session.token_ids[: session.prompt_checkpoint], openers),
+    )
+
+
+def divergence_context(tokenizer: Any, prompt: Sequence[int], parked: Sequence[int],
+                       at: int) -> tuple[str, str]:
+    """The text around the first differing token: (what the request has, what was parked)."""
+    lo = max(0, at - CONTEXT_TOKENS)
+
+    def show(ids: Sequence[int]) -> str:
+        before = tokenizer.decode(list(ids[lo:at]), skip_special_tokens=False)
+        after = tokenizer.decode(list(ids[at : at + CONTEXT_TOKENS]), skip_special_tokens=False)
+        return _readable(before, 80) + " ▸ " + _readable(after, 80)
+
+    return show(prompt), show(parked)

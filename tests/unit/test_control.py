@@ -1,0 +1,122 @@
+"""The control socket: snapshot, many subscribers, a stalled one, bad requests."""
+
+import asyncio
+import json
+import os
+import stat
+import time
+
+from memrad.protocol import Dropped, EvictEvent, ProtocolError, StateSnapshot, from_line
+from memrad.server.control import ControlServer, EventBus
+
+SNAPSHOT = StateSnapshot("m", "cpu", 1.0, 0, None, (("reuse.mode", "exact"),), ())
+
+
+async def start(tmp_path, queue_size=1024):
+    bus = EventBus(asyncio.get_running_loop(), tmp_path / "events.jsonl", queue_size=queue_size)
+    server = ControlServer(tmp_path / "memrad.sock", bus, lambda: SNAPSHOT)
+    await server.start()
+    return server, bus
+
+
+async def connect(server):
+    return await asyncio.open_unix_connection(str(server.path))
+
+
+async def ask(reader, writer, payload: bytes):
+    writer.write(payload)
+    await writer.drain()
+    return from_line(await reader.readline())
+
+
+async def test_the_socket_is_owner_only_and_answers_snapshots(tmp_path):
+    server, _ = await start(tmp_path)
+    try:
+        assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o600
+        reader, writer = await connect(server)
+        assert await ask(reader, writer, b'{"op": "snapshot"}\n') == SNAPSHOT
+        writer.close()
+    finally:
+        await server.close()
+    assert not server.path.exists()
+
+
+async def test_bad_requests_get_an_error_line_and_the_connection_stays_usable(tmp_path):
+    server, _ = await start(tmp_path)
+    try:
+        reader, writer = await connect(server)
+        bad = await ask(reader, writer, b"{nope\n")
+        assert isinstance(bad, ProtocolError) and bad.message.startswith("malformed request (not JSON)")
+        unknown = await ask(reader, writer, b'{"op": "reset"}\n')
+        assert unknown.message.startswith("unknown op 'reset'; send {\"op\": \"snapshot\"}")
+        assert await ask(reader, writer, b'{"op": "snapshot"}\n') == SNAPSHOT
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def test_many_subscribers_and_a_stalled_one_never_blocks_publishing(tmp_path):
+    server, bus = await start(tmp_path, queue_size=8)
+    try:
+        live = [await connect(server) for _ in range(3)]
+        stalled = await connect(server)
+        for reader, writer in live + [stalled]:
+            writer.write(b'{"op": "subscribe"}\n')
+            await writer.drain()
+        for _ in range(50):
+            if bus.subscribers == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert bus.subscribers == 4
+
+        started = time.perf_counter()
+        for i in range(5):
+            bus.publish(EvictEvent(float(i), f"s{i}", i, i))
+        for reader, _ in live:  # the live ones read everything so far
+            got = [from_line(await reader.readline()) for _ in range(5)]
+            assert [e.session_id for e in got] == ["s0", "s1", "s2", "s3", "s4"]
+        # The stalled client never reads: its queue (8) and its socket buffer fill up, then
+        # events are dropped for it alone, counted, while publishing stays instant.
+        for i in range(5, 20000):
+            bus.publish(EvictEvent(float(i), f"s{i}", i, i))
+        assert time.perf_counter() - started < 10
+        reader, _ = live[0]
+        seen = [from_line(await asyncio.wait_for(reader.readline(), 5)) for _ in range(3)]
+        assert all(isinstance(e, (EvictEvent, Dropped)) for e in seen)
+
+        stalled_reader, _ = stalled
+        lines = []
+        while True:
+            try:
+                lines.append(from_line(await asyncio.wait_for(stalled_reader.readline(), 0.5)))
+            except asyncio.TimeoutError:
+                break
+        drops = [e for e in lines if isinstance(e, Dropped)]
+        assert drops and sum(d.count for d in drops) + sum(isinstance(e, EvictEvent) for e in lines) == 20000
+        for _, writer in live + [stalled]:
+            writer.close()
+    finally:
+        await server.close()
+    recorded = (tmp_path / "events.jsonl").read_text().splitlines()
+    assert len(recorded) == 20000 and json.loads(recorded[0])["type"] == "EvictEvent"
+
+
+async def test_a_subscriber_that_disconnects_is_forgotten(tmp_path):
+    server, bus = await start(tmp_path)
+    try:
+        reader, writer = await connect(server)
+        writer.write(b'{"op": "subscribe"}\n')
+        await writer.drain()
+        for _ in range(50):
+            if bus.subscribers == 1:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+        for _ in range(100):
+            if bus.subscribers == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert bus.subscribers == 0
+        bus.publish(EvictEvent(0.0, "s0", 0, 0))  # nobody listening: fine
+    finally:
+        await server.close()
