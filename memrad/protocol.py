@@ -192,3 +192,27 @@ def from_line(line: bytes | str):
         return _decode(data)
     except TypeError as exc:
         raise ValueError(f"malformed {data.get('type')}: {exc}") from None
+
+
+def default_socket_path() -> str:
+    """Where the daemon puts its socket by default, found with the standard library alone
+    (the TUI imports nothing else of memrad). Mirrors platformdirs' user_runtime_dir on
+    Linux: $XDG_RUNTIME_DIR if it is an owner-only directory we own, else /run/user/UID if
+    it is, else $TMPDIR/runtime-UID; then memra/memrad.sock inside it."""
+    import os
+    import stat
+    import tempfile
+
+    def usable(path: str | None) -> bool:
+        try:
+            st = os.stat(path) if path else None
+        except OSError:
+            return False
+        return st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() \
+            and stat.S_IMODE(st.st_mode) == 0o700
+
+    uid = os.geteuid()
+    for base in (os.environ.get("XDG_RUNTIME_DIR"), f"/run/user/{uid}"):
+        if usable(base):
+            return os.path.join(base, "memra", "memrad.sock")
+    return os.path.join(tempfile.gettempdir(), f"runtime-{uid}", "memra", "memrad.sock")

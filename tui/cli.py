@@ -1,18 +1,30 @@
-"""memra-tui entry point.
-
-The inspector attaches to the daemon's control socket (memrad.protocol records). The
-socket and its records exist; the Textual app that draws them is the next step. Until it
-lands this says so rather than drawing an empty UI.
-"""
+"""memra-tui [--socket PATH] [--replay FILE]"""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
+
+from memrad.protocol import default_socket_path
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("memra-tui's screens are not built yet. The daemon's control socket already serves "
-          "what they will show: `memrad status` prints its path; send {\"op\": \"snapshot\"} or "
-          "{\"op\": \"subscribe\"} as a JSON line (e.g. with `socat - UNIX-CONNECT:PATH`). "
-          "`memrad logs -f` shows every decision meanwhile.", file=sys.stderr)
-    return 1
+    parser = argparse.ArgumentParser(prog="memra-tui", description="live inspector of memrad's cache decisions")
+    parser.add_argument("--socket", help=f"the daemon's control socket (default: {default_socket_path()})")
+    parser.add_argument("--replay", type=Path, help="show a file written by `memrad start --record FILE`")
+    args = parser.parse_args(argv)
+
+    from tui.app import MemraApp
+    from tui.client import replay_records, socket_records
+
+    if args.replay is not None:
+        if not args.replay.is_file():
+            print(f"memra-tui: no such recording: {args.replay}", file=sys.stderr)
+            return 2
+        app = MemraApp(lambda: replay_records(args.replay), title=f"replay of {args.replay}")
+    else:
+        path = args.socket or default_socket_path()
+        app = MemraApp(lambda: socket_records(path), title=f"connecting to {path}")
+    app.run()
+    return 0

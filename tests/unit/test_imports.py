@@ -4,7 +4,7 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("module", ["tui", "tui.cli", "memrad.cli", "memrad.server.app", "memrad.scheduler"])
+@pytest.mark.parametrize("module", ["tui", "tui.cli", "tui.app", "memrad.cli", "memrad.server.app", "memrad.scheduler"])
 def test_front_ends_import_no_torch_or_transformers(module):
     code = (f"import sys, {module}; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "

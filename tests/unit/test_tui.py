@@ -1,0 +1,149 @@
+"""memra-tui driven with Pilot against a recorded event stream (no daemon, no model)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from memrad.protocol import (
+    Decision, DecisionEvent, EvictEvent, ParkEvent, PoolStats, SegmentInfo, SessionInfo, StateSnapshot, TurnEvent,
+    to_line,
+)
+from tui.app import MemraApp
+from tui.client import Status, replay_records
+from tui.screens import DecisionScreen, HelpScreen
+from tui.widgets.chains import ChainView, render_chains
+from tui.widgets.decisions import DecisionLog
+from tui.widgets.sessions import SessionsTable
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+T0 = 1_790_000_000.0
+
+
+def seg(label, start, end, h):
+    return SegmentInfo(label, start, end, h)
+
+
+SYSTEM, USER1, REPLY1, USER2 = (seg("<|im_start|>system", 0, 300, "a1a1a1a1a1a1a1a1"),
+                                seg("<|im_start|>user", 300, 340, "b2b2b2b2b2b2b2b2"),
+                                seg("<|im_start|>assistant", 340, 420, "c3c3c3c3c3c3c3c3"),
+                                seg("<|im_start|>user", 420, 450, "d4d4d4d4d4d4d4d4"))
+GEN = seg("<|im_start|>assistant", 450, 453, "e5e5e5e5e5e5e5e5")
+
+
+def session(sid, identity, tokens, segments, hits=0):
+    return SessionInfo(sid, identity, "session_id" if identity else None, "SmolLM2-135M-Instruct", None, tokens,
+                       tokens - 24, 256, (), tokens * 46080, 12.0, hits, segments)
+
+
+def decision_event(i, outcome, reason, candidate=None, divergence=None, context=None, tier="affinity"):
+    d = Decision(f"chatcmpl-{i:04d}", outcome, reason, 256 if outcome == "resumed" else 0, 197,
+                 tier=None if outcome == "cold" else tier, candidate=candidate,
+                 checkpoint=256 if outcome == "resumed" else None, divergence=divergence)
+    return DecisionEvent(T0 + i, d, 453, None, (SYSTEM, USER1, REPLY1, USER2, GEN), context)
+
+
+RECORDS = [
+    StateSnapshot("SmolLM2-135M-Instruct", "cpu", 60.0, 3, PoolStats(1, 10, 32, 100),
+                  (("reuse.mode", "exact"), ("affinity", "true")), (session("s1", None, 364, (SYSTEM, USER1, seg(
+                      "<|im_start|>assistant", 340, 343, "f6f6f6f6f6f6f6f6"))),)),
+    decision_event(1, "cold", "no nomination: 2 shared segments < 3"),
+    ParkEvent(T0 + 1, session("s2", None, 364, (SYSTEM, USER1)), None),  # the engine parks, then reports the turn
+    TurnEvent(T0 + 1, "chatcmpl-0001", "s2", None, 340, 0, 24, 0.91, "cold", "length"),
+    decision_event(2, "resumed", "implicit, 4 shared segments; checkpoint 256; primed 197", candidate="s2"),
+    ParkEvent(T0 + 2, session("s3", None, 477, (SYSTEM, USER1, REPLY1, USER2, GEN), hits=1), "s2"),
+    TurnEvent(T0 + 2, "chatcmpl-0002", "s3", None, 453, 256, 24, 0.41, "resumed", "stop"),
+    decision_event(3, "declined", "history diverged at 12 of checkpoint 256", candidate="s3", divergence=12,
+                   context=("You are a ▸ careless agent", "You are a ▸ careful agent")),
+    ParkEvent(T0 + 3, session("s4", "agent-b", 494, (SYSTEM, USER1)), None),
+    TurnEvent(T0 + 3, "chatcmpl-0003", "s4", "agent-b", 470, 0, 24, 1.2, "declined", "stop"),
+    EvictEvent(T0 + 4, "s1", 364, 364 * 46080),
+    Status(False, "replay of fixture: 11 events"),
+]
+
+
+def source():
+    async def records():
+        for record in RECORDS:
+            yield record
+    return records()
+
+
+async def settle(pilot):
+    for _ in range(5):
+        await pilot.pause()
+
+
+async def test_sessions_chains_and_decisions_fill_from_the_stream():
+    app = MemraApp(source)
+    async with app.run_test(size=(150, 44)) as pilot:
+        await settle(pilot)
+        assert list(app.state.sessions) == ["s3", "s4"]  # s1 evicted, s2 replaced by s3
+        table = app.query_one(SessionsTable)
+        assert table.row_count == 2 and table.selected_id == "s3"
+        assert [e.decision.outcome for e in app.query_one(DecisionLog).shown] == ["cold", "resumed", "declined"]
+        assert app.state.root_of["s3"] == "s2"  # one conversation across the resume
+        assert [t.ttft_s for t in app.state.turns["s2"]] == [0.91, 0.41]
+
+
+async def test_select_a_session_open_a_decision_and_filter():
+    app = MemraApp(source)
+    async with app.run_test(size=(150, 44)) as pilot:
+        await settle(pilot)
+        await pilot.click("#sessions")
+        await pilot.press("down")
+        assert app.query_one(SessionsTable).selected_id == "s4"
+        log = app.query_one(DecisionLog)
+        log.focus()
+        await pilot.press("enter")
+        assert isinstance(app.screen, DecisionScreen)
+        assert app.screen.event.decision.reason == "history diverged at 12 of checkpoint 256"
+        await pilot.press("escape")
+        assert not isinstance(app.screen, DecisionScreen)
+        await pilot.press("f")
+        assert app.outcome == "resumed" and [e.decision.outcome for e in log.shown] == ["resumed"]
+        await pilot.press("f", "f", "f")
+        assert app.outcome == "all" and len(log.shown) == 3
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+
+
+def test_chains_mark_the_shared_run_and_the_bar():
+    parked = session("s3", None, 477, (SYSTEM, USER1, REPLY1, USER2, GEN))
+    event = decision_event(9, "resumed", "x", candidate="s3")
+    table = render_chains(parked, event)
+    assert table.caption == "5 shared leading segments: reaches the bar of 3"
+    short = session("s2", None, 364, (SYSTEM, USER1, seg("<|im_start|>assistant", 340, 343, "0000000000000000")))
+    assert render_chains(short, event).caption == "2 shared leading segments: below the bar of 3"
+
+
+async def test_the_main_screen_matches_its_snapshot():
+    app = MemraApp(source)
+    async with app.run_test(size=(150, 44)) as pilot:
+        await settle(pilot)
+        svg = app.export_screenshot(title="memra-tui")
+    path = SNAPSHOTS / "main_screen.svg"
+    if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(svg)
+        if os.environ.get("UPDATE_SNAPSHOTS") != "1":
+            pytest.fail(f"wrote a new snapshot {path}: review it and commit it")
+    assert svg == path.read_text()
+
+
+async def test_replay_reads_a_recorded_file(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b"".join(to_line(r) for r in RECORDS if not isinstance(r, Status)))
+    got = [r async for r in replay_records(path)]
+    assert got[:-1] == [r for r in RECORDS if not isinstance(r, Status)]
+    assert got[-1] == Status(False, f"replay of {path}: 11 events")
+
+
+async def test_no_daemon_is_said_plainly_and_retried(tmp_path):
+    from tui.client import socket_records
+
+    records = socket_records(str(tmp_path / "absent.sock"))
+    first = await records.__anext__()
+    assert first == Status(False, f"no daemon at {tmp_path / 'absent.sock'}: start one with `memrad start` "
+                                  "(waiting for it)")
+    await records.aclose()

@@ -1,0 +1,1 @@
+"""Widgets by screen region: sessions (top left), chains (top right), decisions and TTFT (bottom)."""

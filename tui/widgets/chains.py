@@ -1,0 +1,57 @@
+"""A parked session's fingerprint chain beside the latest request's, aligned by segment."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.widgets import Static
+
+from memrad.protocol import DecisionEvent, SegmentInfo, SessionInfo
+
+BAR = 3  # shared leading segments implicit nomination needs (memrad.reuse.identity)
+
+
+def shared_run(a: tuple[SegmentInfo, ...], b: tuple[SegmentInfo, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x.hash != y.hash:
+            break
+        n += 1
+    return n
+
+
+def render_chains(session: SessionInfo | None, event: DecisionEvent | None) -> Table | Text:
+    if session is None:
+        return Text("no parked session selected", style="dim")
+    request = event.segments if event is not None else ()
+    shared = shared_run(session.segments, request)
+    table = Table(expand=True, box=None, pad_edge=False)
+    table.add_column("#", justify="right", style="dim", width=3)
+    table.add_column(f"parked {session.session_id}", ratio=1, no_wrap=True, overflow="ellipsis")
+    table.add_column("", width=1)
+    table.add_column(f"request {event.decision.request_id[-8:]}" if event else "request", ratio=1,
+                     no_wrap=True, overflow="ellipsis")
+    for i in range(max(len(session.segments), len(request))):
+        left = session.segments[i] if i < len(session.segments) else None
+        right = request[i] if i < len(request) else None
+        mark, style = ("=", "green") if i < shared else (("≠", "bold red") if i == shared else ("", "dim"))
+        table.add_row(str(i), _cell(left, style), Text(mark, style=style), _cell(right, style))
+    bar = "reaches" if shared >= BAR else "below"
+    footer = f"{shared} shared leading segments: {bar} the bar of {BAR}"
+    if event is not None and event.decision.divergence is not None:
+        footer += f"; tokens diverge at {event.decision.divergence}"
+    table.caption = footer
+    return table
+
+
+def _cell(segment: SegmentInfo | None, style: str) -> Text:
+    if segment is None:
+        return Text("")
+    return Text(f"{segment.hash[:6]} {segment.start:>6}-{segment.end:<6} {segment.label}", style=style)
+
+
+class ChainView(Static):
+    BORDER_TITLE = "fingerprint chains"
+
+    def show(self, session: SessionInfo | None, event: DecisionEvent | None) -> None:
+        self.update(render_chains(session, event))

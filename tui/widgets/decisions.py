@@ -1,0 +1,38 @@
+"""The decision log, newest last, filterable by outcome."""
+
+from __future__ import annotations
+
+import time
+
+from textual.widgets import DataTable
+
+from memrad.protocol import DecisionEvent
+
+STYLES = {"resumed": "green", "declined": "yellow", "cold": "red"}
+
+
+class DecisionLog(DataTable):
+    BORDER_TITLE = "decisions"
+
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        self.add_columns("time", "request", "outcome", "reason")
+        self.shown: list[DecisionEvent] = []
+
+    def show(self, events: list[DecisionEvent], outcome: str) -> None:
+        self.shown = list(events)
+        self.clear()
+        for i, e in enumerate(self.shown):
+            d = e.decision
+            head = f"{d.tier}: {d.outcome}" if d.tier else d.outcome
+            self.add_row(time.strftime("%H:%M:%S", time.gmtime(e.at)), d.request_id[-8:],
+                         f"[{STYLES[d.outcome]}]{head}[/]", d.reason, key=str(i))
+        self.border_subtitle = f"filter: {outcome} (f)"
+        if self.shown:
+            self.move_cursor(row=len(self.shown) - 1)
+
+    @property
+    def selected(self) -> DecisionEvent | None:
+        if not self.shown:
+            return None
+        return self.shown[self.cursor_coordinate.row]
