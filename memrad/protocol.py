@@ -108,6 +108,8 @@ class DecisionEvent:
     segments: tuple[SegmentInfo, ...]
     # Tokens around the divergence, decoded: (request's text, candidate's text), if any.
     divergence_context: tuple[str, str] | None = None
+    # The candidate's chain as it was when this request was compared with it.
+    candidate_segments: tuple[SegmentInfo, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

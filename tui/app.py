@@ -47,6 +47,7 @@ class MemraApp(App):
         self.state = InspectorState()
         self.outcome = "all"
         self.status_text = title or "connecting…"
+        self._screenshot: tuple[float, object] | None = None
 
     def compose(self) -> ComposeResult:
         yield Static(self.status_text, id="status")
@@ -56,9 +57,21 @@ class MemraApp(App):
         yield TtftChart(id="ttft")
         yield Footer()
 
+    def screenshot_after(self, seconds: float, path) -> None:
+        """Save the screen as SVG `seconds` after mounting, then exit (for docs and CI)."""
+        self._screenshot = (seconds, path)
+
     def on_mount(self) -> None:
         self.run_worker(self._consume(), exclusive=True, group="source")
         self.redraw()
+        self.set_interval(5.0, self._redraw_sessions)  # ages move on even when nothing happens
+        if self._screenshot is not None:
+            seconds, path = self._screenshot
+            self.set_timer(seconds, lambda: self._save_and_exit(path))
+
+    def _save_and_exit(self, path) -> None:
+        path.write_text(self.export_screenshot(title="memra-tui"))
+        self.exit()
 
     async def _consume(self) -> None:
         async for record in self.source():
@@ -80,11 +93,14 @@ class MemraApp(App):
         dropped = f" · {state.dropped} events dropped" if state.dropped else ""
         self.query_one("#status", Static).update(
             f"{self.status_text} · {state.model} on {state.device} · {flags}{dropped}")
-        sessions = self.query_one(SessionsTable)
-        sessions.show(list(state.sessions.values()))
+        self._redraw_sessions()
         self.query_one(DecisionLog).show(state.decisions_for(self.outcome), self.outcome)
         self.query_one(TtftChart).show(state.turns, state.names)
         self._redraw_chains()
+
+    def _redraw_sessions(self) -> None:
+        parked = list(self.state.sessions.values())
+        self.query_one(SessionsTable).show(parked, [self.state.age_s(s) for s in parked])
 
     def _redraw_chains(self) -> None:
         selected = self.query_one(SessionsTable).selected_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -25,6 +26,12 @@ class InspectorState:
     root_of: dict[str, str] = field(default_factory=dict)           # session -> conversation
     names: dict[str, str] = field(default_factory=dict)             # conversation -> label
     dropped: int = 0
+    seen_at: dict[str, float] = field(default_factory=dict)         # session -> monotonic arrival
+
+    def age_s(self, session: SessionInfo, now: float | None = None) -> float:
+        """The session's age now: its age when reported plus the time since."""
+        now = time.monotonic() if now is None else now
+        return session.age_s + now - self.seen_at.get(session.session_id, now)
 
     def apply(self, record: object) -> None:
         if isinstance(record, StateSnapshot):
@@ -32,6 +39,7 @@ class InspectorState:
             self.sessions = OrderedDict((s.session_id, s) for s in record.sessions)
             for s in record.sessions:
                 self.root_of.setdefault(s.session_id, s.session_id)
+                self.seen_at[s.session_id] = time.monotonic()
         elif isinstance(record, ParkEvent):
             session = record.session
             if record.replaced is not None:
@@ -40,6 +48,7 @@ class InspectorState:
             self.root_of[session.session_id] = root
             self.names[root] = session.identity or self.names.get(root, root)
             self.sessions[session.session_id] = session
+            self.seen_at[session.session_id] = time.monotonic()
         elif isinstance(record, EvictEvent):
             self.sessions.pop(record.session_id, None)
         elif isinstance(record, DecisionEvent):

@@ -312,17 +312,19 @@ class Engine:
         if self.events is None:
             return
         d = decided.decision
-        context = None
-        if d.divergence is not None and d.candidate is not None and self.pool is not None:
-            candidate = self.pool.get(d.candidate)
-            if candidate is not None:
+        context, candidate_segments = None, ()
+        candidate = self.pool.get(d.candidate) if d.candidate is not None and self.pool is not None else None
+        if candidate is not None:
+            candidate_segments = segment_infos(self.loaded.tokenizer, candidate.token_ids[: candidate.prompt_checkpoint],
+                                               self.openers)
+            if d.divergence is not None:
                 context = divergence_context(self.loaded.tokenizer, request.prompt_ids, candidate.token_ids,
                                              d.divergence)
         self._publish(DecisionEvent(
             at=time.time(), decision=d, prompt_tokens=request.num_prompt_tokens,
             identity=request.identity.name if request.identity else None,
             segments=segment_infos(self.loaded.tokenizer, request.prompt_ids, self.openers),
-            divergence_context=context))
+            divergence_context=context, candidate_segments=candidate_segments))
 
     def _hand_on(self, state: FinishedState) -> None:
         if self.on_finished is None:

@@ -14,7 +14,7 @@ from memrad.protocol import SegmentInfo, SessionInfo
 from memrad.reuse.fingerprint import segments
 from memrad.reuse.pool import ParkedSession
 
-LABEL_TOKENS = 3
+LABEL_TOKENS = 4
 CONTEXT_TOKENS = 12
 
 
@@ -24,11 +24,13 @@ def _readable(text: str, limit: int) -> str:
 
 
 def segment_infos(tokenizer: Any, ids: Sequence[int], openers: frozenset[int]) -> tuple[SegmentInfo, ...]:
+    """Each segment with a short label: its first words past the control tokens (the role)."""
     out = []
     for seg in segments(ids, openers):
-        label = tokenizer.decode(list(ids[seg.start : min(seg.end, seg.start + LABEL_TOKENS)]),
-                                 skip_special_tokens=False)
-        out.append(SegmentInfo(_readable(label.strip(), 32), seg.start, seg.end, f"{seg.hash:016x}"))
+        head = tokenizer.decode(list(ids[seg.start : min(seg.end, seg.start + LABEL_TOKENS)]),
+                                skip_special_tokens=True)
+        label = head.strip().split("\n")[0] or "(control)"
+        out.append(SegmentInfo(_readable(label, 24), seg.start, seg.end, f"{seg.hash:016x}"))
     return tuple(out)
 
 

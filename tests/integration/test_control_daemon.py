@@ -51,8 +51,7 @@ def test_a_subscriber_sees_the_decision_the_turn_and_the_park(daemon):
     decision, turn, park = events["DecisionEvent"], events["TurnEvent"], events["ParkEvent"]
     assert isinstance(decision, DecisionEvent) and decision.identity == "watched"
     assert decision.decision.render() == "cold (nothing parked for this model and cache_salt)"
-    assert [s.label for s in decision.segments] == ["<|im_start|>system", "<|im_start|>user",
-                                                     "<|im_start|>assistant"]
+    assert [s.label for s in decision.segments] == ["system", "user", "assistant"]
     assert isinstance(turn, TurnEvent) and turn.prompt_tokens == reply.usage.prompt_tokens
     assert turn.conversation == park.session.session_id and park.session.identity == "watched"
     assert park.session.prompt_checkpoint == reply.usage.prompt_tokens

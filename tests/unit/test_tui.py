@@ -147,3 +147,14 @@ async def test_no_daemon_is_said_plainly_and_retried(tmp_path):
     assert first == Status(False, f"no daemon at {tmp_path / 'absent.sock'}: start one with `memrad start` "
                                   "(waiting for it)")
     await records.aclose()
+
+
+def test_chains_compare_the_request_with_the_candidate_as_it_was():
+    rewritten = seg("<|im_start|>assistant", 340, 400, "9999999999999999")  # the client cut reply 1
+    event = DecisionEvent(T0, Decision("chatcmpl-9", "resumed", "x", 256, 100, tier="affinity", candidate="s2",
+                                       divergence=371), 453, None, (SYSTEM, USER1, rewritten, USER2, GEN),
+                          None, (SYSTEM, USER1, REPLY1, USER2, GEN))
+    now_parked = session("s3", None, 477, (SYSTEM, USER1, rewritten, USER2, GEN))
+    table = render_chains(now_parked, event)
+    assert table.columns[1].header == "parked s2"
+    assert table.caption == "2 shared leading segments: below the bar of 3; tokens diverge at 371"

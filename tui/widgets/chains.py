@@ -24,20 +24,28 @@ def render_chains(session: SessionInfo | None, event: DecisionEvent | None) -> T
     if session is None:
         return Text("no parked session selected", style="dim")
     request = event.segments if event is not None else ()
-    shared = shared_run(session.segments, request)
+    # Compare what the request was compared with: the candidate's chain at decision time
+    # (the selected session may be the state that request left behind).
+    parked = event.candidate_segments if event is not None and event.candidate_segments else session.segments
+    parked_name = event.decision.candidate if event is not None and event.candidate_segments else session.session_id
+    shared = shared_run(parked, request) if request else len(parked)
     table = Table(expand=True, box=None, pad_edge=False)
     table.add_column("#", justify="right", style="dim", width=3)
-    table.add_column(f"parked {session.session_id}", ratio=1, no_wrap=True, overflow="ellipsis")
+    table.add_column(f"parked {parked_name}", ratio=1, no_wrap=True, overflow="ellipsis")
     table.add_column("", width=1)
     table.add_column(f"request {event.decision.request_id[-8:]}" if event else "request", ratio=1,
                      no_wrap=True, overflow="ellipsis")
-    for i in range(max(len(session.segments), len(request))):
-        left = session.segments[i] if i < len(session.segments) else None
+    for i in range(max(len(parked), len(request))):
+        left = parked[i] if i < len(parked) else None
         right = request[i] if i < len(request) else None
-        mark, style = ("=", "green") if i < shared else (("≠", "bold red") if i == shared else ("", "dim"))
+        if not request:
+            mark, style = "", ""
+        else:
+            mark, style = ("=", "green") if i < shared else (("≠", "bold red") if i == shared else ("", "dim"))
         table.add_row(str(i), _cell(left, style), Text(mark, style=style), _cell(right, style))
     bar = "reaches" if shared >= BAR else "below"
-    footer = f"{shared} shared leading segments: {bar} the bar of {BAR}"
+    footer = f"{shared} shared leading segments: {bar} the bar of {BAR}" if request else \
+        "no request compared with this session yet"
     if event is not None and event.decision.divergence is not None:
         footer += f"; tokens diverge at {event.decision.divergence}"
     table.caption = footer
@@ -47,7 +55,7 @@ def render_chains(session: SessionInfo | None, event: DecisionEvent | None) -> T
 def _cell(segment: SegmentInfo | None, style: str) -> Text:
     if segment is None:
         return Text("")
-    return Text(f"{segment.hash[:6]} {segment.start:>6}-{segment.end:<6} {segment.label}", style=style)
+    return Text(f"{segment.label:<10} {segment.start:>5}-{segment.end:<5} {segment.hash[:6]}", style=style)
 
 
 class ChainView(Static):

@@ -20,6 +20,9 @@ class DecisionLog(DataTable):
         self.shown: list[DecisionEvent] = []
 
     def show(self, events: list[DecisionEvent], outcome: str) -> None:
+        """Redraw; the cursor follows new decisions only while it sits on the newest one."""
+        following = not self.shown or self.cursor_coordinate.row >= len(self.shown) - 1
+        row = self.cursor_coordinate.row
         self.shown = list(events)
         self.clear()
         for i, e in enumerate(self.shown):
@@ -29,7 +32,7 @@ class DecisionLog(DataTable):
                          f"[{STYLES[d.outcome]}]{head}[/]", d.reason, key=str(i))
         self.border_subtitle = f"filter: {outcome} (f)"
         if self.shown:
-            self.move_cursor(row=len(self.shown) - 1)
+            self.move_cursor(row=len(self.shown) - 1 if following else min(row, len(self.shown) - 1))
 
     @property
     def selected(self) -> DecisionEvent | None:

@@ -22,14 +22,14 @@ class SessionsTable(DataTable):
         self.cursor_type = "row"
         self.add_columns("session", "identity", "tokens", "checkpoint", "bytes", "age", "hits")
 
-    def show(self, sessions: list[SessionInfo]) -> None:
+    def show(self, sessions: list[SessionInfo], ages_s: list[float]) -> None:
         """Redraw from `sessions`, keeping the cursor on the same session when it survives."""
         selected = self.selected_id
         self.clear()
-        for s in sessions:
+        for s, age_s in zip(sessions, ages_s):
             identity = f"{s.identity} ({s.identity_source})" if s.identity else "-"
             self.add_row(s.session_id, identity, str(s.num_tokens), str(s.prompt_checkpoint),
-                         human_bytes(s.num_bytes), f"{s.age_s:.0f}s", str(s.hits), key=s.session_id)
+                         human_bytes(s.num_bytes), f"{age_s:.0f}s", str(s.hits), key=s.session_id)
         if selected is not None and selected in {s.session_id for s in sessions}:
             self.move_cursor(row=self.get_row_index(selected))
 
