@@ -85,6 +85,7 @@ class ControlServer:
         self.bus = bus
         self._snapshot = snapshot
         self._server: asyncio.base_events.Server | None = None
+        self._clients: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> None:
         self.path.unlink(missing_ok=True)  # stale sockets are removed under the daemon lock
@@ -98,12 +99,15 @@ class ControlServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._clients):  # subscribers see EOF and can reattach later
+                writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
         self.path.unlink(missing_ok=True)
         self.bus.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._clients.add(writer)
         try:
             while line := await reader.readline():
                 op, error = parse_op(line)
@@ -118,6 +122,7 @@ class ControlServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            self._clients.discard(writer)
             writer.close()
 
     async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -55,3 +55,21 @@ def test_a_subscriber_sees_the_decision_the_turn_and_the_park(daemon):
     assert isinstance(turn, TurnEvent) and turn.prompt_tokens == reply.usage.prompt_tokens
     assert turn.conversation == park.session.session_id and park.session.identity == "watched"
     assert park.session.prompt_checkpoint == reply.usage.prompt_tokens
+
+
+def test_memra_tui_draws_the_live_daemon(daemon, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = json.loads(daemon.cli("status", "--json").stdout)["socket"]
+    script = Path(sys.executable).parent / "memra-tui"
+    exe = str(script) if script.exists() else shutil.which("memra-tui")
+    out = tmp_path / "screen.svg"
+    result = subprocess.run([exe, "--socket", path, "--screenshot", str(out), "--after", "3"],
+                            capture_output=True, text=True, timeout=60, env=daemon.env)
+    assert result.returncode == 0, result.stderr
+    svg = out.read_text()
+    assert "connected&#160;to" in svg and "parked&#160;sessions" in svg
+    assert "watched&#160;(session_id)" in svg  # the session parked by the previous test

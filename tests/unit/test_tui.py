@@ -158,3 +158,31 @@ def test_chains_compare_the_request_with_the_candidate_as_it_was():
     table = render_chains(now_parked, event)
     assert table.columns[1].header == "parked s2"
     assert table.caption == "2 shared leading segments: below the bar of 3; tokens diverge at 371"
+
+
+async def test_the_socket_source_reattaches_after_a_daemon_restart(tmp_path):
+    import asyncio
+
+    from memrad.server.control import ControlServer, EventBus
+    from tui.client import socket_records
+
+    snapshot = RECORDS[0]
+    path = tmp_path / "memrad.sock"
+
+    async def serve():
+        server = ControlServer(path, EventBus(asyncio.get_running_loop()), lambda: snapshot)
+        await server.start()
+        return server
+
+    server = await serve()
+    records = socket_records(str(path))
+    assert await records.__anext__() == Status(True, f"connected to {path}")
+    assert await records.__anext__() == snapshot
+    await server.close()
+    assert await asyncio.wait_for(records.__anext__(), 5) == Status(
+        False, f"the daemon at {path} went away: reconnecting")
+    server = await serve()
+    assert await asyncio.wait_for(records.__anext__(), 5) == Status(True, f"connected to {path}")
+    assert await records.__anext__() == snapshot
+    await records.aclose()
+    await server.close()
