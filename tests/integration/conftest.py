@@ -44,3 +44,14 @@ def daemon(make_daemon) -> Daemon:
     if not d.pidfile.is_file():
         pytest.fail(f"the daemon did not write its pidfile in the isolated runtime dir {d.runtime_dir}")
     return d
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The default model loaded in this process (pulled into the cache on first use)."""
+    import torch
+
+    from memrad.engine.loader import load_model
+
+    torch.set_num_threads(2)
+    return load_model("default", device="cpu", dtype="float32")

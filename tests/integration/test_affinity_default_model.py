@@ -6,7 +6,7 @@ from memrad.engine.engine import Engine
 from memrad.grid import grid_floor
 from memrad.request import GenerationRequest, Identity, SamplingParams
 from memrad.reuse.pool import ReusePool
-from test_reuse_default_model import CHUNK, SYSTEM, smol  # noqa: F401  (module-scoped fixture)
+from test_reuse_default_model import CHUNK, SYSTEM
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from memrad.engine.engine import Engine
-from memrad.engine.loader import load_model
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 
@@ -25,12 +24,6 @@ SYSTEM = {"role": "system", "content": (
     "you write, keep changes small, and run the tests after every change. You can call these tools:\n"
     f"{TOOLS}\n{TOOLS}\nAnswer briefly and precisely.")}
 FIRST_USER = {"role": "user", "content": "List the files in the repository root and say what each is for."}
-
-
-@pytest.fixture(scope="module")
-def smol():
-    torch.set_num_threads(2)
-    return load_model("default", device="cpu", dtype="float32")
 
 
 def engine_for(smol, mode):

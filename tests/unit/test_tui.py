@@ -12,7 +12,7 @@ from memrad.protocol import (
 from tui.app import MemraApp
 from tui.client import Status, replay_records
 from tui.screens import DecisionScreen, HelpScreen
-from tui.widgets.chains import ChainView, render_chains
+from tui.widgets.chains import render_chains
 from tui.widgets.decisions import DecisionLog
 from tui.widgets.sessions import SessionsTable
 
