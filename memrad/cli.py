@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
 
     pull = sub.add_parser("pull", help="fetch and convert a model into the cache")
     pull.add_argument("model", nargs="?", default="default", help="`default` or a .gguf file")
+
+    sub.add_parser("smoke", help="prove reuse fires end to end and resumes reproducibly (two fresh daemons)")
     return parser
 
 
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"start": cmd_start, "stop": cmd_stop, "status": cmd_status,
-                "logs": cmd_logs, "pull": cmd_pull}[args.command](args)
+                "logs": cmd_logs, "pull": cmd_pull, "smoke": cmd_smoke}[args.command](args)
     except (SettingsError, AlreadyRunning, StartupError) as exc:
         print(f"memrad: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SettingsError) else 1
@@ -319,3 +321,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
         return 1
     print(f"ready: {folder}")
     return 0
+
+
+def cmd_smoke(args: argparse.Namespace) -> int:
+    from memrad.bench.smoke import smoke
+
+    return smoke()

@@ -1,0 +1,58 @@
+"""Throwaway daemons for harnesses: isolated runtime/log dirs, a free port, started and
+stopped through the real CLI, so what is measured is what a user runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Daemon:
+    root: Path
+    env: dict[str, str]
+    url: str = ""
+
+    @classmethod
+    def create(cls, extra_env: dict[str, str] | None = None) -> "Daemon":
+        root = Path(tempfile.mkdtemp(prefix="memra-daemon-"))
+        runtime = root / "runtime"
+        runtime.mkdir(mode=0o700)
+        runtime.chmod(0o700)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_") or k == "MEMRA_CACHE_DIR"}
+        env.update(XDG_RUNTIME_DIR=str(runtime), XDG_STATE_HOME=str(root / "state"),
+                   XDG_CONFIG_HOME=str(root / "config"), **(extra_env or {}))
+        return cls(root, env)
+
+    def cli(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "memrad", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def start(self, *flags: str) -> None:
+        port = free_port()
+        result = self.cli("start", "--port", str(port), *flags)
+        if result.returncode != 0:
+            raise RuntimeError(f"memrad start failed:\n{result.stdout}{result.stderr}")
+        self.url = f"http://127.0.0.1:{port}"
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json").stdout)
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / "state" / "memra" / "log" / "memrad.log"
+
+    def stop(self) -> None:
+        self.cli("stop", "--timeout", "30")
