@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("model", nargs="?", default="default", help="`default` or a .gguf file")
 
     sub.add_parser("smoke", help="prove reuse fires end to end and resumes reproducibly (two fresh daemons)")
+    bench = sub.add_parser("bench", help="benchmark harnesses (see docs/BENCHMARKS.md)")
+    bench.add_argument("harness", choices=("chunk-probe",))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the harness's own arguments")
     return parser
 
 
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"start": cmd_start, "stop": cmd_stop, "status": cmd_status,
-                "logs": cmd_logs, "pull": cmd_pull, "smoke": cmd_smoke}[args.command](args)
+                "logs": cmd_logs, "pull": cmd_pull, "smoke": cmd_smoke,
+                "bench": cmd_bench}[args.command](args)
     except (SettingsError, AlreadyRunning, StartupError) as exc:
         print(f"memrad: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SettingsError) else 1
@@ -327,3 +331,9 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     from memrad.bench.smoke import smoke
 
     return smoke()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from memrad.bench import chunk_probe
+
+    return {"chunk-probe": chunk_probe.main}[args.harness](args.rest)
