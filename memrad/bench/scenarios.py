@@ -38,6 +38,17 @@ def _tool_result(i: int, lines: int) -> str:
                      for j in range(lines))
 
 
+HISTORY_REWRITES = ("elide-tools",)
+
+
+def elide_old_tool_output(messages: list[dict], keep_last: int = 2) -> list[dict]:
+    """Compact every tool result but the last `keep_last` (what agents do to long histories)."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user" and "Tool result:" in m["content"]]
+    old = set(users[:-keep_last]) if keep_last else set(users)
+    return [dict(m, content=m["content"].split("Tool result:")[0] + "Tool result: [elided]")
+            if i in old else m for i, m in enumerate(messages)]
+
+
 SHORT = Scenario("short", SYSTEM * 2, (
     "List the files in the repository root.",
     f"Tool result:\n{_tool_result(1, 4)}\nWhich of these parses the config?",

@@ -1,0 +1,164 @@
+"""`memrad bench replay TRANSCRIPT --out DIR`: the same bytes, affinity on vs off.
+
+Starts a fresh daemon per arm and rep (affinity on, and MEMRA_AFFINITY=0), interleaving
+the arms (on, off, then off, on, ...), streams every recorded turn and stops the TTFT clock
+at the first SSE chunk that carries text. Writes DIR/rows.jsonl (every turn of every run),
+DIR/logs/, and DIR/RESULTS.md: per-turn medians over reps, the table by turn class
+(classified from the request bodies: cold prime, pure extension, rewritten history),
+sums of per-turn medians, wall clock, and output byte-identity across and within arms.
+Fails when no turn rewrote its history: a run cannot claim a regime it did not reproduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from memrad.bench.daemons import Daemon
+
+ARMS = {"on": {}, "off": {"MEMRA_AFFINITY": "0"}}
+
+
+def classify(turns: list[dict]) -> list[str]:
+    """Per turn, from the bodies: does it extend the previous request + its reply verbatim?"""
+    classes = []
+    for i, turn in enumerate(turns):
+        if i == 0:
+            classes.append("cold prime")
+            continue
+        prev, now = turns[i - 1]["body"]["messages"], turn["body"]["messages"]
+        extended = prev + [{"role": "assistant", "content": turns[i - 1]["reply"]}]
+        classes.append("pure extension" if now[: len(extended)] == extended else "rewritten history")
+    return classes
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    arm: str
+    rep: int
+    turn: int
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    decision: str
+    text: str
+
+
+def stream_turn(client, body: dict) -> tuple[float, int, int, str, str]:
+    """(ttft_s, prompt tokens, cached tokens, decision, text) of one streamed request."""
+    extra = {k: body[k] for k in ("session_id",) if k in body}
+    started = time.perf_counter()
+    ttft, parts, usage = None, [], None
+    with client.chat.completions.with_streaming_response.create(
+            model=body["model"], messages=body["messages"], temperature=body["temperature"],
+            max_tokens=body["max_tokens"], stream=True, stream_options={"include_usage": True},
+            extra_body=extra or None) as response:
+        decision = response.headers.get("x-memra-decision", "")
+        for chunk in response.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                parts.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+    return (ttft if ttft is not None else time.perf_counter() - started, usage.prompt_tokens,
+            usage.prompt_tokens_details.cached_tokens, decision, "".join(parts))
+
+
+def run_arm(arm: str, rep: int, transcript: dict, flags: list[str], logs: Path) -> tuple[list[Row], float]:
+    import openai
+
+    daemon = Daemon.create(ARMS[arm])
+    daemon.start(*flags)
+    started = time.perf_counter()
+    rows = []
+    try:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+        for i, turn in enumerate(transcript["turns"], start=1):
+            ttft, prompt, cached, decision, text = stream_turn(client, turn["body"])
+            rows.append(Row(arm, rep, i, ttft, prompt, cached, decision, text))
+            print(f"  {arm} rep {rep} turn {i}: {prompt} tokens, ttft {ttft:.3f}s, cached {cached}", flush=True)
+    finally:
+        wall = time.perf_counter() - started
+        daemon.stop()
+        if daemon.log_path.exists():
+            shutil.copy(daemon.log_path, logs / f"{arm}-rep{rep}.log")
+    return rows, wall
+
+
+def first_difference(a: str, b: str) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def report(transcript: dict, rows: list[Row], walls: dict[str, list[float]], reps: int) -> tuple[str, bool]:
+    """RESULTS.md, and whether the run reproduced a rewritten history at all."""
+    classes = classify(transcript["turns"])
+    n = len(classes)
+    median = {arm: [statistics.median(r.ttft_s for r in rows if r.arm == arm and r.turn == t)
+                    for t in range(1, n + 1)] for arm in ARMS}
+    prompt = {r.turn: r.prompt_tokens for r in rows if r.arm == "on" and r.rep == 0}
+    lines = [f"# Replay of {transcript['scenario']} (client rewrite: {transcript['rewrite']}; "
+             f"{'named' if transcript.get('session_id') else 'unnamed'} client)", "",
+             f"{reps} reps per arm, interleaved; TTFT = first SSE chunk with text, client side; per-turn medians.",
+             "", "| turn class | turns | on: sum of medians s | off: sum of medians s | off/on |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for cls in ("cold prime", "pure extension", "rewritten history"):
+        turns = [t for t in range(n) if classes[t] == cls]
+        if turns:
+            on, off = sum(median["on"][t] for t in turns), sum(median["off"][t] for t in turns)
+            lines.append(f"| {cls} | {len(turns)} | {on:.2f} | {off:.2f} | {off / on:.1f}x |")
+    lines += ["", f"Sum of per-turn medians: on {sum(median['on']):.2f} s, off {sum(median['off']):.2f} s. "
+              f"End-to-end wall clock (median over reps): on {statistics.median(walls['on']):.1f} s, "
+              f"off {statistics.median(walls['off']):.1f} s.", "",
+              "| turn | class | prompt tokens | on TTFT s | off TTFT s | off/on | on decision (rep 0) |",
+              "| ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+    decisions = {r.turn: r.decision for r in rows if r.arm == "on" and r.rep == 0}
+    for t in range(n):
+        on, off = median["on"][t], median["off"][t]
+        lines.append(f"| {t + 1} | {classes[t]} | {prompt.get(t + 1, '?')} | {on:.3f} | {off:.3f} | "
+                     f"{off / on:.1f}x | {decisions.get(t + 1, '')} |")
+    lines += ["", "## Output byte-identity", ""]
+    text = {(r.arm, r.rep, r.turn): r.text for r in rows}
+    diffs = []
+    for t in range(1, n + 1):
+        for a, b in [(("on", 0), ("off", 0))] + [((arm, 0), (arm, k)) for arm in ARMS for k in range(1, reps)]:
+            at = first_difference(text[(*a, t)], text[(*b, t)])
+            if at is not None:
+                diffs.append(f"- turn {t}: {a[0]} rep {a[1]} vs {b[0]} rep {b[1]} differ at character {at}")
+    lines += diffs or [f"All {n} turns byte-identical across arms and within each arm."]
+    return "\n".join(lines) + "\n", "rewritten history" in classes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="memrad bench replay", description=__doc__.splitlines()[0])
+    parser.add_argument("transcript", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("flags", nargs="*", help="extra `memrad start` flags for both arms")
+    args = parser.parse_args(argv)
+    transcript = json.loads(args.transcript.read_text())
+    if "rewritten history" not in classify(transcript["turns"]):
+        print("FAIL: no turn of this transcript rewrote its history; record with another --rewrite")
+        return 1
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    rows, walls = [], {arm: [] for arm in ARMS}
+    for rep in range(args.reps):
+        for arm in (("on", "off") if rep % 2 == 0 else ("off", "on")):
+            arm_rows, wall = run_arm(arm, rep, transcript, args.flags, args.out / "logs")
+            rows += arm_rows
+            walls[arm].append(wall)
+    with open(args.out / "rows.jsonl", "w") as out:
+        for row in rows:
+            out.write(json.dumps(asdict(row)) + "\n")
+    text, reproduced = report(transcript, rows, walls, args.reps)
+    (args.out / "RESULTS.md").write_text(text)
+    print(text)
+    return 0 if reproduced else 1

@@ -1,0 +1,41 @@
+from memrad.bench.replay import Row, classify, report
+from memrad.bench.scenarios import elide_old_tool_output
+
+SYS = {"role": "system", "content": "s"}
+
+
+def turn(messages, reply):
+    return {"body": {"messages": messages}, "reply": reply}
+
+
+def transcript():
+    t1 = [SYS, {"role": "user", "content": "u1"}]
+    t2 = t1 + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "u2"}]  # verbatim
+    t3 = t1 + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "u2"},
+               {"role": "assistant", "content": "r2 cut"}, {"role": "user", "content": "u3"}]
+    return {"scenario": "t", "rewrite": "half", "turns": [turn(t1, "r1"), turn(t2, "r2 full"), turn(t3, "r3")]}
+
+
+def test_turns_are_classified_from_the_bodies():
+    assert classify(transcript()["turns"]) == ["cold prime", "pure extension", "rewritten history"]
+
+
+def test_the_report_uses_per_turn_medians_and_checks_byte_identity():
+    rows = []
+    for rep, scale in enumerate((1.0, 3.0, 1.2)):
+        for t, (on, off) in enumerate([(1.0, 1.0), (0.2, 1.5), (0.3, 2.0)], start=1):
+            rows.append(Row("on", rep, t, on * scale, 100 * t, 0, "d", "same"))
+            rows.append(Row("off", rep, t, off * scale, 100 * t, 0, "", "same" if t < 3 else "samX"))
+    text, reproduced = report(transcript(), rows, {"on": [5.0, 6.0, 7.0], "off": [9.0, 8.0, 10.0]}, 3)
+    assert reproduced
+    assert "| rewritten history | 1 | 0.36 | 2.40 | 6.7x |" in text  # medians: 0.3*1.2 and 2.0*1.2
+    assert "| cold prime | 1 | 1.20 | 1.20 | 1.0x |" in text
+    assert "End-to-end wall clock (median over reps): on 6.0 s, off 9.0 s." in text
+    assert "- turn 3: on rep 0 vs off rep 0 differ at character 3" in text
+
+
+def test_old_tool_output_is_elided_but_the_last_two_stay():
+    messages = [SYS] + [{"role": "user", "content": f"Step {i}. Tool result:\nlots {i}"} for i in range(4)]
+    out = elide_old_tool_output(messages)
+    assert [m["content"] for m in out[1:]] == ["Step 0. Tool result: [elided]", "Step 1. Tool result: [elided]",
+                                               "Step 2. Tool result:\nlots 2", "Step 3. Tool result:\nlots 3"]
