@@ -57,7 +57,7 @@ SHORT = Scenario("short", SYSTEM * 2, (
 ), max_tokens=24)
 
 AGENT_25 = Scenario("agent-25", SYSTEM * 4, tuple(
-    f"Step {i}. Tool result:\n{_tool_result(i, 10)}\nWhat is the next action?" for i in range(1, 26)
+    f"Step {i}. Tool result:\n{_tool_result(i, 6)}\nWhat is the next action?" for i in range(1, 26)
 ), max_tokens=64)
 
 SCENARIOS = {s.name: s for s in (SHORT, AGENT_25)}
