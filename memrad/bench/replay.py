@@ -3,7 +3,8 @@
 Starts a fresh daemon per arm and rep (affinity on, and MEMRA_AFFINITY=0), interleaving
 the arms (on, off, then off, on, ...), streams every recorded turn and stops the TTFT clock
 at the first SSE chunk that carries text. Writes DIR/rows.jsonl (every turn of every run),
-DIR/logs/, and DIR/RESULTS.md: per-turn medians over reps, the table by turn class
+DIR/logs/, DIR/ttft.png (with the `bench` extra), and DIR/RESULTS.md: per-turn medians
+over reps, the table by turn class
 (classified from the request bodies: cold prime, pure extension, rewritten history),
 sums of per-turn medians, wall clock, and output byte-identity across and within arms.
 Fails when no turn rewrote its history: a run cannot claim a regime it did not reproduce.
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memrad.bench.daemons import Daemon
+from memrad.bench.plot import plot_ttft
 
 ARMS = {"on": {}, "off": {"MEMRA_AFFINITY": "0"}}
 
@@ -159,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             out.write(json.dumps(asdict(row)) + "\n")
     text, reproduced = report(transcript, rows, walls, args.reps)
+    if plot_ttft([asdict(r) for r in rows], args.out / "ttft.png",
+                 f"TTFT per turn: {transcript['scenario']}, {args.reps} reps"):
+        text += "\n![TTFT against prompt tokens](ttft.png)\n"
     (args.out / "RESULTS.md").write_text(text)
     print(text)
     return 0 if reproduced else 1

@@ -39,3 +39,16 @@ def test_old_tool_output_is_elided_but_the_last_two_stay():
     out = elide_old_tool_output(messages)
     assert [m["content"] for m in out[1:]] == ["Step 0. Tool result: [elided]", "Step 1. Tool result: [elided]",
                                                "Step 2. Tool result:\nlots 2", "Step 3. Tool result:\nlots 3"]
+
+
+def test_the_plot_is_a_png_of_per_turn_medians(tmp_path):
+    import pytest
+
+    from memrad.bench.plot import plot_ttft, series_from_rows
+
+    rows = [{"arm": arm, "rep": rep, "turn": t, "prompt_tokens": 100 * t, "ttft_s": base * t + rep}
+            for arm, base in (("on", 0.1), ("off", 1.0)) for rep in range(3) for t in (1, 2)]
+    assert series_from_rows(rows)["off"] == [(100, 2.0), (200, 3.0)]
+    pytest.importorskip("matplotlib")
+    assert plot_ttft(rows, tmp_path / "t.png", "test")
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
