@@ -11,3 +11,12 @@ def test_front_ends_import_no_torch_or_transformers(module):
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_the_tui_uses_nothing_of_memrad_but_the_protocol():
+    from pathlib import Path
+
+    tui = Path(__file__).resolve().parents[2] / "tui"
+    uses = {line.split()[1] for path in tui.rglob("*.py") for line in path.read_text().splitlines()
+            if line.startswith(("from memrad", "import memrad"))}
+    assert uses == {"memrad.protocol"}
