@@ -20,3 +20,15 @@ def test_the_tui_uses_nothing_of_memrad_but_the_protocol():
     uses = {line.split()[1] for path in tui.rglob("*.py") for line in path.read_text().splitlines()
             if line.startswith(("from memrad", "import memrad"))}
     assert uses == {"memrad.protocol"}
+
+
+def test_only_the_engine_imports_torch_or_transformers():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    offenders = [f"{path.relative_to(root)}: {line.strip()}"
+                 for folder in ("memrad", "tui") for path in (root / folder).rglob("*.py")
+                 if "engine" not in path.relative_to(root).parts
+                 for line in path.read_text().splitlines()
+                 if line.strip().startswith(("import torch", "from torch", "import transformers", "from transformers"))]
+    assert offenders == []

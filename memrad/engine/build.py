@@ -1,0 +1,48 @@
+"""From Settings to a ready Engine: offline hub, fixed threads, model, reuse pool."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from memrad.config import Settings
+from memrad.engine.engine import Engine
+from memrad.engine.loader import default_pool_bytes, load_model, resolve_threads
+from memrad.reuse.pool import ReusePool
+
+log = logging.getLogger("memrad")
+
+
+def build_engine(settings: Settings) -> Engine:
+    """Load the configured model and wrap it in an Engine; logs what it chose and why."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    threads = resolve_threads(settings.model.threads)
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    loaded = load_model(settings.model.name, settings.model.device, settings.model.dtype,
+                        progress=lambda msg: log.info("%s", msg))
+    log.info("loaded %s in %.1f s on %s (%s, %d threads, prefill chunk %d, context %d)",
+             loaded.model_id, time.perf_counter() - started, loaded.device.type, loaded.dtype_name,
+             threads, settings.engine.prefill_chunk, loaded.context_len)
+    pool = None
+    if settings.pool.enabled:
+        max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)
+        pool = ReusePool(settings.pool.max_sessions, max_bytes)
+        log.info("reuse pool: %s mode, up to %d sessions and %.1f GiB", settings.reuse.mode,
+                 settings.pool.max_sessions, max_bytes / 2**30)
+    else:
+        log.info("reuse pool disabled: every request runs cold")
+    engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
+                    settings.affinity.enabled)
+    if pool is not None:
+        openers = ", ".join(sorted(loaded.tokenizer.convert_ids_to_tokens(list(engine.openers))))
+        log.info("affinity: %s; message openers: %s",
+                 "on" if settings.affinity.enabled else "off (MEMRA_AFFINITY=0)",
+                 openers or "none found in the chat template (implicit nomination never fires)")
+    return engine
