@@ -31,7 +31,7 @@ from memrad.engine.sampling import make_generator, sample
 from memrad.engine.state import ParkedState, Snapshot, is_croppable
 from memrad.grid import grid_floor
 from memrad.protocol import Decision, DecisionEvent, EvictEvent, ParkEvent, TurnEvent
-from memrad.reuse.fingerprint import chain, derive_openers
+from memrad.reuse.fingerprint import Segment, chain, derive_openers, segments
 from memrad.request import Completion, FinishReason, GenerationRequest
 from memrad.reuse.planner import Mode, Plan, RequestView, plan
 from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
@@ -120,14 +120,15 @@ class Engine:
     def namespace(self, request: GenerationRequest) -> Namespace:
         return Namespace(self.model_id, request.cache_salt)
 
-    def plan(self, request: GenerationRequest) -> Plan:
+    def plan(self, request: GenerationRequest, prompt_segments: tuple[Segment, ...] | None = None) -> Plan:
         """Decide reuse for `request` (pure; the pool is only read)."""
         if self.pool is None:
             return Plan(Decision(request.request_id, "cold", "reuse pool disabled", 0,
                                  request.num_prompt_tokens))
         view = RequestView(request.request_id, request.prompt_ids, request.prompt_text,
                            self.namespace(request), request.identity,
-                           chain(request.prompt_ids, self.openers))
+                           tuple(seg.hash for seg in prompt_segments) if prompt_segments is not None
+                           else chain(request.prompt_ids, self.openers))
         return plan(view, self.pool.sessions(), self.mode, self.prefill_chunk, self.affinity)
 
     def generate(self, request: GenerationRequest, emit: Callable[[str], None],
@@ -147,11 +148,14 @@ class Engine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.context_len - checkpoint
         assert checkpoint + max_tokens <= self.context_len, "validated before queueing"
 
-        decided = self.plan(request)
+        # The prompt's message segments, computed once: planning, the decision event and the
+        # parked session's fingerprint all read them.
+        prompt_segments = segments(prompt, self.openers)
+        decided = self.plan(request, prompt_segments)
         log.info("%s %s", request.request_id, decided.decision.render())
         if on_decision is not None:
             on_decision(decided.decision)
-        self._publish_decision(request, decided)
+        self._publish_decision(request, decided, prompt_segments)
         cache, pre = self._prefill_start(decided)
         logits = prefill(model, cache, prompt[pre.start:], pre.start, self.prefill_chunk, cancelled,
                          after_chunk=self._snapshotter(cache, pre, checkpoint), on_grid=self.mode == "exact")
@@ -211,7 +215,7 @@ class Engine:
             total_s=time.perf_counter() - started,
             decision=replace(decided.decision, ttft_s=ttft_s),
         )
-        session = self._park(request, decided, cache, pre, fed, text)
+        session = self._park(request, decided, cache, pre, fed, text, prompt_segments)
         self._publish(TurnEvent(
             at=time.time(), request_id=request.request_id, conversation=session.session_id if session else None,
             identity=request.identity.name if request.identity else None, prompt_tokens=checkpoint,
@@ -256,10 +260,11 @@ class Engine:
         return grid_floor(min(start, parent_exact), self.prefill_chunk)
 
     def _park(self, request: GenerationRequest, decided: Plan, cache: Any, pre: _Prefilled,
-              fed: tuple[int, ...], text: str) -> ParkedSession | None:
+              fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...]) -> ParkedSession | None:
         if self.pool is None or pre.primed_to == 0:
             return None
         token_ids = tuple(request.prompt_ids[: pre.primed_to]) + fed
+        whole_prompt = pre.primed_to == len(request.prompt_ids)  # else cancelled mid-prompt
         croppable = is_croppable(cache)
         snapshots = {pos: snap for pos, snap in pre.snapshots.items() if pos < len(token_ids)}
         state = ParkedState(final=Snapshot.adopt(cache, len(token_ids)), snapshots=snapshots,
@@ -276,7 +281,8 @@ class Engine:
             checkpoints=() if croppable else tuple(sorted({*snapshots, len(token_ids)})),
             croppable=croppable,
             exact_limit=self._exact_limit(decided, pre.primed_to),
-            fingerprint=chain(token_ids[: pre.primed_to], self.openers),
+            fingerprint=tuple(seg.hash for seg in prompt_segments) if whole_prompt
+            else chain(token_ids[: pre.primed_to], self.openers),
             num_bytes=state.num_bytes,
             created_at=parent.created_at if parent is not None else now,
             last_used_at=now,
@@ -292,7 +298,8 @@ class Engine:
             log.info("evicted %s (%d tokens, %d bytes)", old.session_id, old.num_tokens, old.num_bytes)
             self._publish(EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
         if self.events is not None:
-            self._publish(ParkEvent(now, session_info(self.loaded.tokenizer, session, self.openers), replaced))
+            info = session_info(self.loaded.tokenizer, session, self.openers, prompt_segments if whole_prompt else None)
+            self._publish(ParkEvent(now, info, replaced))
         return session
 
     def session_infos(self) -> list:
@@ -308,22 +315,24 @@ class Engine:
             except Exception:  # an inspector must never break serving
                 log.exception("publishing %s failed", type(event).__name__)
 
-    def _publish_decision(self, request: GenerationRequest, decided: Plan) -> None:
+    def _publish_decision(self, request: GenerationRequest, decided: Plan,
+                          prompt_segments: tuple[Segment, ...]) -> None:
         if self.events is None:
             return
         d = decided.decision
         context, candidate_segments = None, ()
         candidate = self.pool.get(d.candidate) if d.candidate is not None and self.pool is not None else None
         if candidate is not None:
-            candidate_segments = segment_infos(self.loaded.tokenizer, candidate.token_ids[: candidate.prompt_checkpoint],
-                                               self.openers)
+            parked_prompt = candidate.token_ids[: candidate.prompt_checkpoint]
+            candidate_segments = segment_infos(self.loaded.tokenizer, parked_prompt,
+                                               segments(parked_prompt, self.openers))
             if d.divergence is not None:
                 context = divergence_context(self.loaded.tokenizer, request.prompt_ids, candidate.token_ids,
                                              d.divergence)
         self._publish(DecisionEvent(
             at=time.time(), decision=d, prompt_tokens=request.num_prompt_tokens,
             identity=request.identity.name if request.identity else None,
-            segments=segment_infos(self.loaded.tokenizer, request.prompt_ids, self.openers),
+            segments=segment_infos(self.loaded.tokenizer, request.prompt_ids, prompt_segments),
             divergence_context=context, candidate_segments=candidate_segments))
 
     def _hand_on(self, state: FinishedState) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from memrad.protocol import SegmentInfo, SessionInfo
-from memrad.reuse.fingerprint import segments
+from memrad.reuse.fingerprint import Segment, segments
 from memrad.reuse.pool import ParkedSession
 
 LABEL_TOKENS = 4
@@ -23,10 +23,10 @@ def _readable(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def segment_infos(tokenizer: Any, ids: Sequence[int], openers: frozenset[int]) -> tuple[SegmentInfo, ...]:
-    """Each segment with a short label: its first words past the control tokens (the role)."""
+def segment_infos(tokenizer: Any, ids: Sequence[int], segs: Sequence[Segment]) -> tuple[SegmentInfo, ...]:
+    """Each segment of `ids` with a short label: its first words past the control tokens (the role)."""
     out = []
-    for seg in segments(ids, openers):
+    for seg in segs:
         head = tokenizer.decode(list(ids[seg.start : min(seg.end, seg.start + LABEL_TOKENS)]),
                                 skip_special_tokens=True)
         label = head.strip().split("\n")[0] or "(control)"
@@ -34,8 +34,12 @@ def segment_infos(tokenizer: Any, ids: Sequence[int], openers: frozenset[int]) -
     return tuple(out)
 
 
-def session_info(tokenizer: Any, session: ParkedSession, openers: frozenset[int]) -> SessionInfo:
+def session_info(tokenizer: Any, session: ParkedSession, openers: frozenset[int],
+                 prompt_segments: Sequence[Segment] | None = None) -> SessionInfo:
+    """`prompt_segments` (of the session's prompt) saves splitting it again when known."""
     identity = session.identity
+    if prompt_segments is None:
+        prompt_segments = segments(session.token_ids[: session.prompt_checkpoint], openers)
     return SessionInfo(
         session_id=session.session_id,
         identity=identity.name if identity else None,
@@ -49,7 +53,7 @@ def session_info(tokenizer: Any, session: ParkedSession, openers: frozenset[int]
         num_bytes=session.num_bytes,
         age_s=round(time.time() - session.created_at, 3),
         hits=session.hits,
-        segments=segment_infos(tokenizer, session.token_ids[: session.prompt_checkpoint], openers),
+        segments=segment_infos(tokenizer, session.token_ids, prompt_segments),
     )
 
 
