@@ -16,7 +16,7 @@ from pathlib import Path
 
 from memrad import __version__
 from memrad.config import Settings, SettingsError, known_keys, load_settings
-from memrad.daemon import DETACHED_ENV, AlreadyRunning, DaemonInfo, StartupError, find_running
+from memrad.daemon import DETACHED_ENV, AlreadyRunning, DaemonInfo, StartupError, find_running, pid_alive
 from memrad.paths import log_path, pidfile_path
 
 START_TIMEOUT_S = 900.0
@@ -214,16 +214,6 @@ def _health(url: str, timeout: float = 2.0) -> dict | None:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cmd_stop(args: argparse.Namespace) -> int:
     info = find_running()
     if info is None:
@@ -235,7 +225,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     os.kill(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        if not _pid_alive(info.pid) or find_running() is None:
+        if not pid_alive(info.pid) or find_running() is None:
             print(f"memrad stopped (pid {info.pid})")
             return 0
         time.sleep(0.1)

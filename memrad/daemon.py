@@ -55,6 +55,21 @@ class DaemonInfo:
             return None
 
 
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
 def clean_stale_files() -> list[Path]:
     """Remove the pidfile and socket a killed daemon left; return what was removed.
 

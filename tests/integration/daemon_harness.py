@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from memrad.daemon import pid_alive  # noqa: F401  (re-exported for the tests)
+
 MODEL_ID = "SmolLM2-135M-Instruct"
 THREADS = 2
 CLI_TIMEOUT_S = 300.0  # `memrad start` may have to fetch the default model on a fresh machine
@@ -49,21 +51,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
 
 
 def is_memrad_daemon(pid: int) -> bool:

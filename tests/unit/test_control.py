@@ -19,6 +19,14 @@ async def start(tmp_path, queue_size=1024):
     return server, bus
 
 
+async def until(predicate, tries=100):
+    for _ in range(tries):
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
 async def connect(server):
     return await asyncio.open_unix_connection(str(server.path))
 
@@ -63,11 +71,7 @@ async def test_many_subscribers_and_a_stalled_one_never_blocks_publishing(tmp_pa
         for reader, writer in live + [stalled]:
             writer.write(b'{"op": "subscribe"}\n')
             await writer.drain()
-        for _ in range(50):
-            if bus.subscribers == 4:
-                break
-            await asyncio.sleep(0.01)
-        assert bus.subscribers == 4
+        assert await until(lambda: bus.subscribers == 4)
 
         started = time.perf_counter()
         for i in range(5):
@@ -107,16 +111,9 @@ async def test_a_subscriber_that_disconnects_is_forgotten(tmp_path):
         reader, writer = await connect(server)
         writer.write(b'{"op": "subscribe"}\n')
         await writer.drain()
-        for _ in range(50):
-            if bus.subscribers == 1:
-                break
-            await asyncio.sleep(0.01)
+        assert await until(lambda: bus.subscribers == 1)
         writer.close()
-        for _ in range(100):
-            if bus.subscribers == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert bus.subscribers == 0
+        assert await until(lambda: bus.subscribers == 0)
         bus.publish(EvictEvent(0.0, "s0", 0, 0))  # nobody listening: fine
     finally:
         await server.close()

@@ -186,3 +186,16 @@ async def test_the_socket_source_reattaches_after_a_daemon_restart(tmp_path):
     assert await records.__anext__() == snapshot
     await records.aclose()
     await server.close()
+
+
+def test_the_tui_finds_the_socket_where_the_daemon_puts_it(tmp_path, monkeypatch):
+    from memrad.paths import socket_path
+    from memrad.protocol import default_socket_path
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    runtime.chmod(0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert default_socket_path() == str(socket_path()) == str(runtime / "memra" / "memrad.sock")
+    runtime.chmod(0o755)  # not owner-only: both fall back the same way
+    assert default_socket_path() == str(socket_path())
