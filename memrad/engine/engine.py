@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from memrad.engine.detokenize import IncrementalDetokenizer
 from memrad.engine.forward import cache_length, decode_one_token, prefill
+from memrad.engine.kv import install as install_slabs
 from memrad.engine.loader import LoadedModel
 from memrad.engine.prompt import encode_text, render_chat
 from memrad.engine.report import divergence_context, segment_infos, session_info
@@ -72,6 +73,18 @@ class _Prefilled:
     snapshots: dict[int, Snapshot]
 
 
+@dataclass
+class _Decoded:
+    """What prefill and decode produced for one request."""
+
+    prompt_logits: torch.Tensor | None  # [V]; None if cancelled during prefill
+    generated: list[int] = field(default_factory=list)
+    num_fed: int = 0  # generated tokens fed back into the cache (decode steps run)
+    text: str = ""  # what the client was sent
+    ttft_s: float | None = None
+    finish: FinishReason = "cancelled"
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, prefill_chunk: int, threads: int,
                  pool: ReusePool | None = None, mode: Mode = "exact", affinity: bool = True) -> None:
@@ -113,9 +126,11 @@ class Engine:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
     def new_cache(self):
+        """An empty cache; on CPU its full-attention layers append in place (memrad.engine.kv)."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.loaded.model.config)
+        cache = DynamicCache(config=self.loaded.model.config)
+        return install_slabs(cache, self.context_len) if self.loaded.device.type == "cpu" else cache
 
     def namespace(self, request: GenerationRequest) -> Namespace:
         return Namespace(self.model_id, request.cache_salt)
@@ -141,11 +156,11 @@ class Engine:
         before any prefill work starts.
         """
         started = time.perf_counter()
-        model, tokenizer = self.loaded.model, self.loaded.tokenizer
-        params = request.sampling
         prompt = request.prompt_ids
         checkpoint = len(prompt)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.context_len - checkpoint
+        max_tokens = request.sampling.max_tokens
+        if max_tokens is None:
+            max_tokens = self.context_len - checkpoint
         assert checkpoint + max_tokens <= self.context_len, "validated before queueing"
 
         # The prompt's message segments, computed once: planning, the decision event and the
@@ -157,80 +172,94 @@ class Engine:
             on_decision(decided.decision)
         self._publish_decision(request, decided, prompt_segments)
         cache, pre = self._prefill_start(decided)
-        logits = prefill(model, cache, prompt[pre.start:], pre.start, self.prefill_chunk, cancelled,
-                         after_chunk=self._snapshotter(cache, pre, checkpoint), on_grid=self.mode == "exact")
-        prompt_logits = logits
-        generated: list[int] = []
-        num_fed = 0  # generated tokens fed back into the cache (decode steps run)
-        sent: list[str] = []
-        ttft_s: float | None = None
-        finish: FinishReason
-        if logits is None:
-            finish = "cancelled"
-        else:
-            # The prompt checkpoint: state after prompt[:checkpoint], before the init feed.
-            assert pre.primed_to == checkpoint, "prompt checkpoint must equal the prompt length"
-            assert cache_length(cache) in (None, checkpoint), "cache must hold exactly the prompt"
-            generator = make_generator(params.seed)
-            detok = IncrementalDetokenizer(tokenizer)
-            stops = StopMatcher(params.stop)
-            while True:
-                token = sample(logits, params, generator)
-                if ttft_s is None:
-                    ttft_s = time.perf_counter() - started
-                if token in self.loaded.eos_ids:
-                    finish = "stop"
-                    break
-                generated.append(token)
-                text = stops.feed(detok.push(token))
-                if text:
-                    sent.append(text)
-                    emit(text)
-                if stops.stopped:
-                    finish = "stop"
-                    break
-                if len(generated) >= max_tokens:
-                    finish = "length"
-                    break
-                if cancelled():
-                    finish = "cancelled"
-                    break
-                logits = decode_one_token(model, cache, token, checkpoint + num_fed)
-                num_fed += 1
-            if finish != "cancelled":
-                tail = stops.feed(detok.flush()) + stops.flush()
-                if tail:
-                    sent.append(tail)
-                    emit(tail)
+        try:
+            out = self._prefill_and_decode(request, max_tokens, cache, pre, emit, cancelled, started)
+        except BaseException:
+            if decided.session is not None:
+                self._drop_parent(decided.session, "its resume failed")
+            raise
 
-        text = "".join(sent)
-        fed = tuple(generated[:num_fed])
+        fed = tuple(out.generated[: out.num_fed])
         completion = Completion(
-            text=text,
-            finish_reason=finish,
+            text=out.text,
+            finish_reason=out.finish,
             prompt_tokens=checkpoint,
-            completion_tokens=len(generated),
+            completion_tokens=len(out.generated),
             cached_tokens=pre.start,
-            ttft_s=ttft_s,
+            ttft_s=out.ttft_s,
             total_s=time.perf_counter() - started,
-            decision=replace(decided.decision, ttft_s=ttft_s),
+            decision=replace(decided.decision, ttft_s=out.ttft_s),
         )
-        session = self._park(request, decided, cache, pre, fed, text, prompt_segments)
+        session = self._park(request, decided, cache, pre, fed, out.text, prompt_segments)
         self._publish(TurnEvent(
             at=time.time(), request_id=request.request_id, conversation=session.session_id if session else None,
             identity=request.identity.name if request.identity else None, prompt_tokens=checkpoint,
-            cached_tokens=pre.start, completion_tokens=len(generated), ttft_s=ttft_s,
-            outcome=decided.decision.outcome, finish_reason=finish))
+            cached_tokens=pre.start, completion_tokens=len(out.generated), ttft_s=out.ttft_s,
+            outcome=decided.decision.outcome, finish_reason=out.finish))
         self._hand_on(FinishedState(
             request=request, cache=cache, cache_token_ids=tuple(prompt[: pre.primed_to]) + fed,
-            generated_ids=tuple(generated), prompt_checkpoint=pre.primed_to,
-            committed_text=request.prompt_text + text, completion=completion,
-            prompt_logits=prompt_logits, session=session))
+            generated_ids=tuple(out.generated), prompt_checkpoint=pre.primed_to,
+            committed_text=request.prompt_text + out.text, completion=completion,
+            prompt_logits=out.prompt_logits, session=session))
         return completion
+
+    def _prefill_and_decode(self, request: GenerationRequest, max_tokens: int, cache: Any, pre: _Prefilled,
+                            emit: Callable[[str], None], cancelled: Callable[[], bool], started: float) -> _Decoded:
+        model, tokenizer = self.loaded.model, self.loaded.tokenizer
+        params = request.sampling
+        prompt = request.prompt_ids
+        checkpoint = len(prompt)
+        logits = prefill(model, cache, prompt[pre.start:], pre.start, self.prefill_chunk, cancelled,
+                         after_chunk=self._snapshotter(cache, pre, checkpoint), on_grid=self.mode == "exact")
+        out = _Decoded(prompt_logits=logits)
+        if logits is None:
+            out.finish = "cancelled"
+            return out
+        # The prompt checkpoint: state after prompt[:checkpoint], before the init feed.
+        assert pre.primed_to == checkpoint, "prompt checkpoint must equal the prompt length"
+        assert cache_length(cache) in (None, checkpoint), "cache must hold exactly the prompt"
+        generator = make_generator(params.seed)
+        detok = IncrementalDetokenizer(tokenizer)
+        stops = StopMatcher(params.stop)
+        sent: list[str] = []
+        while True:
+            token = sample(logits, params, generator)
+            if out.ttft_s is None:
+                out.ttft_s = time.perf_counter() - started
+            if token in self.loaded.eos_ids:
+                out.finish = "stop"
+                break
+            out.generated.append(token)
+            text = stops.feed(detok.push(token))
+            if text:
+                sent.append(text)
+                emit(text)
+            if stops.stopped:
+                out.finish = "stop"
+                break
+            if len(out.generated) >= max_tokens:
+                out.finish = "length"
+                break
+            if cancelled():
+                out.finish = "cancelled"
+                break
+            logits = decode_one_token(model, cache, token, checkpoint + out.num_fed)
+            out.num_fed += 1
+        if out.finish != "cancelled":
+            tail = stops.feed(detok.flush()) + stops.flush()
+            if tail:
+                sent.append(tail)
+                emit(tail)
+        out.text = "".join(sent)
+        return out
 
     def _prefill_start(self, decided: Plan) -> tuple[Any, _Prefilled]:
         if decided.session is None:
             return self.new_cache(), _Prefilled(0, 0, {})
+        # A resume replaces its parent, and the rebuild hands the parent's buffers on (the
+        # new rows overwrite the parent's rows past the checkpoint): check it out first, so
+        # the pool never lists a state that is being written.
+        self.pool.remove(decided.session.session_id)
         cache = decided.session.state.rebuild(self.loaded.model.config, decided.checkpoint)
         return cache, _Prefilled(decided.checkpoint, decided.checkpoint, {})
 
@@ -292,7 +321,9 @@ class Engine:
         if not self.pool.can_park(session.num_bytes):
             log.info("%s not parked: %d bytes exceed the pool's cap of %d bytes", request.request_id,
                      session.num_bytes, self.pool.max_bytes)
-            return None  # the parent (if any) stays: its state is intact and still valid
+            if parent is not None:
+                self._drop_parent(parent, "its successor exceeds the pool's byte cap")
+            return None
         replaced = parent.session_id if parent is not None else None
         for old in self.pool.park(session, replaces=replaced):
             log.info("evicted %s (%d tokens, %d bytes)", old.session_id, old.num_tokens, old.num_bytes)
@@ -301,6 +332,11 @@ class Engine:
             info = session_info(self.loaded.tokenizer, session, self.openers, prompt_segments if whole_prompt else None)
             self._publish(ParkEvent(now, info, replaced))
         return session
+
+    def _drop_parent(self, parent: ParkedSession, why: str) -> None:
+        """A checked-out parent that nothing replaces is gone: say so (log, control socket)."""
+        log.info("dropped %s (%d tokens): %s", parent.session_id, parent.num_tokens, why)
+        self._publish(EvictEvent(time.time(), parent.session_id, parent.num_tokens, parent.num_bytes))
 
     def session_infos(self) -> list:
         """Every parked session as a SessionInfo record (least recently used first)."""

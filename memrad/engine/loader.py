@@ -99,6 +99,11 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     refuse_unsupported(folder)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    if dev.type == "cpu":
+        # Unless told that torch's SDPA takes grouped KV heads with a mask (its CPU kernel
+        # does), transformers copies the whole cache out to every query head, per layer and
+        # per prefill chunk. Measured in docs/BENCHMARKS.md ("In-place KV"); set to 0 to undo.
+        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     progress(f"loading {model_id} from {folder} ({dev.type}, {dt})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)

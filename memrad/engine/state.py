@@ -2,9 +2,12 @@
 
 The only code that knows transformers' cache-layer internals (5.x):
 
-  - DynamicLayer (full attention) grows by torch.cat and never writes a tensor in place, so
-    holding its keys/values by reference is a free, safe snapshot, and a view
-    keys[..., :p, :] is the exact state after p tokens (croppable).
+  - Full attention: a SlabLayer (memrad.engine.kv; CPU) appends in place and never rewrites
+    a row below its length; a DynamicLayer (CUDA) grows by torch.cat and never writes in
+    place. Either way holding keys/values by reference is a free snapshot, and the first p
+    rows are the exact state after p tokens (croppable). Rebuilding a SlabLayer at p hands
+    its buffer on: the rebuilt cache overwrites rows p.., so a rebuild consumes the parked
+    state (the engine checks the session out of the pool first).
   - Linear-attention / Mamba / conv layers (LinearAttention*Layer) update conv and
     recurrent state in place and have no per-position index: a snapshot must clone them,
     and a rebuild must clone again so the parked copy stays intact. `Cache.crop` cannot be
@@ -22,6 +25,8 @@ from typing import Any
 
 import torch
 
+from memrad.engine.kv import SlabLayer, resident_bytes
+
 _LINEAR_DICTS = ("conv_states", "recurrent_states")
 _LINEAR_FLAGS = ("is_conv_states_initialized", "is_recurrent_states_initialized",
                  "has_previous_state", "conv_kernel_size")
@@ -35,11 +40,11 @@ def is_croppable(cache: Any) -> bool:
     """True when every layer is plain full attention (or holds nothing)."""
     from transformers.cache_utils import DummyLayer, DynamicLayer
 
-    return all(type(layer) in (DynamicLayer, DummyLayer) for layer in cache.layers)
+    return all(type(layer) in (DynamicLayer, SlabLayer, DummyLayer) for layer in cache.layers)
 
 
 def _copy_layer(layer: Any) -> Any:
-    """A copy sharing attention tensors (never written in place) and owning linear state."""
+    """A copy sharing attention rows (never rewritten) and owning linear state."""
     out = copy.copy(layer)
     if _is_linear(layer):
         for name in _LINEAR_DICTS:
@@ -84,24 +89,34 @@ class ParkedState:
         return position == self.final.num_tokens or position in self.snapshots
 
     def rebuild(self, config: Any, position: int) -> Any:
-        """A fresh cache holding exactly the state after `position` tokens. Leaves self intact."""
+        """A cache holding exactly the state after `position` tokens.
+
+        Consumes self where the attention layers are SlabLayers: the rebuilt cache appends
+        into the same buffers from `position` on. Cloned linear state is never shared.
+        """
         from transformers import DynamicCache
 
         assert self.can_rebuild(position), f"no state for position {position}"
         source = self.snapshots.get(position, self.final)
         cache = DynamicCache(config=config)
         layers = [_copy_layer(layer) for layer in source.layers]
-        if source.num_tokens != position:
-            for layer in layers:  # croppable: plain attention, views are free
-                if getattr(layer, "keys", None) is not None:
-                    layer.keys = layer.keys[..., :position, :]
-                    layer.values = layer.values[..., :position, :]
+        if source.num_tokens != position:  # croppable: plain attention, views are free
+            layers = [_rewound(layer, position) for layer in layers]
         cache.layers = layers
         return cache
 
     @property
     def num_bytes(self) -> int:
         return state_bytes([self.final, *self.snapshots.values()])
+
+
+def _rewound(layer: Any, position: int) -> Any:
+    if isinstance(layer, SlabLayer):
+        return layer.rewound(position)
+    if getattr(layer, "keys", None) is not None:
+        layer.keys = layer.keys[..., :position, :]
+        layer.values = layer.values[..., :position, :]
+    return layer
 
 
 def _tensors(layer: Any) -> list[torch.Tensor]:
@@ -113,10 +128,18 @@ def _tensors(layer: Any) -> list[torch.Tensor]:
 
 
 def state_bytes(snapshots: list[Snapshot]) -> int:
-    """Bytes of the distinct storages the snapshots hold (shared views count once)."""
+    """Bytes of the distinct storages the snapshots hold (shared views count once).
+
+    A SlabLayer counts the rows ever written to its buffer: the untouched rest of its
+    reservation holds no memory (memrad.engine.kv).
+    """
     seen: dict[int, int] = {}
     for snap in snapshots:
         for layer in snap.layers:
+            if isinstance(layer, SlabLayer):
+                key, num_bytes = resident_bytes(layer)
+                seen[key] = num_bytes
+                continue
             for t in _tensors(layer):
                 storage = t.untyped_storage()
                 seen[storage.data_ptr()] = storage.nbytes()

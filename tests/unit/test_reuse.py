@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from memrad.engine.engine import Engine
+from memrad.engine.kv import SlabLayer
 from memrad.engine.loader import load_model
 from memrad.engine.pull import ModelUnavailable
 from memrad.grid import grid_floor
@@ -122,14 +123,19 @@ def test_parked_bytes_count_recurrent_snapshots(loaded):
     engine = engine_for(loaded, "qwen3_next")
     _, state = ask(engine, [SYSTEM, {"role": "user", "content": "hi"}], "r")
     parked = state.session.state
-    tensors = {}
+    linear, attention = {}, {}
     for snap in [parked.final, *parked.snapshots.values()]:
         for layer in snap.layers:
-            for t in [getattr(layer, "keys", None), getattr(layer, "values", None),
-                      *getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]:
+            for t in [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]:
                 if t is not None:
-                    tensors[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
-    assert state.session.num_bytes == sum(tensors.values()) > 0
+                    linear[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+            if isinstance(layer, SlabLayer) and layer.slab is not None:
+                # In-place attention buffers: the snapshot shares the final state's rows, and
+                # only the rows written count (the reservation behind them holds no memory).
+                row = sum(t.shape[1] * t.shape[3] * t.element_size() for t in (layer.keys, layer.values))
+                attention[id(layer.slab)] = state.session.num_tokens * row
+    assert attention and linear
+    assert state.session.num_bytes == sum(linear.values()) + sum(attention.values())
     assert len(parked.snapshots) == 1
 
 
@@ -205,3 +211,35 @@ def test_a_cancelled_request_is_parked_and_replaces_its_parent(loaded):
 def test_mamba_1_models_are_refused_at_load(tiny_dir):
     with pytest.raises(ModelUnavailable, match="is a mamba model: in transformers 5.x its multi-token forward"):
         load_model(str(tiny_dir("mamba")), device="cpu", dtype="float32")
+
+
+def test_a_resume_checks_its_parent_out_and_a_failed_resume_drops_it(loaded):
+    engine = engine_for(loaded, "llama")
+    events = []
+    engine.events = events.append
+    messages = [SYSTEM, {"role": "user", "content": "hi"}]
+    first, first_state = ask(engine, messages, "a")
+    parent = first_state.session
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
+    text, ids = engine.render_chat(messages, None)
+    request = GenerationRequest("b", engine.model_id, tuple(ids), text, SamplingParams(temperature=0.0, max_tokens=4))
+    listed_while_running = []
+    engine.generate(request, lambda _: listed_while_running.append([s.session_id for s in engine.pool.sessions()]),
+                    lambda: False)
+    # The resumed request appends into the parent's buffers: the pool never lists the parent
+    # while that happens, and the request's own state replaces it afterwards.
+    assert listed_while_running and all(ids_now == [] for ids_now in listed_while_running)
+    (child,) = engine.pool.sessions()
+    assert child.session_id != parent.session_id and child.hits == 1
+
+    def boom(_):
+        raise RuntimeError("client callback failed")
+
+    messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    text, ids = engine.render_chat(messages, None)
+    request = GenerationRequest("c", engine.model_id, tuple(ids), text, SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(RuntimeError, match="client callback failed"):
+        engine.generate(request, boom, lambda: False)
+    assert engine.pool.sessions() == []
+    dropped = [e for e in events if type(e).__name__ == "EvictEvent"]
+    assert [e.session_id for e in dropped] == [child.session_id]
