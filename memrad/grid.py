@@ -1,4 +1,6 @@
-"""The canonical prefill grid: chunks are cut at absolute multiples of the chunk size.
+"""The canonical prefill grid: chunks are cut at absolute multiples of the chunk size,
+and (exact mode) at every reply anchor: the position where a reply header such as
+"<|im_start|>assistant\n" begins.
 
 A resume starts mid-conversation, so a naive engine would cut its chunks at different
 places than a cold run and change the logits in their last bits. Cutting at absolute
@@ -9,6 +11,18 @@ inputs, cold or resumed:
                 |--------|--------|--------|-----|      cold: [0,C) [C,2C) [2C,3C) [3C,end)
     resume at C          |--------|--------|-----|      same chunks from C on
     start=s (off-grid)     |------|--------|-----|      [s,2C) then on the grid
+
+Why anchors: a prompt ends with the header of the reply it asks for, and a client that
+rewrites that reply keeps everything before the header. Cutting there too makes the
+header's start an exact checkpoint, so an exact resume re-primes from the reply instead of
+from the last multiple of C (up to C-1 tokens earlier):
+
+    turn N     ... |--C--|---|hdr|                  cuts: C multiples + anchor a
+    turn N+1   ... |--C--|---|hdr reply' user ... |hdr|
+                             ^ a: resume here; rows before a were cut the same way
+
+The cuts below a position depend only on the tokens before it (plus a header's length),
+so two prompts that agree up to a cut chunk everything below it identically.
 """
 
 from __future__ import annotations
@@ -43,3 +57,30 @@ def relative_chunks(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     return [(a, min(a + chunk, end)) for a in range(start, end, chunk)]
+
+
+def find_anchors(token_ids, header: tuple[int, ...]) -> tuple[int, ...]:
+    """Positions where `header` (a reply header's leading ids) starts; () for no header."""
+    if not header:
+        return ()
+    n, first = len(header), header[0]
+    return tuple(i for i, t in enumerate(token_ids) if t == first and tuple(token_ids[i : i + n]) == header)
+
+
+def canonical_chunks(start: int, end: int, chunk: int, anchors: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+    """`grid_chunks`, also cut at every anchor inside (start, end)."""
+    spans = []
+    a = start
+    for stop in [x for x in anchors if start < x < end] + [end]:
+        spans += grid_chunks(a, stop, chunk)
+        a = stop
+    return spans
+
+
+def is_cut(position: int, chunk: int, anchors: tuple[int, ...] = ()) -> bool:
+    return position % chunk == 0 or position in anchors
+
+
+def cut_floor(position: int, chunk: int, anchors: tuple[int, ...] = ()) -> int:
+    """The last cut (grid position or anchor) at or below `position`."""
+    return max([grid_floor(position, chunk)] + [a for a in anchors if a <= position])

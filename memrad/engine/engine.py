@@ -30,9 +30,9 @@ from memrad.engine.prompt import encode_text, render_chat
 from memrad.engine.report import divergence_context, segment_infos, session_info
 from memrad.engine.sampling import make_generator, sample
 from memrad.engine.state import ParkedState, Snapshot, is_croppable
-from memrad.grid import grid_floor
+from memrad.grid import cut_floor, find_anchors, is_cut
 from memrad.protocol import Decision, DecisionEvent, EvictEvent, ParkEvent, TurnEvent
-from memrad.reuse.fingerprint import Segment, chain, derive_openers, segments
+from memrad.reuse.fingerprint import Segment, chain, derive_openers, derive_reply_header, segments
 from memrad.request import Completion, FinishReason, GenerationRequest
 from memrad.reuse.planner import Mode, Plan, RequestView, plan
 from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
@@ -71,6 +71,7 @@ class _Prefilled:
     start: int
     primed_to: int
     snapshots: dict[int, Snapshot]
+    anchors: tuple[int, ...] = ()  # reply anchors the prompt is cut at (exact mode; memrad.grid)
 
 
 @dataclass
@@ -96,6 +97,8 @@ class Engine:
         self.affinity = affinity
         # Control tokens that open a chat message: the fingerprint splits prompts at them.
         self.openers = derive_openers(loaded.tokenizer)
+        # Exact mode also cuts prefill where a reply header starts (memrad.grid).
+        self.reply_header = derive_reply_header(loaded.tokenizer) if mode == "exact" else ()
         self.on_finished: FinishHook | None = None
         # Control-socket events (memrad.protocol records); called on the engine thread.
         self.events: Callable[[object], None] | None = None
@@ -143,7 +146,8 @@ class Engine:
         view = RequestView(request.request_id, request.prompt_ids, request.prompt_text,
                            self.namespace(request), request.identity,
                            tuple(seg.hash for seg in prompt_segments) if prompt_segments is not None
-                           else chain(request.prompt_ids, self.openers))
+                           else chain(request.prompt_ids, self.openers),
+                           find_anchors(request.prompt_ids, self.reply_header) if self.mode == "exact" else None)
         return plan(view, self.pool.sessions(), self.mode, self.prefill_chunk, self.affinity)
 
     def generate(self, request: GenerationRequest, emit: Callable[[str], None],
@@ -171,7 +175,7 @@ class Engine:
         if on_decision is not None:
             on_decision(decided.decision)
         self._publish_decision(request, decided, prompt_segments)
-        cache, pre = self._prefill_start(decided)
+        cache, pre = self._prefill_start(decided, find_anchors(prompt, self.reply_header))
         try:
             out = self._prefill_and_decode(request, max_tokens, cache, pre, emit, cancelled, started)
         except BaseException:
@@ -210,7 +214,8 @@ class Engine:
         prompt = request.prompt_ids
         checkpoint = len(prompt)
         logits = prefill(model, cache, prompt[pre.start:], pre.start, self.prefill_chunk, cancelled,
-                         after_chunk=self._snapshotter(cache, pre, checkpoint), on_grid=self.mode == "exact")
+                         after_chunk=self._snapshotter(cache, pre, checkpoint), on_grid=self.mode == "exact",
+                         anchors=pre.anchors)
         out = _Decoded(prompt_logits=logits)
         if logits is None:
             out.finish = "cancelled"
@@ -253,21 +258,21 @@ class Engine:
         out.text = "".join(sent)
         return out
 
-    def _prefill_start(self, decided: Plan) -> tuple[Any, _Prefilled]:
+    def _prefill_start(self, decided: Plan, anchors: tuple[int, ...]) -> tuple[Any, _Prefilled]:
         if decided.session is None:
-            return self.new_cache(), _Prefilled(0, 0, {})
+            return self.new_cache(), _Prefilled(0, 0, {}, anchors)
         # A resume replaces its parent, and the rebuild hands the parent's buffers on (the
         # new rows overwrite the parent's rows past the checkpoint): check it out first, so
         # the pool never lists a state that is being written.
         self.pool.remove(decided.session.session_id)
         cache = decided.session.state.rebuild(self.loaded.model.config, decided.checkpoint)
-        return cache, _Prefilled(decided.checkpoint, decided.checkpoint, {})
+        return cache, _Prefilled(decided.checkpoint, decided.checkpoint, {}, anchors)
 
     def _snapshotter(self, cache: Any, pre: _Prefilled, prompt_len: int) -> Callable[[int], None]:
-        """Clone non-croppable state at floor(P) and at P as prefill passes them."""
+        """Clone non-croppable state at the last cut <= P and at P as prefill passes them."""
         wanted: set[int] = set()
         if not is_croppable(cache):
-            wanted = {grid_floor(prompt_len, self.prefill_chunk)}
+            wanted = {cut_floor(prompt_len, self.prefill_chunk, pre.anchors)}
             if self.mode == "fast":
                 wanted.add(prompt_len)
         if pre.start in wanted and pre.start > 0:
@@ -281,12 +286,11 @@ class Engine:
         return after_chunk
 
     def _exact_limit(self, decided: Plan, primed_to: int) -> int:
-        """Positions <= the result came from grid prefill chunks (see DESIGN: Exactness)."""
-        start = decided.checkpoint
-        parent_exact = decided.session.exact_limit if decided.session is not None else 0
-        if start % self.prefill_chunk == 0 and start <= max(parent_exact, 0):
-            return grid_floor(primed_to, self.prefill_chunk)
-        return grid_floor(min(start, parent_exact), self.prefill_chunk)
+        """Cuts <= the result came from canonical prefill chunks (see DESIGN: Exactness)."""
+        start, parent = decided.checkpoint, decided.session
+        if parent is None or (start <= parent.exact_limit and is_cut(start, self.prefill_chunk, parent.anchors)):
+            return primed_to
+        return min(start, parent.exact_limit)
 
     def _park(self, request: GenerationRequest, decided: Plan, cache: Any, pre: _Prefilled,
               fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...]) -> ParkedSession | None:
@@ -316,6 +320,7 @@ class Engine:
             created_at=parent.created_at if parent is not None else now,
             last_used_at=now,
             hits=parent.hits + 1 if parent is not None else 0,
+            anchors=tuple(a for a in pre.anchors if a <= pre.primed_to),
             state=state,
         )
         if not self.pool.can_park(session.num_bytes):

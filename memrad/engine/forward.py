@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from memrad.grid import grid_chunks, relative_chunks
+from memrad.grid import canonical_chunks, relative_chunks
 
 
 def cache_length(cache) -> int | None:
@@ -31,11 +31,12 @@ def _check_position(cache, position: int) -> None:
 @torch.inference_mode()
 def prefill(model, cache, token_ids: Sequence[int], start: int, chunk: int,
             cancelled: Callable[[], bool] = lambda: False,
-            after_chunk: Callable[[int], None] | None = None, on_grid: bool = True) -> torch.Tensor | None:
+            after_chunk: Callable[[int], None] | None = None, on_grid: bool = True,
+            anchors: tuple[int, ...] = ()) -> torch.Tensor | None:
     """Prime absolute positions [start, start + len(token_ids)) into `cache`.
 
     `cache` must hold exactly `start` tokens. Chunks are cut at absolute multiples of
-    `chunk` (see memrad.grid), so a resumed prefill runs the same shapes as a cold one;
+    `chunk` and at `anchors` (see memrad.grid), so a resumed prefill runs the same shapes as a cold one;
     `on_grid=False` counts chunks from `start` instead (fast mode: fewer chunks, no
     exactness). `after_chunk(end)` runs after each chunk (snapshots hook in here). Returns the last
     position's logits [V] in float32, or None if cancelled between chunks.
@@ -45,7 +46,8 @@ def prefill(model, cache, token_ids: Sequence[int], start: int, chunk: int,
     device = model.device
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     logits = None
-    spans = (grid_chunks if on_grid else relative_chunks)(start, start + len(token_ids), chunk)
+    end = start + len(token_ids)
+    spans = canonical_chunks(start, end, chunk, anchors) if on_grid else relative_chunks(start, end, chunk)
     for a, b in spans:
         if cancelled():
             return None

@@ -105,6 +105,28 @@ def derive_openers(tokenizer: Any) -> frozenset[int]:
     return frozenset()
 
 
+def derive_reply_header(tokenizer: Any) -> tuple[int, ...]:
+    """The leading ids of the header a template writes before every reply, e.g. <|im_start|>
+    and "assistant" for ChatML; () where the template writes none that opens with a control
+    token (Mistral's [INST] style): then only the grid cuts prefill (memrad.grid).
+
+    Found as the template's generation prompt; only the control token and the role word
+    that follows are kept, since the ids after them may merge with the reply's first word.
+    """
+    messages = [{"role": "user", "content": "probe"}]
+    try:
+        bare = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        prompted = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # no chat template, or one that refuses the probe
+        return ()
+    if not prompted.startswith(bare) or len(prompted) == len(bare):
+        return ()
+    header = tokenizer(prompted[len(bare):], add_special_tokens=False)["input_ids"][:2]
+    if not header or header[0] not in _special_ids(tokenizer):
+        return ()
+    return tuple(header)
+
+
 def _special_ids(tokenizer: Any) -> set[int]:
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     for token_id, token in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items():

@@ -9,10 +9,13 @@ exactly, with at least one token left to prime.
 
 Usable checkpoints of a session, by mode (C = prefill chunk, P = prompt checkpoint):
 
-    exact:  0     C     2C   floor(P)  P        len(tokens)
-            |-----|-----|-----|--------|--------|
-                  ^     ^     ^ grid positions <= exact_limit: their state came from grid
-                                prefill chunks, so a resume there is bit-identical to cold
+    exact:  0     C     2C   floor(P)  a  P     len(tokens)
+            |-----|-----|-----|--------|--|-----|
+                  ^     ^     ^        ^ cuts <= exact_limit (grid positions and the session's
+                                         reply anchors, memrad.grid): their state came from
+                                         canonical prefill chunks, so a resume there is
+                                         bit-identical to cold, provided the request cuts
+                                         its prompt the same way below that point
     fast:   any position <= len(tokens) (attention-only), or any snapshot (recurrent)
 """
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from memrad.grid import grid_floor
+from memrad.grid import grid_floor, is_cut
 from memrad.protocol import Decision, Tier
 from memrad.request import Identity
 from memrad.reuse.identity import Nomination, Refusal, nominate
@@ -38,6 +41,7 @@ class RequestView:
     namespace: Namespace
     identity: Identity | None = None
     fingerprint: tuple[int, ...] = ()
+    anchors: tuple[int, ...] | None = None  # reply anchors (exact mode); None: not checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,20 +59,32 @@ def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return n
 
 
-def checkpoint_at_or_below(session: ParkedSession, limit: int, mode: Mode, chunk: int) -> int | None:
-    """The highest position <= limit whose state `session` can rebuild in `mode` (never 0)."""
+def checkpoint_at_or_below(session: ParkedSession, limit: int, mode: Mode, chunk: int,
+                           anchors: tuple[int, ...] | None = None) -> int | None:
+    """The highest position <= limit whose state `session` can rebuild in `mode` (never 0).
+
+    Exact mode with the request's `anchors`: also a cut of the request's prompt, with the
+    same anchors below it as the session's, so both were chunked alike up to there.
+    """
     if mode == "exact":
         limit = min(limit, session.exact_limit)
         if session.croppable:
-            best = grid_floor(max(limit, 0), chunk)
-            return best or None
-        found = [c for c in session.checkpoints if c <= limit and c % chunk == 0]
+            candidates = [*range(grid_floor(max(limit, 0), chunk), 0, -chunk),
+                          *(a for a in session.anchors if 0 < a <= limit)]
+        else:
+            candidates = [c for c in session.checkpoints if c <= limit and is_cut(c, chunk, session.anchors)]
+        found = [c for c in candidates if anchors is None or _cut_alike(c, chunk, session.anchors, anchors)]
     else:
         limit = min(limit, session.num_tokens)
         if session.croppable:
             return limit if limit > 0 else None
         found = [c for c in session.checkpoints if c <= limit]
     return max(found, default=None)
+
+
+def _cut_alike(position: int, chunk: int, parked: tuple[int, ...], request: tuple[int, ...]) -> bool:
+    return (is_cut(position, chunk, request)
+            and [a for a in parked if a < position] == [a for a in request if a < position])
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +94,8 @@ class Verdict:
     divergence: int | None   # first differing position, if the prompt diverges from the session
 
 
-def verify(session: ParkedSession, prompt_ids: tuple[int, ...], mode: Mode, chunk: int) -> Verdict:
+def verify(session: ParkedSession, prompt_ids: tuple[int, ...], mode: Mode, chunk: int,
+           anchors: tuple[int, ...] | None = None) -> Verdict:
     """Resume only where the prompt reproduces the session's tokens, leaving a suffix to prime."""
     num_prompt = len(prompt_ids)
     shared = common_prefix_len(prompt_ids, session.token_ids)
@@ -90,7 +107,7 @@ def verify(session: ParkedSession, prompt_ids: tuple[int, ...], mode: Mode, chun
             return Verdict(None, f"no suffix to prime (prompt {num_prompt} tokens, checkpoint {at_end})", divergence)
         return Verdict(None, f"no {mode} checkpoint below the prompt's end "
                              f"(prompt {num_prompt} tokens, exact up to {session.exact_limit})", divergence)
-    chosen = checkpoint_at_or_below(session, min(shared, num_prompt - 1), mode, chunk)
+    chosen = checkpoint_at_or_below(session, min(shared, num_prompt - 1), mode, chunk, anchors)
     if chosen is None:
         return Verdict(None, f"history diverged at {shared} of checkpoint {top}", divergence)
     if chosen < top:
@@ -118,7 +135,7 @@ def _decide(view: RequestView, tier: Tier, session: ParkedSession, mode: Mode, c
             lead: str, **fields) -> Plan:
     """Verify a nominated session and record the outcome; `lead` starts the reason."""
     num_prompt = len(view.prompt_ids)
-    verdict = verify(session, view.prompt_ids, mode, chunk)
+    verdict = verify(session, view.prompt_ids, mode, chunk, view.anchors)
     base = Decision(view.request_id, "declined", verdict.reason, 0, num_prompt, tier=tier,
                     candidate=session.session_id, divergence=verdict.divergence, **fields)
     if verdict.checkpoint is None:

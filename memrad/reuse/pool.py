@@ -38,12 +38,13 @@ class ParkedSession:
     prompt_checkpoint: int      # the prompt length: state before the first generated token was fed
     checkpoints: tuple[int, ...]  # positions with a snapshot of non-croppable (recurrent) state
     croppable: bool             # attention-only state: any position <= len(token_ids) can be rebuilt
-    exact_limit: int            # positions <= this were produced by prefill chunks on the grid
+    exact_limit: int            # positions <= this were produced by canonical prefill chunks
     fingerprint: tuple[int, ...]  # segment hash chain of the prompt (memrad.reuse.fingerprint)
     num_bytes: int
     created_at: float
     last_used_at: float
     hits: int = 0
+    anchors: tuple[int, ...] = ()  # reply anchors its prompt was also cut at (memrad.grid)
     state: Any = field(default=None, compare=False, repr=False)  # engine-owned tensors
 
     @property

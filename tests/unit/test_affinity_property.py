@@ -4,12 +4,14 @@ only ever reuses tokens the request itself has, at the same positions."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memrad.grid import find_anchors, is_cut
 from memrad.request import Identity
 from memrad.reuse.fingerprint import chain
 from memrad.reuse.planner import RequestView, plan
 from memrad.reuse.pool import Namespace, ParkedSession
 
 OPEN = frozenset({1})
+HEADER = (1, 2)  # a reply header's leading ids: prompts are also cut where it starts
 C = 8
 NAMES = st.one_of(st.none(), st.sampled_from(["a1", "b2", "c3"]))
 NAMESPACES = st.sampled_from([Namespace("m", None), Namespace("m", "salt"), Namespace("other", None)])
@@ -25,7 +27,6 @@ def parked_sessions(draw):
         tokens = tuple(prompt + reply)
         croppable = draw(st.booleans())
         exact_limit = draw(st.integers(min_value=0, max_value=len(prompt)))
-        exact_limit -= exact_limit % C
         checkpoints = () if croppable else tuple(sorted(draw(st.sets(
             st.integers(min_value=1, max_value=len(tokens)), max_size=4)) | {len(tokens)}))
         name = draw(NAMES)
@@ -34,7 +35,8 @@ def parked_sessions(draw):
             identity=None if name is None else Identity(name, draw(st.sampled_from(["session_id", "user"]))),
             token_ids=tokens, text="", prompt_checkpoint=len(prompt), checkpoints=checkpoints,
             croppable=croppable, exact_limit=exact_limit, fingerprint=chain(prompt, OPEN), num_bytes=1,
-            created_at=0.0, last_used_at=float(i)))
+            created_at=0.0, last_used_at=float(i),
+            anchors=tuple(a for a in find_anchors(prompt, HEADER) if a <= exact_limit)))
     return sessions
 
 
@@ -56,7 +58,8 @@ def requests(draw, sessions):
         prompt = draw(TOKENS)
     name = draw(NAMES)
     identity = None if name is None else Identity(name, draw(st.sampled_from(["session_id", "user", "x-session-id"])))
-    return RequestView("r", tuple(prompt), "", draw(NAMESPACES), identity, chain(prompt, OPEN))
+    anchors = find_anchors(prompt, HEADER) if draw(st.booleans()) else None
+    return RequestView("r", tuple(prompt), "", draw(NAMESPACES), identity, chain(prompt, OPEN), anchors)
 
 
 @settings(max_examples=500, deadline=None)
@@ -76,6 +79,9 @@ def test_every_resume_reuses_exactly_the_requests_own_leading_tokens(data, sessi
     assert (session.identity and session.identity.name) == (view.identity and view.identity.name)
     assert d.reused_tokens == c and d.candidate == session.session_id
     if mode == "exact":
-        assert c % C == 0 and c <= session.exact_limit
+        assert is_cut(c, C, session.anchors) and c <= session.exact_limit
+        if view.anchors is not None:  # both prompts were cut alike below c
+            assert is_cut(c, C, view.anchors)
+            assert [a for a in view.anchors if a < c] == [a for a in session.anchors if a < c]
     if not session.croppable:
         assert c in session.checkpoints

@@ -3,10 +3,11 @@
 import pytest
 
 from memrad.engine.engine import Engine
-from memrad.engine.loader import load_model
 from memrad.grid import grid_floor
+from memrad.engine.loader import load_model
 from memrad.request import GenerationRequest, Identity, SamplingParams
 from memrad.reuse.pool import ReusePool
+from tiny import header_tokens
 
 CHUNK = 16
 
@@ -55,7 +56,7 @@ QUESTIONS = [f"question {i}: list files, open README.md" for i in range(6)]
 def test_a_rewriting_client_resumes_via_affinity_from_turn_three_and_cold_without_it(loaded):
     on = Client(make_engine(loaded), SYSTEM)
     off = Client(make_engine(loaded, affinity=False), SYSTEM)
-    previous = None
+    previous, off_grid = None, 0
     for turn, question in enumerate(QUESTIONS, start=1):
         a, b = on.say(question), off.say(question)
         assert b.cached_tokens == 0 and b.decision.outcome == "cold"
@@ -65,11 +66,15 @@ def test_a_rewriting_client_resumes_via_affinity_from_turn_three_and_cold_withou
         elif turn == 2:  # system + first user message: 2 shared segments, under the bar
             assert a.decision.render() == "cold (no nomination: 2 shared segments < 3)"
         else:
-            resume = grid_floor(previous.prompt_tokens, CHUNK)
+            # Exact mode resumes at the previous prompt's last cut: where its reply header
+            # starts (prefill was also cut there, memrad.grid), or a grid point past that.
+            resume = max(previous.prompt_tokens - header_tokens(on.engine.loaded.tokenizer), grid_floor(previous.prompt_tokens, CHUNK))
+            off_grid += resume % CHUNK != 0
             assert a.decision.render() == (f"affinity: resumed (implicit, {2 * turn - 2} shared segments; "
                                            f"checkpoint {resume}; primed {a.prompt_tokens - resume})")
             assert a.cached_tokens == resume
         previous = a
+    assert off_grid >= 1  # resumed at a reply anchor, not at the grid point below it
     assert len(on.engine.pool.sessions()) == 2  # turn 1 and the conversation that resumed since turn 3
 
 
@@ -77,7 +82,7 @@ def test_a_named_client_resumes_from_turn_two(loaded):
     client = Client(make_engine(loaded), SYSTEM, identity=Identity("agent-1", "session_id"))
     first = client.say(QUESTIONS[0])
     second = client.say(QUESTIONS[1])
-    resume = grid_floor(first.prompt_tokens, CHUNK)
+    resume = max(first.prompt_tokens - header_tokens(client.engine.loaded.tokenizer), grid_floor(first.prompt_tokens, CHUNK))
     assert second.decision.render() == (f'affinity: resumed (explicit, session_id "agent-1", 2 shared segments; '
                                         f"checkpoint {resume}; primed {second.prompt_tokens - resume})")
     assert (second.decision.nomination, second.decision.source) == ("explicit", "session_id")

@@ -6,7 +6,7 @@ import torch
 from memrad.engine.detokenize import IncrementalDetokenizer
 from memrad.engine.engine import Engine
 from memrad.engine.forward import cache_length, prefill
-from memrad.grid import grid_chunks
+from memrad.grid import canonical_chunks, find_anchors, grid_chunks
 from memrad.request import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -126,7 +126,7 @@ def test_cancellation_stops_within_one_decode_step(tiny_engine):
         return len(polls) > 5 + 3  # prefill polls once per chunk, then once per decode step
 
     req = request_for(tiny_engine, max_tokens=200)
-    chunks = len(grid_chunks(0, req.num_prompt_tokens, 16))
+    chunks = len(canonical_chunks(0, req.num_prompt_tokens, 16, find_anchors(req.prompt_ids, tiny_engine.reply_header)))
     polls_before_decode = chunks
     done, _ = run(tiny_engine, req, cancelled)
     assert done.finish_reason == "cancelled"

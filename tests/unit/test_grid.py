@@ -1,6 +1,6 @@
 import pytest
 
-from memrad.grid import grid_chunks, grid_floor, relative_chunks
+from memrad.grid import canonical_chunks, cut_floor, find_anchors, grid_chunks, grid_floor, is_cut, relative_chunks
 
 
 def test_cold_prefill_is_cut_at_multiples_of_the_chunk():
@@ -36,3 +36,21 @@ def test_relative_chunks_count_from_the_start():
     assert relative_chunks(2426, 2658, 256) == [(2426, 2658)]
     assert relative_chunks(300, 1100, 256) == [(300, 556), (556, 812), (812, 1068), (1068, 1100)]
     assert relative_chunks(0, 600, 256) == grid_chunks(0, 600, 256)
+
+
+def test_prefill_is_also_cut_at_reply_anchors():
+    assert canonical_chunks(0, 70, 16, (21, 40, 70)) == [(0, 16), (16, 21), (21, 32), (32, 40), (40, 48),
+                                                         (48, 64), (64, 70)]
+    # A resume from an anchor runs exactly the cold run's chunks from there on.
+    cold = canonical_chunks(0, 70, 16, (21, 40))
+    assert canonical_chunks(21, 70, 16, (21, 40)) == [span for span in cold if span[0] >= 21]
+    assert canonical_chunks(5, 9, 16, ()) == grid_chunks(5, 9, 16)
+
+
+def test_anchors_are_where_the_reply_header_starts_and_cut_floor_takes_the_last_cut():
+    header = (1, 520)
+    ids = [1, 9, 5, 2, 1, 520, 7, 2, 1, 9, 2, 1, 520]
+    assert find_anchors(ids, header) == (4, 11)
+    assert find_anchors(ids, ()) == ()
+    assert cut_floor(13, 8, (4, 11)) == 11 and cut_floor(10, 8, (4, 11)) == 8 and cut_floor(3, 8, (4,)) == 0
+    assert is_cut(11, 8, (4, 11)) and is_cut(16, 8) and not is_cut(12, 8, (4, 11))

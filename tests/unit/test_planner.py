@@ -1,5 +1,7 @@
 """The planner's decisions, told as stories over hand-built parked sessions (no model)."""
 
+from dataclasses import replace
+
 from memrad.reuse.planner import RequestView, checkpoint_at_or_below, common_prefix_len, plan, verify
 from memrad.reuse.pool import Namespace, ParkedSession
 
@@ -102,3 +104,18 @@ def test_recurrent_sessions_resume_only_from_snapshots():
     assert plan(view(SECOND), [parked], "fast", C).checkpoint == 53
     assert checkpoint_at_or_below(parked, 52, "fast", C) == 48
     assert checkpoint_at_or_below(parked, 47, "fast", C) is None
+
+
+def test_exact_mode_resumes_at_a_reply_anchor_where_the_request_was_cut_alike_below_it():
+    first = list(range(100, 145))  # a 45-token prompt whose reply header started at 40
+    parked = replace(session(first + REPLY, prompt=45, exact=45), anchors=(20, 40))
+    second = first + REPLY + [2, 200, 201, 202]
+    alike = RequestView("r", tuple(second), "", NS, anchors=(20, 40, 49))
+    decided = plan(alike, [parked], "exact", C)
+    assert decided.decision.render() == "token-prefix: resumed (session s1; checkpoint 40; primed 12)"
+    # A request that was not cut at 20 would chunk [16, 32) whole: 40 and 32 are not the
+    # same computation for it, so only 16 is.
+    unlike = RequestView("r", tuple(second), "", NS, anchors=(40, 49))
+    assert plan(unlike, [parked], "exact", C).checkpoint == 16
+    # Without anchors the request is not checked (fast mode, or a caller that cannot tell).
+    assert plan(view(second), [parked], "exact", C).checkpoint == 40

@@ -10,6 +10,7 @@ from memrad.engine.pull import ModelUnavailable
 from memrad.grid import grid_floor
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
+from tiny import header_tokens
 
 CHUNK = 16
 SYSTEM = {"role": "system", "content": "You are a helpful coding assistant. Read the file, then answer."}
@@ -67,8 +68,9 @@ def test_exact_mode_resumes_every_turn_bit_identically_to_a_cold_run(loaded, kin
     for previous, row in zip(rows, rows[1:]):
         warm, state = row["warm"], row["warm_state"]
         assert warm.decision.outcome == "resumed", warm.decision.render()
-        # the last grid position at or below the previous prompt's end
-        assert warm.cached_tokens == grid_floor(previous["warm"].prompt_tokens, CHUNK)
+        # the previous prompt's last cut: its reply header's start, or a grid point past it
+        before = previous["warm"].prompt_tokens
+        assert warm.cached_tokens == max(before - header_tokens(engine.loaded.tokenizer), grid_floor(before, CHUNK))
         assert warm.decision.primed_tokens == warm.prompt_tokens - warm.cached_tokens
         assert row["cold"].cached_tokens == 0 and row["cold"].decision.outcome == "cold"
         assert torch.equal(state.prompt_logits, row["cold_state"].prompt_logits)

@@ -140,3 +140,10 @@ def save_tiny(folder: Path, kind: str) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def header_tokens(tokenizer) -> int:
+    """Length of the reply header a chat prompt ends with (e.g. "<|im_start|>assistant\n")."""
+    probe = [{"role": "user", "content": "x"}]
+    with_header = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True)["input_ids"]
+    return len(with_header) - len(tokenizer.apply_chat_template(probe, tokenize=True)["input_ids"])
