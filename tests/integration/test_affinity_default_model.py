@@ -3,10 +3,9 @@
 import pytest
 
 from memrad.engine.engine import Engine
-from memrad.grid import grid_floor
 from memrad.request import GenerationRequest, Identity, SamplingParams
 from memrad.reuse.pool import ReusePool
-from test_reuse_default_model import CHUNK, SYSTEM
+from test_reuse_default_model import CHUNK, SYSTEM, exact_resume
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +36,7 @@ def test_a_rewriting_client_resumes_every_turn_and_matches_the_affinity_off_arm(
         assert a.text == b.text, f"turn {turn + 1} differs between arms"
         assert b.cached_tokens == 0, b.decision.render()
         if turn >= first_resumed:
-            resume = grid_floor(on[turn - 1].prompt_tokens, CHUNK)
+            resume = exact_resume(on[turn - 1].prompt_tokens)
             assert a.decision.outcome == "resumed" and a.decision.tier == "affinity", a.decision.render()
             assert a.cached_tokens == resume and a.decision.primed_tokens == a.prompt_tokens - resume
             assert a.decision.nomination == ("explicit" if identity else "implicit")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from test_reuse_default_model import FIRST_USER, SYSTEM, second_turn
+from test_reuse_default_model import FIRST_USER, SYSTEM, exact_resume, second_turn
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def test_the_second_turn_resumes_and_reports_cached_tokens(daemon):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = chat(client, second_turn(first.choices[0].message.content))
     p1 = first.usage.prompt_tokens
-    assert second.usage.prompt_tokens_details.cached_tokens == p1 - p1 % CHUNK
+    assert second.usage.prompt_tokens_details.cached_tokens == exact_resume(p1)
     log = daemon.log_text()
     assert f"{second.id} token-prefix: resumed (session" in log or f"{second.id} text-prefix: resumed (session" in log
     assert f"{first.id} cold (nothing parked for this model and cache_salt)" in log
@@ -67,8 +67,8 @@ def test_a_rewritten_named_turn_resumes_via_affinity_and_says_so(daemon):
     p1 = reply.usage.prompt_tokens
     decision = second.headers["x-memra-decision"]
     assert decision.startswith('affinity: resumed (explicit, session_id "agent-42", 2 shared segments; '
-                               f"checkpoint {p1 - p1 % CHUNK}; primed ")
+                               f"checkpoint {exact_resume(p1)}; primed ")
     body = second.parse()
-    assert body.usage.prompt_tokens_details.cached_tokens == p1 - p1 % CHUNK
+    assert body.usage.prompt_tokens_details.cached_tokens == exact_resume(p1)
     assert body.model_extra["memra"]["decision"] == decision
     assert f"{body.id} {decision}" in daemon.log_text()

@@ -10,6 +10,14 @@ from memrad.reuse.pool import ReusePool
 pytestmark = pytest.mark.integration
 
 CHUNK = 256
+REPLY_HEADER = 4  # "<|im_start|>assistant\n", which every prompt ends with
+
+
+def exact_resume(previous_prompt_tokens: int) -> int:
+    """Where exact mode resumes the turn after a prompt of this length: the last cut of that
+    prompt, i.e. where its reply header starts (memrad.grid), or a grid point past it."""
+    p = previous_prompt_tokens
+    return max(p - REPLY_HEADER, p - p % CHUNK)
 TOOLS = "\n".join(
     f"- {name}(path): {what}. Returns the result as plain text; errors are reported, never raised."
     for name, what in [
@@ -45,14 +53,14 @@ def second_turn(first_reply: str):
             {"role": "user", "content": "Now open README.md and summarise it in one line."}]
 
 
-def test_exact_mode_resumes_at_the_grid_and_matches_the_cold_run(smol):
+def test_exact_mode_resumes_at_the_reply_header_and_matches_the_cold_run(smol):
     engine = engine_for(smol, "exact")
     first, _ = ask(engine, [SYSTEM, FIRST_USER], "t1")
     assert first.prompt_tokens > CHUNK, "the system prompt must span a grid point"
     warm, warm_state = ask(engine, second_turn(first.text), "t2")
     cold, cold_state = ask(engine, second_turn(first.text), "t2-cold", salt="cold")
     assert warm.decision.outcome == "resumed", warm.decision.render()
-    assert warm.cached_tokens == first.prompt_tokens - first.prompt_tokens % CHUNK
+    assert warm.cached_tokens == exact_resume(first.prompt_tokens) == first.prompt_tokens - REPLY_HEADER
     assert cold.cached_tokens == 0
     assert torch.equal(warm_state.prompt_logits, cold_state.prompt_logits)
     assert warm.text == cold.text
