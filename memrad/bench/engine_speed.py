@@ -17,7 +17,8 @@ from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.loader import load_model, resolve_threads
 
 
-def _median_s(fn, reps: int) -> float:
+def median_s(fn, reps: int) -> float:
+    """Median wall time of `reps` calls of `fn`."""
     times = []
     for _ in range(reps):
         started = time.perf_counter()
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.lengths:
             ids = [rng.randrange(3, vocab) for _ in range(n)]
             for chunk in args.chunks:
-                seconds = _median_s(lambda: prefill(loaded.model, engine.new_cache(), ids, 0, chunk), args.reps)
+                seconds = median_s(lambda: prefill(loaded.model, engine.new_cache(), ids, 0, chunk), args.reps)
                 print(f"| {loaded.dtype_name} | {n} | {chunk} | {n / seconds:.0f} |", flush=True)
         ids = [rng.randrange(3, vocab) for _ in range(max(args.lengths))]
         cache = engine.new_cache()
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 decode_one_token(loaded.model, cache, 5, len(ids) + steps.done)
                 steps.done += 1
         steps.done = 0
-        seconds = _median_s(steps, 1)
+        seconds = median_s(steps, 1)
         decode_rows.append(f"| {loaded.dtype_name} | {len(ids)} | {args.decode_steps / seconds:.1f} |")
     print("\n| dtype | context tokens | decode tok/s |")
     print("| --- | ---: | ---: |")

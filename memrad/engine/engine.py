@@ -128,12 +128,13 @@ class Engine:
     def decode_prompt(self, ids: list[int]) -> str:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def new_cache(self):
-        """An empty cache; on CPU its full-attention layers append in place (memrad.engine.kv)."""
+    def new_cache(self, in_place: bool = True):
+        """An empty cache; on CPU its full-attention layers append in place (memrad.engine.kv)
+        unless `in_place` is False (transformers' torch.cat layers: the A/B baseline)."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.loaded.model.config)
-        return install_slabs(cache, self.context_len) if self.loaded.device.type == "cpu" else cache
+        return install_slabs(cache, self.context_len) if in_place and self.loaded.device.type == "cpu" else cache
 
     def namespace(self, request: GenerationRequest) -> Namespace:
         return Namespace(self.model_id, request.cache_salt)
