@@ -30,6 +30,7 @@ FLAGS = {
     "dtype": "model.dtype",
     "threads": "model.threads",
     "prefill_chunk": "engine.prefill_chunk",
+    "reuse_mode": "reuse.mode",
     "max_queue": "server.max_queue",
     "log_level": "log.level",
     "record": "control.record",
@@ -51,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     start.add_argument("--threads", type=int, help="torch intra-op threads (0: all available cores)")
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
+    start.add_argument("--reuse-mode", choices=("exact", "fast"),
+                       help="exact: resumed turns are bit-identical to cold runs; fast: reuse everything parked")
     start.add_argument("--max-queue", type=int, help="requests that may wait for the model")
     start.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     start.add_argument("--record", help="append the control socket's events to this JSONL file")

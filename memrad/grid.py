@@ -1,6 +1,6 @@
 """The canonical prefill grid: chunks are cut at absolute multiples of the chunk size,
-and (exact mode) at every reply anchor: the position where a reply header such as
-"<|im_start|>assistant\n" begins.
+and (exact mode) at every reply anchor: the position right after a reply header such as
+"<|im_start|>assistant\n", where the reply's own tokens begin.
 
 A resume starts mid-conversation, so a naive engine would cut its chunks at different
 places than a cold run and change the logits in their last bits. Cutting at absolute
@@ -13,16 +13,18 @@ inputs, cold or resumed:
     start=s (off-grid)     |------|--------|-----|      [s,2C) then on the grid
 
 Why anchors: a prompt ends with the header of the reply it asks for, and a client that
-rewrites that reply keeps everything before the header. Cutting there too makes the
-header's start an exact checkpoint, so an exact resume re-primes from the reply instead of
-from the last multiple of C (up to C-1 tokens earlier):
+rewrites that reply keeps everything up to the header. Cutting there too makes the
+prompt's end an exact checkpoint, so an exact resume re-primes from the reply itself
+instead of from the last multiple of C (up to C-1 tokens earlier):
 
-    turn N     ... |--C--|---|hdr|                  cuts: C multiples + anchor a
-    turn N+1   ... |--C--|---|hdr reply' user ... |hdr|
-                             ^ a: resume here; rows before a were cut the same way
+    turn N     ... |--C--|------hdr|                    cuts: C multiples + anchor a = P
+    turn N+1   ... |--C--|------hdr|reply' user ... hdr|
+                                   ^ a: resume here; rows before a were cut the same way
 
-The cuts below a position depend only on the tokens before it (plus a header's length),
-so two prompts that agree up to a cut chunk everything below it identically.
+The cuts below a position depend only on the tokens before it, so two prompts that agree
+up to a cut chunk everything below it identically. A header the tokenizer merges with the
+reply's first characters is simply not found: that prompt then has no anchor there, and
+the planner (which compares both prompts' anchors) falls back to a lower cut.
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ def relative_chunks(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def find_anchors(token_ids, header: tuple[int, ...]) -> tuple[int, ...]:
-    """Positions where `header` (a reply header's leading ids) starts; () for no header."""
+    """Positions right after each occurrence of `header` (a reply header's ids); () for none."""
     if not header:
         return ()
     n, first = len(header), header[0]
-    return tuple(i for i, t in enumerate(token_ids) if t == first and tuple(token_ids[i : i + n]) == header)
+    return tuple(i + n for i, t in enumerate(token_ids) if t == first and tuple(token_ids[i : i + n]) == header)
 
 
 def canonical_chunks(start: int, end: int, chunk: int, anchors: tuple[int, ...] = ()) -> list[tuple[int, int]]:

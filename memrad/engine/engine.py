@@ -8,8 +8,9 @@
                                                     exactly the prompt, never that token.
          -> park: the state, its tokens and text replace the session it resumed from.
 
-Non-croppable (recurrent) state is snapshotted during prefill at floor(P) (the exact
-checkpoint) and at P (the prompt checkpoint), since it cannot be cut back later.
+Non-croppable (recurrent) state is snapshotted during prefill at the last cut <= P (the
+exact checkpoint: P itself when the prompt ends with a reply header, memrad.grid) and at P
+(the prompt checkpoint, fast mode), since it cannot be cut back later.
 """
 
 from __future__ import annotations
@@ -139,8 +140,10 @@ class Engine:
     def namespace(self, request: GenerationRequest) -> Namespace:
         return Namespace(self.model_id, request.cache_salt)
 
-    def plan(self, request: GenerationRequest, prompt_segments: tuple[Segment, ...] | None = None) -> Plan:
-        """Decide reuse for `request` (pure; the pool is only read)."""
+    def plan(self, request: GenerationRequest, prompt_segments: tuple[Segment, ...] | None = None,
+             anchors: tuple[int, ...] | None = None) -> Plan:
+        """Decide reuse for `request` (pure; the pool is only read). `anchors`: the prompt's
+        reply anchors, found here if not given (exact mode)."""
         if self.pool is None:
             return Plan(Decision(request.request_id, "cold", "reuse pool disabled", 0,
                                  request.num_prompt_tokens))
@@ -148,7 +151,8 @@ class Engine:
                            self.namespace(request), request.identity,
                            tuple(seg.hash for seg in prompt_segments) if prompt_segments is not None
                            else chain(request.prompt_ids, self.openers),
-                           find_anchors(request.prompt_ids, self.reply_header) if self.mode == "exact" else None)
+                           None if self.mode != "exact"
+                           else anchors if anchors is not None else find_anchors(request.prompt_ids, self.reply_header))
         return plan(view, self.pool.sessions(), self.mode, self.prefill_chunk, self.affinity)
 
     def generate(self, request: GenerationRequest, emit: Callable[[str], None],
@@ -171,12 +175,13 @@ class Engine:
         # The prompt's message segments, computed once: planning, the decision event and the
         # parked session's fingerprint all read them.
         prompt_segments = segments(prompt, self.openers)
-        decided = self.plan(request, prompt_segments)
+        anchors = find_anchors(prompt, self.reply_header)  # () in fast mode: no header to find
+        decided = self.plan(request, prompt_segments, anchors)
         log.info("%s %s", request.request_id, decided.decision.render())
         if on_decision is not None:
             on_decision(decided.decision)
         self._publish_decision(request, decided, prompt_segments)
-        cache, pre = self._prefill_start(decided, find_anchors(prompt, self.reply_header))
+        cache, pre = self._prefill_start(decided, anchors)
         try:
             out = self._prefill_and_decode(request, max_tokens, cache, pre, emit, cancelled, started)
         except BaseException:

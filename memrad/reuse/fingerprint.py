@@ -106,12 +106,9 @@ def derive_openers(tokenizer: Any) -> frozenset[int]:
 
 
 def derive_reply_header(tokenizer: Any) -> tuple[int, ...]:
-    """The leading ids of the header a template writes before every reply, e.g. <|im_start|>
-    and "assistant" for ChatML; () where the template writes none that opens with a control
+    """The ids a template writes before every reply (its generation prompt), e.g.
+    <|im_start|> assistant \n for ChatML; () where it writes none that opens with a control
     token (Mistral's [INST] style): then only the grid cuts prefill (memrad.grid).
-
-    Found as the template's generation prompt; only the control token and the role word
-    that follows are kept, since the ids after them may merge with the reply's first word.
     """
     messages = [{"role": "user", "content": "probe"}]
     try:
@@ -121,7 +118,7 @@ def derive_reply_header(tokenizer: Any) -> tuple[int, ...]:
         return ()
     if not prompted.startswith(bare) or len(prompted) == len(bare):
         return ()
-    header = tokenizer(prompted[len(bare):], add_special_tokens=False)["input_ids"][:2]
+    header = tokenizer(prompted[len(bare):], add_special_tokens=False)["input_ids"]
     if not header or header[0] not in _special_ids(tokenizer):
         return ()
     return tuple(header)

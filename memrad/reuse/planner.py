@@ -9,8 +9,8 @@ exactly, with at least one token left to prime.
 
 Usable checkpoints of a session, by mode (C = prefill chunk, P = prompt checkpoint):
 
-    exact:  0     C     2C   floor(P)  a  P     len(tokens)
-            |-----|-----|-----|--------|--|-----|
+    exact:  0     C     2C   floor(P)  a = P   len(tokens)
+            |-----|-----|-----|--------|-------|
                   ^     ^     ^        ^ cuts <= exact_limit (grid positions and the session's
                                          reply anchors, memrad.grid): their state came from
                                          canonical prefill chunks, so a resume there is

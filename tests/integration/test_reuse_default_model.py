@@ -10,14 +10,12 @@ from memrad.reuse.pool import ReusePool
 pytestmark = pytest.mark.integration
 
 CHUNK = 256
-REPLY_HEADER = 4  # "<|im_start|>assistant\n", which every prompt ends with
 
 
 def exact_resume(previous_prompt_tokens: int) -> int:
-    """Where exact mode resumes the turn after a prompt of this length: the last cut of that
-    prompt, i.e. where its reply header starts (memrad.grid), or a grid point past it."""
-    p = previous_prompt_tokens
-    return max(p - REPLY_HEADER, p - p % CHUNK)
+    """Where exact mode resumes the turn after a prompt of this length: that prompt's end,
+    right after its reply header "<|im_start|>assistant\n", where prefill was cut too."""
+    return previous_prompt_tokens
 TOOLS = "\n".join(
     f"- {name}(path): {what}. Returns the result as plain text; errors are reported, never raised."
     for name, what in [
@@ -60,7 +58,7 @@ def test_exact_mode_resumes_at_the_reply_header_and_matches_the_cold_run(smol):
     warm, warm_state = ask(engine, second_turn(first.text), "t2")
     cold, cold_state = ask(engine, second_turn(first.text), "t2-cold", salt="cold")
     assert warm.decision.outcome == "resumed", warm.decision.render()
-    assert warm.cached_tokens == exact_resume(first.prompt_tokens) == first.prompt_tokens - REPLY_HEADER
+    assert warm.cached_tokens == exact_resume(first.prompt_tokens)
     assert cold.cached_tokens == 0
     assert torch.equal(warm_state.prompt_logits, cold_state.prompt_logits)
     assert warm.text == cold.text

@@ -3,11 +3,9 @@
 import pytest
 
 from memrad.engine.engine import Engine
-from memrad.grid import grid_floor
 from memrad.engine.loader import load_model
 from memrad.request import GenerationRequest, Identity, SamplingParams
 from memrad.reuse.pool import ReusePool
-from tiny import header_tokens
 
 CHUNK = 16
 
@@ -66,9 +64,9 @@ def test_a_rewriting_client_resumes_via_affinity_from_turn_three_and_cold_withou
         elif turn == 2:  # system + first user message: 2 shared segments, under the bar
             assert a.decision.render() == "cold (no nomination: 2 shared segments < 3)"
         else:
-            # Exact mode resumes at the previous prompt's last cut: where its reply header
-            # starts (prefill was also cut there, memrad.grid), or a grid point past that.
-            resume = max(previous.prompt_tokens - header_tokens(on.engine.loaded.tokenizer), grid_floor(previous.prompt_tokens, CHUNK))
+            # Exact mode resumes where the previous prompt ended, right after its reply
+            # header: prefill was cut there too (memrad.grid), and the client kept it all.
+            resume = previous.prompt_tokens
             off_grid += resume % CHUNK != 0
             assert a.decision.render() == (f"affinity: resumed (implicit, {2 * turn - 2} shared segments; "
                                            f"checkpoint {resume}; primed {a.prompt_tokens - resume})")
@@ -82,7 +80,7 @@ def test_a_named_client_resumes_from_turn_two(loaded):
     client = Client(make_engine(loaded), SYSTEM, identity=Identity("agent-1", "session_id"))
     first = client.say(QUESTIONS[0])
     second = client.say(QUESTIONS[1])
-    resume = max(first.prompt_tokens - header_tokens(client.engine.loaded.tokenizer), grid_floor(first.prompt_tokens, CHUNK))
+    resume = first.prompt_tokens
     assert second.decision.render() == (f'affinity: resumed (explicit, session_id "agent-1", 2 shared segments; '
                                         f"checkpoint {resume}; primed {second.prompt_tokens - resume})")
     assert (second.decision.nomination, second.decision.source) == ("explicit", "session_id")

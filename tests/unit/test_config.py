@@ -61,3 +61,13 @@ def test_bad_config_files_say_what_is_wrong(tmp_path, text, message):
 def test_bad_environment_values_name_the_variable():
     with pytest.raises(SettingsError, match="environment variable MEMRA_PREFILL_CHUNK: engine.prefill_chunk must be int"):
         load_settings(env={"MEMRA_PREFILL_CHUNK": "big"})
+
+
+def test_start_flags_beat_the_environment_and_every_flag_names_a_known_key(monkeypatch):
+    from memrad.cli import FLAGS, _flag_overrides, _parser
+
+    assert set(FLAGS.values()) <= set(known_keys())
+    monkeypatch.setenv("MEMRA_REUSE_MODE", "exact")
+    args = _parser().parse_args(["start", "--reuse-mode", "fast", "--prefill-chunk", "128"])
+    s = load_settings(_flag_overrides(args), config_file=None)
+    assert (s.reuse.mode, s.engine.prefill_chunk) == ("fast", 128)

@@ -47,10 +47,10 @@ def test_prefill_is_also_cut_at_reply_anchors():
     assert canonical_chunks(5, 9, 16, ()) == grid_chunks(5, 9, 16)
 
 
-def test_anchors_are_where_the_reply_header_starts_and_cut_floor_takes_the_last_cut():
+def test_anchors_follow_each_reply_header_and_cut_floor_takes_the_last_cut():
     header = (1, 520)
     ids = [1, 9, 5, 2, 1, 520, 7, 2, 1, 9, 2, 1, 520]
-    assert find_anchors(ids, header) == (4, 11)
+    assert find_anchors(ids, header) == (6, 13)  # right after each header: where a reply begins
     assert find_anchors(ids, ()) == ()
-    assert cut_floor(13, 8, (4, 11)) == 11 and cut_floor(10, 8, (4, 11)) == 8 and cut_floor(3, 8, (4,)) == 0
-    assert is_cut(11, 8, (4, 11)) and is_cut(16, 8) and not is_cut(12, 8, (4, 11))
+    assert cut_floor(13, 8, (6, 13)) == 13 and cut_floor(12, 8, (6, 13)) == 8 and cut_floor(5, 8, (6,)) == 0
+    assert is_cut(13, 8, (6, 13)) and is_cut(16, 8) and not is_cut(12, 8, (6, 13))

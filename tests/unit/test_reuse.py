@@ -7,10 +7,8 @@ from memrad.engine.engine import Engine
 from memrad.engine.kv import SlabLayer
 from memrad.engine.loader import load_model
 from memrad.engine.pull import ModelUnavailable
-from memrad.grid import grid_floor
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
-from tiny import header_tokens
 
 CHUNK = 16
 SYSTEM = {"role": "system", "content": "You are a helpful coding assistant. Read the file, then answer."}
@@ -68,9 +66,8 @@ def test_exact_mode_resumes_every_turn_bit_identically_to_a_cold_run(loaded, kin
     for previous, row in zip(rows, rows[1:]):
         warm, state = row["warm"], row["warm_state"]
         assert warm.decision.outcome == "resumed", warm.decision.render()
-        # the previous prompt's last cut: its reply header's start, or a grid point past it
-        before = previous["warm"].prompt_tokens
-        assert warm.cached_tokens == max(before - header_tokens(engine.loaded.tokenizer), grid_floor(before, CHUNK))
+        # the previous prompt's end: prefill was cut right after its reply header too
+        assert warm.cached_tokens == previous["warm"].prompt_tokens
         assert warm.decision.primed_tokens == warm.prompt_tokens - warm.cached_tokens
         assert row["cold"].cached_tokens == 0 and row["cold"].decision.outcome == "cold"
         assert torch.equal(state.prompt_logits, row["cold_state"].prompt_logits)
@@ -108,8 +105,8 @@ def test_the_parked_prompt_checkpoint_is_the_prompt_length_before_the_init_feed(
     # max_tokens=5: four generated tokens were fed back, the fifth never was.
     assert session.num_tokens == done.prompt_tokens + 4
     assert session.token_ids[: done.prompt_tokens] == state.request.prompt_ids
-    if kind != "llama":  # recurrent state: a snapshot at the exact checkpoint
-        assert grid_floor(done.prompt_tokens, CHUNK) in session.checkpoints
+    if kind != "llama":  # recurrent state: a snapshot at the exact checkpoint, the prompt's last cut
+        assert done.prompt_tokens in session.checkpoints  # prefill was cut after the reply header
 
 
 def test_parked_bytes_equal_the_tensors_held(loaded):

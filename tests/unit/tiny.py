@@ -141,9 +141,3 @@ def save_tiny(folder: Path, kind: str) -> Path:
     tokenizer.save_pretrained(folder)
     return folder
 
-
-def header_tokens(tokenizer) -> int:
-    """Length of the reply header a chat prompt ends with (e.g. "<|im_start|>assistant\n")."""
-    probe = [{"role": "user", "content": "x"}]
-    with_header = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True)["input_ids"]
-    return len(with_header) - len(tokenizer.apply_chat_template(probe, tokenize=True)["input_ids"])
