@@ -1,6 +1,9 @@
-"""The canonical prefill grid: chunks are cut at absolute multiples of the chunk size,
-and (exact mode) at every reply anchor: the position right after a reply header such as
-"<|im_start|>assistant\n", where the reply's own tokens begin.
+"""The canonical prefill grid: where prefill chunks are cut, cold or resumed.
+
+Without anchors: at absolute multiples of the chunk size C. In exact mode also at every
+reply anchor (the position right after a reply header such as "<|im_start|>assistant\n",
+where the reply's own tokens begin), and the grid restarts there: cuts fall at an anchor
+and then every C tokens after it, up to the next anchor.
 
 A resume starts mid-conversation, so a naive engine would cut its chunks at different
 places than a cold run and change the logits in their last bits. Cutting at absolute
@@ -13,13 +16,14 @@ inputs, cold or resumed:
     start=s (off-grid)     |------|--------|-----|      [s,2C) then on the grid
 
 Why anchors: a prompt ends with the header of the reply it asks for, and a client that
-rewrites that reply keeps everything up to the header. Cutting there too makes the
-prompt's end an exact checkpoint, so an exact resume re-primes from the reply itself
-instead of from the last multiple of C (up to C-1 tokens earlier):
+rewrites that reply keeps everything up to the header. Cutting there makes the prompt's
+end an exact checkpoint, so an exact resume re-primes from the reply itself instead of
+from the last multiple of C (up to C-1 tokens earlier); restarting the grid there makes a
+resumed suffix of up to C tokens one chunk, the same shape every turn:
 
-    turn N     ... |--C--|------hdr|                    cuts: C multiples + anchor a = P
-    turn N+1   ... |--C--|------hdr|reply' user ... hdr|
-                                   ^ a: resume here; rows before a were cut the same way
+    turn N     0 ... |--C--|--C--|----hdr|                   a = P (turn N's prompt end)
+    turn N+1   0 ... |--C--|--C--|----hdr|reply' user .. hdr|    one chunk [a, P')
+                                         ^ a: resume here; rows before a were cut the same way
 
 The cuts below a position depend only on the tokens before it, so two prompts that agree
 up to a cut chunk everything below it identically. A header the tokenizer merges with the
@@ -70,19 +74,36 @@ def find_anchors(token_ids, header: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def canonical_chunks(start: int, end: int, chunk: int, anchors: tuple[int, ...] = ()) -> list[tuple[int, int]]:
-    """`grid_chunks`, also cut at every anchor inside (start, end)."""
+    """Half-open spans covering [start, end), cut at every cut of `anchors` (see the module
+    docstring); with no anchors these are `grid_chunks`."""
     spans = []
     a = start
-    for stop in [x for x in anchors if start < x < end] + [end]:
-        spans += grid_chunks(a, stop, chunk)
-        a = stop
+    while a < end:
+        b = min(cut_floor(a, chunk, anchors) + chunk, *(x for x in anchors if x > a), end)
+        spans.append((a, b))
+        a = b
     return spans
 
 
+def _base(position: int, anchors: tuple[int, ...]) -> int:
+    """Where the grid restarted last at or below `position`: an anchor, or 0."""
+    return max((a for a in anchors if a <= position), default=0)
+
+
 def is_cut(position: int, chunk: int, anchors: tuple[int, ...] = ()) -> bool:
-    return position % chunk == 0 or position in anchors
+    return (position - _base(position, anchors)) % chunk == 0
 
 
 def cut_floor(position: int, chunk: int, anchors: tuple[int, ...] = ()) -> int:
-    """The last cut (grid position or anchor) at or below `position`."""
-    return max([grid_floor(position, chunk)] + [a for a in anchors if a <= position])
+    """The last cut at or below `position`."""
+    base = _base(position, anchors)
+    return base + (position - base) // chunk * chunk
+
+
+def cuts_up_to(limit: int, chunk: int, anchors: tuple[int, ...] = ()) -> list[int]:
+    """Every cut in (0, limit], ascending."""
+    bases = [0, *(a for a in anchors if 0 < a <= limit)]
+    found = []
+    for base, stop in zip(bases, [*bases[1:], limit + 1]):
+        found += [c for c in range(base, stop, chunk) if c > 0]
+    return found

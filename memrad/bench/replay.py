@@ -100,7 +100,8 @@ def first_difference(a: str, b: str) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def report(transcript: dict, rows: list[Row], walls: dict[str, list[float]], reps: int) -> tuple[str, bool]:
+def report(transcript: dict, rows: list[Row], walls: dict[str, list[float]], reps: int,
+           flags: tuple[str, ...] = ()) -> tuple[str, bool]:
     """RESULTS.md, and whether the run reproduced a rewritten history at all."""
     classes = classify(transcript["turns"])
     n = len(classes)
@@ -109,7 +110,8 @@ def report(transcript: dict, rows: list[Row], walls: dict[str, list[float]], rep
     prompt = {r.turn: r.prompt_tokens for r in rows if r.arm == "on" and r.rep == 0}
     lines = [f"# Replay of {transcript['scenario']} (client rewrite: {transcript['rewrite']}; "
              f"{'named' if transcript.get('session_id') else 'unnamed'} client)", "",
-             f"{reps} reps per arm, interleaved; TTFT = first SSE chunk with text, client side; per-turn medians.",
+             f"{reps} reps per arm, interleaved; TTFT = first SSE chunk with text, client side; per-turn medians. "
+             f"Daemon flags: {' '.join(flags) or 'none (defaults: exact mode)'}.",
              "", "| turn class | turns | on: sum of medians s | off: sum of medians s | off/on |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for cls in ("cold prime", "pure extension", "rewritten history"):
@@ -127,7 +129,6 @@ def report(transcript: dict, rows: list[Row], walls: dict[str, list[float]], rep
         on, off = median["on"][t], median["off"][t]
         lines.append(f"| {t + 1} | {classes[t]} | {prompt.get(t + 1, '?')} | {on:.3f} | {off:.3f} | "
                      f"{off / on:.1f}x | {decisions.get(t + 1, '')} |")
-    lines += ["", "## Output byte-identity", ""]
     text = {(r.arm, r.rep, r.turn): r.text for r in rows}
     diffs = []
     for t in range(1, n + 1):
@@ -135,8 +136,33 @@ def report(transcript: dict, rows: list[Row], walls: dict[str, list[float]], rep
             at = first_difference(text[(*a, t)], text[(*b, t)])
             if at is not None:
                 diffs.append(f"- turn {t}: {a[0]} rep {a[1]} vs {b[0]} rep {b[1]} differ at character {at}")
+    resumed = {r.turn for r in rows if r.arm == "on" and r.rep == 0 and r.cached_tokens > 0}
+    differing = len({line.split(":")[0] for line in diffs})
+    lines += ["", "## Targets", "", *targets(classes, median, prompt, resumed, n - differing)]
+    lines += ["", "## Output byte-identity", ""]
     lines += diffs or [f"All {n} turns byte-identical across arms and within each arm."]
     return "\n".join(lines) + "\n", "rewritten history" in classes
+
+
+def targets(classes: list[str], median: dict[str, list[float]], prompt: dict[int, int], resumed: set[int],
+            identical: int) -> list[str]:
+    """The replay issue's three targets, each with the measured value beside it."""
+    rewritten = [t for t in range(1, len(classes) + 1) if classes[t - 1] == "rewritten history"]
+    out = []
+    first = next((t for t in rewritten if t in resumed), None)
+    if first is not None:
+        last = rewritten[-1]
+        on = median["on"]
+        out.append(f"- Flat line: last rewritten turn ({last}) {on[last - 1]:.3f} s vs first resumed rewritten turn "
+                   f"({first}) {on[first - 1]:.3f} s: {on[last - 1] / on[first - 1]:.2f}x (target <= 1.2x) while "
+                   f"the prompt grew {prompt[last] / prompt[first]:.1f}x ({prompt[first]} -> {prompt[last]} tokens).")
+    long = [t for t in rewritten if prompt.get(t, 0) > 4000]
+    if long:
+        ratios = [median["off"][t - 1] / median["on"][t - 1] for t in long]
+        out.append(f"- Off/on past 4k tokens ({len(long)} rewritten turns): {min(ratios):.1f}x to {max(ratios):.1f}x, "
+                   f">= 10x on {sum(r >= 10 for r in ratios)} of {len(long)} (target: all).")
+    out.append(f"- Byte-identical across arms and reps: {identical} of {len(classes)} turns (target: all, exact mode).")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out / "rows.jsonl", "w") as out:
         for row in rows:
             out.write(json.dumps(asdict(row)) + "\n")
-    text, reproduced = report(transcript, rows, walls, args.reps)
+    text, reproduced = report(transcript, rows, walls, args.reps, tuple(args.flags))
     if plot_ttft([asdict(r) for r in rows], args.out / "ttft.png",
                  f"TTFT per turn: {transcript['scenario']}, {args.reps} reps"):
         text += "\n![TTFT against prompt tokens](ttft.png)\n"

@@ -9,13 +9,13 @@ exactly, with at least one token left to prime.
 
 Usable checkpoints of a session, by mode (C = prefill chunk, P = prompt checkpoint):
 
-    exact:  0     C     2C   floor(P)  a = P   len(tokens)
-            |-----|-----|-----|--------|-------|
-                  ^     ^     ^        ^ cuts <= exact_limit (grid positions and the session's
-                                         reply anchors, memrad.grid): their state came from
-                                         canonical prefill chunks, so a resume there is
-                                         bit-identical to cold, provided the request cuts
-                                         its prompt the same way below that point
+    exact:  0     C     2C    a     a+C   a' = P   len(tokens)
+            |-----|-----|-----|-----|-----|--------|
+                  ^     ^     ^     ^     ^ cuts <= exact_limit: C multiples counted from 0,
+                                            then from each reply anchor a (memrad.grid).
+                                            Their state came from canonical prefill chunks,
+                                            so a resume there is bit-identical to cold,
+                                            provided the request was cut alike below it
     fast:   any position <= len(tokens) (attention-only), or any snapshot (recurrent)
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from memrad.grid import grid_floor, is_cut
+from memrad.grid import cuts_up_to, is_cut
 from memrad.protocol import Decision, Tier
 from memrad.request import Identity
 from memrad.reuse.identity import Nomination, Refusal, nominate
@@ -69,8 +69,7 @@ def checkpoint_at_or_below(session: ParkedSession, limit: int, mode: Mode, chunk
     if mode == "exact":
         limit = min(limit, session.exact_limit)
         if session.croppable:
-            candidates = [*range(grid_floor(max(limit, 0), chunk), 0, -chunk),
-                          *(a for a in session.anchors if 0 < a <= limit)]
+            candidates = cuts_up_to(limit, chunk, session.anchors)
         else:
             candidates = [c for c in session.checkpoints if c <= limit and is_cut(c, chunk, session.anchors)]
         found = [c for c in candidates if anchors is None or _cut_alike(c, chunk, session.anchors, anchors)]

@@ -1,6 +1,7 @@
 import pytest
 
-from memrad.grid import canonical_chunks, cut_floor, find_anchors, grid_chunks, grid_floor, is_cut, relative_chunks
+from memrad.grid import (canonical_chunks, cut_floor, cuts_up_to, find_anchors, grid_chunks, grid_floor, is_cut,
+                         relative_chunks)
 
 
 def test_cold_prefill_is_cut_at_multiples_of_the_chunk():
@@ -38,13 +39,18 @@ def test_relative_chunks_count_from_the_start():
     assert relative_chunks(0, 600, 256) == grid_chunks(0, 600, 256)
 
 
-def test_prefill_is_also_cut_at_reply_anchors():
-    assert canonical_chunks(0, 70, 16, (21, 40, 70)) == [(0, 16), (16, 21), (21, 32), (32, 40), (40, 48),
-                                                         (48, 64), (64, 70)]
-    # A resume from an anchor runs exactly the cold run's chunks from there on.
+def test_the_grid_restarts_at_each_reply_anchor():
+    # anchors 21 and 40: cuts at 16 | 21, 37 | 40, 56 (C counted from 0, then from each anchor)
+    assert canonical_chunks(0, 70, 16, (21, 40, 70)) == [(0, 16), (16, 21), (21, 37), (37, 40), (40, 56),
+                                                         (56, 70)]
+    assert cuts_up_to(70, 16, (21, 40)) == [16, 21, 37, 40, 56] == [p for p in range(1, 71) if is_cut(p, 16, (21, 40))]
+    # A resume from an anchor runs exactly the cold run's chunks from there on ...
     cold = canonical_chunks(0, 70, 16, (21, 40))
     assert canonical_chunks(21, 70, 16, (21, 40)) == [span for span in cold if span[0] >= 21]
+    # ... and a suffix of up to C tokens after an anchor is one chunk, wherever it sits.
+    assert canonical_chunks(40, 56, 16, (21, 40)) == [(40, 56)]
     assert canonical_chunks(5, 9, 16, ()) == grid_chunks(5, 9, 16)
+    assert cuts_up_to(50, 16) == [16, 32, 48] and cuts_up_to(0, 16) == []
 
 
 def test_anchors_follow_each_reply_header_and_cut_floor_takes_the_last_cut():
@@ -52,5 +58,6 @@ def test_anchors_follow_each_reply_header_and_cut_floor_takes_the_last_cut():
     ids = [1, 9, 5, 2, 1, 520, 7, 2, 1, 9, 2, 1, 520]
     assert find_anchors(ids, header) == (6, 13)  # right after each header: where a reply begins
     assert find_anchors(ids, ()) == ()
-    assert cut_floor(13, 8, (6, 13)) == 13 and cut_floor(12, 8, (6, 13)) == 8 and cut_floor(5, 8, (6,)) == 0
-    assert is_cut(13, 8, (6, 13)) and is_cut(16, 8) and not is_cut(12, 8, (6, 13))
+    assert cut_floor(13, 8, (6, 13)) == 13 and cut_floor(12, 8, (6, 13)) == 6 and cut_floor(5, 8, (6,)) == 0
+    assert cut_floor(20, 8, (6,)) == 14
+    assert is_cut(13, 8, (6, 13)) and is_cut(16, 8) and not is_cut(16, 8, (6,)) and not is_cut(12, 8, (6, 13))

@@ -1,4 +1,4 @@
-from memrad.bench.replay import Row, classify, report
+from memrad.bench.replay import Row, classify, report, targets
 from memrad.bench.scenarios import elide_old_tool_output
 
 SYS = {"role": "system", "content": "s"}
@@ -32,6 +32,20 @@ def test_the_report_uses_per_turn_medians_and_checks_byte_identity():
     assert "| cold prime | 1 | 1.20 | 1.20 | 1.0x |" in text
     assert "End-to-end wall clock (median over reps): on 6.0 s, off 9.0 s." in text
     assert "- turn 3: on rep 0 vs off rep 0 differ at character 3" in text
+    assert "- Byte-identical across arms and reps: 2 of 3 turns (target: all, exact mode)." in text
+
+
+def test_the_targets_are_stated_with_their_measured_values():
+    classes = ["cold prime", "rewritten history", "rewritten history", "rewritten history"]
+    median = {"on": [2.0, 3.0, 1.0, 1.5], "off": [2.0, 3.0, 12.0, 12.0]}
+    prompt = {1: 900, 2: 1200, 3: 4100, 4: 6400}
+    lines = targets(classes, median, prompt, resumed={3, 4}, identical=4)
+    assert lines == [
+        "- Flat line: last rewritten turn (4) 1.500 s vs first resumed rewritten turn (3) 1.000 s: 1.50x "
+        "(target <= 1.2x) while the prompt grew 1.6x (4100 -> 6400 tokens).",
+        "- Off/on past 4k tokens (2 rewritten turns): 8.0x to 12.0x, >= 10x on 1 of 2 (target: all).",
+        "- Byte-identical across arms and reps: 4 of 4 turns (target: all, exact mode).",
+    ]
 
 
 def test_old_tool_output_is_elided_but_the_last_two_stay():
