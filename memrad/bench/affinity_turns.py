@@ -1,17 +1,20 @@
 """Affinity on vs off over one conversation whose client rewrites every earlier reply.
 
-    python -m memrad.bench.affinity_turns --turns 10
+    python -m memrad.bench.affinity_turns --turns 10 --reps 3
 
 In process on the default model. Each user turn carries a tool result, so the prompt grows
 several-fold; the client sends every earlier reply back with its second half cut (what a
 reasoning-stripping client does to a reply). Per turn, the affinity-on engine and the
 affinity-off engine (same pool settings; prefix tiers only) run the same request,
-alternating which arm goes first. TTFT is engine-side: plan + rebuild + prefill + first token.
+alternating which arm goes first (and flipping that order every rep). TTFT is engine-side:
+plan + rebuild + prefill + first token. With --reps, each rep is a whole conversation on
+fresh engines, and the table holds per-turn medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from memrad.engine.engine import Engine
 from memrad.engine.loader import load_model, resolve_threads
@@ -34,23 +37,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--mode", default="exact")
     parser.add_argument("--named", action="store_true", help="the client sends a session_id")
+    parser.add_argument("--reps", type=int, default=1, help="whole conversations on fresh engines; per-turn medians")
     args = parser.parse_args(argv)
     threads = resolve_threads(args.threads)
     loaded = load_model(args.model, "auto", "auto")
+    identity = Identity("bench", "session_id") if args.named else None
+    print(f"model={loaded.model_id} device={loaded.device.type} dtype={loaded.dtype_name} threads={threads} "
+          f"chunk={args.chunk} mode={args.mode} client={'named' if args.named else 'unnamed'} "
+          f"max_tokens={args.max_tokens} reps={args.reps} (per-turn medians)\n")
+    runs = []
+    for rep in range(args.reps):
+        runs.append(conversation(loaded, args, threads, identity, rep))
+        print(f"rep {rep}: {' '.join(f'{on.ttft_s:.3f}' for on, _ in runs[-1])} (on TTFT s per turn)", flush=True)
+    print("\n| turn | prompt tokens | on: cached | on TTFT s | off TTFT s | off/on | same text | on decision (rep 0) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    medians = []
+    for turn, rows in enumerate(zip(*runs), start=1):
+        on_s = statistics.median(on.ttft_s for on, _ in rows)
+        off_s = statistics.median(off.ttft_s for _, off in rows)
+        medians.append(on_s)
+        on = rows[0][0]
+        same = all(on.text == off.text == rows[0][0].text for on, off in rows)
+        print(f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on_s:.3f} | {off_s:.3f} | {off_s / on_s:.1f}x | "
+              f"{'yes' if same else 'no'} | {on.decision.render()} |", flush=True)
+    first = next((t for t, (on, _) in enumerate(runs[0], start=1) if on.decision.outcome == "resumed"), None)
+    if first is not None:
+        last = runs[0][-1][0]
+        print(f"\naffinity on, last turn / first resumed turn ({first}): TTFT {medians[-1] / medians[first - 1]:.2f}x "
+              f"(medians) while the prompt grew {last.prompt_tokens / runs[0][first - 1][0].prompt_tokens:.1f}x "
+              f"({runs[0][first - 1][0].prompt_tokens} -> {last.prompt_tokens} tokens)")
+    return 0
+
+
+def conversation(loaded, args, threads: int, identity: Identity | None, rep: int) -> list[tuple]:
+    """One conversation on fresh engines: per turn, (affinity-on, affinity-off) completions."""
     arms = {flag: Engine(loaded, args.chunk, threads, ReusePool(64, 2**33), args.mode, affinity=flag)
             for flag in (True, False)}
     arms[True].init_worker_thread()
-    identity = Identity("bench", "session_id") if args.named else None
     messages = {flag: [{"role": "system", "content": SYSTEM}] for flag in arms}
-    print(f"model={loaded.model_id} device={loaded.device.type} dtype={loaded.dtype_name} threads={threads} "
-          f"chunk={args.chunk} mode={args.mode} client={'named' if args.named else 'unnamed'} "
-          f"max_tokens={args.max_tokens}\n")
-    print("| turn | prompt tokens | on: cached | on TTFT s | off TTFT s | off/on | same text | on decision |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
-    first_on = None
+    rows = []
     for turn in range(1, args.turns + 1):
         results = {}
-        for flag in ((True, False) if turn % 2 else (False, True)):
+        for flag in ((True, False) if (turn + rep) % 2 else (False, True)):
             engine = arms[flag]
             messages[flag].append({"role": "user", "content": f"Step {turn}. Tool result:\n{TOOL_OUTPUT}\nWhat next?"})
             text, ids = engine.render_chat(messages[flag], None)
@@ -60,18 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             results[flag] = engine.generate(request, lambda _: None, lambda: False)
             reply = results[flag].text
             messages[flag].append({"role": "assistant", "content": reply[: len(reply) // 2]})
-        on, off = results[True], results[False]
-        if first_on is None and on.decision.outcome == "resumed":
-            first_on, first_turn = on, turn
-        print(f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on.ttft_s:.3f} | {off.ttft_s:.3f} | "
-              f"{off.ttft_s / on.ttft_s:.1f}x | {'yes' if on.text == off.text else 'no'} | "
-              f"{on.decision.render()} |", flush=True)
-    if first_on is not None:
-        print(f"\naffinity on, last turn / first resumed turn ({first_turn}): TTFT {on.ttft_s / first_on.ttft_s:.2f}x "
-              f"while the prompt grew {on.prompt_tokens / first_on.prompt_tokens:.1f}x "
-              f"({first_on.prompt_tokens} -> {on.prompt_tokens} tokens)")
-    return 0
-
+        rows.append((results[True], results[False]))
+    return rows
 
 if __name__ == "__main__":
     raise SystemExit(main())

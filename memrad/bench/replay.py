@@ -16,6 +16,7 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -170,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("transcript", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("flags", nargs="*", help="extra `memrad start` flags for both arms")
-    args = parser.parse_args(argv)
+    parser.epilog = "Extra `memrad start` flags for both arms go after `--`, e.g. `-- --reuse-mode fast`."
+    argv = sys.argv[1:] if argv is None else list(argv)
+    flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args.flags = flags
     transcript = json.loads(args.transcript.read_text())
     if "rewritten history" not in classify(transcript["turns"]):
         print("FAIL: no turn of this transcript rewrote its history; record with another --rewrite")

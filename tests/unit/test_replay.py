@@ -66,3 +66,24 @@ def test_the_plot_is_a_png_of_per_turn_medians(tmp_path):
     pytest.importorskip("matplotlib")
     assert plot_ttft(rows, tmp_path / "t.png", "test")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memrad_start_flags_after_a_double_dash_reach_both_arms(tmp_path, monkeypatch):
+    import json
+
+    from memrad.bench import replay
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(transcript()))
+    seen = []
+
+    def fake_arm(arm, rep, t, flags, logs):
+        seen.append((arm, rep, tuple(flags)))
+        return [Row(arm, rep, i, 1.0, 100 * i, 0, "", "x") for i in (1, 2, 3)], 1.0
+
+    monkeypatch.setattr(replay, "run_arm", fake_arm)
+    monkeypatch.setattr(replay, "plot_ttft", lambda *a: False)
+    assert replay.main([str(path), "--out", str(tmp_path / "out"), "--reps", "2", "--", "--reuse-mode", "fast"]) == 0
+    assert seen == [("on", 0, ("--reuse-mode", "fast")), ("off", 0, ("--reuse-mode", "fast")),
+                    ("off", 1, ("--reuse-mode", "fast")), ("on", 1, ("--reuse-mode", "fast"))]
+    assert "Daemon flags: --reuse-mode fast." in (tmp_path / "out" / "RESULTS.md").read_text()
