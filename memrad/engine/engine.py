@@ -98,7 +98,7 @@ class Engine:
         self.affinity = affinity
         # Control tokens that open a chat message: the fingerprint splits prompts at them.
         self.openers = derive_openers(loaded.tokenizer)
-        # Exact mode also cuts prefill where a reply header starts (memrad.grid).
+        # Exact mode also cuts prefill right after each reply header (memrad.grid).
         self.reply_header = derive_reply_header(loaded.tokenizer) if mode == "exact" else ()
         self.on_finished: FinishHook | None = None
         # Control-socket events (memrad.protocol records); called on the engine thread.
