@@ -36,17 +36,7 @@ from __future__ import annotations
 
 def grid_chunks(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
     """Half-open spans covering [start, end), cut at every multiple of `chunk`."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    if not 0 <= start <= end:
-        raise ValueError(f"need 0 <= start <= end, got start={start} end={end}")
-    spans = []
-    a = start
-    while a < end:
-        b = min((a // chunk + 1) * chunk, end)
-        spans.append((a, b))
-        a = b
-    return spans
+    return canonical_chunks(start, end, chunk)
 
 
 def grid_floor(position: int, chunk: int) -> int:
@@ -75,7 +65,11 @@ def find_anchors(token_ids, header: tuple[int, ...]) -> tuple[int, ...]:
 
 def canonical_chunks(start: int, end: int, chunk: int, anchors: tuple[int, ...] = ()) -> list[tuple[int, int]]:
     """Half-open spans covering [start, end), cut at every cut of `anchors` (see the module
-    docstring); with no anchors these are `grid_chunks`."""
+    docstring); with no anchors, at every multiple of `chunk`."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if not 0 <= start <= end:
+        raise ValueError(f"need 0 <= start <= end, got start={start} end={end}")
     spans = []
     a = start
     while a < end:
@@ -97,7 +91,7 @@ def is_cut(position: int, chunk: int, anchors: tuple[int, ...] = ()) -> bool:
 def cut_floor(position: int, chunk: int, anchors: tuple[int, ...] = ()) -> int:
     """The last cut at or below `position`."""
     base = _base(position, anchors)
-    return base + (position - base) // chunk * chunk
+    return base + grid_floor(position - base, chunk)
 
 
 def cuts_up_to(limit: int, chunk: int, anchors: tuple[int, ...] = ()) -> list[int]:

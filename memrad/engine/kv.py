@@ -20,6 +20,7 @@ current length are never written again, so views handed out earlier stay exact.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -33,9 +34,7 @@ def _reserve(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     """An uninitialised tensor whose untouched pages cost no memory (CPU) or a plain empty one."""
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    num_bytes = dtype.itemsize
-    for size in shape:
-        num_bytes *= size
+    num_bytes = dtype.itemsize * math.prod(shape)
     # The tensor keeps the mapping alive; freeing the tensor unmaps it and returns the pages.
     return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)
 
