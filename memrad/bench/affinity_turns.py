@@ -9,15 +9,23 @@ affinity-off engine (same pool settings; prefix tiers only) run the same request
 alternating which arm goes first (and flipping that order every rep). TTFT is engine-side:
 plan + rebuild + prefill + first token. With --reps, each rep is a whole conversation on
 fresh engines, and the table holds per-turn medians.
+
+The floor column is the bare model forward of exactly the tokens the affinity-on arm primed,
+after exactly the context it reused, chunked the same way, timed right after that arm's
+turn on a cache kept alongside (no planning, no pool, no sampling): what the turn costs
+the hardware. On a CPU it grows with the context, because attention reads every cached row.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 from memrad.engine.engine import Engine
+from memrad.engine.forward import cache_length, prefill
 from memrad.engine.loader import load_model, resolve_threads
+from memrad.grid import find_anchors
 from memrad.request import GenerationRequest, Identity, SamplingParams
 from memrad.reuse.pool import ReusePool
 
@@ -48,32 +56,41 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for rep in range(args.reps):
         runs.append(conversation(loaded, args, threads, identity, rep))
-        print(f"rep {rep}: {' '.join(f'{on.ttft_s:.3f}' for on, _ in runs[-1])} (on TTFT s per turn)", flush=True)
-    print("\n| turn | prompt tokens | on: cached | on TTFT s | off TTFT s | off/on | same text | on decision (rep 0) |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
-    medians = []
+        print(f"rep {rep}: {' '.join(f'{on.ttft_s:.3f}' for on, _, _ in runs[-1])} (on TTFT s per turn); "
+              f"floor {' '.join(f'{floor:.3f}' for _, _, floor in runs[-1])}", flush=True)
+    print("\n| turn | prompt tokens | on: cached | on TTFT s | floor s | off TTFT s | off/on | same text "
+          "| on decision (rep 0) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    on_medians, floor_medians = [], []
     for turn, rows in enumerate(zip(*runs), start=1):
-        on_s = statistics.median(on.ttft_s for on, _ in rows)
-        off_s = statistics.median(off.ttft_s for _, off in rows)
-        medians.append(on_s)
+        on_s = statistics.median(on.ttft_s for on, _, _ in rows)
+        floor_s = statistics.median(floor for _, _, floor in rows)
+        off_s = statistics.median(off.ttft_s for _, off, _ in rows)
+        on_medians.append(on_s)
+        floor_medians.append(floor_s)
         on = rows[0][0]
-        same = all(on.text == off.text == rows[0][0].text for on, off in rows)
-        print(f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on_s:.3f} | {off_s:.3f} | {off_s / on_s:.1f}x | "
-              f"{'yes' if same else 'no'} | {on.decision.render()} |", flush=True)
-    first = next((t for t, (on, _) in enumerate(runs[0], start=1) if on.decision.outcome == "resumed"), None)
+        same = all(on.text == off.text == rows[0][0].text for on, off, _ in rows)
+        print(f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on_s:.3f} | {floor_s:.3f} | {off_s:.3f} | "
+              f"{off_s / on_s:.1f}x | {'yes' if same else 'no'} | {on.decision.render()} |", flush=True)
+    first = next((t for t, (on, _, _) in enumerate(runs[0], start=1) if on.decision.outcome == "resumed"), None)
     if first is not None:
-        last = runs[0][-1][0]
-        print(f"\naffinity on, last turn / first resumed turn ({first}): TTFT {medians[-1] / medians[first - 1]:.2f}x "
-              f"(medians) while the prompt grew {last.prompt_tokens / runs[0][first - 1][0].prompt_tokens:.1f}x "
-              f"({runs[0][first - 1][0].prompt_tokens} -> {last.prompt_tokens} tokens)")
+        last, resumed = runs[0][-1][0], runs[0][first - 1][0]
+        print(f"\naffinity on, last turn / first resumed turn ({first}), medians: TTFT "
+              f"{on_medians[-1] / on_medians[first - 1]:.2f}x, floor {floor_medians[-1] / floor_medians[first - 1]:.2f}x, "
+              f"while the prompt grew {last.prompt_tokens / resumed.prompt_tokens:.1f}x "
+              f"({resumed.prompt_tokens} -> {last.prompt_tokens} tokens)")
+        per_rep = [rows[-1][0].ttft_s / rows[first - 1][0].ttft_s for rows in runs]
+        print(f"per rep: {', '.join(f'{r:.2f}x' for r in per_rep)}")
     return 0
 
 
 def conversation(loaded, args, threads: int, identity: Identity | None, rep: int) -> list[tuple]:
-    """One conversation on fresh engines: per turn, (affinity-on, affinity-off) completions."""
+    """One conversation on fresh engines: per turn, (affinity-on, affinity-off) completions
+    and the floor of the affinity-on turn in seconds."""
     arms = {flag: Engine(loaded, args.chunk, threads, ReusePool(64, 2**33), args.mode, affinity=flag)
             for flag in (True, False)}
     arms[True].init_worker_thread()
+    floor = Floor(arms[True])
     messages = {flag: [{"role": "system", "content": SYSTEM}] for flag in arms}
     rows = []
     for turn in range(1, args.turns + 1):
@@ -86,10 +103,38 @@ def conversation(loaded, args, threads: int, identity: Identity | None, rep: int
                                         SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
                                         identity=identity)
             results[flag] = engine.generate(request, lambda _: None, lambda: False)
+            if flag:
+                floor_s = floor.time(ids, results[flag].cached_tokens)
             reply = results[flag].text
             messages[flag].append({"role": "assistant", "content": reply[: len(reply) // 2]})
-        rows.append((results[True], results[False]))
+        rows.append((results[True], results[False], floor_s))
     return rows
+
+
+class Floor:
+    """The bare forward of what an engine primed, on a cache of its own (see the module docstring)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.cache = engine.new_cache()
+        self.ids: list[int] = []  # what self.cache holds
+
+    def time(self, ids: list[int], start: int) -> float:
+        """Seconds to prime ids[start:] after ids[:start], as the engine chunks it."""
+        engine = self.engine
+        model, chunk, exact = engine.loaded.model, engine.prefill_chunk, engine.mode == "exact"
+        anchors = find_anchors(ids, engine.reply_header)
+        shared = next((i for i, (a, b) in enumerate(zip(self.ids, ids[:start])) if a != b), min(len(self.ids), start))
+        if shared == 0:
+            self.cache = engine.new_cache()
+        elif cache_length(self.cache) > shared:
+            self.cache.crop(shared - cache_length(self.cache))
+        if shared < start:  # context the cache lacks: untimed
+            prefill(model, self.cache, ids[shared:start], shared, chunk, on_grid=exact, anchors=anchors)
+        began = time.perf_counter()
+        prefill(model, self.cache, ids[start:], start, chunk, on_grid=exact, anchors=anchors)
+        self.ids = list(ids)
+        return time.perf_counter() - began
 
 if __name__ == "__main__":
     raise SystemExit(main())
