@@ -8,7 +8,8 @@ reasoning-stripping client does to a reply). Per turn, the affinity-on engine an
 affinity-off engine (same pool settings; prefix tiers only) run the same request,
 alternating which arm goes first (and flipping that order every rep). TTFT is engine-side:
 plan + rebuild + prefill + first token. With --reps, each rep is a whole conversation on
-fresh engines, and the table holds per-turn medians.
+fresh engines, and the table holds per-turn medians. --on-only skips the affinity-off arm, so
+the on arm has the process to itself (as in a daemon serving one agent) and reps are cheap.
 
 The floor column is the bare model forward of exactly the tokens the affinity-on arm primed,
 after exactly the context it reused, chunked the same way, timed right after that arm's
@@ -46,13 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="exact")
     parser.add_argument("--named", action="store_true", help="the client sends a session_id")
     parser.add_argument("--reps", type=int, default=1, help="whole conversations on fresh engines; per-turn medians")
+    parser.add_argument("--on-only", action="store_true",
+                        help="skip the affinity-off arm: the on arm and its floor alone in the process (cheap reps)")
     args = parser.parse_args(argv)
     threads = resolve_threads(args.threads)
     loaded = load_model(args.model, "auto", "auto")
     identity = Identity("bench", "session_id") if args.named else None
     print(f"model={loaded.model_id} device={loaded.device.type} dtype={loaded.dtype_name} threads={threads} "
           f"chunk={args.chunk} mode={args.mode} client={'named' if args.named else 'unnamed'} "
-          f"max_tokens={args.max_tokens} reps={args.reps} (per-turn medians)\n")
+          f"max_tokens={args.max_tokens} reps={args.reps} (per-turn medians)"
+          f"{'; affinity-off arm skipped' if args.on_only else ''}\n")
     runs = []
     for rep in range(args.reps):
         runs.append(conversation(loaded, args, threads, identity, rep))
@@ -65,13 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     for turn, rows in enumerate(zip(*runs), start=1):
         on_s = statistics.median(on.ttft_s for on, _, _ in rows)
         floor_s = statistics.median(floor for _, _, floor in rows)
-        off_s = statistics.median(off.ttft_s for _, off, _ in rows)
         on_medians.append(on_s)
         floor_medians.append(floor_s)
         on = rows[0][0]
-        same = all(on.text == off.text == rows[0][0].text for on, off, _ in rows)
-        print(f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on_s:.3f} | {floor_s:.3f} | {off_s:.3f} | "
-              f"{off_s / on_s:.1f}x | {'yes' if same else 'no'} | {on.decision.render()} |", flush=True)
+        if args.on_only:
+            off_cells = "- | - | -"
+        else:
+            off_s = statistics.median(off.ttft_s for _, off, _ in rows)
+            same = all(on.text == off.text == rows[0][0].text for on, off, _ in rows)
+            off_cells = f"{off_s:.3f} | {off_s / on_s:.1f}x | {'yes' if same else 'no'}"
+        print(f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on_s:.3f} | {floor_s:.3f} | {off_cells} | "
+              f"{on.decision.render()} |", flush=True)
     first = next((t for t, (on, _, _) in enumerate(runs[0], start=1) if on.decision.outcome == "resumed"), None)
     if first is not None:
         last, resumed = runs[0][-1][0], runs[0][first - 1][0]
@@ -86,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def conversation(loaded, args, threads: int, identity: Identity | None, rep: int) -> list[tuple]:
     """One conversation on fresh engines: per turn, (affinity-on, affinity-off) completions
-    and the floor of the affinity-on turn in seconds."""
+    and the floor of the affinity-on turn in seconds (the off completion is None with --on-only)."""
     arms = {flag: Engine(loaded, args.chunk, threads, ReusePool(64, 2**33), args.mode, affinity=flag)
-            for flag in (True, False)}
+            for flag in ((True,) if args.on_only else (True, False))}
     arms[True].init_worker_thread()
     floor = Floor(arms[True])
     messages = {flag: [{"role": "system", "content": SYSTEM}] for flag in arms}
@@ -96,6 +104,8 @@ def conversation(loaded, args, threads: int, identity: Identity | None, rep: int
     for turn in range(1, args.turns + 1):
         results = {}
         for flag in ((True, False) if (turn + rep) % 2 else (False, True)):
+            if flag not in arms:
+                continue
             engine = arms[flag]
             messages[flag].append({"role": "user", "content": f"Step {turn}. Tool result:\n{TOOL_OUTPUT}\nWhat next?"})
             text, ids = engine.render_chat(messages[flag], None)
@@ -107,7 +117,7 @@ def conversation(loaded, args, threads: int, identity: Identity | None, rep: int
                 floor_s = floor.time(ids, results[flag].cached_tokens)
             reply = results[flag].text
             messages[flag].append({"role": "assistant", "content": reply[: len(reply) // 2]})
-        rows.append((results[True], results[False], floor_s))
+        rows.append((results[True], results.get(False), floor_s))
     return rows
 
 
