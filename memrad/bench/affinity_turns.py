@@ -20,6 +20,7 @@ the hardware. On a CPU it grows with the context, because attention reads every 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -89,7 +90,21 @@ def main(argv: list[str] | None = None) -> int:
               f"({resumed.prompt_tokens} -> {last.prompt_tokens} tokens)")
         per_rep = [rows[-1][0].ttft_s / rows[first - 1][0].ttft_s for rows in runs]
         print(f"per rep: {', '.join(f'{r:.2f}x' for r in per_rep)}")
+        if len(runs) >= 5:
+            cells = [[(on.ttft_s, floor) for on, _, floor in rows] for rows in runs]
+            on_ci, floor_ci = (bootstrap_ratio([[c[k] for c in rep] for rep in cells], first) for k in (0, 1))
+            print(f"95% bootstrap intervals over reps: TTFT {on_ci[0]:.2f}x-{on_ci[1]:.2f}x, "
+                  f"floor {floor_ci[0]:.2f}x-{floor_ci[1]:.2f}x")
     return 0
+
+
+def bootstrap_ratio(reps: list[list[float]], first: int, draws: int = 5000) -> tuple[float, float]:
+    """2.5th and 97.5th percentiles of median(last turn) / median(turn `first`) over reps
+    resampled with replacement (each rep: seconds per turn)."""
+    rng = random.Random(0)
+    ratios = sorted(statistics.median(r[-1] for r in sample) / statistics.median(r[first - 1] for r in sample)
+                    for sample in ([rng.choice(reps) for _ in reps] for _ in range(draws)))
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
 
 
 def conversation(loaded, args, threads: int, identity: Identity | None, rep: int) -> list[tuple]:
