@@ -16,11 +16,10 @@ import random
 import statistics
 import time
 
-import torch
-
 from memrad.engine.engine import Engine
 from memrad.engine.forward import prefill
 from memrad.engine.loader import load_model, resolve_threads
+from memrad.engine.profile import operator_share
 
 
 def pair(text: str) -> tuple[int, int]:
@@ -82,13 +81,7 @@ class Turn:
 
     def attention_share(self) -> float:
         """Fraction of one forward's operator time spent in scaled-dot-product attention."""
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            self.run()
-        events = prof.key_averages()
-        total = sum(e.self_cpu_time_total for e in events)
-        attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key)
-        return attention / total if total else 0.0
-
+        return operator_share(self.run, "scaled_dot_product")
 
 if __name__ == "__main__":
     raise SystemExit(main())
