@@ -1,0 +1,40 @@
+"""A model folder shaped like another one, with random weights.
+
+Prefill and decode cost depend on the architecture and the shapes, not on the weights'
+values, so timing work (the benchmarks on a borrowed GPU, where the default model's weights
+cannot be fetched) can run on a model built from the real config and tokenizer with freshly
+initialised weights. Its replies are nonsense; reuse, exactness and TTFT behave as with the
+real weights.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+# Everything of a Hugging Face model folder but its weights.
+SHAPE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "chat_template.jinja")
+
+
+def copy_shape(source: Path, out: Path) -> list[str]:
+    """Copy the config and tokenizer files of `source` into `out`; returns the names copied."""
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(f"{source} has no config.json: not a Hugging Face model folder")
+    out.mkdir(parents=True, exist_ok=True)
+    copied = [name for name in SHAPE_FILES if (source / name).is_file()]
+    for name in copied:
+        shutil.copyfile(source / name, out / name)
+    return copied
+
+
+def write_random_model(shape: Path, out: Path, seed: int = 0) -> Path:
+    """A loadable folder at `out`: `shape`'s config and tokenizer, weights drawn with `seed`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    copy_shape(shape, out)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=torch.float32)
+    model.save_pretrained(out)
+    return out
