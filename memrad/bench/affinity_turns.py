@@ -25,10 +25,11 @@ import statistics
 import time
 
 from memrad.engine.engine import Engine
-from memrad.engine.forward import cache_length, prefill
+from memrad.engine.forward import crop_to, prefill
 from memrad.engine.loader import load_model, resolve_threads
 from memrad.grid import find_anchors
 from memrad.request import GenerationRequest, Identity, SamplingParams
+from memrad.reuse.planner import common_prefix_len
 from memrad.reuse.pool import ReusePool
 
 SYSTEM = ("You are a careful coding agent working in a Python repository. Read before you write, keep "
@@ -149,17 +150,18 @@ class Floor:
         engine = self.engine
         model, chunk, exact = engine.loaded.model, engine.prefill_chunk, engine.mode == "exact"
         anchors = find_anchors(ids, engine.reply_header)
-        shared = next((i for i, (a, b) in enumerate(zip(self.ids, ids[:start])) if a != b), min(len(self.ids), start))
+        shared = common_prefix_len(tuple(self.ids), tuple(ids[:start]))
         if shared == 0:
             self.cache = engine.new_cache()
-        elif cache_length(self.cache) > shared:
-            self.cache.crop(shared - cache_length(self.cache))
+        else:
+            crop_to(self.cache, shared)
         if shared < start:  # context the cache lacks: untimed
             prefill(model, self.cache, ids[shared:start], shared, chunk, on_grid=exact, anchors=anchors)
         began = time.perf_counter()
         prefill(model, self.cache, ids[start:], start, chunk, on_grid=exact, anchors=anchors)
         self.ids = list(ids)
         return time.perf_counter() - began
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

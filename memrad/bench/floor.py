@@ -17,7 +17,7 @@ import statistics
 import time
 
 from memrad.engine.engine import Engine
-from memrad.engine.forward import prefill
+from memrad.engine.forward import crop_to, prefill
 from memrad.engine.loader import load_model, resolve_threads
 from memrad.engine.profile import operator_share
 
@@ -72,9 +72,7 @@ class Turn:
             prefill(self.model, self.cache, ids[:context], 0, self.chunk)
 
     def run(self) -> float:
-        held = self.cache.get_seq_length()
-        if held > self.context:
-            self.cache.crop(self.context - held)
+        crop_to(self.cache, self.context)
         began = time.perf_counter()
         prefill(self.model, self.cache, self.ids[self.context :], self.context, self.chunk, on_grid=False)
         return time.perf_counter() - began

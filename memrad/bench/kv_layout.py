@@ -16,7 +16,7 @@ import random
 
 from memrad.bench.engine_speed import median_s
 from memrad.engine.engine import Engine
-from memrad.engine.forward import decode_one_token, prefill
+from memrad.engine.forward import crop_to, decode_one_token, prefill
 from memrad.engine.loader import load_model, resolve_threads
 
 
@@ -50,17 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         cache = engine.new_cache(in_place)
         prefill(loaded.model, cache, ids[:n], 0, args.chunk)
 
-        def rewind() -> None:
-            extra = cache.get_seq_length() - n
-            if extra:
-                cache.crop(-extra)
-
         def resume() -> None:
-            rewind()
+            crop_to(cache, n)
             prefill(loaded.model, cache, ids[n:], n, args.chunk, on_grid=False)
 
         resumed = median_s(resume, args.reps)
-        rewind()
+        crop_to(cache, n)
 
         def steps() -> None:
             for i in range(args.decode_steps):

@@ -23,6 +23,13 @@ def cache_length(cache) -> int | None:
         return None
 
 
+def crop_to(cache, length: int) -> None:
+    """Drop every row past `length` from a croppable cache (plain or in-place attention layers)."""
+    extra = cache_length(cache) - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 def _check_position(cache, position: int) -> None:
     known = cache_length(cache)
     assert known is None or known == position, f"cache holds {known} tokens, expected {position}"

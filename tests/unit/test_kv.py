@@ -76,3 +76,16 @@ def test_the_reservation_commits_memory_only_for_written_rows():
     written = 16 * 2 * 8 * 256 * 64 * 4  # 16 MiB
     assert grown < 4 * written, f"{grown} bytes resident for {written} bytes written"
     assert layers[0].slab.capacity == 32768
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_crop_to_keeps_the_first_rows_of_slab_and_plain_caches(tiny_engine, in_place):
+    from memrad.engine.forward import crop_to, prefill
+
+    cache = tiny_engine.new_cache(in_place)
+    prefill(tiny_engine.loaded.model, cache, list(range(3, 43)), 0, 16)
+    keys = cache.layers[0].keys[..., :25, :].clone()
+    crop_to(cache, 25)
+    assert cache.get_seq_length() == 25 and torch.equal(cache.layers[0].keys, keys)
+    crop_to(cache, 30)  # longer than what it holds: nothing to drop
+    assert cache.get_seq_length() == 25
