@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -23,6 +23,7 @@ class ServingEngine(EngineLike, Protocol):
     def render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]: ...
     def encode_prompt(self, text: str) -> list[int]: ...
     def decode_prompt(self, ids: list[int]) -> str: ...
+    def reply_parser(self, prompt_text: str, parse_tools: bool) -> Any: ...  # -> routes.ReplyParserLike
 
 
 @dataclass
