@@ -11,6 +11,7 @@ from aiohttp import web
 from memrad.config import Settings
 from memrad.protocol import PoolStats, StateSnapshot
 from memrad.scheduler import EngineLike, Scheduler
+from memrad.server.response_store import ResponseStore
 
 
 class ServingEngine(EngineLike, Protocol):
@@ -34,6 +35,7 @@ class ServerContext:
     device: str
     dtype: str
     started_at: float = field(default_factory=time.time)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
 
 
 CONTEXT = web.AppKey("context", ServerContext)

@@ -25,6 +25,8 @@ from memrad.scheduler import Job, QueueFull, ShuttingDown
 from memrad.server.context import CONTEXT, ServerContext
 from memrad.reply import Reply, ReplyBuilder, ReplyDelta, plain_reply_deltas
 from memrad.server.errors import APIError, ErrorStyle, error_style, invalid, server_error, unavailable
+from memrad.server.messages_api import MessagesShape, new_message_id, parse_messages
+from memrad.server.responses_api import ResponsesShape, new_response_id, parse_responses, remembered
 from memrad.server.validate import ParsedRequest, parse_chat, parse_completion
 from memrad.server.wire import Envelope, Event, OpenAIShape, Shape, new_request_id, sse
 
@@ -94,6 +96,42 @@ async def completions(request: web.Request) -> web.StreamResponse:
     request_id = new_request_id("completion")
     shape = OpenAIShape(Envelope.new("completion", request_id, ctx.engine.model_id), parsed.include_usage)
     return await serve(request, ctx, parsed, text, ids, shape, request_id, parse=False)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI Responses API; a stored response can be continued by previous_response_id."""
+    ctx = request.app[CONTEXT]
+    req = parse_responses(await json_body(request), request.headers.get("x-session-id"), ctx.responses.get)
+    check_model(ctx, req.parsed.model)
+    text, ids = render(ctx, req.parsed)
+    response_id = new_response_id()
+    shape = ResponsesShape(req, response_id, ctx.engine.model_id)
+
+    def remember(reply: Reply, c: Completion) -> None:
+        if req.store:
+            ctx.responses.put(remembered(req, response_id, reply))
+
+    return await serve(request, ctx, req.parsed, text, ids, shape, response_id, on_finished=remember)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic Messages API (x-api-key and anthropic-version are accepted and not checked)."""
+    ctx = request.app[CONTEXT]
+    parsed = parse_messages(await json_body(request), request.headers.get("x-session-id"))
+    check_model(ctx, parsed.model)
+    text, ids = render(ctx, parsed)
+    message_id = new_message_id()
+    return await serve(request, ctx, parsed, text, ids, MessagesShape(message_id, ctx.engine.model_id, len(ids)),
+                       message_id)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's length as /v1/messages would render it."""
+    ctx = request.app[CONTEXT]
+    parsed = parse_messages(await json_body(request), request.headers.get("x-session-id"), count_only=True)
+    check_model(ctx, parsed.model)
+    _, ids = render(ctx, parsed)
+    return web.json_response({"input_tokens": len(ids)})
 
 
 def render(ctx: ServerContext, parsed: ParsedRequest) -> tuple[str, list[int]]:
@@ -317,5 +355,8 @@ async def health(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
