@@ -118,6 +118,7 @@ class ChatFormat:
     markup: tuple[str, ...]
     tools_supported: bool
     tool_template: str | None = None
+    markup_ids: frozenset[int] = frozenset()  # special tokens that are markup: the detokenizer keeps them
 
 
 def family_of(template_text: str) -> str | None:
@@ -150,11 +151,23 @@ def chat_format(tokenizer: Any) -> ChatFormat:
     own = getattr(tokenizer, "response_template", None)
     response = own if own is not None else RESPONSE_TEMPLATES.get(family or "")
     markup = MARKUP.get(family or "", ())
+    ids = skipped_markup(tokenizer, markup)
     if template and renders_tools(tokenizer):
-        return ChatFormat(family, response, markup, tools_supported=True)
+        return ChatFormat(family, response, markup, True, markup_ids=ids)
     if family == "hermes" and "<|im_start|>" in template:
-        return ChatFormat(family, response, markup, tools_supported=True, tool_template=HERMES_CHATML_TEMPLATE)
-    return ChatFormat(family, response, markup, tools_supported=False)
+        return ChatFormat(family, response, markup, True, HERMES_CHATML_TEMPLATE, ids)
+    return ChatFormat(family, response, markup, False, markup_ids=ids)
+
+
+def skipped_markup(tokenizer: Any, markup: tuple[str, ...]) -> frozenset[int]:
+    """Markup literals that are single special tokens, which a skip-special decode would drop."""
+    ids = set()
+    for tag in markup:
+        token_id = tokenizer.convert_tokens_to_ids(tag)
+        if (isinstance(token_id, int) and tokenizer.decode([token_id]) == tag
+                and tokenizer.decode([token_id], skip_special_tokens=True) == ""):
+            ids.add(token_id)
+    return frozenset(ids)
 
 
 def uses_tools(messages: list[dict], tools: list[dict] | None) -> bool:

@@ -242,7 +242,7 @@ class Engine:
         assert pre.primed_to == checkpoint, "prompt checkpoint must equal the prompt length"
         assert cache_length(cache) in (None, checkpoint), "cache must hold exactly the prompt"
         generator = make_generator(params.seed)
-        detok = IncrementalDetokenizer(tokenizer)
+        detok = IncrementalDetokenizer(tokenizer, self.chat_format.markup_ids)
         stops = StopMatcher(params.stop)
         sent: list[str] = []
         while True:
