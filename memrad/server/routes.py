@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -90,6 +91,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
     parsed = parse_messages(await json_body(request), request.headers.get("x-session-id"))
     check_model(ctx, parsed.model)
     text, ids = render(ctx, parsed)
+    room = ctx.engine.context_len - len(ids)
+    if 1 <= room < (parsed.sampling.max_tokens or 0):
+        # Anthropic clients ask for more than a small local model's context holds (32k is
+        # common): generate to the end of the context instead, ending with max_tokens.
+        parsed = replace(parsed, sampling=replace(parsed.sampling, max_tokens=room))
     message_id = new_message_id()
     return await serve(request, ctx, parsed, text, ids, MessagesShape(message_id, ctx.engine.model_id, len(ids)),
                        message_id)

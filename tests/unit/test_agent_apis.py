@@ -334,3 +334,14 @@ async def test_a_stop_string_inside_a_tag_ends_the_reply_without_the_partial_tag
     assert [b.type for b in message.content] == ["thinking", "text"]
     assert message.content[1].text == "Let me read it."
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "_call>")
+
+
+async def test_messages_max_tokens_beyond_the_context_is_lowered_to_what_is_left(server, engine):
+    engine.script("Fine.")
+    message = await claude(server).messages.create(model="default", max_tokens=4096,
+                                                   messages=[{"role": "user", "content": "x"}])
+    assert message.content[0].text == "Fine." and message.stop_reason == "end_turn"
+    with pytest.raises(openai.BadRequestError) as chat:
+        await oai(server).chat.completions.create(model="default", max_tokens=32000,
+                                                  messages=[{"role": "user", "content": "x"}])
+    assert chat.value.body["code"] == "context_length_exceeded"
