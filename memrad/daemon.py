@@ -131,6 +131,11 @@ def configure_logging(level: str, detached: bool) -> None:
 
 def serve(settings: Settings) -> None:
     """Run the daemon in this process until SIGTERM/SIGINT. Blocks."""
+    from memrad.server.security import bind_refusal
+
+    refused = bind_refusal(settings.security, settings.server.host)
+    if refused is not None:
+        raise StartupError(refused)
     lock = open(lockfile_path(), "a")
     if not _take_lock(lock):
         lock.close()
@@ -197,7 +202,7 @@ async def _start_control(app, settings: Settings, loop):
     ctx = app[CONTEXT]
     record = Path(settings.control.record).expanduser() if settings.control.record else None
     bus = EventBus(loop, record)
-    ctx.engine.events = bus.publish_threadsafe
+    ctx.event_sinks.append(bus.publish_threadsafe)
     path = Path(settings.control.socket).expanduser() if settings.control.socket else socket_path()
     control = ControlServer(path, bus, lambda: state_snapshot(ctx))
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +35,16 @@ class ServerContext:
     device: str
     dtype: str
     started_at: float = field(default_factory=time.time)
+    # Where the engine's control events go (metrics, the control socket's bus); called on
+    # the engine thread, so each sink must be thread-safe.
+    event_sinks: list[Callable[[object], None]] = field(default_factory=list)
+
+    def publish(self, event: object) -> None:
+        for sink in self.event_sinks:
+            try:
+                sink(event)
+            except Exception:  # a sink must never break serving
+                logging.getLogger("memrad.server").exception("event sink failed on %s", type(event).__name__)
 
 
 CONTEXT = web.AppKey("context", ServerContext)

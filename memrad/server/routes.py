@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -17,6 +16,7 @@ from memrad.request import Completion, GenerationRequest
 from memrad.scheduler import Job, QueueFull, ShuttingDown
 from memrad.server.context import CONTEXT, ServerContext
 from memrad.server.errors import APIError, invalid, server_error, unavailable
+from memrad.server.limits import LIMITS, check_body, parse_body
 from memrad.server.validate import ParsedRequest, parse_chat, parse_completion
 from memrad.server.wire import Envelope, Kind, finish_reason, new_request_id, sse
 
@@ -27,11 +27,10 @@ DISCONNECT_POLL_S = 0.05
 
 
 async def _json_body(request: web.Request) -> object:
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON ({exc}); send a JSON object") from None
+    limits = request.app[LIMITS]
+    body = parse_body(await request.read(), limits)
+    check_body(body, limits)
+    return body
 
 
 def _check_model(ctx: ServerContext, requested: str | None) -> None:
