@@ -197,7 +197,7 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
 
 async def _start_control(app, settings: Settings, loop):
     from memrad.server.context import CONTEXT, state_snapshot
-    from memrad.server.control import ControlServer, EventBus
+    from memrad.server.control import ControlServer, ControlSocketError, EventBus
 
     ctx = app[CONTEXT]
     record = Path(settings.control.record).expanduser() if settings.control.record else None
@@ -210,6 +210,8 @@ async def _start_control(app, settings: Settings, loop):
     except OSError as exc:
         raise StartupError(f"cannot create the control socket {path} ({exc.strerror}); "
                            "set another path with MEMRA_SOCKET") from None
+    except ControlSocketError as exc:
+        raise StartupError(str(exc)) from None
     if record is not None:
         log.info("recording control events to %s", record)
     return control
