@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("smoke", help="prove reuse fires end to end and resumes reproducibly (two fresh daemons)")
     bench = sub.add_parser("bench", help="benchmark harnesses (see docs/BENCHMARKS.md)")
-    bench.add_argument("harness", choices=("record", "replay", "chunk-probe"))
+    bench.add_argument("harness", choices=("record", "replay", "chunk-probe", "fuzz", "faults"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the harness's own arguments")
     return parser
 
@@ -339,4 +339,8 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from memrad.bench import chunk_probe, record, replay
 
+    if args.harness in ("fuzz", "faults"):  # need hypothesis / the test extra: imported on demand
+        from importlib import import_module
+
+        return import_module(f"memrad.bench.{args.harness}").main(args.rest)
     return {"record": record.main, "replay": replay.main, "chunk-probe": chunk_probe.main}[args.harness](args.rest)

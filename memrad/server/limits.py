@@ -25,6 +25,7 @@ ENVELOPE_DEPTH = 8
 MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 STOP_KEYS = ("stop", "stop_sequences")
 MESSAGE_KEYS = ("messages", "input")
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,9 @@ def check_body(body: Any, limits: Limits) -> None:
                           "request (limits.max_tokens)", key, code="max_tokens_too_large")
     for key in STOP_KEYS:
         _check_stops(body.get(key), key, limits)
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise invalid(f"seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}; got {seed}", "seed")
     tools = body.get("tools")
     if isinstance(tools, list):
         for i, tool in enumerate(tools):

@@ -45,6 +45,8 @@ def test_depth_counts_levels_of_objects_and_arrays():
     ({"messages": [USER], "stop": ["ok", "123456789"]}, "stop[1]", "stop_too_long"),
     ({"messages": [USER], "stop_sequences": ["123456789"]}, "stop_sequences[0]", "stop_too_long"),
     ({"messages": [USER], "tools": [nested(4), nested(5)]}, "tools[1]", "schema_too_deep"),
+    ({"messages": [USER], "seed": 2**64}, "seed", None),  # found by the fuzzer: was a 500 from torch
+    ({"messages": [USER], "seed": -(2**63) - 1}, "seed", None),
 ])
 def test_each_limit_names_its_field(body, param, code):
     err = refused(body)
