@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from memrad.protocol import DecisionEvent, EvictEvent, ParkEvent, TurnEvent
@@ -159,6 +160,12 @@ async def count_requests(request: web.Request, handler) -> web.StreamResponse:
     finally:
         request.app[METRICS].request_done(route_label(request), request.method, status,
                                           time.perf_counter() - started)
+
+
+def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The reading side, for tests and harnesses: {(sample name, sorted labels): value}."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 async def scrape(request: web.Request) -> web.Response:

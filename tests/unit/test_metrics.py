@@ -2,22 +2,18 @@
 
 import aiohttp
 from aiohttp.test_utils import TestServer
-from prometheus_client.parser import text_string_to_metric_families
 
 from memrad.config import ServerSettings, Settings
 from memrad.engine.engine import Engine
 from memrad.protocol import Decision, DecisionEvent, EvictEvent, ParkEvent, SessionInfo
 from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
-from memrad.server.metrics import Metrics
+from memrad.server.metrics import Metrics, parse_samples
 
 USER = [{"role": "user", "content": "Read the file, then answer."}]
 
 
-def samples(text: str) -> dict[tuple, float]:
-    """{(sample name, sorted label items): value} from the Prometheus text exposition."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+samples = parse_samples
 
 
 def session_info(session_id: str, num_bytes: int) -> SessionInfo:
