@@ -166,3 +166,16 @@ async def test_a_configured_origin_gets_cors_on_preflight_and_on_streams(tiny_en
                 assert (await r.text()).endswith("data: [DONE]\n\n")
     finally:
         await server.close()
+
+
+def test_memrad_start_refuses_a_non_loopback_host_without_a_key(capsys, monkeypatch, tmp_path):
+    from memrad import cli
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    for name in ("MEMRA_API_KEY", "MEMRA_HOST", "MEMRA_ALLOW_REMOTE_WITHOUT_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["start", "--host", "0.0.0.0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("memrad: refusing to listen on 0.0.0.0 without an API key")
+    monkeypatch.setenv("MEMRA_HOST", "192.168.7.7")
+    assert cli.main(["start"]) == 1 and "refusing to listen on 192.168.7.7" in capsys.readouterr().err
