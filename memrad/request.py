@@ -7,7 +7,9 @@ from typing import Literal
 
 from memrad.protocol import Decision
 
-IdentitySource = Literal["session_id", "user", "x-session-id"]
+# Where a request's conversation name came from (docs/SERVING.md: identity precedence).
+IdentitySource = Literal["session_id", "prompt_cache_key", "user", "metadata.user_id", "previous_response_id",
+                         "x-session-id"]
 FinishReason = Literal["stop", "length", "cancelled"]
 
 
@@ -61,6 +63,7 @@ class Completion:
     ttft_s: float | None
     total_s: float
     decision: Decision | None = None  # what the reuse tiers decided (None: not planned)
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
 
     @property
     def total_tokens(self) -> int:

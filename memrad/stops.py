@@ -14,18 +14,21 @@ class StopMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, delta: str) -> str:
         """Return the text that can be sent now; sets `stopped` once a stop string matches."""
         if self.stopped:
             return ""
         text = self._held + delta
-        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        found = [(i, s) for s, i in ((s, text.find(s)) for s in self._stops) if i >= 0]
+        cut = min(found)[0] if found else -1
         if cut >= 0:
+            self.matched = min(found)[1]
             self._held = ""
             self.stopped = True
             return text[:cut]
-        keep = self._longest_partial_suffix(text)
+        keep = longest_partial_suffix(text, self._stops)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
@@ -34,12 +37,13 @@ class StopMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _longest_partial_suffix(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+
+def longest_partial_suffix(text: str, patterns: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `patterns`."""
+    best = 0
+    for pattern in patterns:
+        for n in range(min(len(pattern) - 1, len(text)), best, -1):
+            if text.endswith(pattern[:n]):
+                best = n
+                break
+    return best

@@ -30,6 +30,7 @@ from memrad.server.openapi import ROUTES, Route
 
 DEADLINE_S = 120.0      # a request slower than this counts as a hang
 GENERATE_TOKENS = 3     # valid generating requests are clamped to this many tokens
+STREAM_ENDS = (b"data: [DONE]", b"event: message_stop", b"event: response.completed", b"event: response.incomplete")
 CANARY = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}]
 
 # --- strategies ----------------------------------------------------------------------------
@@ -67,17 +68,27 @@ _FIELDS = {
     "user": _text | _json,
     "cache_salt": _text | _json,
     "response_format": st.just({"type": "text"}) | _json,
+    "input": _text | st.lists(_message | st.fixed_dictionaries(
+        {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"])},
+        optional={"role": _text, "content": _text | st.lists(_part, max_size=2), "call_id": _text,
+                  "name": _text, "arguments": _text | _json, "output": _text | _json}), max_size=4) | _json,
+    "instructions": _text | _json,
+    "max_output_tokens": st.integers(-2, 8) | _edge_ints | _json,
+    "previous_response_id": _text | _json,
+    "store": st.booleans() | _json,
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}, {"type": "any"},
+                                    {"type": "tool", "name": "f"}]) | _json,
+    "parallel_tool_calls": st.booleans() | _json,
+    "system": _text | st.lists(_part, max_size=2) | _json,
+    "stop_sequences": st.lists(_text, max_size=6) | _json,
+    "metadata": st.fixed_dictionaries({}, optional={"user_id": _text | _json}) | _json,
 }
-
-
-VALID = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Say hi."}]},
-         "/v1/completions": {"prompt": "def add(a, b):"}}
 
 
 @st.composite
 def _one_field_off(draw, route: Route, known: dict) -> dict:
     """A valid body with one or two fields at an edge: reaches past validation into the engine."""
-    body = dict(VALID.get(route.path, {}))
+    body = dict(route.example or {})
     for key in draw(st.lists(st.sampled_from(sorted(known)), min_size=1, max_size=2, unique=True)):
         body[key] = draw(known[key])
     return body
@@ -102,12 +113,12 @@ class Probe:
 def _encode(body: object, route: Route) -> bytes:
     if isinstance(body, dict) and route.generates:
         body = dict(body)
-        for key in ("max_tokens", "max_completion_tokens"):  # valid lengths stay short: no long decodes
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):  # no long decodes
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and GENERATE_TOKENS < value < 2**20:
                 body[key] = GENERATE_TOKENS
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = GENERATE_TOKENS
+        if not any(key in body for key in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
+            body["max_output_tokens" if route.path == "/v1/responses" else "max_tokens"] = GENERATE_TOKENS
     return json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
 
 
@@ -203,14 +214,16 @@ def _check(probe: Probe, status: int, headers: dict, raw: bytes, report: FuzzRep
     report.statuses[status] += 1
     if status >= 500:
         report.server_errors.append(f"{status} {what}: {raw[:300]!r}")
-    elif status >= 400 and probe.method != "HEAD":
-        try:
-            assert json.loads(raw)["error"]["message"]
+    elif status >= 400:
+        try:  # the shape of the API called: Anthropic's envelope on /v1/messages*, else OpenAI's
+            body = json.loads(raw)
+            anthropic = probe.path.startswith("/v1/messages")
+            assert body["error"]["message"] and (body.get("type") == "error") == anthropic
         except (ValueError, KeyError, TypeError, AssertionError):
-            report.bad_bodies.append(f"{status} without an error body: {what}: {raw[:200]!r}")
+            report.bad_bodies.append(f"{status} without its API's error body: {what}: {raw[:200]!r}")
     elif status == 200 and headers.get("content-type", "").startswith("text/event-stream"):
-        if not raw.rstrip().endswith(b"data: [DONE]"):
-            report.bad_bodies.append(f"stream without [DONE]: {what}: {raw[-200:]!r}")
+        if not any(end in raw[-600:] for end in STREAM_ENDS):
+            report.bad_bodies.append(f"stream without its final event: {what}: {raw[-200:]!r}")
 
 
 class Canary:
@@ -237,9 +250,10 @@ class Canary:
 
 
 def fuzz(base_url: str, requests: int, seed: int = 0, api_key: str | None = None,
-         canary_every: int = 250) -> FuzzReport:
+         canary_every: int = 250, progress: bool = False) -> FuzzReport:
     """Send `requests` generated probes (plus canaries) to a running daemon; never raises
-    on what the daemon answers: the report holds every failure."""
+    on what the daemon answers: the report holds every failure. `progress` prints the
+    figures so far at every canary."""
     client = Client(base_url, api_key)
     report = FuzzReport()
     canary = Canary(client)
@@ -261,6 +275,9 @@ def fuzz(base_url: str, requests: int, seed: int = 0, api_key: str | None = None
         _check(probe, status, headers, raw, report)
         if report.requests % canary_every == 0:
             canary.check(report)
+            if progress:
+                report.elapsed_s = time.monotonic() - started
+                print(" | ".join(report.lines()[:3]), flush=True)
 
     one()
     canary.check(report)
@@ -280,16 +297,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", help="fuzz this running daemon instead of a fresh one")
     parser.add_argument("--api-key")
+    parser.add_argument("--model", default="default", help="the fresh daemon's --model")
     args = parser.parse_args(argv)
     if args.url:
-        report = fuzz(args.url, args.requests, args.seed, args.api_key)
+        report = fuzz(args.url, args.requests, args.seed, args.api_key, progress=True)
     else:
         from memrad.bench.daemons import Daemon
 
-        daemon = Daemon.create({"MEMRA_POOL_MAX_SESSIONS": "64"})
-        daemon.start()
+        daemon = Daemon.create()
+        daemon.start("--model", args.model)
         try:
-            report = fuzz(daemon.url, args.requests, args.seed)
+            report = fuzz(daemon.url, args.requests, args.seed, progress=True)
         finally:
             daemon.stop()
     for line in report.lines():

@@ -12,8 +12,9 @@ from typing import Any
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, keep: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
+        self._keep = keep  # special tokens that are reply markup (e.g. [TOOL_CALLS]): decoded, not skipped
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -36,4 +37,13 @@ class IncrementalDetokenizer:
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        if not self._keep.intersection(ids):
+            return self._tokenizer.decode(ids, skip_special_tokens=True)
+        parts, run = [], []
+        for token in ids:
+            if token in self._keep:
+                parts += [self._tokenizer.decode(run, skip_special_tokens=True), self._tokenizer.decode([token])]
+                run = []
+            else:
+                run.append(token)
+        return "".join(parts) + self._tokenizer.decode(run, skip_special_tokens=True)

@@ -23,11 +23,13 @@ from typing import Any
 
 import torch
 
+from memrad.engine.chat_format import chat_format
 from memrad.engine.detokenize import IncrementalDetokenizer
 from memrad.engine.forward import cache_length, decode_one_token, prefill
 from memrad.engine.kv import install as install_slabs
 from memrad.engine.loader import LoadedModel
 from memrad.engine.prompt import encode_text, render_chat
+from memrad.engine.reply_parser import ReplyParser
 from memrad.engine.report import divergence_context, segment_infos, session_info
 from memrad.engine.sampling import make_generator, sample
 from memrad.engine.state import ParkedState, Snapshot, is_croppable
@@ -85,6 +87,7 @@ class _Decoded:
     text: str = ""  # what the client was sent
     ttft_s: float | None = None
     finish: FinishReason = "cancelled"
+    stop_sequence: str | None = None
 
 
 class Engine:
@@ -101,6 +104,10 @@ class Engine:
         # Exact mode also cuts prefill right after each reply header (memrad.grid).
         self.reply_header = derive_reply_header(loaded.tokenizer) if mode == "exact" else ()
         self.on_finished: FinishHook | None = None
+        # How chat turns carry tools and reasoning, and how replies parse (memrad.engine.chat_format).
+        self.chat_format = chat_format(loaded.tokenizer)
+        # Next-token choice; a test engine replaces it with a token script (prefill, reuse stay real).
+        self.sampler = sample
         # Control-socket events (memrad.protocol records); called on the engine thread.
         self.events: Callable[[object], None] | None = None
 
@@ -121,7 +128,11 @@ class Engine:
         torch.set_num_threads(self.threads)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
-        return render_chat(self.loaded.tokenizer, messages, tools)
+        return render_chat(self.loaded.tokenizer, messages, tools, self.chat_format)
+
+    def reply_parser(self, prompt_text: str, parse_tools: bool) -> ReplyParser:
+        """A fresh parser for the reply to `prompt_text` (tool calls parsed if `parse_tools`)."""
+        return ReplyParser(self.chat_format, prompt_text, parse_tools)
 
     def encode_prompt(self, text: str) -> list[int]:
         return encode_text(self.loaded.tokenizer, text)
@@ -199,6 +210,7 @@ class Engine:
             ttft_s=out.ttft_s,
             total_s=time.perf_counter() - started,
             decision=replace(decided.decision, ttft_s=out.ttft_s),
+            stop_sequence=out.stop_sequence,
         )
         session = self._park(request, decided, cache, pre, fed, out.text, prompt_segments)
         self._publish(TurnEvent(
@@ -231,11 +243,11 @@ class Engine:
         assert pre.primed_to == checkpoint, "prompt checkpoint must equal the prompt length"
         assert cache_length(cache) in (None, checkpoint), "cache must hold exactly the prompt"
         generator = make_generator(params.seed)
-        detok = IncrementalDetokenizer(tokenizer)
+        detok = IncrementalDetokenizer(tokenizer, self.chat_format.markup_ids)
         stops = StopMatcher(params.stop)
         sent: list[str] = []
         while True:
-            token = sample(logits, params, generator)
+            token = self.sampler(logits, params, generator)
             if out.ttft_s is None:
                 out.ttft_s = time.perf_counter() - started
             if token in self.loaded.eos_ids:
@@ -247,7 +259,7 @@ class Engine:
                 sent.append(text)
                 emit(text)
             if stops.stopped:
-                out.finish = "stop"
+                out.finish, out.stop_sequence = "stop", stops.matched
                 break
             if len(out.generated) >= max_tokens:
                 out.finish = "length"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from memrad.engine.chat_format import ChatFormat, uses_tools
 
 
 class PromptError(ValueError):
@@ -13,24 +16,58 @@ class PromptError(ValueError):
         self.param = param
 
 
-def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
+def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
+                fmt: ChatFormat | None = None) -> tuple[str, list[int]]:
     """Render with the chat template (generation prompt appended); return (text, ids).
 
-    The text is tokenized with add_special_tokens=False: the template already wrote every
-    control token it wants, and adding a BOS twice would shift every position.
+    A conversation with tools uses memra's tool template where the model's own has no tool
+    format (`fmt.tool_template`); a model with neither rejects `tools`. The text is tokenized
+    with add_special_tokens=False: the template already wrote every control token it wants,
+    and adding a BOS twice would shift every position.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError(
             "this model has no chat template; send a raw prompt to /v1/completions instead",
             "messages",
         )
+    template = None
+    if fmt is not None and tools and not fmt.tools_supported:
+        raise PromptError("this model's chat template has no tool format, so it cannot be given tools; "
+                          "leave out tools or serve a model whose template supports them", "tools")
+    if fmt is not None and fmt.tool_template is not None and uses_tools(messages, tools):
+        template = fmt.tool_template
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+            template_messages(messages), tools=tools or None, add_generation_prompt=True, tokenize=False,
+            chat_template=template,
         )
     except Exception as exc:  # jinja raise_exception() and template errors
         raise PromptError(f"the model's chat template rejected these messages: {exc}", "messages") from exc
     return text, encode_text(tokenizer, text, add_special_tokens=False)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates expect them: a call's `arguments` as an object, not the
+    JSON text the APIs carry (templates write it with `tojson`)."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_object_arguments(c) for c in calls]}
+        out.append(message)
+    return out
+
+
+def _object_arguments(call: dict) -> dict:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return call  # validated elsewhere; render as sent
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:

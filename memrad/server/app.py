@@ -16,7 +16,7 @@ from memrad.engine.prompt import PromptError
 from memrad.scheduler import Scheduler
 from memrad.server import security
 from memrad.server.context import CONTEXT, ServerContext, ServingEngine
-from memrad.server.errors import APIError, invalid, server_error
+from memrad.server.errors import APIError, error_style, invalid, server_error
 from memrad.server.limits import LIMITS, Limits, too_large
 from memrad.server.metrics import METRICS, Metrics, count_requests, scrape
 from memrad.server.openapi import openapi
@@ -27,28 +27,30 @@ log = logging.getLogger("memrad.server")
 
 @web.middleware
 async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Every failure leaves as an OpenAI error body; nothing escapes to kill the daemon."""
+    """Every failure leaves as an error body in the route's API style (OpenAI, or Anthropic
+    on /v1/messages); nothing escapes to kill the daemon."""
+    style = error_style(request.path)
     try:
         return await handler(request)
     except APIError as err:
-        return err.response()
+        return err.response(style)
     except PromptError as err:
-        return invalid(str(err), err.param).response()
+        return invalid(str(err), err.param).response(style)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         if exc.status == 413:
-            return too_large(request.app[LIMITS]).response()
+            return too_large(request.app[LIMITS]).response(style)
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
         message = {404: f"no route {request.method} {request.path}; see GET /v1/models and "
                         "POST /v1/chat/completions",
                    405: f"method {request.method} is not allowed on {request.path}",
                    }.get(exc.status, exc.reason)
-        return APIError(exc.status, message, type=kind, code=exc.reason.lower().replace(" ", "_")).response()
+        return APIError(exc.status, message, type=kind, code=exc.reason.lower().replace(" ", "_")).response(style)
     except Exception as exc:
         log.exception("internal error on %s %s", request.method, request.path)
         return server_error(f"internal error ({type(exc).__name__}: {exc}); the daemon is still "
-                            "serving, and `memrad logs` has the traceback").response()
+                            "serving, and `memrad logs` has the traceback").response(style)
 
 
 def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str) -> web.Application:

@@ -6,13 +6,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from memrad.config import Settings
 from memrad.protocol import PoolStats, StateSnapshot
 from memrad.scheduler import EngineLike, Scheduler
+from memrad.server.response_store import ResponseStore
 
 
 class ServingEngine(EngineLike, Protocol):
@@ -25,6 +26,7 @@ class ServingEngine(EngineLike, Protocol):
     def render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]: ...
     def encode_prompt(self, text: str) -> list[int]: ...
     def decode_prompt(self, ids: list[int]) -> str: ...
+    def reply_parser(self, prompt_text: str, parse_tools: bool) -> Any: ...  # -> routes.ReplyParserLike
 
 
 @dataclass
@@ -45,6 +47,7 @@ class ServerContext:
                 sink(event)
             except Exception:  # a sink must never break serving
                 logging.getLogger("memrad.server").exception("event sink failed on %s", type(event).__name__)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
 
 
 CONTEXT = web.AppKey("context", ServerContext)

@@ -1,10 +1,31 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status."""
+"""Errors a client can hit, in the error shape of the API it called.
+
+One APIError, rendered per API style:
+
+    openai     {"error": {"message", "type", "param", "code"}}        (Chat, Completions, Responses)
+    anthropic  {"type": "error", "error": {"type", "message"}}        (/v1/messages…)
+
+`error_style(path)` picks the style by route, so middleware (auth, host checks, the catch-all)
+answers every route in its own API's shape.
+"""
 
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 from aiohttp import web
+
+ErrorStyle = Literal["openai", "anthropic"]
+
+# Anthropic names errors by status, not by cause.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error"}
+
+
+def error_style(path: str) -> ErrorStyle:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 class APIError(Exception):
@@ -21,11 +42,14 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self, style: ErrorStyle = "openai") -> dict:
+        if style == "anthropic":
+            kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> web.Response:
-        return web.Response(status=self.status, text=json.dumps(self.body()),
+    def response(self, style: ErrorStyle = "openai") -> web.Response:
+        return web.Response(status=self.status, text=json.dumps(self.body(style)),
                             content_type="application/json", headers=self.headers)
 
 

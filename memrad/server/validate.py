@@ -10,6 +10,7 @@ from typing import Any
 
 from memrad.request import Identity, SamplingParams
 from memrad.server.errors import invalid
+from memrad.server.tools import ToolChoice, chat_tool_calls, chat_tool_choice, chat_tools
 
 MAX_NAME_CHARS = 256
 MAX_STOPS = 4
@@ -18,7 +19,11 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    """A validated body, before tokenization. Exactly one of messages / prompt is set."""
+    """A validated body, before tokenization: the one internal request of all three APIs.
+
+    Exactly one of messages / prompt is set. Messages and tools are in OpenAI Chat's shape
+    (memrad.server.tools), whichever API the request came through.
+    """
 
     model: str | None
     sampling: SamplingParams
@@ -29,33 +34,45 @@ class ParsedRequest:
     messages: tuple[dict, ...] | None = None
     tools: tuple[dict, ...] | None = None
     prompt: str | tuple[int, ...] | None = None
+    tool_choice: ToolChoice = ToolChoice()
+    parallel_tool_calls: bool = True
+
+    @property
+    def parse_tools(self) -> bool:
+        """Whether the reply is parsed for tool calls (tools listed and not tool_choice none)."""
+        return bool(self.tools) and self.tool_choice.mode != "none"
 
 
 def parse_chat(body: Any, header_session_id: str | None) -> ParsedRequest:
-    body = _object(body)
+    body = object_body(body)
+    tools = chat_tools(body.get("tools"))
+    parallel = _bool(body, "parallel_tool_calls")
     return ParsedRequest(
         messages=_messages(body.get("messages")),
-        tools=_tools(body.get("tools")),
-        **_common(body, header_session_id, max_tokens_keys=("max_completion_tokens", "max_tokens")),
+        tools=tools,
+        tool_choice=chat_tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=True if parallel is None else parallel,
+        **common(body, header_session_id, max_tokens_keys=("max_completion_tokens", "max_tokens")),
     )
 
 
 def parse_completion(body: Any, header_session_id: str | None) -> ParsedRequest:
-    body = _object(body)
+    body = object_body(body)
     _unsupported(body, "echo", (None, False), "echo is not supported")
     _unsupported(body, "suffix", (None, ""), "suffix (fill-in-the-middle) is not supported")
     _unsupported(body, "best_of", (None, 1), "best_of must be 1")
     return ParsedRequest(prompt=_prompt(body.get("prompt")),
-                         **_common(body, header_session_id, max_tokens_keys=("max_tokens",)))
+                         **common(body, header_session_id, max_tokens_keys=("max_tokens",)))
 
 
-def _object(body: Any) -> dict:
+def object_body(body: Any) -> dict:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     return body
 
 
-def _common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str, ...]) -> dict:
+def common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str, ...]) -> dict:
+    """The fields every OpenAI-shaped body shares (sampling, stream, identity, salt)."""
     n = _int(body, "n", minimum=1)
     if n not in (None, 1):
         raise invalid("n must be 1: memrad generates one choice per request", "n")
@@ -96,20 +113,28 @@ def _common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[st
     )
     return dict(model=model, sampling=sampling, stream=stream, include_usage=include_usage,
                 identity=identity_of(body, header_session_id),
-                cache_salt=_name(body.get("cache_salt"), "cache_salt"))
+                cache_salt=name_field(body.get("cache_salt"), "cache_salt"))
 
 
-def identity_of(body: dict, header_session_id: str | None) -> Identity | None:
-    """Body `session_id`, else body `user`, else header `x-session-id`: the body beats the header."""
-    for key in ("session_id", "user"):
-        name = _name(body.get(key), key)
+def identity_of(body: dict, header_session_id: str | None,
+                keys: tuple[str, ...] = ("session_id", "prompt_cache_key", "user")) -> Identity | None:
+    """The first of `keys` the body sets, else header `x-session-id`: the body beats the header.
+
+    OpenAI bodies: session_id > prompt_cache_key > user (the cache key names a conversation;
+    `user` may name a person across many). Dotted keys read nested objects (metadata.user_id).
+    """
+    for key in keys:
+        value: Any = body
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        name = name_field(value, key)
         if name is not None:
             return Identity(name, key)  # type: ignore[arg-type]
-    name = _name(header_session_id, "x-session-id")
+    name = name_field(header_session_id, "x-session-id")
     return Identity(name, "x-session-id") if name is not None else None
 
 
-def _name(value: Any, param: str) -> str | None:
+def name_field(value: Any, param: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
@@ -136,17 +161,22 @@ def _message(message: Any, i: int) -> dict:
     content = message.get("content")
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
-        if role != "assistant" or not isinstance(tool_calls, list):
+        if role != "assistant":
             raise invalid(f"{where}.tool_calls must be an array on an assistant message", f"{where}.tool_calls")
-        out["tool_calls"] = tool_calls
     if content is None and not (role == "assistant" and tool_calls):
         raise invalid(f"{where}.content is required", f"{where}.content")
     out["content"] = _content(content, f"{where}.content") if content is not None else ""
-    for key in ("name", "tool_call_id"):
-        if key in message and message[key] is not None:
+    if tool_calls:
+        out["tool_calls"] = chat_tool_calls(tool_calls, f"{where}.tool_calls")
+    keys = {"assistant": ("reasoning_content",), "tool": ("tool_call_id",)}.get(role, ("name",))
+    for key in keys:
+        if message.get(key) is not None:
             if not isinstance(message[key], str):
                 raise invalid(f"{where}.{key} must be a string", f"{where}.{key}")
             out[key] = message[key]
+    if role == "tool" and "tool_call_id" not in out:
+        raise invalid(f"{where}.tool_call_id is required: the id of the call this result answers",
+                      f"{where}.tool_call_id")
     return out
 
 
@@ -162,14 +192,6 @@ def _content(content: Any, where: str) -> str:
             texts.append(part["text"])
         return "\n".join(texts)
     raise invalid(f"{where} must be a string or an array of text parts", where)
-
-
-def _tools(value: Any) -> tuple[dict, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise invalid("tools must be an array of tool objects", "tools")
-    return tuple(value)
 
 
 def _prompt(value: Any) -> str | tuple[int, ...]:

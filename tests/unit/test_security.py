@@ -100,9 +100,7 @@ async def served(engine, **security):
 
 
 def request_for(route) -> dict:
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1} if "chat" in route.path \
-        else {"prompt": "hi", "max_tokens": 1} if route.body is not None else None
-    return {"json": body} if body is not None else {}
+    return {"json": route.example} if route.example is not None else {}
 
 
 async def test_the_key_guards_every_api_route_and_health_stays_open(tiny_engine):
@@ -116,8 +114,12 @@ async def test_the_key_guards_every_api_route_and_health_stays_open(tiny_engine)
                         assert resp.status == 200
                         continue
                     assert resp.status == 401, route.path
-                    error = (await resp.json())["error"]
-                    assert error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
+                    body = await resp.json()
+                    assert body["error"]["type"] == "authentication_error"
+                    if route.path.startswith("/v1/messages"):  # Anthropic's envelope
+                        assert body["type"] == "error" and "no API key was sent" in body["error"]["message"]
+                    else:
+                        assert body["error"]["code"] == "invalid_api_key"
                 async with session.request(route.method, url, headers={"x-api-key": "wrong"},
                                            **request_for(route)) as resp:
                     assert resp.status == 401, route.path
@@ -144,6 +146,14 @@ async def test_rebinding_and_a_text_plain_cross_origin_post_never_reach_the_mode
             async with session.options(url, headers={"Origin": "https://evil.example",
                                                      "Access-Control-Request-Method": "POST"}) as resp:
                 assert resp.status == 403 and "Access-Control-Allow-Origin" not in resp.headers
+            for route in ROUTES:  # every route of every API, each in its API's error shape
+                for headers in ({"Host": "evil.example"}, {"Origin": "https://evil.example"}):
+                    async with session.request(route.method, server.make_url(route.path), headers=headers,
+                                               **request_for(route)) as resp:
+                        assert resp.status == 403, (route.path, headers)
+                        refused = await resp.json()
+                        assert refused["error"]["type"] == "permission_error"
+                        assert (refused.get("type") == "error") == route.path.startswith("/v1/messages")
             async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
                 assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
         assert server.app[CONTEXT].scheduler.requests_served == 1  # only the last one ran

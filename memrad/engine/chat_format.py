@@ -1,0 +1,175 @@
+"""How a model's chat turns carry tools and reasoning: one place for every template family.
+
+A tokenizer may ship its own `response_template` (transformers' declarative reply parser);
+most do not yet. memra then supplies one per template family:
+
+    hermes   ChatML / Qwen: `<tool_call>{"name", "arguments"}</tool_call>`, `<think>…</think>`
+    llama3   Llama-3.x JSON: the reply is `{"name", "parameters"}` (optionally after <|python_tag|>)
+    mistral  `[TOOL_CALLS][{"name", "arguments"}, …]`
+
+A ChatML model whose own template ignores `tools` (SmolLM2, the default) gets memra's
+Hermes-style template, so an agent can use tools with the default model; any other model
+whose template has no tool format rejects `tools` (ChatFormat.tools_supported is False).
+
+Tool-call bodies parse as JSON with `allow_non_json`: malformed JSON comes back as text, and
+memrad.engine.reply turns it into content with a warning instead of failing the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# The whole reasoning block, shared by every family (a plain `<think>` in a reply is reasoning).
+_REASONING = {"open": "<think>", "close": "</think>", "content": "text", "content_args": {"strip": False}}
+_CONTENT = {"content": "text", "content_args": {"strip": False}}
+_JSON = {"allow_non_json": True, "strip": False}
+
+RESPONSE_TEMPLATES: dict[str, dict] = {
+    "hermes": {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "<|im_start|>assistant\n",
+        "fields": {
+            "reasoning_content": _REASONING,
+            # \s* swallows the blank line between content and a call, so it opens no empty content region.
+            "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True,
+                           "content": "json", "content_args": _JSON},
+            "content": _CONTENT,
+        },
+    },
+    "llama3": {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "fields": {
+            "reasoning_content": _REASONING,
+            # A call is the whole reply: JSON from the start (or right after the reasoning) to the end.
+            "tool_calls": {"open_pattern": r"(?:\A|(?<=</think>))\s*(?:<\|python_tag\|>)?\s*(?=\{)",
+                           "repeats": True, "content": "json", "content_args": _JSON},
+            "content": _CONTENT,
+        },
+    },
+    "mistral": {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "[/INST]",
+        "fields": {
+            "reasoning_content": _REASONING,
+            "tool_calls": {"open": "[TOOL_CALLS]", "repeats": True, "content": "json", "content_args": _JSON},
+            "content": _CONTENT,
+        },
+    },
+}
+
+# Literal markup per family: a reply cut inside one of these never shows it as content.
+MARKUP: dict[str, tuple[str, ...]] = {
+    "hermes": ("<think>", "</think>", "<tool_call>", "</tool_call>"),
+    "llama3": ("<think>", "</think>", "<|python_tag|>"),
+    "mistral": ("<think>", "</think>", "[TOOL_CALLS]"),
+}
+
+# memra's tool template for ChatML models whose own template has no tool format. Tools go
+# into the system turn inside <tools></tools>; calls are <tool_call> JSON; results are
+# <tool_response> blocks in a user turn (consecutive results share one turn), as Qwen2.5 does.
+HERMES_CHATML_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}{%- if system %}{{- system + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments'"
+    " ' within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    " '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif system %}{{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in rest %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or rest[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or rest[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if m.reasoning_content %}{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- m.content or '' }}"
+    "{%- for call in m.tool_calls or [] %}"
+    "{%- if m.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (call.function.name | tojson) + ', \"arguments\": '"
+    " + (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "memra_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFormat:
+    """What memra knows about one tokenizer's chat turns.
+
+    `tool_template` is set when memra renders tool conversations with its own template;
+    `response_template` is None when replies are plain text (no family recognised).
+    """
+
+    family: str | None
+    response_template: dict | None
+    markup: tuple[str, ...]
+    tools_supported: bool
+    tool_template: str | None = None
+    markup_ids: frozenset[int] = frozenset()  # special tokens that are markup: the detokenizer keeps them
+
+
+def family_of(template_text: str) -> str | None:
+    """The family a chat template belongs to, from the markup it writes."""
+    if "<tool_call>" in template_text or "<|im_start|>" in template_text:
+        return "hermes"
+    if "[TOOL_CALLS]" in template_text or "[INST]" in template_text:
+        return "mistral"
+    if "<|start_header_id|>" in template_text:
+        return "llama3"
+    return None
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the model's own template writes the tools it is given (probe render)."""
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=[PROBE_TOOL], add_generation_prompt=True, tokenize=False)
+    except Exception:
+        return False
+    return "memra_probe_tool" in text
+
+
+def chat_format(tokenizer: Any) -> ChatFormat:
+    """Detect the family, the reply parser and the tool rendering for `tokenizer`."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default") or ""
+    family = family_of(template)
+    own = getattr(tokenizer, "response_template", None)
+    response = own if own is not None else RESPONSE_TEMPLATES.get(family or "")
+    markup = MARKUP.get(family or "", ())
+    ids = skipped_markup(tokenizer, markup)
+    if template and renders_tools(tokenizer):
+        return ChatFormat(family, response, markup, True, markup_ids=ids)
+    if family == "hermes" and "<|im_start|>" in template:
+        return ChatFormat(family, response, markup, True, HERMES_CHATML_TEMPLATE, ids)
+    return ChatFormat(family, response, markup, False, markup_ids=ids)
+
+
+def skipped_markup(tokenizer: Any, markup: tuple[str, ...]) -> frozenset[int]:
+    """Markup literals that are single special tokens, which a skip-special decode would drop."""
+    ids = set()
+    for tag in markup:
+        token_id = tokenizer.convert_tokens_to_ids(tag)
+        if (isinstance(token_id, int) and tokenizer.decode([token_id]) == tag
+                and tokenizer.decode([token_id], skip_special_tokens=True) == ""):
+            ids.add(token_id)
+    return frozenset(ids)
+
+
+def uses_tools(messages: list[dict], tools: list[dict] | None) -> bool:
+    """A conversation that lists tools, calls one or carries a tool result."""
+    return bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)

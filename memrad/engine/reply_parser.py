@@ -1,0 +1,157 @@
+"""Generated text -> reasoning, content and tool-call deltas, as the text streams.
+
+transformers' ResponseParser (5.24, driven by a `response_template`) does the region work:
+it finds `<think>`, `<tool_call>`, … holding back bytes that could still become a delimiter,
+and emits region open / chunk / close events. Around it memra adds what an API needs:
+
+    text deltas -> [markup holdback] -> ResponseParser -> [per-region trim] -> ReplyDelta
+                    a suffix that may       regions        leading / trailing
+                    start a tag waits;      and JSON       whitespace of a region
+                    at the end it is        bodies         never reaches a client
+                    dropped (a cut reply
+                    never shows `<tool_`)
+
+Text regions stream as they arrive; a tool call is emitted whole when its region closes
+(name and arguments together, arguments as JSON text). A tool body that is not a call
+(malformed JSON, no name) becomes content, with a logged warning, never an error.
+The whole-reply parse is the same parser fed once, so streamed and whole always agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from typing import Any
+
+from memrad.engine.chat_format import ChatFormat
+from memrad.stops import longest_partial_suffix
+from memrad.reply import Reply, ReplyBuilder, ReplyDelta, ToolCall, new_call_id, plain_reply_deltas
+
+log = logging.getLogger("memrad.reply")
+
+TEXT_FIELDS = {"content": "content", "reasoning_content": "reasoning"}
+
+
+class _Trim:
+    """Strips each region's leading and trailing whitespace as it streams; regions of one
+    kind after the first are joined by a newline."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.pending = ""
+        self.any = False  # some earlier region of this kind had text
+
+    def open(self) -> None:
+        self.started, self.pending = False, ""
+
+    def chunk(self, text: str) -> str:
+        if not self.started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.started = True
+            if self.any:
+                text = "\n" + text
+            self.any = True
+        text = self.pending + text
+        body = text.rstrip()
+        self.pending = text[len(body):]
+        return body
+
+
+class ReplyParser:
+    """Feed generated text; get ReplyDeltas. Mutates its own state only."""
+
+    def __init__(self, fmt: ChatFormat, prompt_text: str, parse_tools: bool) -> None:
+        from transformers.utils.chat_parsing import ResponseParser
+
+        self._parser = None  # no reply format known: every byte is content
+        self._held = ""
+        if fmt.response_template is None:
+            return
+        template = copy.deepcopy(fmt.response_template)
+        if not parse_tools:
+            template["fields"].pop("tool_calls", None)
+        self._markup = fmt.markup if parse_tools else tuple(m for m in fmt.markup if "think" in m)
+        self._parser = ResponseParser(template, prefix=prompt_text)
+        self._trims = {kind: _Trim() for kind in TEXT_FIELDS.values()}
+        self._tool_body: list[str] = []
+        self._num_calls = 0
+
+    def feed(self, text: str) -> list[ReplyDelta]:
+        if self._parser is None:
+            return plain_reply_deltas(text)
+        text = self._held + text
+        keep = longest_partial_suffix(text, self._markup)
+        self._held = text[len(text) - keep:] if keep else ""
+        return self._events(self._parser.feed(text[: len(text) - keep]))
+
+    def finish(self) -> list[ReplyDelta]:
+        """End of the reply (eos, max_tokens, stop string): a held partial tag is dropped."""
+        if self._parser is None:
+            return []
+        self._held = ""
+        _, events = self._parser.finalize()
+        return self._events(events)
+
+    def _events(self, events: list[dict]) -> list[ReplyDelta]:
+        out: list[ReplyDelta] = []
+        for event in events:
+            field, kind = event["field"], event["type"]
+            text_kind = TEXT_FIELDS.get(field)
+            if text_kind is not None:
+                if kind == "region_open":
+                    self._trims[text_kind].open()
+                elif kind == "region_chunk":
+                    text = self._trims[text_kind].chunk(event["text"])
+                    if text:
+                        out.append(ReplyDelta(text_kind, text))
+            elif field == "tool_calls":
+                if kind == "region_open":
+                    self._tool_body = []
+                elif kind == "region_chunk":
+                    self._tool_body.append(event["text"])
+                else:
+                    out.extend(self._calls(event["value"]))
+        return out
+
+    def _calls(self, value: Any) -> list[ReplyDelta]:
+        items = value if isinstance(value, list) else [value]
+        calls = [_call(item) for item in items]
+        if not items or any(c is None for c in calls):
+            raw = "".join(self._tool_body).strip()
+            log.warning("the model wrote a tool call that does not parse (%r); returned as content", raw[:200])
+            trim = self._trims["content"]
+            trim.open()
+            text = trim.chunk(raw)
+            return [ReplyDelta("content", text)] if text else []
+        out = []
+        for name, arguments in calls:
+            out.append(ReplyDelta("tool_call", call=ToolCall(new_call_id(), name, arguments), index=self._num_calls))
+            self._num_calls += 1
+        return out
+
+
+def _call(item: Any) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of one parsed call, or None if it is not a call."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+        return None
+    arguments = item.get("arguments", item.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return item["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def parse_reply(fmt: ChatFormat, prompt_text: str, text: str, parse_tools: bool = True) -> Reply:
+    """The whole reply at once: the streaming parser fed one chunk."""
+    parser = ReplyParser(fmt, prompt_text, parse_tools)
+    builder = ReplyBuilder()
+    builder.extend(parser.feed(text))
+    builder.extend(parser.finish())
+    return builder.reply()

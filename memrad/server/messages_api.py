@@ -1,0 +1,269 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`). Pure.
+
+Content blocks map onto the internal chat messages:
+
+    system (string or text blocks)          -> the leading system message
+    user: tool_result blocks, then text     -> tool messages (one per result), then a user message
+    assistant: thinking, text, tool_use     -> one assistant message with reasoning_content,
+                                               content and tool_calls
+
+Usage follows Anthropic's accounting: `input_tokens` are the tokens primed for this request,
+`cache_read_input_tokens` the ones memrad reused (their sum is the prompt). The decision
+reason rides in the message's `memra` field and the `x-memra-decision` header; errors use
+Anthropic's envelope (memrad.server.errors, style "anthropic").
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from memrad.protocol import Decision
+from memrad.reply import Reply, ReplyDelta
+from memrad.request import Completion, SamplingParams
+from memrad.server.errors import invalid
+from memrad.server.tools import ToolChoice, assistant_message, check_choice, function_tool, tool_call, tool_result
+from memrad.server.validate import MAX_STOPS, ParsedRequest, identity_of, name_field, object_body
+from memrad.server.wire import Event, decision_field
+
+STOP_REASONS = {"length": "max_tokens"}
+
+
+def new_message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+def parse_messages(body: Any, header_session_id: str | None, count_only: bool = False) -> ParsedRequest:
+    body = object_body(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model is required: a non-empty string", "model")
+    max_tokens = body.get("max_tokens")
+    if not count_only and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise invalid("max_tokens is required: an integer of at least 1", "max_tokens")
+    messages = _system(body.get("system")) + _messages(body.get("messages"))
+    tools = _tools(body.get("tools"))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise invalid("stream must be true or false", "stream")
+    sampling = SamplingParams(temperature=_number(body, "temperature", 0.0, 1.0, 1.0),
+                              top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 1.0,
+                              max_tokens=max_tokens if not count_only else None, stop=_stops(body.get("stop_sequences")))
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise invalid("metadata must be an object like {\"user_id\": ...}", "metadata")
+    return ParsedRequest(model=model, sampling=sampling, stream=stream, include_usage=False,
+                         identity=identity_of(body, header_session_id, keys=("session_id", "metadata.user_id")),
+                         cache_salt=name_field(body.get("cache_salt"), "cache_salt"), messages=messages,
+                         tools=tools, tool_choice=_tool_choice(body.get("tool_choice"), tools),
+                         parallel_tool_calls=not (body.get("tool_choice") or {}).get("disable_parallel_tool_use"))
+
+
+def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
+        raise invalid(f"{key} must be a number between {lo:g} and {hi:g}", key)
+    return float(value)
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_STOPS or not all(isinstance(s, str) and s for s in value):
+        raise invalid(f"stop_sequences must be an array of at most {MAX_STOPS} non-empty strings", "stop_sequences")
+    return tuple(value)
+
+
+def _system(value: Any) -> tuple[dict, ...]:
+    if value is None or value == "" or value == []:
+        return ()
+    return ({"role": "system", "content": _texts(value, "system")},)
+
+
+def _texts(value: Any, where: str) -> str:
+    """A string, or text blocks joined by newlines (as Chat joins text parts)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for j, block in enumerate(value):
+            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+                raise invalid(f"{where}[{j}] must be a text block {{\"type\": \"text\", \"text\": ...}}: "
+                              "this model accepts text only", f"{where}[{j}]")
+            texts.append(block["text"])
+        return "\n".join(texts)
+    raise invalid(f"{where} must be a string or an array of text blocks", where)
+
+
+def _messages(value: Any) -> tuple[dict, ...]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages is required: a non-empty array of {role, content} objects", "messages")
+    out: list[dict] = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise invalid(f"{where} must be an object with role \"user\" or \"assistant\"", f"{where}.role")
+        content = message.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise invalid(f"{where}.content must be a string or an array of content blocks", f"{where}.content")
+        out.extend(_user(blocks, where) if message["role"] == "user" else [_assistant(blocks, where)])
+    return tuple(out)
+
+
+def _user(blocks: list, where: str) -> list[dict]:
+    out, texts = [], []
+    for j, block in enumerate(blocks):
+        here = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_result":
+            result = block.get("content", "")
+            out.append(tool_result(block.get("tool_use_id"), _texts(result, f"{here}.content"), here))
+        elif kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        else:
+            raise invalid(f"{here} has type {kind!r}; user messages accept text and tool_result blocks "
+                          "(this model accepts text only)", here)
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant(blocks: list, where: str) -> dict:
+    texts, thinking, calls = [], [], []
+    for j, block in enumerate(blocks):
+        here = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            thinking.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue  # opaque to memrad: nothing to render
+        elif kind == "tool_use":
+            calls.append(tool_call(block.get("id"), block.get("name"), block.get("input", {}), here))
+        else:
+            raise invalid(f"{here} has type {kind!r}; assistant messages accept text, thinking and tool_use "
+                          "blocks", here)
+    return assistant_message("\n".join(texts), calls, "\n".join(thinking) or None)
+
+
+def _tools(value: Any) -> tuple[dict, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise invalid("tools must be an array of {name, description, input_schema} objects", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+            raise invalid(f"{where} must be a custom tool {{name, description, input_schema}}: memrad serves "
+                          "no server tools", where)
+        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where))
+    return tuple(out) or None
+
+
+def _tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
+    """auto | any (a call is required) | tool (named) | none."""
+    if value is None:
+        return ToolChoice()
+    kind = value.get("type") if isinstance(value, dict) else None
+    modes = {"auto": "auto", "any": "required", "none": "none", "tool": "function"}
+    if kind not in modes:
+        raise invalid('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
+    return check_choice(ToolChoice(modes[kind], value.get("name")), tools)  # type: ignore[arg-type]
+
+
+def stop_reason(reply: Reply, c: Completion) -> str:
+    if c.finish_reason == "length":
+        return "max_tokens"
+    if c.stop_sequence is not None:
+        return "stop_sequence"
+    return "tool_use" if reply.tool_calls else "end_turn"
+
+
+def usage(c: Completion) -> dict:
+    return {"input_tokens": c.prompt_tokens - c.cached_tokens, "output_tokens": c.completion_tokens,
+            "cache_read_input_tokens": c.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _block(delta: ReplyDelta) -> dict:
+    if delta.kind == "reasoning":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    if delta.kind == "content":
+        return {"type": "text", "text": ""}
+    call = delta.call
+    assert call is not None
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+
+
+@dataclass
+class MessagesShape:
+    """The message object and its event stream. Mutable: tracks the open content block."""
+
+    message_id: str
+    model: str
+    num_prompt_tokens: int
+    blocks: list[dict] = field(default_factory=list)
+    _open: str | None = None  # kind of the block being streamed
+
+    def _message(self, decision: Decision | None) -> dict:
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                "content": [], "stop_reason": None, "stop_sequence": None, **decision_field(decision)}
+
+    def opening(self, decision: Decision | None) -> list[Event]:
+        reused = decision.reused_tokens if decision is not None else 0
+        message = {**self._message(decision),
+                   "usage": {"input_tokens": self.num_prompt_tokens - reused, "output_tokens": 0,
+                             "cache_read_input_tokens": reused, "cache_creation_input_tokens": 0}}
+        return [("message_start", {"type": "message_start", "message": message})]
+
+    def _stop(self) -> list[Event]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
+
+    def deltas(self, delta: ReplyDelta) -> list[Event]:
+        events: list[Event] = []
+        if delta.kind == "tool_call" or self._open != delta.kind:
+            events += self._stop()
+            self.blocks.append(_block(delta))
+            self._open = delta.kind
+            events.append(("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
+                                                   "content_block": dict(self.blocks[-1])}))
+        index, block = len(self.blocks) - 1, self.blocks[-1]
+        if delta.kind == "reasoning":
+            block["thinking"] += delta.text
+            body = {"type": "thinking_delta", "thinking": delta.text}
+        elif delta.kind == "content":
+            block["text"] += delta.text
+            body = {"type": "text_delta", "text": delta.text}
+        else:
+            assert delta.call is not None
+            self.blocks[-1] = {**block, "input": json.loads(delta.call.arguments)}
+            body = {"type": "input_json_delta", "partial_json": delta.call.arguments}
+        return events + [("content_block_delta", {"type": "content_block_delta", "index": index, "delta": body})]
+
+    def closing(self, reply: Reply, c: Completion) -> list[Event]:
+        return self._stop() + [
+            ("message_delta", {"type": "message_delta",
+                               "delta": {"stop_reason": stop_reason(reply, c), "stop_sequence": c.stop_sequence},
+                               "usage": usage(c)}),
+            ("message_stop", {"type": "message_stop"})]
+
+    def whole(self, reply: Reply, c: Completion, decision: Decision | None) -> dict:
+        for kind, text in (("reasoning", reply.reasoning), ("content", reply.content)):
+            if text:
+                self.deltas(ReplyDelta(kind, text))  # type: ignore[arg-type]
+        for index, call in enumerate(reply.tool_calls):
+            self.deltas(ReplyDelta("tool_call", call=call, index=index))
+        return {**self._message(decision), "content": self.blocks, "stop_reason": stop_reason(reply, c),
+                "stop_sequence": c.stop_sequence, "usage": usage(c)}
+
+    def stream_error(self, body: dict) -> list[Event]:
+        return [("error", body)]

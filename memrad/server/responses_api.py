@@ -1,0 +1,348 @@
+"""OpenAI's Responses API (`POST /v1/responses`): body -> internal request, reply -> response.
+
+Pure (no aiohttp, no engine). Input items map onto the internal chat messages:
+
+    message (user/system/developer)   -> that role's message
+    reasoning + message(assistant)    -> one assistant message with reasoning_content,
+      + function_call…                    content and tool_calls (in that order)
+    function_call_output              -> a tool message answering call_id
+
+`instructions` becomes the leading system message of this request only (as OpenAI does, it
+is not carried over by previous_response_id). The decision reason rides in the response
+object's `memra` field and the `x-memra-decision` header.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from memrad.protocol import Decision
+from memrad.reply import Reply, ReplyDelta
+from memrad.request import Completion, Identity
+from memrad.server.errors import invalid
+from memrad.server.response_store import StoredResponse
+from memrad.server.tools import (ToolChoice, assistant_message, check_choice, function_tool, tool_call,
+                                 tool_result)
+from memrad.server.validate import ParsedRequest, common, name_field, object_body
+from memrad.server.wire import Event, decision_field
+
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+
+
+def new_response_id() -> str:
+    return "resp_" + secrets.token_hex(12)
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest:
+    """A validated Responses body: the internal request plus what the response echoes."""
+
+    parsed: ParsedRequest
+    history: tuple[dict, ...]  # the conversation without this request's instructions
+    instructions: str | None
+    previous_response_id: str | None
+    store: bool
+    echo: dict  # tools, tool_choice, … as the client sent them, for the response object
+
+
+def parse_responses(body: Any, header_session_id: str | None,
+                    lookup: Callable[[str], StoredResponse | None]) -> ResponsesRequest:
+    body = object_body(body)
+    for key in ("background", "conversation", "prompt"):
+        if body.get(key) not in (None, False):
+            raise invalid(f"{key} is not supported by memrad's Responses API", key)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise invalid("instructions must be a string", "instructions")
+    previous = name_field(body.get("previous_response_id"), "previous_response_id")
+    stored = None
+    if previous is not None:
+        stored = lookup(previous)
+        if stored is None:
+            raise invalid(f"previous_response_id {previous!r} is unknown: memrad keeps its recent responses in "
+                          "memory only (lost on restart, oldest dropped first); send the whole conversation "
+                          "as input instead", "previous_response_id")
+    history = (stored.messages if stored else ()) + tuple(input_messages(body.get("input")))
+    messages = ((({"role": "system", "content": instructions},) if instructions else ()) + history)
+    tools = responses_tools(body.get("tools"))
+    fields = common({**body, "max_output_tokens": body.get("max_output_tokens"), "stream_options": None,
+                     "user": body.get("user")}, header_session_id, max_tokens_keys=("max_output_tokens",))
+    if fields["identity"] is None or fields["identity"].source == "x-session-id":
+        # The conversation a previous response ran under names this one, unless the body names one.
+        if stored is not None and stored.identity is not None:
+            fields["identity"] = Identity(stored.identity.name, "previous_response_id")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise invalid("store must be true or false", "store")
+    parsed = ParsedRequest(messages=messages, tools=tools, tool_choice=responses_tool_choice(body.get("tool_choice"),
+                                                                                               tools),
+                           parallel_tool_calls=parallel is not False, **fields)
+    echo = {"instructions": instructions, "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": parallel is not False,
+            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": previous,
+            "metadata": body.get("metadata") or {}, "store": store is not False,
+            "text": {"format": {"type": "text"}}, "truncation": "disabled"}
+    return ResponsesRequest(parsed, history, instructions, previous, store is not False, echo)
+
+
+def responses_tools(value: Any) -> tuple[dict, ...] | None:
+    """Function tools, flat as Responses sends them: {"type": "function", "name", "parameters"}."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise invalid("tools must be an array of function tools", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise invalid(f"{where} has type {kind!r}: memrad serves function tools only "
+                          "(no built-in web_search, file_search, …)", where)
+        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where))
+    return tuple(out) or None
+
+
+def responses_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
+    if value is None:
+        return ToolChoice()
+    if value in ("auto", "none", "required"):
+        return check_choice(ToolChoice(value), tools)
+    if isinstance(value, dict) and value.get("type") == "function":
+        return check_choice(ToolChoice("function", value.get("name")), tools)
+    raise invalid('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+                  "tool_choice")
+
+
+def input_messages(value: Any) -> list[dict]:
+    """`input` (a string or an array of items) -> internal messages."""
+    if isinstance(value, str):
+        if not value:
+            raise invalid("input must not be empty", "input")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise invalid("input is required: a string or a non-empty array of input items", "input")
+    out: list[dict] = []
+    turn: dict | None = None  # the assistant turn being assembled from consecutive items
+
+    def assistant() -> dict:
+        nonlocal turn
+        if turn is None:
+            turn = assistant_message("")
+            out.append(turn)
+        return turn
+
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(f"{where} must be an input item object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in INPUT_ROLES:
+                raise invalid(f"{where}.role must be one of {', '.join(INPUT_ROLES)}; got {role!r}", f"{where}.role")
+            text = _text(item.get("content"), f"{where}.content")
+            if role == "assistant":
+                current = assistant()
+                current["content"] = current["content"] + text
+                if current.get("tool_calls"):
+                    turn = None  # text after a call starts a new turn
+                continue
+            turn = None
+            out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "reasoning":
+            current = assistant()
+            if current["content"] or current.get("tool_calls"):
+                turn = None
+                current = assistant()
+            text = _reasoning_text(item, where)
+            if text:
+                current["reasoning_content"] = current.get("reasoning_content", "") + text
+        elif kind == "function_call":
+            calls = assistant().setdefault("tool_calls", [])
+            calls.append(tool_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), where))
+        elif kind == "function_call_output":
+            turn = None
+            out.append(tool_result(item.get("call_id"), _text(item.get("output"), f"{where}.output"), where))
+        else:
+            raise invalid(f"{where} has type {kind!r}; memrad accepts message, reasoning, function_call and "
+                          "function_call_output items", where)
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if (not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text")
+                    or not isinstance(part.get("text"), str)):
+                raise invalid(f"{where}[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}}): "
+                              "this model accepts text only", f"{where}[{j}]")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise invalid(f"{where} must be a string or an array of text parts", where)
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts:
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                      for p in parts):
+                raise invalid(f"{where}.{key} must be an array of text parts", f"{where}.{key}")
+            return "\n".join(p["text"] for p in parts)
+    return ""
+
+
+def usage(c: Completion) -> dict:
+    return {"input_tokens": c.prompt_tokens, "input_tokens_details": {"cached_tokens": c.cached_tokens},
+            "output_tokens": c.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": c.total_tokens}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" \
+        else []
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+@dataclass
+class ResponsesShape:
+    """The response object and its event stream. Mutable: it numbers events and tracks the
+    output item being streamed."""
+
+    request: ResponsesRequest
+    response_id: str
+    model: str
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    decision: Decision | None = None
+    items: list[dict] = field(default_factory=list)  # finished output items
+    _open: dict | None = None  # the reasoning or message item being streamed
+    _text: str = ""
+    _seq: int = 0
+
+    def _event(self, kind: str, **data: Any) -> Event:
+        self._seq += 1
+        return kind, {"type": kind, "sequence_number": self._seq - 1, **data}
+
+    def response(self, status: str, c: Completion | None = None) -> dict:
+        incomplete = c is not None and c.finish_reason == "length"
+        return {"id": self.response_id, "object": "response", "created_at": self.created_at, "model": self.model,
+                "status": "incomplete" if incomplete else status, "output": list(self.items),
+                "usage": usage(c) if c is not None else None, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                **self.request.echo, **decision_field(self.decision)}
+
+    def opening(self, decision: Decision | None) -> list[Event]:
+        self.decision = decision
+        snapshot = self.response("in_progress")
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
+
+    def _start(self, kind: str) -> list[Event]:
+        events = self._close()
+        index = len(self.items)
+        if kind == "reasoning":
+            self._open = _reasoning_item("rs_" + secrets.token_hex(12), "", "in_progress")
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            self._open = _message_item("msg_" + secrets.token_hex(12), "", "in_progress")
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self._text = ""
+        return events + [self._event("response.output_item.added", output_index=index, item=self._open),
+                         self._event("response.content_part.added", item_id=self._open["id"], output_index=index,
+                                     content_index=0, part=part)]
+
+    def _close(self) -> list[Event]:
+        if self._open is None:
+            return []
+        item, text, index = self._open, self._text, len(self.items)
+        if item["type"] == "reasoning":
+            done = _reasoning_item(item["id"], text, "completed")
+            events = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=text)]
+        else:
+            done = _message_item(item["id"], text, "completed")
+            events = [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=text, logprobs=[])]
+        events += [self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                               content_index=0, part=done["content"][0]),
+                   self._event("response.output_item.done", output_index=index, item=done)]
+        self.items.append(done)
+        self._open = None
+        return events
+
+    def deltas(self, delta: ReplyDelta) -> list[Event]:
+        if delta.kind == "tool_call":
+            call = delta.call
+            assert call is not None
+            events = self._close()
+            index, item_id = len(self.items), "fc_" + secrets.token_hex(12)
+            added = _call_item(item_id, call.id, call.name, "", "in_progress")
+            done = _call_item(item_id, call.id, call.name, call.arguments, "completed")
+            self.items.append(done)
+            return events + [
+                self._event("response.output_item.added", output_index=index, item=added),
+                self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                            delta=call.arguments),
+                self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                            name=call.name, arguments=call.arguments),
+                self._event("response.output_item.done", output_index=index, item=done)]
+        events = [] if self._open is not None and self._open["type"] == _ITEM[delta.kind] else self._start(
+            delta.kind)
+        assert self._open is not None
+        self._text += delta.text
+        kind = "response.reasoning_text.delta" if delta.kind == "reasoning" else "response.output_text.delta"
+        extra = {} if delta.kind == "reasoning" else {"logprobs": []}
+        return events + [self._event(kind, item_id=self._open["id"], output_index=len(self.items), content_index=0,
+                                     delta=delta.text, **extra)]
+
+    def closing(self, reply: Reply, c: Completion) -> list[Event]:
+        events = self._close()
+        final = self.response("completed", c)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return events + [self._event(kind, response=final)]
+
+    def whole(self, reply: Reply, c: Completion, decision: Decision | None) -> dict:
+        self.decision = decision
+        for kind, text in (("reasoning", reply.reasoning), ("content", reply.content)):
+            if text:
+                self.deltas(ReplyDelta(kind, text))  # type: ignore[arg-type]
+        self._close()
+        for index, call in enumerate(reply.tool_calls):
+            self.deltas(ReplyDelta("tool_call", call=call, index=index))
+        return self.response("completed", c)
+
+    def stream_error(self, body: dict) -> list[Event]:
+        error = body.get("error", {})
+        return [self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))]
+
+
+_ITEM = {"reasoning": "reasoning", "content": "message"}
+
+
+def remembered(request: ResponsesRequest, response_id: str, reply: Reply) -> StoredResponse:
+    """What a follow-up naming this response resolves to: its conversation and its identity."""
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in reply.tool_calls]
+    turn = assistant_message(reply.content, calls, reply.reasoning)
+    return StoredResponse(response_id, request.history + (turn,), request.parsed.identity)

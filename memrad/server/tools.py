@@ -1,0 +1,136 @@
+"""The internal request's tool vocabulary, shared by all three APIs. Pure: no aiohttp.
+
+Every API's tools, tool choice, calls and results validate into one shape, OpenAI Chat's:
+
+    tool         {"type": "function", "function": {"name", "description"?, "parameters"?}}
+    call         {"id", "type": "function", "function": {"name", "arguments": <JSON text>}}
+    assistant    {"role": "assistant", "content", "tool_calls"?, "reasoning_content"?}
+    tool result  {"role": "tool", "tool_call_id", "content"}
+
+so the chat template sees the same conversation whichever API it came through (test 6d).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from memrad.server.errors import invalid
+
+ToolMode = Literal["auto", "none", "required", "function"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """What the client asked the model to do with its tools. memrad does not constrain
+    decoding: `none` turns tool-call parsing off, the others are validated and recorded."""
+
+    mode: ToolMode = "auto"
+    name: str | None = None  # the function a `function` choice names
+
+
+def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict:
+    """One tool in the internal shape, from the parts every API has."""
+    if not isinstance(name, str) or not name:
+        raise invalid(f"{where} needs a non-empty function name", where)
+    if description is not None and not isinstance(description, str):
+        raise invalid(f"{where}.description must be a string", where)
+    if parameters is not None and not isinstance(parameters, dict):
+        raise invalid(f"{where}'s parameters must be a JSON schema object", where)
+    function: dict = {"name": name}
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
+    return {"type": "function", "function": function}
+
+
+def chat_tools(value: Any) -> tuple[dict, ...] | None:
+    """Chat Completions `tools`: function tools only."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise invalid("tools must be an array of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise invalid(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}: "
+                          "memrad serves function tools only", where)
+        fn = tool["function"]
+        out.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), where))
+    return tuple(out) or None
+
+
+def tool_names(tools: tuple[dict, ...] | None) -> list[str]:
+    return [t["function"]["name"] for t in tools or ()]
+
+
+def check_choice(choice: ToolChoice, tools: tuple[dict, ...] | None, param: str = "tool_choice") -> ToolChoice:
+    """A named or required choice needs the tools it refers to."""
+    if choice.mode in ("required", "function") and not tools:
+        raise invalid(f"{param} asks for a tool call but the request lists no tools", param)
+    if choice.mode == "function" and choice.name not in tool_names(tools):
+        raise invalid(f"{param} names the function {choice.name!r}, which is not among the tools "
+                      f"({', '.join(tool_names(tools))})", param)
+    return choice
+
+
+def chat_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
+    """Chat `tool_choice`: "auto" | "none" | "required" | {"type": "function", "function": {"name"}}."""
+    if value is None:
+        return ToolChoice()
+    if value in ("auto", "none", "required"):
+        return check_choice(ToolChoice(value), tools)
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        return check_choice(ToolChoice("function", value["function"].get("name")), tools)
+    raise invalid('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+                  '{"name": ...}}', "tool_choice")
+
+
+def tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
+    """One call in the internal shape. `arguments`: JSON text of an object, or the object."""
+    if not isinstance(call_id, str) or not call_id:
+        raise invalid(f"{where} needs a non-empty call id", where)
+    if not isinstance(name, str) or not name:
+        raise invalid(f"{where} needs a non-empty function name", where)
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise invalid(f"{where}'s arguments are not valid JSON: send the JSON text of an object", where) from None
+    else:
+        parsed = arguments
+    if not isinstance(parsed, dict):
+        raise invalid(f"{where}'s arguments must be a JSON object", where)
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": json.dumps(parsed, ensure_ascii=False)}}
+
+
+def chat_tool_calls(value: Any, where: str) -> list[dict]:
+    if not isinstance(value, list):
+        raise invalid(f"{where} must be an array of tool calls", where)
+    out = []
+    for j, call in enumerate(value):
+        here = f"{where}[{j}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise invalid(f"{here} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                          "\"arguments\"}}}}", here)
+        fn = call["function"]
+        out.append(tool_call(call.get("id"), fn.get("name"), fn.get("arguments", "{}"), here))
+    return out
+
+
+def assistant_message(content: str, tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
+    message: dict = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def tool_result(call_id: Any, content: str, where: str) -> dict:
+    if not isinstance(call_id, str) or not call_id:
+        raise invalid(f"{where} needs the id of the tool call it answers", where)
+    return {"role": "tool", "tool_call_id": call_id, "content": content}

@@ -1,0 +1,304 @@
+"""Tool round trips through the real `openai` and `anthropic` clients on all three APIs, with a
+scripted model behind the real server (issue 11: 6a, 6d, errors, decisions, previous_response_id)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from memrad.config import Settings
+from memrad.reuse.pool import ReusePool
+from memrad.server.app import make_app
+from scripted import ScriptedEngine
+
+PARAMS = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                                "parameters": PARAMS}}]
+RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file", "parameters": PARAMS}]
+MESSAGES_TOOLS = [{"name": "read_file", "description": "Read a file", "input_schema": PARAMS}]
+CALL_REPLY = ('<think>\nI should look at the file.\n</think>\n\nLet me read it.\n<tool_call>\n'
+              '{"name": "read_file", "arguments": {"path": "src/a.py"}}\n</tool_call>')
+RESULT = "def add(a, b):\n    return a + b\n"
+
+
+@pytest.fixture
+def engine(tiny_loaded):
+    return ScriptedEngine(tiny_loaded, prefill_chunk=16, threads=1, pool=ReusePool(8, 1 << 30))
+
+
+@pytest.fixture
+async def server(engine):
+    server = TestServer(make_app(Settings(), engine, "cpu", "float32"), host="127.0.0.1")
+    await server.start_server()
+    yield server
+    await server.close()
+
+
+def oai(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
+
+
+def claude(server) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=str(server.make_url("")), api_key="unused", max_retries=0)
+
+
+def last_prompt(engine) -> str:
+    return engine.loaded.tokenizer.decode(list(engine.prompts[-1]))
+
+
+def rendered_result_turn(engine) -> None:
+    """The next turn renders the call the model made and the client's result."""
+    prompt = last_prompt(engine)
+    assert ('<tool_call>\n{"name": "read_file", "arguments": {"path": "src/a.py"}}\n</tool_call><|im_end|>\n'
+            '<|im_start|>user\n<tool_response>\n' + RESULT + '\n</tool_response><|im_end|>\n'
+            '<|im_start|>assistant\n') in prompt
+    assert "# Tools" in prompt and '"name": "read_file"' in prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_completions_tool_round_trip(server, engine, stream):
+    client = oai(server)
+    messages = [{"role": "user", "content": "What does src/a.py do?"}]
+    engine.script(CALL_REPLY, "It adds two numbers.")
+    if stream:
+        chunks = [c async for c in await client.chat.completions.create(
+            model="default", messages=messages, tools=CHAT_TOOLS, temperature=0, stream=True)]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+        calls = [tc for d in deltas for tc in d.tool_calls or []]
+        # id and name first, then argument chunks that concatenate to the arguments.
+        assert calls[0].id.startswith("call_") and calls[0].function.name == "read_file"
+        assert {tc.index for tc in calls} == {0}
+        call_id, name = calls[0].id, calls[0].function.name
+        arguments = "".join(tc.function.arguments or "" for tc in calls)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        whole = await client.chat.completions.create(model="default", messages=messages, tools=CHAT_TOOLS,
+                                                     temperature=0)
+        message = whole.choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+        call_id, name, arguments = message.tool_calls[0].id, message.tool_calls[0].function.name, \
+            message.tool_calls[0].function.arguments
+        finish = whole.choices[0].finish_reason
+        assert len(message.tool_calls) == 1
+    assert (reasoning, content, name, json.loads(arguments), finish) == (
+        "I should look at the file.", "Let me read it.", "read_file", {"path": "src/a.py"}, "tool_calls")
+    assert "<tool_call>" not in content and "<think>" not in content
+    messages += [{"role": "assistant", "content": content,
+                  "tool_calls": [{"id": call_id, "type": "function",
+                                  "function": {"name": name, "arguments": arguments}}]},
+                 {"role": "tool", "tool_call_id": call_id, "content": RESULT}]
+    final = await client.chat.completions.create(model="default", messages=messages, tools=CHAT_TOOLS,
+                                                 temperature=0)
+    assert final.choices[0].message.content == "It adds two numbers."
+    assert final.choices[0].finish_reason == "stop"
+    rendered_result_turn(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_tool_round_trip(server, engine, stream):
+    client = oai(server)
+    engine.script(CALL_REPLY, "It adds two numbers.")
+    kwargs = dict(model="default", instructions="You are a coding agent.", input="What does src/a.py do?",
+                  tools=RESPONSES_TOOLS, temperature=0)
+    if stream:
+        events = [e async for e in await client.responses.create(stream=True, **kwargs)]
+        types = [e.type for e in events]
+        assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+        assert "response.reasoning_text.delta" in types and "response.output_text.delta" in types
+        assert types.index("response.output_text.delta") < types.index("response.function_call_arguments.delta")
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        response = events[-1].response
+        assert text == response.output_text == "Let me read it."
+    else:
+        response = await client.responses.create(**kwargs)
+    kinds = [item.type for item in response.output]
+    assert kinds == ["reasoning", "message", "function_call"]
+    call = response.output[2]
+    assert (call.name, json.loads(call.arguments), call.call_id[:5]) == ("read_file", {"path": "src/a.py"}, "call_")
+    if stream:
+        assert arguments == call.arguments
+    assert response.output[0].content[0].text == "I should look at the file."
+    assert response.usage.input_tokens_details.cached_tokens == 0
+    # Stateless follow-up, as agent CLIs send it: the whole conversation as items (reasoning
+    # kept, so the prompt extends the parked tokens and resumes).
+    items = [{"role": "user", "content": "What does src/a.py do?"},
+             {"type": "reasoning", "id": response.output[0].id, "summary": [],
+              "content": [{"type": "reasoning_text", "text": response.output[0].content[0].text}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                                                                   "text": response.output[1].content[0].text}]},
+             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
+    final = await client.responses.create(**{**kwargs, "input": items})
+    assert final.output_text == "It adds two numbers." and final.status == "completed"
+    assert final.usage.input_tokens_details.cached_tokens > 0
+    rendered_result_turn(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_messages_tool_round_trip(server, engine, stream):
+    client = claude(server)
+    engine.script(CALL_REPLY, "It adds two numbers.")
+    messages = [{"role": "user", "content": "What does src/a.py do?"}]
+    kwargs = dict(model="default", max_tokens=200, system="You are a coding agent.", tools=MESSAGES_TOOLS)
+    if stream:
+        async with client.messages.stream(messages=messages, **kwargs) as events:
+            types = [e.type async for e in events]
+            message = await events.get_final_message()
+        assert types[0] == "message_start" and types[-1] == "message_stop"
+        assert {"content_block_start", "content_block_delta", "content_block_stop", "message_delta"} <= set(types)
+    else:
+        message = await client.messages.create(messages=messages, **kwargs)
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    thinking, text, use = message.content
+    assert (thinking.thinking, text.text) == ("I should look at the file.", "Let me read it.")
+    assert (use.name, use.input, message.stop_reason) == ("read_file", {"path": "src/a.py"}, "tool_use")
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
+    final = await client.messages.create(messages=messages, **kwargs)
+    assert [b.text for b in final.content] == ["It adds two numbers."] and final.stop_reason == "end_turn"
+    assert final.usage.cache_read_input_tokens > 0
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == len(engine.prompts[-1])
+    rendered_result_turn(engine)
+
+
+async def test_the_same_conversation_renders_identical_ids_through_all_three_apis(server, engine):
+    """6d: one rendering path. The client of each API drops nothing here."""
+    system, question, follow_up = "You are a coding agent.", "What does src/a.py do?", "Thanks. Now run it."
+    args = '{"path": "src/a.py"}'
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": question},
+            {"role": "assistant", "content": "Let me read it.", "reasoning_content": "Look first.",
+             "tool_calls": [{"id": "call_7", "type": "function", "function": {"name": "read_file", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": "call_7", "content": RESULT}, {"role": "user", "content": follow_up}]
+    items = [{"role": "user", "content": question},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text",
+                                                                             "text": "Look first."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me read it."}]},
+             {"type": "function_call", "call_id": "call_7", "name": "read_file", "arguments": args},
+             {"type": "function_call_output", "call_id": "call_7", "output": RESULT},
+             {"role": "user", "content": [{"type": "input_text", "text": follow_up}]}]
+    blocks = [{"role": "user", "content": question},
+              {"role": "assistant", "content": [
+                  {"type": "thinking", "thinking": "Look first.", "signature": ""},
+                  {"type": "text", "text": "Let me read it."},
+                  {"type": "tool_use", "id": "call_7", "name": "read_file", "input": {"path": "src/a.py"}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_7", "content": RESULT},
+                                           {"type": "text", "text": follow_up}]}]
+    engine.script("a", "a", "a")
+    await oai(server).chat.completions.create(model="default", messages=chat, tools=CHAT_TOOLS, max_tokens=1)
+    await oai(server).responses.create(model="default", instructions=system, input=items, tools=RESPONSES_TOOLS,
+                                       max_output_tokens=1)
+    await claude(server).messages.create(model="default", system=system, messages=blocks, tools=MESSAGES_TOOLS,
+                                         max_tokens=1)
+    counted = await claude(server).messages.count_tokens(model="default", system=system, messages=blocks,
+                                                         tools=MESSAGES_TOOLS)
+    assert engine.prompts[0] == engine.prompts[1] == engine.prompts[2]
+    assert counted.input_tokens == len(engine.prompts[0])
+    assert "<think>\nLook first.\n</think>\n\nLet me read it.\n<tool_call>" in last_prompt(engine)
+
+
+async def test_previous_response_id_resolves_the_conversation_and_its_session(server, engine):
+    client = oai(server)
+    engine.script(CALL_REPLY, "It adds two numbers.")
+    first = await client.responses.create(model="default", input="What does src/a.py do?", tools=RESPONSES_TOOLS,
+                                          prompt_cache_key="agent-7")
+    call = first.output[-1]
+    follow = await client.responses.create(
+        model="default", previous_response_id=first.id, tools=RESPONSES_TOOLS,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}])
+    assert follow.previous_response_id == first.id
+    # The stored conversation extends the parked tokens exactly; the follow-up ran under the
+    # name the first response had, so the session it parks keeps that name.
+    assert "resumed" in follow.memra["decision"]
+    assert follow.usage.input_tokens_details.cached_tokens == len(engine.prompts[0])
+    assert [s.identity.name for s in engine.pool.sessions()] == ["agent-7"]
+    rendered_result_turn(engine)
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.responses.create(model="default", previous_response_id="resp_gone", input="hi")
+    assert "previous_response_id 'resp_gone' is unknown" in err.value.message
+    assert err.value.body["param"] == "previous_response_id"
+
+
+async def test_the_decision_reaches_the_client_on_every_api(server, engine):
+    engine.script("ok", "ok", "ok", "ok", "ok", "ok")
+    url = str(server.make_url(""))
+    bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+              "/v1/responses": {"input": "hi"},
+              "/v1/messages": {"model": "default", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}}
+    async with aiohttp.ClientSession() as http:
+        for path, body in bodies.items():
+            async with http.post(url + path, json=body) as resp:
+                got = await resp.json()
+                assert resp.headers["x-memra-decision"] == got["memra"]["decision"]
+                assert got["memra"]["decision"].startswith(("cold", "affinity", "prefix"))
+            async with http.post(url + path, json={**body, "stream": True}) as resp:
+                first_data = next(line for line in (await resp.text()).splitlines() if line.startswith("data: "))
+                assert resp.headers["x-memra-decision"]
+        # The streamed natural places: response.created's response, message_start's message.
+        async with http.post(url + "/v1/responses", json={"input": "hi", "stream": True}) as resp:
+            created = json.loads(next(line[6:] for line in (await resp.text()).splitlines() if line.startswith("data")))
+            assert created["response"]["memra"]["decision"] == resp.headers["x-memra-decision"]
+        async with http.post(url + "/v1/messages", json={**bodies["/v1/messages"], "stream": True}) as resp:
+            start = json.loads(next(line[6:] for line in (await resp.text()).splitlines() if line.startswith("data")))
+            assert start["message"]["memra"]["decision"] == resp.headers["x-memra-decision"]
+    assert first_data
+
+
+async def test_bad_tool_input_is_a_4xx_in_each_apis_error_shape(server, engine):
+    with pytest.raises(openai.BadRequestError) as chat:
+        await oai(server).chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}],
+                                                  tools=[{"type": "function", "function": {"description": "no name"}}])
+    assert chat.value.body["param"] == "tools[0]"
+    with pytest.raises(openai.BadRequestError) as named:
+        await oai(server).chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}],
+                                                  tools=CHAT_TOOLS,
+                                                  tool_choice={"type": "function", "function": {"name": "rm"}})
+    assert "'rm', which is not among the tools (read_file)" in named.value.message
+    with pytest.raises(openai.BadRequestError) as responses:
+        await oai(server).responses.create(model="default", input="x", tools=[{"type": "web_search"}])
+    assert "function tools only" in responses.value.message
+    with pytest.raises(openai.BadRequestError) as args:
+        await oai(server).responses.create(model="default", input=[
+            {"type": "function_call", "call_id": "c1", "name": "read_file", "arguments": "{oops"}])
+    assert "not valid JSON" in args.value.message
+    with pytest.raises(anthropic.BadRequestError) as messages:
+        await claude(server).messages.create(model="default", max_tokens=5, messages=[
+            {"role": "user", "content": [{"type": "tool_result", "content": "x"}]}])
+    assert messages.value.body["type"] == "error"
+    assert messages.value.body["error"]["type"] == "invalid_request_error"
+    assert "the id of the tool call it answers" in messages.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as model:
+        await claude(server).messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user",
+                                                                                       "content": "x"}])
+    assert model.value.body["error"]["type"] == "not_found_error"
+
+
+async def test_a_model_without_a_tool_format_rejects_tools_with_a_400_on_each_api(server, engine):
+    engine.chat_format = dataclasses.replace(engine.chat_format, tools_supported=False, tool_template=None)
+    with pytest.raises(openai.BadRequestError) as chat:
+        await oai(server).chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}],
+                                                  tools=CHAT_TOOLS)
+    assert "no tool format" in chat.value.message and chat.value.body["param"] == "tools"
+    with pytest.raises(anthropic.BadRequestError) as messages:
+        await claude(server).messages.create(model="default", max_tokens=5, tools=MESSAGES_TOOLS,
+                                             messages=[{"role": "user", "content": "x"}])
+    assert "no tool format" in messages.value.body["error"]["message"]
+
+
+async def test_tool_choice_none_returns_tool_markup_as_text(server, engine):
+    engine.script(CALL_REPLY)
+    whole = await oai(server).chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}],
+                                                      tools=CHAT_TOOLS, tool_choice="none")
+    message = whole.choices[0].message
+    assert message.tool_calls is None and whole.choices[0].finish_reason == "stop"
+    assert message.content.endswith('<tool_call>\n{"name": "read_file", "arguments": {"path": "src/a.py"}}\n'
+                                    '</tool_call>')
