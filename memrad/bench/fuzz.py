@@ -30,6 +30,7 @@ from memrad.server.openapi import ROUTES, Route
 
 DEADLINE_S = 120.0      # a request slower than this counts as a hang
 GENERATE_TOKENS = 3     # valid generating requests are clamped to this many tokens
+GENERATING = frozenset(r.path for r in ROUTES if r.generates)
 STREAM_ENDS = (b"data: [DONE]", b"event: message_stop", b"event: response.completed", b"event: response.incomplete")
 CANARY = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}]
 
@@ -85,12 +86,28 @@ _FIELDS = {
 }
 
 
+# Values a real client sends, at their edges: half of the one-field-off bodies use these, so
+# a share of the probes passes validation and runs on the model (streams, stops, seeds, tools).
+_PLAUSIBLE = {
+    "temperature": st.sampled_from([0, 0.0, 2, 1e-9, 1.9999]), "top_p": st.sampled_from([1, 1e-9, 0.5]),
+    "seed": st.sampled_from([0, -1, 2**63 - 1, 2**64 - 1, -(2**63)]), "stream": st.booleans(),
+    "stop": st.sampled_from(["\n", ["a", "b", "c", "d"], "x" * 256, ["<|im_end|>"]]),
+    "stop_sequences": st.sampled_from([["\n"], ["a", "b", "c", "d"], ["x" * 256]]),
+    "stream_options": st.just({"include_usage": True}), "n": st.just(1), "logprobs": st.just(False),
+    "session_id": st.sampled_from(["a", "x" * 256, "é\r\n", "fuzz"]), "user": st.just("u"),
+    "cache_salt": st.sampled_from(["s", "x" * 256]), "max_tokens": st.sampled_from([1, 2]),
+    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    "metadata": st.sampled_from([{}, {"user_id": "a"}]), "instructions": st.sampled_from(["", "Be brief."]),
+}
+
+
 @st.composite
 def _one_field_off(draw, route: Route, known: dict) -> dict:
     """A valid body with one or two fields at an edge: reaches past validation into the engine."""
     body = dict(route.example or {})
     for key in draw(st.lists(st.sampled_from(sorted(known)), min_size=1, max_size=2, unique=True)):
-        body[key] = draw(known[key])
+        plausible = _PLAUSIBLE.get(key)
+        body[key] = draw(plausible if plausible is not None and draw(st.booleans()) else known[key])
     return body
 
 
@@ -161,6 +178,7 @@ class FuzzReport:
     hangs: list[str] = field(default_factory=list)
     bad_bodies: list[str] = field(default_factory=list)
     canaries: int = 0
+    generated: int = 0  # probes that passed validation and ran on the model
     canary_failures: list[str] = field(default_factory=list)
     slowest_s: float = 0.0
     elapsed_s: float = 0.0
@@ -177,7 +195,7 @@ class FuzzReport:
 
     def lines(self) -> list[str]:
         by_status = ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses.items()))
-        return [f"requests {self.requests} in {self.elapsed_s:.0f} s ({by_status})",
+        return [f"requests {self.requests} in {self.elapsed_s:.0f} s ({by_status}; {self.generated} ran on the model)",
                 f"server errors (5xx) {len(self.server_errors)}, hangs (> {DEADLINE_S:.0f} s) {len(self.hangs)}, "
                 f"error bodies missing {len(self.bad_bodies)}, slowest {self.slowest_s:.2f} s",
                 f"canary resumes {self.canaries}, mismatches {len(self.canary_failures)}; "
@@ -212,6 +230,7 @@ class Client:
 def _check(probe: Probe, status: int, headers: dict, raw: bytes, report: FuzzReport) -> None:
     what = f"{probe.method} {probe.path} {(probe.body or b'')[:120]!r}"
     report.statuses[status] += 1
+    report.generated += status == 200 and probe.method == "POST" and probe.path in GENERATING
     if status >= 500:
         report.server_errors.append(f"{status} {what}: {raw[:300]!r}")
     elif status >= 400:
