@@ -84,4 +84,8 @@ def _gauges(ctx: ServerContext) -> dict:
     if pool is not None:
         values.update(pool_sessions={"memory": len(pool.sessions())}, pool_bytes={"memory": pool.bytes_parked},
                       pool_max_bytes=pool.max_bytes, pool_max_sessions=pool.max_sessions)
+        disk = getattr(ctx.engine, "disk", None)  # the disk tier, where the engine has one
+        if disk is not None:
+            values["pool_sessions"]["disk"] = len(disk.pool.sessions())
+            values["pool_bytes"]["disk"] = disk.pool.bytes_parked
     return values
