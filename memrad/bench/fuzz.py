@@ -296,7 +296,9 @@ def fuzz(base_url: str, requests: int, seed: int = 0, api_key: str | None = None
             canary.check(report)
             if progress:
                 report.elapsed_s = time.monotonic() - started
-                print(" | ".join(report.lines()[:3]), flush=True)
+                failures = report.server_errors + report.hangs + report.bad_bodies + report.canary_failures
+                print(" | ".join(report.lines()[:2]), f"| canaries {report.canaries}", *failures[-3:],
+                      sep="\n  " if failures else " ", flush=True)
 
     one()
     canary.check(report)

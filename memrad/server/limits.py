@@ -10,6 +10,7 @@ and stays with the route; `n` and `logprobs` are refused by validation.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 STOP_KEYS = ("stop", "stop_sequences")
 MESSAGE_KEYS = ("messages", "input")
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a "\ud83d"-style escape in the raw body
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +60,20 @@ def parse_body(raw: bytes, limits: Limits) -> Any:
     if depth(body, limits.max_schema_depth + ENVELOPE_DEPTH) > limits.max_schema_depth + ENVELOPE_DEPTH:
         raise invalid(f"the request body nests more than {limits.max_schema_depth + ENVELOPE_DEPTH} levels "
                       "of objects and arrays", "body", code="too_deep")
+    if SURROGATE_ESCAPE.search(raw) and not _is_unicode(body):
+        # json accepts "\ud800" alone; tokenizers then fail (found by the fuzzer: a 500).
+        raise invalid("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                      "pair): strings must be valid Unicode text", "body", code="invalid_unicode")
     return body
+
+
+def _is_unicode(body: Any) -> bool:
+    """False if any string holds a lone surrogate (pairs in escapes decode to one character)."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def depth(value: Any, stop_after: int) -> int:

@@ -75,6 +75,13 @@ def test_deep_or_broken_json_is_a_400_never_a_recursion_error():
     assert parse_body(b'{"messages": []}', LIMITS) == {"messages": []}
 
 
+def test_a_lone_surrogate_is_a_400_and_a_surrogate_pair_is_text():
+    with pytest.raises(APIError, match="lone UTF-16 surrogate") as caught:
+        parse_body(b'{"prompt": "a\\ud800b"}', LIMITS)  # found by the fuzzer: the tokenizer raised (500)
+    assert (caught.value.param, caught.value.code) == ("body", "invalid_unicode")
+    assert parse_body(b'{"prompt": "\\ud83d\\ude00"}', LIMITS) == {"prompt": "\U0001f600"}
+
+
 async def test_the_served_limits_answer_before_the_model(tiny_engine):
     settings = Settings(limits=LimitSettings(max_body_bytes=4096, max_messages=2))
     server = TestServer(make_app(settings, tiny_engine, "cpu", "float32"), host="127.0.0.1")
