@@ -241,7 +241,8 @@ def _check(probe: Probe, status: int, headers: dict, raw: bytes, report: FuzzRep
         except (ValueError, KeyError, TypeError, AssertionError):
             report.bad_bodies.append(f"{status} without its API's error body: {what}: {raw[:200]!r}")
     elif status == 200 and headers.get("content-type", "").startswith("text/event-stream"):
-        if not any(end in raw[-600:] for end in STREAM_ENDS):
+        last_event = raw.rstrip().rsplit(b"\n\n", 1)[-1]
+        if not last_event.startswith(STREAM_ENDS):
             report.bad_bodies.append(f"stream without its final event: {what}: {raw[-200:]!r}")
 
 
