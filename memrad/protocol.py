@@ -12,6 +12,8 @@ from typing import Literal
 
 Outcome = Literal["resumed", "declined", "cold"]
 Tier = Literal["token-prefix", "text-prefix", "affinity"]
+REASON_CLASSES = ("nothing-parked", "no-prefix", "no-control-tokens", "below-bar", "named-vs-unnamed",
+                  "no-such-name", "diverged", "no-suffix", "no-checkpoint")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +25,8 @@ class Decision:
     fingerprint) and `source` the field that carried the name; `checkpoint` is the position
     resumed from (None unless resumed); `divergence` is the first position where the
     prompt's tokens differ from the candidate's (None when they never do);
-    `reused_tokens` + `primed_tokens` always equal the prompt length.
+    `reused_tokens` + `primed_tokens` always equal the prompt length; `reason_class` names
+    why nothing was reused (None when resumed): one of REASON_CLASSES, for counting.
     """
 
     request_id: str
@@ -39,6 +42,7 @@ class Decision:
     shared_segments: int | None = None
     divergence: int | None = None
     ttft_s: float | None = None
+    reason_class: str | None = None
 
     def render(self) -> str:
         head = f"{self.tier}: {self.outcome}" if self.tier else self.outcome
@@ -126,6 +130,7 @@ class TurnEvent:
     ttft_s: float | None
     outcome: str
     finish_reason: str
+    total_s: float | None = None  # request start to the last token
 
 
 @dataclass(frozen=True, slots=True)

@@ -217,7 +217,8 @@ class Engine:
             at=time.time(), request_id=request.request_id, conversation=session.session_id if session else None,
             identity=request.identity.name if request.identity else None, prompt_tokens=checkpoint,
             cached_tokens=pre.start, completion_tokens=len(out.generated), ttft_s=out.ttft_s,
-            outcome=decided.decision.outcome, finish_reason=out.finish))
+            outcome=decided.decision.outcome, finish_reason=out.finish,
+            total_s=completion.total_s))
         self._hand_on(FinishedState(
             request=request, cache=cache, cache_token_ids=tuple(prompt[: pre.primed_to]) + fed,
             generated_ids=tuple(out.generated), prompt_checkpoint=pre.primed_to,

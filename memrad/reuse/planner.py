@@ -91,6 +91,7 @@ class Verdict:
     checkpoint: int | None   # None: declined
     reason: str
     divergence: int | None   # first differing position, if the prompt diverges from the session
+    reason_class: str | None = None  # why declined (memrad.protocol.REASON_CLASSES)
 
 
 def verify(session: ParkedSession, prompt_ids: tuple[int, ...], mode: Mode, chunk: int,
@@ -103,12 +104,13 @@ def verify(session: ParkedSession, prompt_ids: tuple[int, ...], mode: Mode, chun
     if top is None:
         at_end = checkpoint_at_or_below(session, num_prompt, mode, chunk)
         if at_end is not None and at_end == num_prompt and shared >= num_prompt:
-            return Verdict(None, f"no suffix to prime (prompt {num_prompt} tokens, checkpoint {at_end})", divergence)
+            return Verdict(None, f"no suffix to prime (prompt {num_prompt} tokens, checkpoint {at_end})", divergence, "no-suffix")
         return Verdict(None, f"no {mode} checkpoint below the prompt's end "
-                             f"(prompt {num_prompt} tokens, exact up to {session.exact_limit})", divergence)
+                             f"(prompt {num_prompt} tokens, exact up to {session.exact_limit})", divergence,
+                       "no-checkpoint")
     chosen = checkpoint_at_or_below(session, min(shared, num_prompt - 1), mode, chunk, anchors)
     if chosen is None:
-        return Verdict(None, f"history diverged at {shared} of checkpoint {top}", divergence)
+        return Verdict(None, f"history diverged at {shared} of checkpoint {top}", divergence, "diverged")
     if chosen < top:
         return Verdict(chosen, f"history diverged at {shared} of checkpoint {top}, resumed from earlier "
                                f"checkpoint {chosen}; primed {num_prompt - chosen}", divergence)
@@ -136,12 +138,13 @@ def _decide(view: RequestView, tier: Tier, session: ParkedSession, mode: Mode, c
     num_prompt = len(view.prompt_ids)
     verdict = verify(session, view.prompt_ids, mode, chunk, view.anchors)
     base = Decision(view.request_id, "declined", verdict.reason, 0, num_prompt, tier=tier,
-                    candidate=session.session_id, divergence=verdict.divergence, **fields)
+                    candidate=session.session_id, divergence=verdict.divergence,
+                    reason_class=verdict.reason_class, **fields)
     if verdict.checkpoint is None:
         return Plan(base)
     resumed = replace(base, outcome="resumed", reason=f"{lead}; {verdict.reason}",
                       reused_tokens=verdict.checkpoint, primed_tokens=num_prompt - verdict.checkpoint,
-                      checkpoint=verdict.checkpoint)
+                      checkpoint=verdict.checkpoint, reason_class=None)
     return Plan(resumed, session, verdict.checkpoint)
 
 
@@ -150,12 +153,12 @@ def plan(view: RequestView, sessions: list[ParkedSession], mode: Mode, chunk: in
     """Decide for one request; `sessions` are all parked sessions (any namespace)."""
     num_prompt = len(view.prompt_ids)
 
-    def cold(reason: str, **fields) -> Plan:
-        return Plan(Decision(view.request_id, "cold", reason, 0, num_prompt, **fields))
+    def cold(reason: str, reason_class: str, **fields) -> Plan:
+        return Plan(Decision(view.request_id, "cold", reason, 0, num_prompt, reason_class=reason_class, **fields))
 
     mine = [s for s in sessions if s.namespace == view.namespace]
     if not mine:
-        return cold("nothing parked for this model and cache_salt")
+        return cold("nothing parked for this model and cache_salt", "nothing-parked")
     eligible = [s for s in mine if _same_name(s.identity, view.identity)]
     prefixed = _nominate_prefix(view, eligible)
     if prefixed is not None:
@@ -163,7 +166,7 @@ def plan(view: RequestView, sessions: list[ParkedSession], mode: Mode, chunk: in
         return _decide(view, tier, session, mode, chunk, f"session {session.session_id}")
     if not affinity:
         return cold(f"no nomination: no parked session's tokens or text prefix this prompt "
-                    f"({len(eligible)} eligible parked); affinity off")
+                    f"({len(eligible)} eligible parked); affinity off", "no-prefix")
     chosen = nominate(view.identity, view.fingerprint, mine)
     if isinstance(chosen, Nomination):
         return _decide(view, "affinity", chosen.session, mode, chunk, chosen.describe(),
@@ -171,5 +174,6 @@ def plan(view: RequestView, sessions: list[ParkedSession], mode: Mode, chunk: in
     assert isinstance(chosen, Refusal)
     if chosen.blocked is not None:
         return Plan(Decision(view.request_id, "declined", chosen.reason, 0, num_prompt, tier="affinity",
-                             candidate=chosen.blocked.session_id, shared_segments=chosen.shared_segments))
-    return cold(f"no nomination: {chosen.reason}", shared_segments=chosen.shared_segments)
+                             candidate=chosen.blocked.session_id, shared_segments=chosen.shared_segments,
+                             reason_class=chosen.reason_class))
+    return cold(f"no nomination: {chosen.reason}", chosen.reason_class, shared_segments=chosen.shared_segments)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +37,16 @@ class ServerContext:
     device: str
     dtype: str
     started_at: float = field(default_factory=time.time)
+    # Where the engine's control events go (metrics, the control socket's bus); called on
+    # the engine thread, so each sink must be thread-safe.
+    event_sinks: list[Callable[[object], None]] = field(default_factory=list)
+
+    def publish(self, event: object) -> None:
+        for sink in self.event_sinks:
+            try:
+                sink(event)
+            except Exception:  # a sink must never break serving
+                logging.getLogger("memrad.server").exception("event sink failed on %s", type(event).__name__)
     responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
 
 

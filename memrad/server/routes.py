@@ -8,7 +8,6 @@ parsing and client-disconnect handling are shared here.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -25,6 +24,7 @@ from memrad.scheduler import Job, QueueFull, ShuttingDown
 from memrad.server.context import CONTEXT, ServerContext
 from memrad.reply import Reply, ReplyBuilder, ReplyDelta, plain_reply_deltas
 from memrad.server.errors import APIError, ErrorStyle, error_style, invalid, server_error, unavailable
+from memrad.server.limits import LIMITS, check_body, parse_body
 from memrad.server.messages_api import MessagesShape, new_message_id, parse_messages
 from memrad.server.responses_api import ResponsesShape, new_response_id, parse_responses, remembered
 from memrad.server.validate import ParsedRequest, parse_chat, parse_completion
@@ -44,11 +44,10 @@ DISCONNECT_POLL_S = 0.05
 
 
 async def json_body(request: web.Request) -> object:
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON ({exc}); send a JSON object") from None
+    limits = request.app[LIMITS]
+    body = parse_body(await request.read(), limits)
+    check_body(body, limits)
+    return body
 
 
 def check_model(ctx: ServerContext, requested: str | None) -> None:
