@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Literal
 
 Outcome = Literal["resumed", "declined", "cold"]
-Tier = Literal["token-prefix", "text-prefix", "affinity"]
+Tier = Literal["token-prefix", "text-prefix", "affinity", "prefix"]
 
 
 @dataclass(frozen=True, slots=True)
