@@ -34,6 +34,7 @@ FLAGS = {
     "max_queue": "server.max_queue",
     "log_level": "log.level",
     "record": "control.record",
+    "longest_prefix": "affinity.longest_prefix",
 }
 
 
@@ -54,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
     start.add_argument("--reuse-mode", choices=("exact", "fast"),
                        help="exact: resumed turns are bit-identical to cold runs; fast: reuse everything parked")
+    start.add_argument("--longest-prefix", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse the longest common prefix with any parked session (MEMRA_LONGEST_PREFIX)")
     start.add_argument("--max-queue", type=int, help="requests that may wait for the model")
     start.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     start.add_argument("--record", help="append the control socket's events to this JSONL file")

@@ -62,6 +62,14 @@ class ReuseSettings:
 @dataclass(frozen=True, slots=True)
 class AffinitySettings:
     enabled: bool = _key(True, "MEMRA_AFFINITY")
+    longest_prefix: bool = _key(True, "MEMRA_LONGEST_PREFIX")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskSettings:
+    enabled: bool = _key(True, "MEMRA_DISK")
+    max_bytes: int = _key(4 * 2**30, "MEMRA_DISK_MAX_BYTES")
+    dir: str = _key("", "MEMRA_DISK_DIR")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +91,7 @@ class Settings:
     pool: PoolSettings = field(default_factory=PoolSettings)
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
     affinity: AffinitySettings = field(default_factory=AffinitySettings)
+    disk: DiskSettings = field(default_factory=DiskSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
@@ -101,6 +110,7 @@ _MINIMUM = {
     "engine.prefill_chunk": 1,
     "pool.max_sessions": 0,
     "pool.max_bytes": 0,
+    "disk.max_bytes": 0,
 }
 
 

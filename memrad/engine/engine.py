@@ -143,6 +143,16 @@ class Engine:
         cache = DynamicCache(config=self.loaded.model.config)
         return install_slabs(cache, self.context_len) if in_place and self.loaded.device.type == "cpu" else cache
 
+    def state_format(self) -> dict[str, str]:
+        """What parked state depends on besides its tokens: the disk tier's compatibility key
+        (memrad.engine.disk). A file made under any other value is never loaded; a new
+        setting that changes the state's bits is one more line here."""
+        from memrad.engine.disk import tokenizer_hash
+
+        return {"model": self.model_id, "tokenizer": tokenizer_hash(self.loaded.tokenizer),
+                "dtype": self.loaded.dtype_name, "device": self.loaded.device.type,
+                "chunk": str(self.prefill_chunk), "mode": self.mode}
+
     def namespace(self, request: GenerationRequest) -> Namespace:
         return Namespace(self.model_id, request.cache_salt)
 
