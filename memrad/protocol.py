@@ -73,6 +73,7 @@ class SessionInfo:
     age_s: float
     hits: int
     segments: tuple[SegmentInfo, ...]
+    on_disk: bool = False  # in the disk tier: survives a restart, loaded when chosen
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,8 @@ class PoolStats:
     bytes_parked: int
     max_sessions: int
     max_bytes: int
+    disk_sessions: int = 0  # the disk tier (0 and 0 when it is off)
+    disk_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -299,6 +299,7 @@ class Engine:
             state = self.disk.load(decided.session, self.new_cache)
             if state is not None:
                 return replace(decided, session=replace(decided.session, state=state))
+            self._evicted_from_disk(decided.session)
             decided = self.plan(request, prompt_segments, anchors)
         return decided
 
@@ -406,6 +407,10 @@ class Engine:
                  "; spilled to disk" if spilled else "")
         if not spilled:
             self._publish(EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
+        elif self.events is not None:  # the same session, now on disk
+            on_disk = self.disk.pool.get(old.session_id)
+            self._publish(ParkEvent(time.time(), session_info(self.loaded.tokenizer, on_disk, self.openers),
+                                    old.session_id))
 
     def _evicted_from_disk(self, old: ParkedSession) -> None:
         self._publish(EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
@@ -428,7 +433,8 @@ class Engine:
         """Every parked session as a SessionInfo record (least recently used first)."""
         if self.pool is None:
             return []
-        return [session_info(self.loaded.tokenizer, s, self.openers) for s in self.pool.sessions()]
+        on_disk = self.disk.pool.sessions() if self.disk is not None else []
+        return [session_info(self.loaded.tokenizer, s, self.openers) for s in on_disk + self.pool.sessions()]
 
     def _publish(self, event: object) -> None:
         if self.events is not None:
