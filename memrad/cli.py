@@ -34,6 +34,9 @@ FLAGS = {
     "max_queue": "server.max_queue",
     "log_level": "log.level",
     "record": "control.record",
+    "api_key": "security.api_key",
+    "allow_remote_without_key": "security.allow_remote_without_key",
+    "longest_prefix": "affinity.longest_prefix",
 }
 
 
@@ -54,9 +57,14 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
     start.add_argument("--reuse-mode", choices=("exact", "fast"),
                        help="exact: resumed turns are bit-identical to cold runs; fast: reuse everything parked")
+    start.add_argument("--longest-prefix", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse the longest common prefix with any parked session (MEMRA_LONGEST_PREFIX)")
     start.add_argument("--max-queue", type=int, help="requests that may wait for the model")
     start.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     start.add_argument("--record", help="append the control socket's events to this JSONL file")
+    start.add_argument("--api-key", help="require this key (Bearer or x-api-key) on every route but /health")
+    start.add_argument("--allow-remote-without-key", action="store_const", const=True,
+                       help="INSECURE: listen on a non-loopback --host without an API key")
 
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds before it is killed")
@@ -73,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("smoke", help="prove reuse fires end to end and resumes reproducibly (two fresh daemons)")
     bench = sub.add_parser("bench", help="benchmark harnesses (see docs/BENCHMARKS.md)")
-    bench.add_argument("harness", choices=("record", "replay", "chunk-probe"))
+    bench.add_argument("harness", choices=("record", "replay", "chunk-probe", "fuzz", "faults"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the harness's own arguments")
     return parser
 
@@ -97,6 +105,11 @@ def _flag_overrides(args: argparse.Namespace) -> dict:
 
 def cmd_start(args: argparse.Namespace) -> int:
     settings = load_settings(_flag_overrides(args), config_file=args.config)
+    from memrad.server.security import bind_refusal
+
+    refused = bind_refusal(settings.security, settings.server.host)
+    if refused is not None:
+        raise StartupError(refused)
     running = find_running()
     if running is not None:
         where = running.url or "still loading its model"
@@ -329,4 +342,8 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from memrad.bench import chunk_probe, record, replay
 
+    if args.harness in ("fuzz", "faults"):  # need hypothesis / the test extra: imported on demand
+        from importlib import import_module
+
+        return import_module(f"memrad.bench.{args.harness}").main(args.rest)
     return {"record": record.main, "replay": replay.main, "chunk-probe": chunk_probe.main}[args.harness](args.rest)

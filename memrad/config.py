@@ -62,6 +62,14 @@ class ReuseSettings:
 @dataclass(frozen=True, slots=True)
 class AffinitySettings:
     enabled: bool = _key(True, "MEMRA_AFFINITY")
+    longest_prefix: bool = _key(True, "MEMRA_LONGEST_PREFIX")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskSettings:
+    enabled: bool = _key(True, "MEMRA_DISK")
+    max_bytes: int = _key(4 * 2**30, "MEMRA_DISK_MAX_BYTES")
+    dir: str = _key("", "MEMRA_DISK_DIR")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +84,23 @@ class LogSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class SecuritySettings:
+    api_key: str = _key("", "MEMRA_API_KEY")
+    allowed_hosts: str = _key("", "MEMRA_ALLOWED_HOSTS")
+    allowed_origins: str = _key("", "MEMRA_ALLOWED_ORIGINS")
+    allow_remote_without_key: bool = _key(False, "MEMRA_ALLOW_REMOTE_WITHOUT_KEY")
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSettings:
+    max_body_bytes: int = _key(16 * 1024 * 1024, "MEMRA_MAX_BODY_BYTES")
+    max_messages: int = _key(4096, "MEMRA_MAX_MESSAGES")
+    max_tokens: int = _key(0, "MEMRA_MAX_TOKENS")
+    max_stop_chars: int = _key(256, "MEMRA_MAX_STOP_CHARS")
+    max_schema_depth: int = _key(32, "MEMRA_MAX_SCHEMA_DEPTH")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -83,8 +108,11 @@ class Settings:
     pool: PoolSettings = field(default_factory=PoolSettings)
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
     affinity: AffinitySettings = field(default_factory=AffinitySettings)
+    disk: DiskSettings = field(default_factory=DiskSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
     log: LogSettings = field(default_factory=LogSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
 
 
 _CHOICES = {
@@ -101,6 +129,12 @@ _MINIMUM = {
     "engine.prefill_chunk": 1,
     "pool.max_sessions": 0,
     "pool.max_bytes": 0,
+    "limits.max_body_bytes": 1024,
+    "limits.max_messages": 1,
+    "limits.max_tokens": 0,
+    "limits.max_stop_chars": 1,
+    "limits.max_schema_depth": 2,
+    "disk.max_bytes": 0,
 }
 
 

@@ -131,6 +131,11 @@ def configure_logging(level: str, detached: bool) -> None:
 
 def serve(settings: Settings) -> None:
     """Run the daemon in this process until SIGTERM/SIGINT. Blocks."""
+    from memrad.server.security import bind_refusal
+
+    refused = bind_refusal(settings.security, settings.server.host)
+    if refused is not None:
+        raise StartupError(refused)
     lock = open(lockfile_path(), "a")
     if not _take_lock(lock):
         lock.close()
@@ -162,6 +167,8 @@ def _load(settings: Settings):
 async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device: str) -> None:
     from aiohttp import web
 
+    from memrad.server.context import CONTEXT
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -186,18 +193,19 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     await stop.wait()
     log.info("stopping: finishing or cancelling in-flight requests")
     await control.close()
-    await runner.cleanup()
+    await runner.cleanup()  # closes the scheduler: nothing runs on the engine any more
+    await asyncio.to_thread(app[CONTEXT].engine.close)
     log.info("stopped")
 
 
 async def _start_control(app, settings: Settings, loop):
     from memrad.server.context import CONTEXT, state_snapshot
-    from memrad.server.control import ControlServer, EventBus
+    from memrad.server.control import ControlServer, ControlSocketError, EventBus
 
     ctx = app[CONTEXT]
     record = Path(settings.control.record).expanduser() if settings.control.record else None
     bus = EventBus(loop, record)
-    ctx.engine.events = bus.publish_threadsafe
+    ctx.event_sinks.append(bus.publish_threadsafe)
     path = Path(settings.control.socket).expanduser() if settings.control.socket else socket_path()
     control = ControlServer(path, bus, lambda: state_snapshot(ctx))
     try:
@@ -205,6 +213,8 @@ async def _start_control(app, settings: Settings, loop):
     except OSError as exc:
         raise StartupError(f"cannot create the control socket {path} ({exc.strerror}); "
                            "set another path with MEMRA_SOCKET") from None
+    except ControlSocketError as exc:
+        raise StartupError(str(exc)) from None
     if record is not None:
         log.info("recording control events to %s", record)
     return control

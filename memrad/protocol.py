@@ -11,7 +11,9 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Literal
 
 Outcome = Literal["resumed", "declined", "cold"]
-Tier = Literal["token-prefix", "text-prefix", "affinity"]
+Tier = Literal["token-prefix", "text-prefix", "affinity", "prefix"]
+REASON_CLASSES = ("nothing-parked", "no-prefix", "no-control-tokens", "below-bar", "named-vs-unnamed",
+                  "no-such-name", "diverged", "no-suffix", "no-checkpoint")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +25,8 @@ class Decision:
     fingerprint) and `source` the field that carried the name; `checkpoint` is the position
     resumed from (None unless resumed); `divergence` is the first position where the
     prompt's tokens differ from the candidate's (None when they never do);
-    `reused_tokens` + `primed_tokens` always equal the prompt length.
+    `reused_tokens` + `primed_tokens` always equal the prompt length; `reason_class` names
+    why nothing was reused (None when resumed): one of REASON_CLASSES, for counting.
     """
 
     request_id: str
@@ -39,6 +42,7 @@ class Decision:
     shared_segments: int | None = None
     divergence: int | None = None
     ttft_s: float | None = None
+    reason_class: str | None = None
 
     def render(self) -> str:
         head = f"{self.tier}: {self.outcome}" if self.tier else self.outcome
@@ -73,6 +77,7 @@ class SessionInfo:
     age_s: float
     hits: int
     segments: tuple[SegmentInfo, ...]
+    on_disk: bool = False  # in the disk tier: survives a restart, loaded when chosen
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,8 @@ class PoolStats:
     bytes_parked: int
     max_sessions: int
     max_bytes: int
+    disk_sessions: int = 0  # the disk tier (0 and 0 when it is off)
+    disk_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +133,7 @@ class TurnEvent:
     ttft_s: float | None
     outcome: str
     finish_reason: str
+    total_s: float | None = None  # request start to the last token
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ class Refusal:
     reason: str
     shared_segments: int
     blocked: ParkedSession | None = None
+    reason_class: str = "below-bar"  # memrad.protocol.REASON_CLASSES
 
 
 def _name(identity: Identity | None) -> str | None:
@@ -74,14 +75,14 @@ def nominate(identity: Identity | None, chain: tuple[int, ...],
         session, shared = _best(chain, same_name)
         return Nomination(session, "explicit", identity.source, shared)
     if not chain:
-        return Refusal("prompt has no message control tokens to fingerprint", 0)
+        return Refusal("prompt has no message control tokens to fingerprint", 0, reason_class="no-control-tokens")
     session, shared = _best(chain, same_name)
     if session is not None and shared >= MIN_SHARED_SEGMENTS:
         return Nomination(session, "implicit", None, shared)
     blocked, blocked_shared = _best(chain, others)
     if blocked is not None and blocked_shared >= MIN_SHARED_SEGMENTS:
         asked = "unnamed request" if name is None else f'named "{name}"'
-        return Refusal(f"{asked} vs {_describe_parked(blocked)}", blocked_shared, blocked)
+        return Refusal(f"{asked} vs {_describe_parked(blocked)}", blocked_shared, blocked, "named-vs-unnamed")
     if name is not None:
-        return Refusal(f'no parked session named "{name}"', shared)
+        return Refusal(f'no parked session named "{name}"', shared, reason_class="no-such-name")
     return Refusal(f"{shared} shared segments < {MIN_SHARED_SEGMENTS}", shared)

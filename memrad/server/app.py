@@ -1,4 +1,9 @@
-"""The aiohttp app factory, shared by the daemon and the tests."""
+"""The aiohttp app factory, shared by the daemon and the tests.
+
+Middlewares, outermost first: request metrics (they see the status the client got),
+errors as API error bodies, then the access guard (Host, Origin, API key) before any
+handler reads a body.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,15 @@ from aiohttp import web
 from memrad.config import Settings
 from memrad.engine.prompt import PromptError
 from memrad.scheduler import Scheduler
+from memrad.server import security
 from memrad.server.context import CONTEXT, ServerContext, ServingEngine
 from memrad.server.errors import APIError, error_style, invalid, server_error
+from memrad.server.limits import LIMITS, Limits, too_large
+from memrad.server.metrics import METRICS, Metrics, count_requests, scrape
+from memrad.server.openapi import openapi
 from memrad.server.routes import add_routes
 
 log = logging.getLogger("memrad.server")
-
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 @web.middleware
@@ -32,11 +39,12 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if exc.status == 413:
+            return too_large(request.app[LIMITS]).response(style)
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
         message = {404: f"no route {request.method} {request.path}; see GET /v1/models and "
                         "POST /v1/chat/completions",
                    405: f"method {request.method} is not allowed on {request.path}",
-                   413: f"the request body is larger than {MAX_BODY_BYTES // (1024 * 1024)} MiB"
                    }.get(exc.status, exc.reason)
         return APIError(exc.status, message, type=kind, code=exc.reason.lower().replace(" ", "_")).response(style)
     except Exception as exc:
@@ -47,14 +55,37 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
 
 def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str) -> web.Application:
     """Build the app around a loaded engine. The scheduler is closed on shutdown."""
-    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[count_requests, openai_errors, security.guard],
+                          client_max_size=settings.limits.max_body_bytes)
     scheduler = Scheduler(engine, settings.server.max_queue)
-    app[CONTEXT] = ServerContext(settings=settings, engine=engine, scheduler=scheduler,
-                                 device=device, dtype=dtype)
+    ctx = ServerContext(settings=settings, engine=engine, scheduler=scheduler, device=device, dtype=dtype)
+    app[CONTEXT] = ctx
+    app[LIMITS] = Limits.from_settings(settings.limits)
+    app[METRICS] = metrics = Metrics(lambda: _gauges(ctx))
+    ctx.event_sinks.append(metrics.observe)
+    engine.events = ctx.publish
+    security.install(app, settings.security, settings.server.host)
 
     async def finish_requests(app: web.Application) -> None:
         await scheduler.close(settings.server.shutdown_grace_s)
 
     app.on_shutdown.append(finish_requests)
     add_routes(app)
+    app.router.add_get("/metrics", scrape)
+    app.router.add_get("/openapi.json", openapi)
     return app
+
+
+def _gauges(ctx: ServerContext) -> dict:
+    """What /metrics reads at scrape time (memrad.server.metrics.GAUGES names the keys)."""
+    running = 1 if ctx.scheduler.running is not None else 0
+    values: dict = {"queue_depth": ctx.scheduler.waiting, "running_requests": running}
+    pool = getattr(ctx.engine, "pool", None)
+    if pool is not None:
+        values.update(pool_sessions={"memory": len(pool.sessions())}, pool_bytes={"memory": pool.bytes_parked},
+                      pool_max_bytes=pool.max_bytes, pool_max_sessions=pool.max_sessions)
+        disk = getattr(ctx.engine, "disk", None)  # the disk tier, where the engine has one
+        if disk is not None:
+            values["pool_sessions"]["disk"] = len(disk.pool.sessions())
+            values["pool_bytes"]["disk"] = disk.pool.bytes_parked
+    return values

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +37,16 @@ class ServerContext:
     device: str
     dtype: str
     started_at: float = field(default_factory=time.time)
+    # Where the engine's control events go (metrics, the control socket's bus); called on
+    # the engine thread, so each sink must be thread-safe.
+    event_sinks: list[Callable[[object], None]] = field(default_factory=list)
+
+    def publish(self, event: object) -> None:
+        for sink in self.event_sinks:
+            try:
+                sink(event)
+            except Exception:  # a sink must never break serving
+                logging.getLogger("memrad.server").exception("event sink failed on %s", type(event).__name__)
     responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
 
 
@@ -45,9 +57,12 @@ def state_snapshot(ctx: ServerContext) -> StateSnapshot:
     """The control socket's `snapshot`: parked sessions, pool stats, the flags in force."""
     engine, settings = ctx.engine, ctx.settings
     pool = getattr(engine, "pool", None)
+    disk = getattr(engine, "disk", None)
+    on_disk = (len(disk.pool.sessions()), disk.pool.bytes_parked) if disk is not None else (0, 0)
     stats = None if pool is None else PoolStats(len(pool.sessions()), pool.bytes_parked, pool.max_sessions,
-                                                pool.max_bytes)
+                                                pool.max_bytes, *on_disk)
     flags = (("reuse.mode", settings.reuse.mode), ("affinity", str(settings.affinity.enabled).lower()),
+             ("longest_prefix", str(settings.affinity.longest_prefix).lower()),
              ("pool", str(settings.pool.enabled).lower()),
              ("prefill_chunk", str(settings.engine.prefill_chunk)), ("dtype", ctx.dtype))
     sessions = tuple(engine.session_infos()) if hasattr(engine, "session_infos") else ()

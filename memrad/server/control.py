@@ -7,7 +7,12 @@
 Events are published from the engine thread; the bus hands them to the event loop, where
 each subscriber has a bounded queue. A full queue drops the event for that subscriber only
 (counted, and reported as a Dropped line before its next event): a slow or dead inspector
-never blocks the engine. The socket is created owner-only (0600).
+never blocks the engine.
+
+The socket is owner-only: born 0600 (umask), in a directory only its owner can enter
+(0700; a group- or world-accessible one is refused, so other local users cannot even reach
+the socket's name). A leftover at the path is replaced only if it is a socket nobody
+answers on (a killed daemon's); a live socket, a file or a directory there is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import contextlib
 import json
 import logging
 import os
+import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,7 +95,9 @@ class ControlServer:
         self._clients: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> None:
-        self.path.unlink(missing_ok=True)  # stale sockets are removed under the daemon lock
+        """Raises ControlSocketError (unsafe directory, live or foreign leftover) or OSError."""
+        check_private_dir(self.path.parent)
+        remove_stale_socket(self.path)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
             self._server = await asyncio.start_unix_server(self._handle, path=str(self.path))
@@ -143,6 +152,42 @@ class ControlServer:
         finally:
             closed.cancel()
             self.bus.unsubscribe(sub)
+
+
+class ControlSocketError(RuntimeError):
+    """The socket path is not safe to use; the message says what to change."""
+
+
+def check_private_dir(directory: Path) -> None:
+    """The socket's directory must be ours and closed to group and others (0700)."""
+    st = os.stat(directory)
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise ControlSocketError(
+            f"the control socket's directory {directory} is mode {stat.S_IMODE(st.st_mode):o} owned by uid "
+            f"{st.st_uid}: it must be 700 and yours, or other users could reach the socket. Point MEMRA_SOCKET "
+            "into an owner-only directory")
+
+
+def remove_stale_socket(path: Path) -> bool:
+    """Unlink a dead socket at `path` (True if one was removed); refuse anything else there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ControlSocketError(f"{path} exists and is not a socket; memrad will not replace it. Remove it "
+                                 "or set another path with MEMRA_SOCKET")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except OSError:  # ECONNREFUSED: nobody listens, a killed daemon's leftover
+        path.unlink()
+        return True
+    finally:
+        probe.close()
+    raise ControlSocketError(f"another process is serving on {path}; stop it first (`memrad stop`) or set "
+                             "another path with MEMRA_SOCKET")
 
 
 OPS = ("snapshot", "subscribe")

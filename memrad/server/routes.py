@@ -7,7 +7,6 @@ parsing and client-disconnect handling are shared (memrad.server.serving).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import replace
@@ -19,6 +18,7 @@ from memrad.reply import Reply
 from memrad.request import Completion
 from memrad.server.context import CONTEXT, ServerContext
 from memrad.server.errors import APIError, invalid
+from memrad.server.limits import LIMITS, check_body, parse_body
 from memrad.server.messages_api import MessagesShape, new_message_id, parse_messages
 from memrad.server.responses_api import ResponsesShape, new_response_id, parse_responses, remembered
 from memrad.server.serving import serve
@@ -27,11 +27,10 @@ from memrad.server.wire import Envelope, OpenAIShape, new_request_id
 
 
 async def json_body(request: web.Request) -> object:
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON ({exc}); send a JSON object") from None
+    limits = request.app[LIMITS]
+    body = parse_body(await request.read(), limits)
+    check_body(body, limits)
+    return body
 
 
 def check_model(ctx: ServerContext, requested: str | None) -> None:

@@ -1,13 +1,18 @@
-"""The control socket: snapshot, many subscribers, a stalled one, bad requests."""
+"""The control socket: snapshot, many subscribers, a stalled one, bad requests, who may
+connect, and what a killed daemon left at its path."""
 
 import asyncio
+import errno
 import json
 import os
+import socket
 import stat
 import time
 
+import pytest
+
 from memrad.protocol import Dropped, EvictEvent, ProtocolError, StateSnapshot, from_line
-from memrad.server.control import ControlServer, EventBus
+from memrad.server.control import ControlServer, ControlSocketError, EventBus, remove_stale_socket
 
 SNAPSHOT = StateSnapshot("m", "cpu", 1.0, 0, None, (("reuse.mode", "exact"),), ())
 
@@ -117,3 +122,76 @@ async def test_a_subscriber_that_disconnects_is_forgotten(tmp_path):
         bus.publish(EvictEvent(0.0, "s0", 0, 0))  # nobody listening: fine
     finally:
         await server.close()
+
+
+# --- owner-only, stale sockets -------------------------------------------------------------
+
+
+
+
+def connect_as(uid: int, path) -> str:
+    """Fork, become `uid`, try to connect: "connected", or the error's errno name."""
+    pid = os.fork()
+    if pid == 0:  # the child: no Python cleanup, just an exit code
+        code = 0
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(path))
+        except OSError as exc:
+            code = exc.errno or 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return "connected" if code == 0 else errno.errorcode.get(code, str(code))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating another user's process needs root")
+async def test_another_users_connect_is_refused(tmp_path):
+    private = tmp_path / "run"
+    private.mkdir(mode=0o700)
+    server, _ = await start(private)
+    try:
+        assert connect_as(65534, server.path) == "EACCES"   # nobody
+        assert connect_as(0, server.path) == "connected"     # the owner
+        private.chmod(0o755)  # even with the directory open, the socket itself is 0600
+        assert connect_as(65534, server.path) == "EACCES"
+    finally:
+        await server.close()
+
+
+async def test_a_stale_socket_from_a_killed_daemon_is_replaced(tmp_path):
+    path = tmp_path / "memrad.sock"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(path))  # bound, never listening, then gone: what SIGKILL leaves
+    dead.close()
+    assert path.exists()
+    server, _ = await start(tmp_path)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        reader, writer = await connect(server)
+        assert await ask(reader, writer, b'{"op": "snapshot"}\n') == SNAPSHOT
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def test_a_live_socket_a_file_or_an_open_directory_is_never_taken_over(tmp_path):
+    server, _ = await start(tmp_path)
+    try:
+        with pytest.raises(ControlSocketError, match="another process is serving on"):
+            await asyncio.to_thread(remove_stale_socket, server.path)
+        assert server.path.exists()
+    finally:
+        await server.close()
+    (tmp_path / "memrad.sock").write_text("my notes")
+    with pytest.raises(ControlSocketError, match="is not a socket; memrad will not replace it"):
+        await start(tmp_path)
+    assert (tmp_path / "memrad.sock").read_text() == "my notes"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    bus = EventBus(asyncio.get_running_loop())
+    with pytest.raises(ControlSocketError, match="must be 700 and yours"):
+        await ControlServer(shared / "memrad.sock", bus, lambda: SNAPSHOT).start()

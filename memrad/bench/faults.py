@@ -1,0 +1,342 @@
+"""Fault harnesses: `memrad bench faults soak|overload|kill9|churn [--url URL]`.
+
+Each runs against a fresh daemon (or `--url`), prints its figures and exits 1 if anything
+was lost. Parked state is checked the way a client sees it: a conversation parked before
+the fault must still resume (x-memra-decision says "resumed") and answer exactly what a
+cold run of the same prompt answers (greedy, exact mode). Pool and RSS figures come from
+/metrics, not from the pool's own claims alone.
+
+  soak      200 streams cut at random points: while queued, during prefill, during decode
+  overload  16 concurrent clients against a queue of 4: 429 + Retry-After, FIFO, all served
+  kill9     SIGKILL during decode, then `memrad start`: start time, stale files, parked state
+  churn     64 conversations x 3 turns under a small byte cap: the cap is never exceeded
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from memrad.bench.daemons import Daemon
+from memrad.server.metrics import parse_samples
+
+
+
+def long_user(lines: int) -> str:
+    """A prompt long enough that prefill takes a while (120 lines: ~2,400 SmolLM2 tokens)."""
+    return "Summarize this log, line by line:\n" + "\n".join(
+        f"{i:04d} worker-{i % 7} finished task {i * 37 % 1000} in {i % 13}.{i % 10} s" for i in range(lines))
+
+MB = 1024 * 1024
+
+
+def conversation(i: int, turns: int = 1) -> list[dict]:
+    """A small distinct conversation; `turns` user turns, earlier replies fixed text."""
+    messages = [{"role": "system", "content": f"You are assistant number {i}. Be brief."}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Question {t} for {i}: name a colour."})
+        if t < turns - 1:
+            messages.append({"role": "assistant", "content": f"Colour {t} of {i}."})
+    return messages
+
+
+class Api:
+    """The few calls the harnesses make, over one aiohttp session."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+        self.url, self.session = url, session
+
+    async def chat(self, messages: list[dict], max_tokens: int = 8, **fields) -> tuple[str, str]:
+        """(decision, text) of a greedy request."""
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **fields}
+        async with self.session.post(self.url + "/v1/chat/completions", json=body) as resp:
+            data = await resp.json()
+            if resp.status != 200:
+                raise RuntimeError(f"{resp.status}: {data}")
+            return resp.headers.get("x-memra-decision", ""), data["choices"][0]["message"]["content"]
+
+    async def metrics(self) -> dict:
+        async with self.session.get(self.url + "/metrics") as resp:
+            return parse_samples(await resp.text())
+
+    async def idle(self, timeout_s: float = 120.0) -> bool:
+        """Wait until nothing runs and nothing waits (per /metrics)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = await self.metrics()
+            if m[("memra_queue_depth", ())] == 0 and m[("memra_running_requests", ())] == 0:
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+
+@dataclass
+class Parked:
+    """A conversation parked under a name, with the cold answer its next turn must give."""
+
+    name: str
+    turn2: list[dict]
+    cold: str
+
+    @classmethod
+    async def make(cls, api: Api, i: int) -> "Parked":
+        name = f"parked-{i}"
+        _, text = await api.chat(conversation(i), session_id=name)
+        turn2 = conversation(i) + [{"role": "assistant", "content": text}, {"role": "user", "content": "Another."}]
+        _, cold = await api.chat(turn2, cache_salt=f"cold-{i}-{random.random()}")
+        return cls(name, turn2, cold)
+
+    async def resumes_exactly(self, api: Api) -> tuple[bool, str]:
+        decision, text = await api.chat(self.turn2, session_id=self.name)
+        return "resumed" in decision and text == self.cold, decision
+
+
+def rss_mb(m: dict) -> float:
+    return m[("process_resident_memory_bytes", ())] / MB
+
+
+# --- soak ----------------------------------------------------------------------------------
+
+
+async def _cut_stream(api: Api, body: dict, phase: str, rng: random.Random) -> str:
+    """Start a stream and drop the connection in `phase`; returns where it was cut: "queue"
+    (before the engine took it: no headers yet), "prefill" (headers, no text yet), "decode"."""
+    answered = False
+
+    async def run() -> str:
+        nonlocal answered
+        async with api.session.post(api.url + "/v1/chat/completions", json={**body, "stream": True}) as resp:
+            answered = True  # headers leave once the engine has taken the job and decided
+            if phase == "prefill":
+                await asyncio.sleep(rng.uniform(0.0, 0.5))
+                return "prefill"
+            chunks = rng.randint(2, 8)
+            async for line in resp.content:
+                if line.startswith(b"data: {") and b'"content"' in line:
+                    chunks -= 1
+                    if chunks == 0:
+                        return "decode"
+            return "finished"
+    task = asyncio.ensure_future(run())
+    if phase == "queue":
+        await asyncio.sleep(rng.uniform(0.01, 0.2))
+        if not task.done():
+            task.cancel()
+            return "prefill" if answered else "queue"
+    try:
+        return await task  # leaving the `async with` early drops the connection
+    except asyncio.CancelledError:
+        return phase
+
+
+async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 120) -> bool:
+    rng = random.Random(seed)
+    parked = [await Parked.make(api, i) for i in range(3)]
+    await api.idle()
+    before = await api.metrics()
+    rss = [rss_mb(before)]
+    where: dict[str, int] = {}
+    checks: list[tuple[bool, str]] = []
+    prompts = [[{"role": "user", "content": long_user(long_lines) + f"\nRun {k}."}] for k in range(4)]
+    for n in range(cuts):
+        phase = rng.choice(["queue", "prefill", "decode"])
+        body = {"messages": rng.choice(prompts), "max_tokens": 24, "temperature": 0}
+        if phase == "queue":  # something must be running for the victim to queue behind
+            blocker = asyncio.ensure_future(api.chat(conversation(100 + n % 5), max_tokens=12))
+            await asyncio.sleep(0.05)
+            got = await _cut_stream(api, body, phase, rng)
+            await blocker
+        else:
+            got = await _cut_stream(api, body, phase, rng)
+        where[got] = where.get(got, 0) + 1
+        if n % 20 == 19:  # check the parked conversations as the soak goes (keeps them from LRU eviction)
+            checks += [await p.resumes_exactly(api) for p in parked]
+            rss.append(rss_mb(await api.metrics()))
+    idle = await api.idle()
+    after = await api.metrics()
+    rss.append(rss_mb(after))
+    checks += [await p.resumes_exactly(api) for p in parked]
+    exact_prompts = 0
+    for k, prompt in enumerate(prompts):  # the states the cut requests parked must be right too
+        _, resumed = await api.chat(prompt, max_tokens=8)
+        _, cold = await api.chat(prompt, max_tokens=8, cache_salt=f"soak-cold-{k}")
+        exact_prompts += resumed == cold
+    ledger_ok = after[("memra_pool_bytes_ledger", ())] == after[("memra_pool_bytes", (("tier", "memory"),))]
+    print(f"cuts {cuts}: {', '.join(f'{k} {v}' for k, v in sorted(where.items()))}")
+    print(f"queue back to 0 and nothing running: {idle}; requests by status: "
+          f"{_statuses(after, before)}")
+    print(f"resumes of the conversations parked before the soak, every 20 cuts and after: "
+          f"{sum(ok for ok, _ in checks)}/{len(checks)} exact; "
+          f"cut prompts resumed == cold: {exact_prompts}/{len(prompts)}; pool ledger == pool bytes: {ledger_ok}")
+    print(f"RSS MB: start {rss[0]:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f} (growth {rss[-1] - rss[0]:+.0f} MB); "
+          f"pool {after[('memra_pool_sessions', (('tier', 'memory'),))]:.0f} sessions, "
+          f"{after[('memra_pool_bytes', (('tier', 'memory'),))] / MB:.0f} MB")
+    return idle and all(ok for ok, _ in checks) and exact_prompts == len(prompts) and ledger_ok
+
+
+def _statuses(after: dict, before: dict) -> str:
+    counts: dict[str, float] = {}
+    for (name, labels), value in after.items():
+        if name == "memra_http_requests_total" and dict(labels)["route"] == "/v1/chat/completions":
+            status = dict(labels)["status"]
+            counts[status] = counts.get(status, 0) + value - before.get((name, labels), 0)
+    return ", ".join(f"{s}: {n:.0f}" for s, n in sorted(counts.items()))
+
+
+# --- overload ------------------------------------------------------------------------------
+
+
+async def overload(api: Api, clients: int = 16, stagger_s: float = 0.05) -> bool:
+    """Clients arrive `stagger_s` apart; a 429 waits its Retry-After (capped) and retries."""
+    started = time.monotonic()
+    first_try: dict[int, tuple[int, float | None]] = {}  # client -> (status, service start)
+    retry_afters: list[int] = []
+    done: dict[int, float] = {}
+
+    async def client(i: int) -> None:
+        await asyncio.sleep(i * stagger_s)
+        body = {"messages": conversation(200 + i), "max_tokens": 16, "temperature": 0, "stream": True}
+        attempt = 0
+        while True:
+            async with api.session.post(api.url + "/v1/chat/completions", json=body) as resp:
+                if resp.status == 429:
+                    retry_afters.append(int(resp.headers["Retry-After"]))
+                    first_try.setdefault(i, (429, None))
+                    attempt += 1
+                    await asyncio.sleep(min(int(resp.headers["Retry-After"]), 5) * (1 + 0.1 * attempt))
+                    continue
+                served_at = time.monotonic()  # headers leave when the engine takes the job
+                first_try.setdefault(i, (resp.status, served_at))
+                text = await resp.text()
+                assert resp.status == 200 and text.rstrip().endswith("data: [DONE]"), text[-200:]
+                done[i] = time.monotonic() - started
+                return
+
+    await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(clients))), 900)
+    admitted = sorted(i for i, (status, _) in first_try.items() if status == 200)
+    order = sorted(admitted, key=lambda i: first_try[i][1])
+    fifo = order == admitted
+    print(f"{clients} clients: {len(admitted)} admitted at once, {clients - len(admitted)} got 429 "
+          f"(Retry-After {min(retry_afters, default=0)}..{max(retry_afters, default=0)} s, {len(retry_afters)} in all)")
+    print(f"FIFO kept among the admitted: {fifo} (served in order {order}); every client served: "
+          f"{len(done)}/{clients}; last finished after {max(done.values()):.1f} s")
+    return fifo and len(done) == clients and len(retry_afters) > 0
+
+
+# --- churn ---------------------------------------------------------------------------------
+
+
+async def churn(api: Api, conversations: int = 64, turns: int = 3) -> bool:
+    cap = None
+    worst = {"pool": 0.0, "ledger": 0.0, "rss": 0.0}
+    mismatches = 0
+    for t in range(1, turns + 1):
+        for i in range(conversations):
+            await api.chat(conversation(300 + i, t), max_tokens=6, session_id=f"churn-{i}")
+            m = await api.metrics()
+            cap = m[("memra_pool_max_bytes", ())]
+            pool, ledger = m[("memra_pool_bytes", (("tier", "memory"),))], m[("memra_pool_bytes_ledger", ())]
+            worst = {"pool": max(worst["pool"], pool), "ledger": max(worst["ledger"], ledger),
+                     "rss": max(worst["rss"], rss_mb(m))}
+            mismatches += pool != ledger
+    m = await api.metrics()
+    over = worst["pool"] > cap or worst["ledger"] > cap
+    print(f"{conversations} conversations x {turns} turns = {conversations * turns} requests; "
+          f"evictions {m[('memra_evictions_total', ())]:.0f}, parks {m[('memra_parks_total', ())]:.0f}")
+    print(f"byte cap {cap / MB:.1f} MB; max pool bytes seen {worst['pool'] / MB:.1f} MB, max by the event ledger "
+          f"{worst['ledger'] / MB:.1f} MB; cap exceeded: {over}; scrapes where pool != ledger: {mismatches}; "
+          f"max RSS {worst['rss']:.0f} MB")
+    return not over and mismatches == 0
+
+
+# --- kill -9 -------------------------------------------------------------------------------
+
+
+async def kill9(daemon: Daemon, first_start_s: float) -> bool:
+    async with aiohttp.ClientSession() as session:
+        api = Api(daemon.url, session)
+        parked = await Parked.make(api, 0)
+        pid = daemon.status()["pid"]
+        body = {"messages": [{"role": "user", "content": "Count from one to fifty."}], "max_tokens": 200,
+                "temperature": 0, "stream": True}
+        async with session.post(daemon.url + "/v1/chat/completions", json=body) as resp:
+            async for line in resp.content:
+                if b'"content"' in line:
+                    break
+            os.kill(pid, signal.SIGKILL)  # mid-decode
+    while _alive(pid):
+        time.sleep(0.05)
+    pidfile_left = (Path(daemon.env["XDG_RUNTIME_DIR"]) / "memra" / "memrad.pid").exists()
+    socket_left = (Path(daemon.env["XDG_RUNTIME_DIR"]) / "memra" / "memrad.sock").exists()
+    t0 = time.monotonic()
+    started = daemon.cli("start", "--port", str(urlsplit(daemon.url).port))  # the same port again
+    restart_s = time.monotonic() - t0
+    if started.returncode != 0:
+        print(f"memrad start after the kill FAILED:\n{started.stdout}{started.stderr}")
+        return False
+    async with aiohttp.ClientSession() as session:
+        api = Api(daemon.url, session)
+        m = await api.metrics()
+        disk = m.get(("memra_pool_sessions", (("tier", "disk"),)))
+        intact, decision = await parked.resumes_exactly(api)
+        _, text = await api.chat(conversation(1))
+    print(f"killed pid {pid} mid-decode; left behind: pidfile {pidfile_left}, socket {socket_left}")
+    print(f"memrad start after the kill: serving in {restart_s:.1f} s (first start {first_start_s:.1f} s); "
+          f"answers: {bool(text)}")
+    print(f"parked session after restart: {'intact (resumed exactly)' if intact else 'lost'} ({decision}); "
+          f"disk tier: {'none in this build' if disk is None else f'{disk:.0f} sessions'}")
+    return bool(text) and (intact or disk is None)
+
+
+def _alive(pid: int) -> bool:
+    from memrad.daemon import pid_alive
+
+    return pid_alive(pid)
+
+
+# --- command -------------------------------------------------------------------------------
+
+HARNESSES = {"soak": soak, "overload": overload, "churn": churn}
+DAEMON_ENV = {"soak": {}, "overload": {"MEMRA_MAX_QUEUE": "4"},
+              "churn": {"MEMRA_POOL_MAX_BYTES": str(48 * MB), "MEMRA_POOL_MAX_SESSIONS": "64"}, "kill9": {}}
+
+
+async def _against(url: str, name: str, args) -> bool:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        api = Api(url, session)
+        if name == "soak":
+            return await soak(api, args.cuts, args.seed)
+        return await HARNESSES[name](api)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="memrad bench faults", description=__doc__.split("\n\n")[0])
+    parser.add_argument("harness", choices=("soak", "overload", "kill9", "churn"))
+    parser.add_argument("--url", help="run against this daemon (not kill9)")
+    parser.add_argument("--cuts", type=int, default=200, help="soak: streams to cut")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    if args.url and args.harness != "kill9":
+        ok = asyncio.run(_against(args.url, args.harness, args))
+    else:
+        daemon = Daemon.create(DAEMON_ENV[args.harness])
+        t0 = time.monotonic()
+        daemon.start()
+        first_start_s = time.monotonic() - t0
+        try:
+            ok = asyncio.run(kill9(daemon, first_start_s) if args.harness == "kill9"
+                             else _against(daemon.url, args.harness, args))
+        finally:
+            daemon.stop()
+    print(f"{args.harness}: {'PASS' if ok else 'FAIL'} in {time.monotonic() - started:.0f} s")
+    return 0 if ok else 1
