@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("smoke", help="prove reuse fires end to end and resumes reproducibly (two fresh daemons)")
     bench = sub.add_parser("bench", help="benchmark harnesses (see docs/BENCHMARKS.md)")
-    bench.add_argument("harness", choices=("record", "replay", "chunk-probe", "plan-cost"))
+    bench.add_argument("harness", choices=("record", "replay", "chunk-probe", "plan-cost", "sharing"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the harness's own arguments")
     return parser
 
@@ -333,7 +333,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from memrad.bench import chunk_probe, plan_cost, record, replay
+    from memrad.bench import chunk_probe, plan_cost, record, replay, sharing
 
     return {"record": record.main, "replay": replay.main, "chunk-probe": chunk_probe.main,
-            "plan-cost": plan_cost.main}[args.harness](args.rest)
+            "plan-cost": plan_cost.main, "sharing": sharing.main}[args.harness](args.rest)
