@@ -100,8 +100,16 @@ class Parked:
         return "resumed" in decision and text == self.cold, decision
 
 
+RSS_BOUND_MB = 256  # growth allowed in resident memory beyond what the pool holds
+
+
 def rss_mb(m: dict) -> float:
     return m[("process_resident_memory_bytes", ())] / MB
+
+
+def unpooled_mb(m: dict) -> float:
+    """Resident memory not explained by parked state: what must stay flat."""
+    return rss_mb(m) - m.get(("memra_pool_bytes", (("tier", "memory"),)), 0.0) / MB
 
 
 # --- soak ----------------------------------------------------------------------------------
@@ -143,7 +151,7 @@ async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 120) 
     parked = [await Parked.make(api, i) for i in range(3)]
     await api.idle()
     before = await api.metrics()
-    rss = [rss_mb(before)]
+    rss = [unpooled_mb(before)]
     where: dict[str, int] = {}
     checks: list[tuple[bool, str]] = []
     prompts = [[{"role": "user", "content": long_user(long_lines) + f"\nRun {k}."}] for k in range(4)]
@@ -160,10 +168,10 @@ async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 120) 
         where[got] = where.get(got, 0) + 1
         if n % 20 == 19:  # check the parked conversations as the soak goes (keeps them from LRU eviction)
             checks += [await p.resumes_exactly(api) for p in parked]
-            rss.append(rss_mb(await api.metrics()))
+            rss.append(unpooled_mb(await api.metrics()))
     idle = await api.idle()
     after = await api.metrics()
-    rss.append(rss_mb(after))
+    rss.append(unpooled_mb(after))
     checks += [await p.resumes_exactly(api) for p in parked]
     exact_prompts = 0
     for k, prompt in enumerate(prompts):  # the states the cut requests parked must be right too
@@ -177,10 +185,13 @@ async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 120) 
     print(f"resumes of the conversations parked before the soak, every 20 cuts and after: "
           f"{sum(ok for ok, _ in checks)}/{len(checks)} exact; "
           f"cut prompts resumed == cold: {exact_prompts}/{len(prompts)}; pool ledger == pool bytes: {ledger_ok}")
-    print(f"RSS MB: start {rss[0]:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f} (growth {rss[-1] - rss[0]:+.0f} MB); "
-          f"pool {after[('memra_pool_sessions', (('tier', 'memory'),))]:.0f} sessions, "
+    growth = max(rss) - rss[0]
+    print(f"RSS beyond the pool's bytes, MB: start {rss[0]:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f} "
+          f"(growth {growth:+.0f} MB, bound {RSS_BOUND_MB}); RSS {rss_mb(after):.0f} MB with the pool at "
+          f"{after[('memra_pool_sessions', (('tier', 'memory'),))]:.0f} sessions, "
           f"{after[('memra_pool_bytes', (('tier', 'memory'),))] / MB:.0f} MB")
-    return idle and all(ok for ok, _ in checks) and exact_prompts == len(prompts) and ledger_ok
+    return (idle and all(ok for ok, _ in checks) and exact_prompts == len(prompts) and ledger_ok
+            and growth <= RSS_BOUND_MB)
 
 
 def _statuses(after: dict, before: dict) -> str:
