@@ -36,6 +36,7 @@ FLAGS = {
     "record": "control.record",
     "api_key": "security.api_key",
     "allow_remote_without_key": "security.allow_remote_without_key",
+    "longest_prefix": "affinity.longest_prefix",
 }
 
 
@@ -56,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
     start.add_argument("--reuse-mode", choices=("exact", "fast"),
                        help="exact: resumed turns are bit-identical to cold runs; fast: reuse everything parked")
+    start.add_argument("--longest-prefix", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse the longest common prefix with any parked session (MEMRA_LONGEST_PREFIX)")
     start.add_argument("--max-queue", type=int, help="requests that may wait for the model")
     start.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     start.add_argument("--record", help="append the control socket's events to this JSONL file")

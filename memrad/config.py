@@ -62,6 +62,14 @@ class ReuseSettings:
 @dataclass(frozen=True, slots=True)
 class AffinitySettings:
     enabled: bool = _key(True, "MEMRA_AFFINITY")
+    longest_prefix: bool = _key(True, "MEMRA_LONGEST_PREFIX")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskSettings:
+    enabled: bool = _key(True, "MEMRA_DISK")
+    max_bytes: int = _key(4 * 2**30, "MEMRA_DISK_MAX_BYTES")
+    dir: str = _key("", "MEMRA_DISK_DIR")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +108,7 @@ class Settings:
     pool: PoolSettings = field(default_factory=PoolSettings)
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
     affinity: AffinitySettings = field(default_factory=AffinitySettings)
+    disk: DiskSettings = field(default_factory=DiskSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
     log: LogSettings = field(default_factory=LogSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
@@ -125,6 +134,7 @@ _MINIMUM = {
     "limits.max_tokens": 0,
     "limits.max_stop_chars": 1,
     "limits.max_schema_depth": 2,
+    "disk.max_bytes": 0,
 }
 
 

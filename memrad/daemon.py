@@ -167,6 +167,8 @@ def _load(settings: Settings):
 async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device: str) -> None:
     from aiohttp import web
 
+    from memrad.server.context import CONTEXT
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -191,7 +193,8 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     await stop.wait()
     log.info("stopping: finishing or cancelling in-flight requests")
     await control.close()
-    await runner.cleanup()
+    await runner.cleanup()  # closes the scheduler: nothing runs on the engine any more
+    await asyncio.to_thread(app[CONTEXT].engine.close)
     log.info("stopped")
 
 

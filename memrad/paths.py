@@ -44,6 +44,12 @@ def cache_dir() -> Path:
     return path
 
 
+def sessions_dir() -> Path:
+    """The disk tier's files: platformdirs' cache dir, NOT MEMRA_CACHE_DIR (models stay put
+    when a harness gives each daemon its own XDG_CACHE_HOME)."""
+    return Path(platformdirs.user_cache_dir(APP)) / "sessions"
+
+
 def config_dir() -> Path:
     return Path(platformdirs.user_config_dir(APP))
 

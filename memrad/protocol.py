@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Literal
 
 Outcome = Literal["resumed", "declined", "cold"]
-Tier = Literal["token-prefix", "text-prefix", "affinity"]
+Tier = Literal["token-prefix", "text-prefix", "affinity", "prefix"]
 REASON_CLASSES = ("nothing-parked", "no-prefix", "no-control-tokens", "below-bar", "named-vs-unnamed",
                   "no-such-name", "diverged", "no-suffix", "no-checkpoint")
 
@@ -77,6 +77,7 @@ class SessionInfo:
     age_s: float
     hits: int
     segments: tuple[SegmentInfo, ...]
+    on_disk: bool = False  # in the disk tier: survives a restart, loaded when chosen
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,8 @@ class PoolStats:
     bytes_parked: int
     max_sessions: int
     max_bytes: int
+    disk_sessions: int = 0  # the disk tier (0 and 0 when it is off)
+    disk_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,9 +31,14 @@ class Daemon:
         runtime = root / "runtime"
         runtime.mkdir(mode=0o700)
         runtime.chmod(0o700)
+        from memrad.paths import cache_dir
+
         env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_") or k == "MEMRA_CACHE_DIR"}
+        # Its own XDG_CACHE_HOME: no arm resumes another's parked sessions from disk; the
+        # models stay where they are (MEMRA_CACHE_DIR).
         env.update(XDG_RUNTIME_DIR=str(runtime), XDG_STATE_HOME=str(root / "state"),
-                   XDG_CONFIG_HOME=str(root / "config"), **(extra_env or {}))
+                   XDG_CONFIG_HOME=str(root / "config"), XDG_CACHE_HOME=str(root / "cache"),
+                   MEMRA_CACHE_DIR=str(cache_dir()), **(extra_env or {}))
         return cls(root, env)
 
     def cli(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -1,7 +1,10 @@
-"""`memrad bench replay TRANSCRIPT --out DIR`: the same bytes, affinity on vs off.
+"""`memrad bench replay TRANSCRIPT --out DIR`: the same bytes under three arms.
 
-Starts a fresh daemon per arm and rep (affinity on, and MEMRA_AFFINITY=0), interleaving
-the arms (on, off, then off, on, ...), streams every recorded turn and stops the TTFT clock
+Starts a fresh daemon per arm and rep, interleaving the arms (rotated each rep):
+  both      affinity and the longest-prefix tier (the defaults)
+  affinity  affinity only (MEMRA_LONGEST_PREFIX=0)
+  neither   MEMRA_AFFINITY=0 MEMRA_LONGEST_PREFIX=0: the plain prefix probes (the baseline)
+so what each mechanism buys is measured, not assumed. It streams every recorded turn and stops the TTFT clock
 at the first SSE chunk that carries text. Writes DIR/rows.jsonl (every turn of every run),
 DIR/logs/, DIR/ttft.png (with the `bench` extra), and DIR/RESULTS.md: per-turn medians
 over reps, the table by turn class
@@ -24,7 +27,9 @@ from pathlib import Path
 from memrad.bench.daemons import Daemon
 from memrad.bench.plot import plot_ttft
 
-ARMS = {"on": {}, "off": {"MEMRA_AFFINITY": "0"}}
+ARMS = {"both": {}, "affinity": {"MEMRA_LONGEST_PREFIX": "0"},
+        "neither": {"MEMRA_AFFINITY": "0", "MEMRA_LONGEST_PREFIX": "0"}}
+ON, OFF = "both", "neither"  # the arms the targets compare
 
 
 def classify(turns: list[dict]) -> list[str]:
@@ -106,38 +111,46 @@ def report(transcript: dict, rows: list[Row], walls: dict[str, list[float]], rep
     """RESULTS.md, and whether the run reproduced a rewritten history at all."""
     classes = classify(transcript["turns"])
     n = len(classes)
+    arms = [arm for arm in ARMS if any(r.arm == arm for r in rows)]
     median = {arm: [statistics.median(r.ttft_s for r in rows if r.arm == arm and r.turn == t)
-                    for t in range(1, n + 1)] for arm in ARMS}
-    prompt = {r.turn: r.prompt_tokens for r in rows if r.arm == "on" and r.rep == 0}
+                    for t in range(1, n + 1)] for arm in arms}
+    cached = {(r.arm, r.turn): r.cached_tokens for r in rows if r.rep == 0}
+    prompt = {r.turn: r.prompt_tokens for r in rows if r.arm == ON and r.rep == 0}
+    head = " | ".join(f"{arm}: sum of medians s" for arm in arms)
     lines = [f"# Replay of {transcript['scenario']} (client rewrite: {transcript['rewrite']}; "
              f"{'named' if transcript.get('session_id') else 'unnamed'} client)", "",
              f"{reps} reps per arm, interleaved; TTFT = first SSE chunk with text, client side; per-turn medians. "
+             f"Arms: {', '.join(arms)} (see `memrad bench replay --help`). "
              f"Daemon flags: {' '.join(flags) or 'none (defaults: exact mode)'}.",
-             "", "| turn class | turns | on: sum of medians s | off: sum of medians s | off/on |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+             "", f"| turn class | turns | {head} | {OFF}/{ON} |",
+             "| --- | ---: |" + " ---: |" * (len(arms) + 1)]
     for cls in ("cold prime", "pure extension", "rewritten history"):
         turns = [t for t in range(n) if classes[t] == cls]
         if turns:
-            on, off = sum(median["on"][t] for t in turns), sum(median["off"][t] for t in turns)
-            lines.append(f"| {cls} | {len(turns)} | {on:.2f} | {off:.2f} | {off / on:.1f}x |")
-    lines += ["", f"Sum of per-turn medians: on {sum(median['on']):.2f} s, off {sum(median['off']):.2f} s. "
-              f"End-to-end wall clock (median over reps): on {statistics.median(walls['on']):.1f} s, "
-              f"off {statistics.median(walls['off']):.1f} s.", "",
-              "| turn | class | prompt tokens | on TTFT s | off TTFT s | off/on | on decision (rep 0) |",
-              "| ---: | --- | ---: | ---: | ---: | ---: | --- |"]
-    decisions = {r.turn: r.decision for r in rows if r.arm == "on" and r.rep == 0}
+            sums = {arm: sum(median[arm][t] for t in turns) for arm in arms}
+            lines.append(f"| {cls} | {len(turns)} | " + " | ".join(f"{sums[a]:.2f}" for a in arms)
+                         + f" | {sums[OFF] / sums[ON]:.1f}x |")
+    walls_text = ", ".join(f"{arm} {statistics.median(walls[arm]):.1f} s" for arm in arms)
+    lines += ["", "Sum of per-turn medians: " + ", ".join(f"{arm} {sum(median[arm]):.2f} s" for arm in arms)
+              + f". End-to-end wall clock (median over reps): {walls_text}.", "",
+              "| turn | class | prompt tokens | " + " | ".join(f"{arm} TTFT s (cached)" for arm in arms)
+              + f" | {OFF}/{ON} | {ON} decision (rep 0) |",
+              "| ---: | --- | ---: |" + " ---: |" * (len(arms) + 1) + " --- |"]
+    decisions = {r.turn: r.decision for r in rows if r.arm == ON and r.rep == 0}
     for t in range(n):
-        on, off = median["on"][t], median["off"][t]
-        lines.append(f"| {t + 1} | {classes[t]} | {prompt.get(t + 1, '?')} | {on:.3f} | {off:.3f} | "
-                     f"{off / on:.1f}x | {decisions.get(t + 1, '')} |")
+        cells = " | ".join(f"{median[a][t]:.3f} ({cached.get((a, t + 1), '?')})" for a in arms)
+        lines.append(f"| {t + 1} | {classes[t]} | {prompt.get(t + 1, '?')} | {cells} | "
+                     f"{median[OFF][t] / median[ON][t]:.1f}x | {decisions.get(t + 1, '')} |")
     text = {(r.arm, r.rep, r.turn): r.text for r in rows}
     diffs = []
     for t in range(1, n + 1):
-        for a, b in [(("on", 0), ("off", 0))] + [((arm, 0), (arm, k)) for arm in ARMS for k in range(1, reps)]:
+        pairs = [((ON, 0), (arm, 0)) for arm in arms if arm != ON]
+        pairs += [((arm, 0), (arm, k)) for arm in arms for k in range(1, reps)]
+        for a, b in pairs:
             at = first_difference(text[(*a, t)], text[(*b, t)])
             if at is not None:
                 diffs.append(f"- turn {t}: {a[0]} rep {a[1]} vs {b[0]} rep {b[1]} differ at character {at}")
-    resumed = {r.turn for r in rows if r.arm == "on" and r.rep == 0 and r.cached_tokens > 0}
+    resumed = {r.turn for r in rows if r.arm == ON and r.rep == 0 and r.cached_tokens > 0}
     differing = len({line.split(":")[0] for line in diffs})
     lines += ["", "## Targets", "", *targets(classes, median, prompt, resumed, n - differing)]
     lines += ["", "## Output byte-identity", ""]
@@ -153,14 +166,14 @@ def targets(classes: list[str], median: dict[str, list[float]], prompt: dict[int
     first = next((t for t in rewritten if t in resumed), None)
     if first is not None:
         last = rewritten[-1]
-        on = median["on"]
+        on = median[ON]
         out.append(f"- Flat line: last rewritten turn ({last}) {on[last - 1]:.3f} s vs first resumed rewritten turn "
                    f"({first}) {on[first - 1]:.3f} s: {on[last - 1] / on[first - 1]:.2f}x (target <= 1.2x) while "
                    f"the prompt grew {prompt[last] / prompt[first]:.1f}x ({prompt[first]} -> {prompt[last]} tokens).")
     long = [t for t in rewritten if prompt.get(t, 0) > 4000]
     if long:
-        ratios = [median["off"][t - 1] / median["on"][t - 1] for t in long]
-        out.append(f"- Off/on past 4k tokens ({len(long)} rewritten turns): {min(ratios):.1f}x to {max(ratios):.1f}x, "
+        ratios = [median[OFF][t - 1] / median[ON][t - 1] for t in long]
+        out.append(f"- {OFF}/{ON} past 4k tokens ({len(long)} rewritten turns): {min(ratios):.1f}x to {max(ratios):.1f}x, "
                    f">= 10x on {sum(r >= 10 for r in ratios)} of {len(long)} (target: all).")
     out.append(f"- Byte-identical across arms and reps: {identical} of {len(classes)} turns (target: all, exact mode).")
     return out
@@ -182,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     rows, walls = [], {arm: [] for arm in ARMS}
+    order = list(ARMS)
     for rep in range(args.reps):
-        for arm in (("on", "off") if rep % 2 == 0 else ("off", "on")):
+        for arm in order[rep % len(order):] + order[: rep % len(order)]:
             arm_rows, wall = run_arm(arm, rep, transcript, args.flags, args.out / "logs")
             rows += arm_rows
             walls[arm].append(wall)

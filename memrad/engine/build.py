@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 from memrad.config import Settings
+from memrad.engine.disk import DiskTier
 from memrad.engine.engine import Engine
 from memrad.engine.loader import default_pool_bytes, load_model, resolve_threads
+from memrad.paths import sessions_dir
 from memrad.reuse.pool import ReusePool
 
 log = logging.getLogger("memrad")
@@ -39,10 +42,24 @@ def build_engine(settings: Settings) -> Engine:
     else:
         log.info("reuse pool disabled: every request runs cold")
     engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
-                    settings.affinity.enabled)
+                    settings.affinity.enabled, settings.affinity.longest_prefix)
+    if pool is not None and settings.disk.enabled and settings.disk.max_bytes > 0:
+        engine.disk = _disk_tier(settings, engine, pool)
     if pool is not None:
         openers = ", ".join(sorted(loaded.tokenizer.convert_ids_to_tokens(list(engine.openers))))
-        log.info("affinity: %s; message openers: %s",
+        log.info("affinity: %s; longest prefix: %s; message openers: %s",
                  "on" if settings.affinity.enabled else "off (MEMRA_AFFINITY=0)",
+                 "on" if settings.affinity.longest_prefix else "off (MEMRA_LONGEST_PREFIX=0)",
                  openers or "none found in the chat template (implicit nomination never fires)")
     return engine
+
+
+def _disk_tier(settings: Settings, engine: Engine, pool: ReusePool) -> DiskTier:
+    """Index the disk tier's files (headers only) and keep new session ids clear of theirs."""
+    directory = Path(settings.disk.dir).expanduser() if settings.disk.dir else sessions_dir()
+    disk = DiskTier(directory, settings.disk.max_bytes, engine.state_format())
+    found = disk.index()
+    pool.skip_ids_up_to([s.session_id for s in found])
+    log.info("disk tier: %d parked sessions (%.1f MiB) in %s, up to %.1f GiB", len(found),
+             disk.pool.bytes_parked / 2**20, directory, settings.disk.max_bytes / 2**30)
+    return disk

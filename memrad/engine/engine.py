@@ -6,11 +6,14 @@
                                                     is fed back (the "init feed"): a client that
                                                     strips or rewrites the reply sends back
                                                     exactly the prompt, never that token.
-         -> park: the state, its tokens and text replace the session it resumed from.
+         -> park: the state, its tokens and text replace the session it resumed from, or,
+            when the plan forked another conversation's state, park beside it.
 
-Non-croppable (recurrent) state is snapshotted during prefill at the last cut <= P (the
-exact checkpoint: P itself when the prompt ends with a reply header, memrad.grid) and at P
-(the prompt checkpoint, fast mode), since it cannot be cut back later.
+Non-croppable (recurrent, sliding-window) state is snapshotted during prefill at the last
+cut <= P (the exact checkpoint: P itself when the prompt ends with a reply header,
+memrad.grid), at P (the prompt checkpoint, fast mode), and at each reply anchor it passes
+(boundary checkpoints, thinned to a bounded set: memrad.engine.state.thin_boundaries), since
+it cannot be cut back later. A rewrite of turn k then resumes from the boundary before k.
 """
 
 from __future__ import annotations
@@ -32,13 +35,13 @@ from memrad.engine.prompt import encode_text, render_chat
 from memrad.engine.reply_parser import ReplyParser
 from memrad.engine.report import divergence_context, segment_infos, session_info
 from memrad.engine.sampling import make_generator, sample
-from memrad.engine.state import ParkedState, Snapshot, is_croppable
+from memrad.engine.state import ParkedState, Snapshot, is_croppable, thin_boundaries
 from memrad.grid import cut_floor, find_anchors, is_cut
 from memrad.protocol import Decision, DecisionEvent, EvictEvent, ParkEvent, TurnEvent
 from memrad.reuse.fingerprint import Segment, chain, derive_openers, derive_reply_header, segments
 from memrad.request import Completion, FinishReason, GenerationRequest
 from memrad.reuse.planner import Mode, Plan, RequestView, plan
-from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
+from memrad.reuse.pool import Namespace, ParkedSession, PrefixMatch, ReusePool
 from memrad.stops import StopMatcher
 
 log = logging.getLogger("memrad.engine")
@@ -92,13 +95,16 @@ class _Decoded:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, prefill_chunk: int, threads: int,
-                 pool: ReusePool | None = None, mode: Mode = "exact", affinity: bool = True) -> None:
+                 pool: ReusePool | None = None, mode: Mode = "exact", affinity: bool = True,
+                 longest_prefix: bool = True, disk: Any = None) -> None:
         self.loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.threads = threads
         self.pool = pool  # None: reuse disabled, nothing is parked or resumed
         self.mode = mode
         self.affinity = affinity
+        self.longest_prefix = longest_prefix
+        self.disk = disk  # memrad.engine.disk.DiskTier or None: evicted state is dropped
         # Control tokens that open a chat message: the fingerprint splits prompts at them.
         self.openers = derive_openers(loaded.tokenizer)
         # Exact mode also cuts prefill right after each reply header (memrad.grid).
@@ -148,6 +154,16 @@ class Engine:
         cache = DynamicCache(config=self.loaded.model.config)
         return install_slabs(cache, self.context_len) if in_place and self.loaded.device.type == "cpu" else cache
 
+    def state_format(self) -> dict[str, str]:
+        """What parked state depends on besides its tokens: the disk tier's compatibility key
+        (memrad.engine.disk). A file made under any other value is never loaded; a new
+        setting that changes the state's bits is one more line here."""
+        from memrad.engine.disk import tokenizer_hash
+
+        return {"model": self.model_id, "tokenizer": tokenizer_hash(self.loaded.tokenizer),
+                "dtype": self.loaded.dtype_name, "device": self.loaded.device.type,
+                "chunk": str(self.prefill_chunk), "mode": self.mode}
+
     def namespace(self, request: GenerationRequest) -> Namespace:
         return Namespace(self.model_id, request.cache_salt)
 
@@ -164,7 +180,17 @@ class Engine:
                            else chain(request.prompt_ids, self.openers),
                            None if self.mode != "exact"
                            else anchors if anchors is not None else find_anchors(request.prompt_ids, self.reply_header))
-        return plan(view, self.pool.sessions(), self.mode, self.prefill_chunk, self.affinity)
+        sessions, matches = self._candidates(view.namespace, view.prompt_ids)
+        return plan(view, sessions, self.mode, self.prefill_chunk, self.affinity, self.longest_prefix, matches)
+
+    def _candidates(self, namespace: Namespace, prompt_ids: tuple[int, ...]
+                    ) -> tuple[list[ParkedSession], tuple[PrefixMatch, ...]]:
+        """Parked sessions in memory and on disk, and the prefix index's matches among them."""
+        sessions, matches = self.pool.sessions(), self.pool.prefix_matches(namespace, prompt_ids)
+        if self.disk is not None:
+            sessions += self.disk.pool.sessions()
+            matches += self.disk.pool.prefix_matches(namespace, prompt_ids)
+        return sessions, matches
 
     def generate(self, request: GenerationRequest, emit: Callable[[str], None],
                  cancelled: Callable[[], bool],
@@ -188,6 +214,7 @@ class Engine:
         prompt_segments = segments(prompt, self.openers)
         anchors = find_anchors(prompt, self.reply_header)  # () in fast mode: no header to find
         decided = self.plan(request, prompt_segments, anchors)
+        decided = self._loadable(request, decided, prompt_segments, anchors)
         log.info("%s %s", request.request_id, decided.decision.render())
         if on_decision is not None:
             on_decision(decided.decision)
@@ -196,7 +223,7 @@ class Engine:
         try:
             out = self._prefill_and_decode(request, max_tokens, cache, pre, emit, cancelled, started)
         except BaseException:
-            if decided.session is not None:
+            if decided.session is not None and not decided.fork:
                 self._drop_parent(decided.session, "its resume failed")
             raise
 
@@ -277,23 +304,52 @@ class Engine:
         out.text = "".join(sent)
         return out
 
+    def _loadable(self, request: GenerationRequest, decided: Plan, prompt_segments: tuple[Segment, ...],
+                  anchors: tuple[int, ...]) -> Plan:
+        """Load a chosen disk session's state; a file that fails its checks is deleted (by the
+        disk tier, with a log line) and the request is planned again without it."""
+        while decided.session is not None and decided.session.on_disk:
+            state = self.disk.load(decided.session, self.new_cache)
+            if state is not None:
+                return replace(decided, session=replace(decided.session, state=state))
+            self._evicted_from_disk(decided.session)
+            decided = self.plan(request, prompt_segments, anchors)
+        return decided
+
     def _prefill_start(self, decided: Plan, anchors: tuple[int, ...]) -> tuple[Any, _Prefilled]:
         if decided.session is None:
             return self.new_cache(), _Prefilled(0, 0, {}, anchors)
-        # A resume replaces its parent, and the rebuild hands the parent's buffers on (the
-        # new rows overwrite the parent's rows past the checkpoint): check it out first, so
-        # the pool never lists a state that is being written.
-        self.pool.remove(decided.session.session_id)
-        cache = decided.session.state.rebuild(self.loaded.model.config, decided.checkpoint)
-        return cache, _Prefilled(decided.checkpoint, decided.checkpoint, {}, anchors)
+        parent = decided.session
+        if decided.fork:
+            # Another conversation's state: copy its rows, leave it parked and unchanged.
+            (self.disk.pool if parent.on_disk else self.pool).touch(parent.session_id)
+            cache = parent.state.rebuild(self.loaded.model.config, decided.checkpoint, copy=not parent.on_disk)
+            return cache, _Prefilled(decided.checkpoint, decided.checkpoint, {}, anchors)
+        # A resume that replaces its parent hands the parent's buffers on (the new rows
+        # overwrite the parent's rows past the checkpoint): check it out first, so the pool
+        # never lists a state that is being written. Its boundary snapshots below the
+        # checkpoint stay exact and pass to the successor.
+        self.pool.remove(parent.session_id)
+        if self.disk is not None:
+            self.disk.forget(parent.session_id)
+        cache = parent.state.rebuild(self.loaded.model.config, decided.checkpoint)
+        return cache, _Prefilled(decided.checkpoint, decided.checkpoint, parent.state.below(decided.checkpoint),
+                                 anchors)
+
+    def _essential(self, prompt_len: int, anchors: tuple[int, ...]) -> set[int]:
+        """Snapshot positions every non-croppable session keeps: the exact checkpoint (the last
+        cut <= P) and, in fast mode, P itself."""
+        wanted = {cut_floor(prompt_len, self.prefill_chunk, anchors)}
+        if self.mode == "fast":
+            wanted.add(prompt_len)
+        return wanted
 
     def _snapshotter(self, cache: Any, pre: _Prefilled, prompt_len: int) -> Callable[[int], None]:
-        """Clone non-croppable state at the last cut <= P and at P as prefill passes them."""
+        """Clone non-croppable state at the essential positions and at each reply anchor below
+        P (boundary checkpoints) as prefill passes them."""
         wanted: set[int] = set()
         if not is_croppable(cache):
-            wanted = {cut_floor(prompt_len, self.prefill_chunk, pre.anchors)}
-            if self.mode == "fast":
-                wanted.add(prompt_len)
+            wanted = self._essential(prompt_len, pre.anchors) | {a for a in pre.anchors if a < prompt_len}
         if pre.start in wanted and pre.start > 0:
             pre.snapshots[pre.start] = Snapshot.take(cache, pre.start)
 
@@ -318,7 +374,8 @@ class Engine:
         token_ids = tuple(request.prompt_ids[: pre.primed_to]) + fed
         whole_prompt = pre.primed_to == len(request.prompt_ids)  # else cancelled mid-prompt
         croppable = is_croppable(cache)
-        snapshots = {pos: snap for pos, snap in pre.snapshots.items() if pos < len(token_ids)}
+        keep = self._essential(len(request.prompt_ids), pre.anchors) | thin_boundaries(pre.snapshots, pre.anchors)
+        snapshots = {pos: snap for pos, snap in pre.snapshots.items() if pos < len(token_ids) and pos in keep}
         state = ParkedState(final=Snapshot.adopt(cache, len(token_ids)), snapshots=snapshots,
                             croppable=croppable)
         now = time.time()
@@ -336,26 +393,49 @@ class Engine:
             fingerprint=tuple(seg.hash for seg in prompt_segments) if whole_prompt
             else chain(token_ids[: pre.primed_to], self.openers),
             num_bytes=state.num_bytes,
-            created_at=parent.created_at if parent is not None else now,
+            created_at=parent.created_at if parent is not None and not decided.fork else now,
             last_used_at=now,
-            hits=parent.hits + 1 if parent is not None else 0,
+            hits=parent.hits + 1 if parent is not None and not decided.fork else 0,
             anchors=tuple(a for a in pre.anchors if a <= pre.primed_to),
             state=state,
         )
         if not self.pool.can_park(session.num_bytes):
             log.info("%s not parked: %d bytes exceed the pool's cap of %d bytes", request.request_id,
                      session.num_bytes, self.pool.max_bytes)
-            if parent is not None:
+            if parent is not None and not decided.fork:
                 self._drop_parent(parent, "its successor exceeds the pool's byte cap")
             return None
-        replaced = parent.session_id if parent is not None else None
+        replaced = parent.session_id if parent is not None and not decided.fork else None
         for old in self.pool.park(session, replaces=replaced):
-            log.info("evicted %s (%d tokens, %d bytes)", old.session_id, old.num_tokens, old.num_bytes)
-            self._publish(EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
+            self._evicted(old)
         if self.events is not None:
             info = session_info(self.loaded.tokenizer, session, self.openers, prompt_segments if whole_prompt else None)
             self._publish(ParkEvent(now, info, replaced))
         return session
+
+    def _evicted(self, old: ParkedSession) -> None:
+        """The memory cap pushed `old` out: spill it to the disk tier (if any), else drop it."""
+        spilled = self.disk is not None and self.disk.spill(old, self._evicted_from_disk)
+        log.info("evicted %s (%d tokens, %d bytes)%s", old.session_id, old.num_tokens, old.num_bytes,
+                 "; spilled to disk" if spilled else "")
+        if not spilled:
+            self._publish(EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
+        elif self.events is not None:  # the same session, now on disk
+            on_disk = self.disk.pool.get(old.session_id)
+            self._publish(ParkEvent(time.time(), session_info(self.loaded.tokenizer, on_disk, self.openers),
+                                    old.session_id))
+
+    def _evicted_from_disk(self, old: ParkedSession) -> None:
+        self._publish(EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
+
+    def close(self) -> None:
+        """At `memrad stop`: write every parked session to the disk tier (most recent last, so
+        the disk's LRU keeps the freshest). Call once nothing runs on the engine."""
+        if self.pool is None or self.disk is None:
+            return
+        sessions = self.pool.sessions()
+        written = sum(self.disk.spill(s, self._evicted_from_disk) for s in sessions)
+        log.info("wrote %d of %d parked sessions to %s", written, len(sessions), self.disk.directory)
 
     def _drop_parent(self, parent: ParkedSession, why: str) -> None:
         """A checked-out parent that nothing replaces is gone: say so (log, control socket)."""
@@ -366,7 +446,8 @@ class Engine:
         """Every parked session as a SessionInfo record (least recently used first)."""
         if self.pool is None:
             return []
-        return [session_info(self.loaded.tokenizer, s, self.openers) for s in self.pool.sessions()]
+        on_disk = self.disk.pool.sessions() if self.disk is not None else []
+        return [session_info(self.loaded.tokenizer, s, self.openers) for s in on_disk + self.pool.sessions()]
 
     def _publish(self, event: object) -> None:
         if self.events is not None:

@@ -124,6 +124,17 @@ class SlabLayer(DynamicLayer):
             out._expose()
         return out
 
+    def copied(self, position: int) -> "SlabLayer":
+        """A layer with its own buffer holding a copy of the first `position` rows: a fork
+        appends there and leaves this layer's rows untouched (memrad.engine.state)."""
+        assert 0 <= position <= self.length, f"cannot copy {position} of {self.length} rows"
+        out = SlabLayer(self.capacity)
+        if self.is_initialized:
+            k, v = self.slab.keys, self.slab.values  # [1, H_kv, capacity, D]
+            out.lazy_initialization(k[..., :0, :], v[..., :0, :])
+            out.update(k[..., :position, :], v[..., :position, :])
+        return out
+
     def reset(self) -> None:
         self.slab, self.length = None, 0
         super().reset()

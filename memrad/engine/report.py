@@ -54,6 +54,7 @@ def session_info(tokenizer: Any, session: ParkedSession, openers: frozenset[int]
         age_s=round(time.time() - session.created_at, 3),
         hits=session.hits,
         segments=segment_infos(tokenizer, session.token_ids, prompt_segments),
+        on_disk=session.on_disk,
     )
 
 

@@ -7,7 +7,8 @@ The only code that knows transformers' cache-layer internals (5.x):
     place. Either way holding keys/values by reference is a free snapshot, and the first p
     rows are the exact state after p tokens (croppable). Rebuilding a SlabLayer at p hands
     its buffer on: the rebuilt cache overwrites rows p.., so a rebuild consumes the parked
-    state (the engine checks the session out of the pool first).
+    state (the engine checks the session out of the pool first). A fork (`copy=True`)
+    copies rows :p into a fresh buffer instead and leaves the parked state intact.
   - Linear-attention / Mamba / conv layers (LinearAttention*Layer) update conv and
     recurrent state in place and have no per-position index: a snapshot must clone them,
     and a rebuild must clone again so the parked copy stays intact. `Cache.crop` cannot be
@@ -20,12 +21,15 @@ Shapes: keys/values [B=1, H_kv, T, D]; conv state [1, C, K]; recurrent state mod
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from memrad.engine.kv import SlabLayer, resident_bytes
+
+RECENT_BOUNDARIES = 4  # the newest boundary checkpoints kept at full density
 
 _LINEAR_DICTS = ("conv_states", "recurrent_states")
 _LINEAR_FLAGS = ("is_conv_states_initialized", "is_recurrent_states_initialized",
@@ -88,11 +92,13 @@ class ParkedState:
             return 0 < position <= self.final.num_tokens
         return position == self.final.num_tokens or position in self.snapshots
 
-    def rebuild(self, config: Any, position: int) -> Any:
+    def rebuild(self, config: Any, position: int, copy: bool = False) -> Any:
         """A cache holding exactly the state after `position` tokens.
 
-        Consumes self where the attention layers are SlabLayers: the rebuilt cache appends
-        into the same buffers from `position` on. Cloned linear state is never shared.
+        Without `copy`, consumes self where the attention layers are SlabLayers: the rebuilt
+        cache appends into the same buffers from `position` on. With `copy` (a fork), those
+        rows are copied into new buffers and self stays intact. Cloned linear state is never
+        shared; other layers (DynamicLayer, sliding window) never write in place.
         """
         from transformers import DynamicCache
 
@@ -100,14 +106,41 @@ class ParkedState:
         source = self.snapshots.get(position, self.final)
         cache = DynamicCache(config=config)
         layers = [_copy_layer(layer) for layer in source.layers]
+        if copy:
+            layers = [layer.copied(position) if isinstance(layer, SlabLayer) else layer for layer in layers]
         if source.num_tokens != position:  # croppable: plain attention, views are free
             layers = [_rewound(layer, position) for layer in layers]
         cache.layers = layers
         return cache
 
+    def below(self, position: int) -> dict[int, Snapshot]:
+        """The snapshots at or below `position`: still exact after a rebuild at `position`
+        (rows below it are never written again), so a successor may keep them."""
+        return {p: snap for p, snap in self.snapshots.items() if p <= position}
+
     @property
     def num_bytes(self) -> int:
         return state_bytes([self.final, *self.snapshots.values()])
+
+
+def thin_boundaries(positions: Iterable[int], anchors: tuple[int, ...]) -> set[int]:
+    """Which boundary snapshots (positions that are reply anchors) a session keeps.
+
+    The newest RECENT_BOUNDARIES, then geometric spacing further back: a boundary `age`
+    anchors old keeps only if its anchor index is a multiple of 2^(bit_length(age) - 2), so
+    about two per doubling of age survive. The rule only gets stricter as a boundary ages,
+    so what a later turn keeps is always a subset of what it was handed (nothing dropped
+    is ever needed again): O(RECENT + 2 log n) snapshots per session.
+    """
+    index = {a: i for i, a in enumerate(sorted(anchors))}
+    kept = set()
+    for p in positions:
+        if p not in index:
+            continue
+        age = len(index) - index[p]
+        if age <= RECENT_BOUNDARIES or index[p] % (1 << max(0, age.bit_length() - 2)) == 0:
+            kept.add(p)
+    return kept
 
 
 def _rewound(layer: Any, position: int) -> Any:

@@ -3,9 +3,18 @@
 Tiers nominate, in order: token-prefix (the prompt's token ids extend a session's
 committed tokens), text-prefix (the prompt's text extends its committed text), then
 affinity (identity: a name, or the structural fingerprint; see identity.py). Only sessions
-of the request's namespace and with the same name (or both unnamed) are ever candidates.
+of the request's namespace and with the same name (or both unnamed) are ever nominated.
 Verification decides: the request resumes only from a checkpoint its own tokens reproduce
-exactly, with at least one token left to prime.
+exactly, with at least one token left to prime; below a divergence it falls back to the
+highest checkpoint that still matches.
+
+Then the longest-prefix tier (needs no identity): among every parked session of the
+namespace, the one whose highest usable checkpoint at or below the common token prefix
+is highest. It wins when it reuses more than the nominated session would. Its reused
+tokens are the request's own, so it cannot poison; it **forks** (the source stays parked,
+the request gets a copy of its rows) unless the request continues that conversation: same
+name (or both unnamed) and the session's whole prompt is part of the shared prefix, in
+which case it replaces the session as the nominating tiers do.
 
 Usable checkpoints of a session, by mode (C = prefill chunk, P = prompt checkpoint):
 
@@ -28,7 +37,8 @@ from memrad.grid import cuts_up_to, is_cut
 from memrad.protocol import Decision, Tier
 from memrad.request import Identity
 from memrad.reuse.identity import Nomination, Refusal, nominate
-from memrad.reuse.pool import Namespace, ParkedSession
+from memrad.reuse.pool import Namespace, ParkedSession, PrefixMatch
+from memrad.reuse.prefix_index import common_prefix_len
 
 Mode = Literal["exact", "fast"]
 
@@ -49,14 +59,7 @@ class Plan:
     decision: Decision
     session: ParkedSession | None = None  # resume from this one's state ...
     checkpoint: int = 0                   # ... at this position (0: cold)
-
-
-def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    fork: bool = False                    # copy its rows and leave it parked (else: replace it)
 
 
 def checkpoint_at_or_below(session: ParkedSession, limit: int, mode: Mode, chunk: int,
@@ -112,8 +115,8 @@ def verify(session: ParkedSession, prompt_ids: tuple[int, ...], mode: Mode, chun
     if chosen is None:
         return Verdict(None, f"history diverged at {shared} of checkpoint {top}", divergence, "diverged")
     if chosen < top:
-        return Verdict(chosen, f"history diverged at {shared} of checkpoint {top}, resumed from earlier "
-                               f"checkpoint {chosen}; primed {num_prompt - chosen}", divergence)
+        return Verdict(chosen, f"history diverged at {shared} of checkpoint {top}; resumed from {chosen}; "
+                               f"primed {num_prompt - chosen}", divergence)
     return Verdict(chosen, f"checkpoint {chosen}; primed {num_prompt - chosen}", divergence)
 
 
@@ -149,16 +152,60 @@ def _decide(view: RequestView, tier: Tier, session: ParkedSession, mode: Mode, c
 
 
 def plan(view: RequestView, sessions: list[ParkedSession], mode: Mode, chunk: int,
-         affinity: bool = True) -> Plan:
-    """Decide for one request; `sessions` are all parked sessions (any namespace)."""
+         affinity: bool = True, longest_prefix: bool = True,
+         matches: tuple[PrefixMatch, ...] | None = None) -> Plan:
+    """Decide for one request; `sessions` are all parked sessions (any namespace), `matches`
+    the pool index's prefix candidates for this prompt (None: compare with every session)."""
+    mine = [s for s in sessions if s.namespace == view.namespace]
+    if not mine:
+        return Plan(Decision(view.request_id, "cold", "nothing parked for this model and cache_salt", 0,
+                             len(view.prompt_ids), reason_class="nothing-parked"))
+    nominated = _nominated(view, mine, mode, chunk, affinity)
+    if not longest_prefix:
+        return nominated
+    if matches is None:
+        matches = tuple(PrefixMatch(s, common_prefix_len(view.prompt_ids, s.token_ids)) for s in mine)
+    best = _longest_prefix(view, [m for m in matches if m.session.namespace == view.namespace], mode, chunk)
+    if best is None or (nominated.session is not None and nominated.checkpoint >= best.checkpoint):
+        return nominated
+    d = nominated.decision
+    if d.outcome == "declined":
+        best = replace(best, decision=replace(best.decision, reason=f"{best.decision.reason}; {d.render()}"))
+    elif nominated.session is not None:
+        best = replace(best, decision=replace(
+            best.decision, reason=f"{best.decision.reason}; {d.tier} offered {d.candidate} at {d.checkpoint:,}"))
+    return replace(best, decision=replace(best.decision, shared_segments=d.shared_segments))
+
+
+def _longest_prefix(view: RequestView, matches: list[PrefixMatch], mode: Mode, chunk: int) -> Plan | None:
+    """The match whose usable checkpoint at or below the shared prefix is highest."""
+    num_prompt = len(view.prompt_ids)
+    ranked = []
+    for m in matches:
+        found = checkpoint_at_or_below(m.session, min(m.shared_tokens, num_prompt - 1), mode, chunk, view.anchors)
+        if found is not None:
+            continues = _same_name(m.session.identity, view.identity) and m.shared_tokens >= m.session.prompt_checkpoint
+            ranked.append((found, continues, m.session.last_used_at, m))
+    if not ranked:
+        return None
+    checkpoint, continues, _, m = max(ranked, key=lambda r: r[:3])
+    session = m.session
+    how = "replaces it" if continues else "forked"
+    diverged = m.shared_tokens if m.shared_tokens < min(num_prompt, session.num_tokens) else None
+    decision = Decision(view.request_id, "resumed",
+                        f"longest prefix with {session.session_id}, {checkpoint:,} of {num_prompt:,}; {how}",
+                        checkpoint, num_prompt - checkpoint, tier="prefix", candidate=session.session_id,
+                        checkpoint=checkpoint, divergence=diverged)
+    return Plan(decision, session, checkpoint, fork=not continues)
+
+
+def _nominated(view: RequestView, mine: list[ParkedSession], mode: Mode, chunk: int, affinity: bool) -> Plan:
+    """The nominating tiers (token-prefix, text-prefix, affinity) and verification."""
     num_prompt = len(view.prompt_ids)
 
     def cold(reason: str, reason_class: str, **fields) -> Plan:
         return Plan(Decision(view.request_id, "cold", reason, 0, num_prompt, reason_class=reason_class, **fields))
 
-    mine = [s for s in sessions if s.namespace == view.namespace]
-    if not mine:
-        return cold("nothing parked for this model and cache_salt", "nothing-parked")
     eligible = [s for s in mine if _same_name(s.identity, view.identity)]
     prefixed = _nominate_prefix(view, eligible)
     if prefixed is not None:

@@ -2,7 +2,12 @@
 
 Mechanism only: the pool stores, looks up, replaces and evicts (least recently used
 first). Which session a request may resume from is the planner's business. Admission is
-check-then-act: `park` evicts first and never leaves the pool over a cap.
+check-then-act: `park` evicts first and never leaves the pool over a cap. A prefix index
+(memrad.reuse.prefix_index) follows every park and removal, so `prefix_matches` finds the
+sessions sharing the longest token prefix with a prompt without scanning them all.
+
+The same class holds the disk tier's records (memrad.engine.disk): there `state` is None,
+`on_disk` is True and `num_bytes` is the file's size; the caps are the disk's.
 
 Invariants, checked on park:
   - a session's prompt checkpoint is never past its committed tokens;
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memrad.request import Identity
+from memrad.reuse.prefix_index import BLOCK, PrefixIndex, common_prefix_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +52,19 @@ class ParkedSession:
     hits: int = 0
     anchors: tuple[int, ...] = ()  # reply anchors its prompt was also cut at (memrad.grid)
     state: Any = field(default=None, compare=False, repr=False)  # engine-owned tensors
+    on_disk: bool = False          # the state is in the disk tier's file, loaded when chosen
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """A parked session and the common token prefix it shares with a prompt (compared)."""
+
+    session: ParkedSession
+    shared_tokens: int
 
 
 class PoolFull(Exception):
@@ -62,6 +77,7 @@ class ReusePool:
         self.max_bytes = max_bytes
         self._sessions: OrderedDict[str, ParkedSession] = OrderedDict()  # LRU first
         self._lock = threading.Lock()
+        self._index = PrefixIndex()
         self._next_id = 1
 
     def new_id(self) -> str:
@@ -69,6 +85,12 @@ class ReusePool:
             session_id = f"s{self._next_id}"
             self._next_id += 1
             return session_id
+
+    def skip_ids_up_to(self, session_ids: list[str]) -> None:
+        """Never hand out these ids again (sessions restored from disk keep theirs)."""
+        numbers = [int(sid[1:]) for sid in session_ids if sid[:1] == "s" and sid[1:].isdigit()]
+        with self._lock:
+            self._next_id = max([self._next_id, *(n + 1 for n in numbers)])
 
     @property
     def bytes_parked(self) -> int:
@@ -83,6 +105,27 @@ class ReusePool:
     def get(self, session_id: str) -> ParkedSession | None:
         with self._lock:
             return self._sessions.get(session_id)
+
+    def prefix_matches(self, namespace: Namespace, prompt_ids: tuple[int, ...]) -> tuple[PrefixMatch, ...]:
+        """Sessions of `namespace` sharing at least one index block with the prompt, each with
+        its common prefix length compared token by token. Does not mutate."""
+        with self._lock:
+            found = self._index.lookup(namespace, prompt_ids)
+            sessions = [(self._sessions[sid], blocks) for sid, blocks in found.items() if sid in self._sessions]
+        out = []
+        for session, blocks in sessions:
+            claimed = blocks * BLOCK
+            if prompt_ids[:claimed] != session.token_ids[:claimed]:
+                continue  # a hash collision: the bytes decide
+            out.append(PrefixMatch(session, claimed + common_prefix_len(prompt_ids[claimed:],
+                                                                         session.token_ids[claimed:])))
+        return tuple(out)
+
+    def touch(self, session_id: str) -> None:
+        """Mark a session most recently used (a fork source stays parked and was just used)."""
+        with self._lock:
+            if session_id in self._sessions:
+                self._sessions.move_to_end(session_id)
 
     def can_park(self, num_bytes: int) -> bool:
         return self.max_sessions >= 1 and num_bytes <= self.max_bytes
@@ -99,16 +142,22 @@ class ReusePool:
         evicted = []
         with self._lock:
             if replaces is not None:
-                self._sessions.pop(replaces, None)
+                self._drop(replaces)
             used = sum(s.num_bytes for s in self._sessions.values())
             while self._sessions and (len(self._sessions) >= self.max_sessions
                                       or used + session.num_bytes > self.max_bytes):
-                _, old = self._sessions.popitem(last=False)
+                old = self._drop(next(iter(self._sessions)))
                 used -= old.num_bytes
                 evicted.append(old)
             self._sessions[session.session_id] = session
+            self._index.add(session.session_id, session.namespace, session.token_ids)
         return evicted
 
     def remove(self, session_id: str) -> ParkedSession | None:
         with self._lock:
-            return self._sessions.pop(session_id, None)
+            return self._drop(session_id)
+
+    def _drop(self, session_id: str) -> ParkedSession | None:
+        """Remove a session and its index entries; the caller holds the lock."""
+        self._index.remove(session_id)
+        return self._sessions.pop(session_id, None)

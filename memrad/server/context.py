@@ -57,9 +57,12 @@ def state_snapshot(ctx: ServerContext) -> StateSnapshot:
     """The control socket's `snapshot`: parked sessions, pool stats, the flags in force."""
     engine, settings = ctx.engine, ctx.settings
     pool = getattr(engine, "pool", None)
+    disk = getattr(engine, "disk", None)
+    on_disk = (len(disk.pool.sessions()), disk.pool.bytes_parked) if disk is not None else (0, 0)
     stats = None if pool is None else PoolStats(len(pool.sessions()), pool.bytes_parked, pool.max_sessions,
-                                                pool.max_bytes)
+                                                pool.max_bytes, *on_disk)
     flags = (("reuse.mode", settings.reuse.mode), ("affinity", str(settings.affinity.enabled).lower()),
+             ("longest_prefix", str(settings.affinity.longest_prefix).lower()),
              ("pool", str(settings.pool.enabled).lower()),
              ("prefill_chunk", str(settings.engine.prefill_chunk)), ("dtype", ctx.dtype))
     sessions = tuple(engine.session_infos()) if hasattr(engine, "session_infos") else ()

@@ -2,8 +2,9 @@
 starts it (the `memrad` console script, detached), isolated from any daemon a developer runs.
 
 Isolation: every daemon gets its own XDG_RUNTIME_DIR (mode 0700, or platformdirs ignores it),
-XDG_STATE_HOME (log) and XDG_CONFIG_HOME (no user memrad.toml), a free port, and no inherited
-MEMRA_* settings. The model cache is left alone, so the converted default model is reused.
+XDG_STATE_HOME (log), XDG_CONFIG_HOME (no user memrad.toml) and XDG_CACHE_HOME (the disk
+tier's parked sessions), a free port, and no inherited MEMRA_* settings. The model cache is
+left alone (MEMRA_CACHE_DIR pins it), so the converted default model is reused.
 """
 
 from __future__ import annotations
@@ -82,10 +83,14 @@ class Daemon:
         state.mkdir()
         config = root / "config"
         config.mkdir()
+        from memrad.paths import cache_dir
+
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("MEMRA_") or k == "MEMRA_CACHE_DIR"}
         env.update(XDG_RUNTIME_DIR=str(runtime), XDG_STATE_HOME=str(state),
-                   XDG_CONFIG_HOME=str(config), PYTHONUNBUFFERED="1")
+                   XDG_CONFIG_HOME=str(config), XDG_CACHE_HOME=str(root / "cache"),
+                   MEMRA_CACHE_DIR=str(cache_dir()), PYTHONUNBUFFERED="1")
+        self.sessions_dir = root / "cache" / "memra" / "sessions"
         self.env = env
         self.runtime_dir = runtime / "memra"
         self.pidfile = self.runtime_dir / "memrad.pid"

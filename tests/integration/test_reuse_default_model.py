@@ -32,8 +32,8 @@ SYSTEM = {"role": "system", "content": (
 FIRST_USER = {"role": "user", "content": "List the files in the repository root and say what each is for."}
 
 
-def engine_for(smol, mode):
-    engine = Engine(smol, CHUNK, 2, ReusePool(8, 2**31), mode)
+def engine_for(smol, mode, **flags):
+    engine = Engine(smol, CHUNK, 2, ReusePool(8, 2**31), mode, **flags)
     engine.finished = []
     engine.on_finished = engine.finished.append
     return engine
@@ -76,10 +76,18 @@ def test_fast_mode_covers_the_first_prompt_and_the_reply(smol):
     assert difference < 1e-2  # close, not bit-identical: the reply's KV came from decode steps
 
 
-def test_a_client_that_trims_the_reply_misses_the_prefix_tiers(smol):
-    engine = engine_for(smol, "exact")
-    first, _ = ask(engine, [SYSTEM, FIRST_USER], "t1")
+def test_a_client_that_trims_the_reply_misses_the_prefix_probes_but_not_the_longest_prefix(smol):
+    baseline = engine_for(smol, "exact", longest_prefix=False)
+    first, _ = ask(baseline, [SYSTEM, FIRST_USER], "t1")
     trimmed = first.text[: len(first.text) // 2].rstrip()
-    warm, _ = ask(engine, second_turn(trimmed), "t2")
+    warm, _ = ask(baseline, second_turn(trimmed), "t2")
     assert warm.decision.outcome == "cold" and warm.cached_tokens == 0
     assert warm.decision.reason.startswith("no nomination")
+    engine = engine_for(smol, "exact")
+    ask(engine, [SYSTEM, FIRST_USER], "t1")
+    warm, warm_state = ask(engine, second_turn(trimmed), "t2")
+    cold, cold_state = ask(engine, second_turn(trimmed), "t2-cold", salt="cold")
+    assert warm.decision.render() == (f"prefix: resumed (longest prefix with s1, {first.prompt_tokens:,} of "
+                                      f"{warm.prompt_tokens:,}; replaces it)")
+    assert warm.cached_tokens == first.prompt_tokens  # the system prompt, the question, the reply header
+    assert torch.equal(warm_state.prompt_logits, cold_state.prompt_logits) and warm.text == cold.text

@@ -51,16 +51,22 @@ TURN4 = TURN3 + REPLY3[:20] + [2, 10] + msg(51, 600, 601) + GEN
 def test_the_bar_of_three_segments():
     # turn 2's prompt shares system + user1 with turn 1's: 2 < 3, no nomination
     parked = park(TURN2, REPLY1)
-    d = plan(ask(TURN3), [parked], "fast", C).decision
+    d = plan(ask(TURN3), [parked], "fast", C, longest_prefix=False).decision
     assert d.render() == "cold (no nomination: 2 shared segments < 3)"
     assert d.shared_segments == 2
+    # the longest-prefix tier needs no nomination: turn 3 contains turn 2's whole prompt, so
+    # it continues that conversation and replaces its session
+    lcp = len(TURN2) + 5  # the stripped reply keeps its first 5 tokens
+    p = plan(ask(TURN3), [parked], "fast", C)
+    assert p.decision.render() == f"prefix: resumed (longest prefix with s1, {lcp} of {len(TURN3)}; replaces it)"
+    assert (p.fork, p.checkpoint, p.decision.divergence, p.decision.shared_segments) == (False, lcp, lcp, 2)
     # one turn later the chain shares system, user1, reply1, user2: nominated. Fast mode reuses
     # the prompt and the untouched start of the reply (up to where the trim diverges).
     parked3 = park(TURN3, REPLY3)
     d4 = plan(ask(TURN4), [parked3], "fast", C).decision
     diverged = len(TURN3) + 20
     assert d4.render() == (f"affinity: resumed (implicit, 4 shared segments; history diverged at {diverged} "
-                           f"of checkpoint {len(TURN3) + 30}, resumed from earlier checkpoint {diverged}; "
+                           f"of checkpoint {len(TURN3) + 30}; resumed from {diverged}; "
                            f"primed {len(TURN4) - diverged})")
     assert (d4.nomination, d4.source, d4.shared_segments, d4.divergence) == ("implicit", None, 4, diverged)
 
@@ -79,7 +85,7 @@ def test_a_named_client_resumes_from_turn_two():
     d = plan(ask(TURN3, alice), [parked], "fast", C).decision
     lcp = len(TURN2) + 5  # the stripped reply keeps its first 5 tokens
     assert d.render() == (f'affinity: resumed (explicit, session_id "a1", 2 shared segments; history diverged '
-                          f"at {lcp} of checkpoint {len(TURN2) + 30}, resumed from earlier checkpoint {lcp}; "
+                          f"at {lcp} of checkpoint {len(TURN2) + 30}; resumed from {lcp}; "
                           f"primed {len(TURN3) - lcp})")
     assert (d.nomination, d.source, d.divergence) == ("explicit", "session_id", lcp)
 
@@ -101,27 +107,35 @@ def test_a_claim_resumes_only_the_tokens_it_really_shares():
     attacker = SYSTEM + msg(51, *range(900, 960)) + GEN  # same system prompt, other question
     d = plan(ask(attacker, Identity("a1", "user")), [victim], "exact", C).decision
     assert d.render() == (f'affinity: resumed (explicit, user "a1", 1 shared segments; history diverged at 46 '
-                          f"of checkpoint 96, resumed from earlier checkpoint 32; primed {len(attacker) - 32})")
+                          f"of checkpoint 96; resumed from 32; primed {len(attacker) - 32})")
     assert tuple(attacker[:32]) == victim.token_ids[:32]
 
 
 def test_named_and_unnamed_never_cross():
     unnamed = park(TURN3, REPLY3)
     turn4 = TURN4
-    d = plan(ask(turn4, Identity("a1", "session_id")), [unnamed], "fast", C).decision
+    d = plan(ask(turn4, Identity("a1", "session_id")), [unnamed], "fast", C, longest_prefix=False).decision
     assert d.render() == 'affinity: declined (named "a1" vs unnamed parked session)'
     named = dataclasses.replace(unnamed, identity=Identity("b2", "user"))
-    d = plan(ask(turn4), [named], "fast", C).decision
+    d = plan(ask(turn4), [named], "fast", C, longest_prefix=False).decision
     assert d.render() == 'affinity: declined (unnamed request vs parked session named "b2")'
-    d = plan(ask(turn4, Identity("a1", "user")), [named], "fast", C).decision
+    d = plan(ask(turn4, Identity("a1", "user")), [named], "fast", C, longest_prefix=False).decision
     assert d.render() == 'affinity: declined (named "a1" vs parked session named "b2")'
+    # the bytes alone may still share: a fork, never a replacement, across names
+    forked = plan(ask(turn4, Identity("a1", "user")), [named], "fast", C)
+    shared = len(TURN3) + 20
+    assert forked.fork and forked.decision.render() == (
+        f'prefix: resumed (longest prefix with s1, {shared} of {len(TURN4)}; forked; '
+        f'affinity: declined (named "a1" vs parked session named "b2"))')
 
 
 def test_named_requests_ignore_prefix_matches_of_other_names():
     parked = park(TURN2, REPLY1, identity=Identity("b2", "user"))
     extended = TURN2 + REPLY1 + [2, 10] + USER2 + GEN
-    d = plan(ask(extended, Identity("a1", "user")), [parked], "fast", C).decision
-    assert d.render() == 'cold (no nomination: no parked session named "a1")' 
+    d = plan(ask(extended, Identity("a1", "user")), [parked], "fast", C, longest_prefix=False).decision
+    assert d.render() == 'cold (no nomination: no parked session named "a1")'
+    forked = plan(ask(extended, Identity("a1", "user")), [parked], "fast", C)
+    assert forked.fork and forked.decision.tier == "prefix" and forked.checkpoint == len(TURN2) + 30
     same = plan(ask(extended, Identity("b2", "session_id")), [parked], "fast", C).decision
     assert same.render() == (f"token-prefix: resumed (session s1; checkpoint {len(TURN2) + 30}; "
                              f"primed {len(extended) - len(TURN2) - 30})")
@@ -130,12 +144,16 @@ def test_named_requests_ignore_prefix_matches_of_other_names():
 def test_two_fresh_conversations_sharing_only_the_system_prompt_are_not_linked():
     other = park(SYSTEM + msg(51, *range(700, 720)) + GEN, [*range(800, 810)])
     fresh = SYSTEM + USER1 + GEN
-    d = plan(ask(fresh), [other], "fast", C).decision
+    d = plan(ask(fresh), [other], "fast", C, longest_prefix=False).decision
     assert d.render() == "cold (no nomination: 1 shared segments < 3)"
+    # not linked as one conversation, but the shared system prompt is reused by a fork
+    forked = plan(ask(fresh), [other], "fast", C)
+    assert forked.fork and forked.decision.render() == (
+        f"prefix: resumed (longest prefix with s1, {len(SYSTEM) + 2} of {len(fresh)}; forked)")
 
 
 def test_affinity_off_keeps_the_prefix_tiers():
     parked3 = park(TURN3, REPLY3)
-    assert plan(ask(TURN4), [parked3], "fast", C, affinity=False).decision.outcome == "cold"
+    assert plan(ask(TURN4), [parked3], "fast", C, affinity=False, longest_prefix=False).decision.outcome == "cold"
     extended = TURN3 + REPLY3 + [2, 10]
     assert plan(ask(extended), [parked3], "fast", C, affinity=False).decision.tier == "token-prefix"

@@ -15,8 +15,9 @@ def loaded(tiny_dir):
     return {kind: load_model(str(tiny_dir(kind)), device="cpu", dtype="float32") for kind in ("llama", "qwen3_next")}
 
 
-def make_engine(loaded, kind="llama", mode="exact", affinity=True):
-    engine = Engine(loaded[kind], CHUNK, 1, ReusePool(16, 10**9), mode, affinity)
+def make_engine(loaded, kind="llama", mode="exact", affinity=True, longest_prefix=False):
+    """Affinity's own stories: the longest-prefix tier is off unless a test turns it on."""
+    engine = Engine(loaded[kind], CHUNK, 1, ReusePool(16, 10**9), mode, affinity, longest_prefix)
     engine.finished = []
     engine.on_finished = engine.finished.append
     return engine
@@ -52,17 +53,24 @@ QUESTIONS = [f"question {i}: list files, open README.md" for i in range(6)]
 
 
 def test_a_rewriting_client_resumes_via_affinity_from_turn_three_and_cold_without_it(loaded):
+    """Three arms: both tiers, affinity only, neither (the seed's baseline)."""
+    both = Client(make_engine(loaded, longest_prefix=True), SYSTEM)
     on = Client(make_engine(loaded), SYSTEM)
     off = Client(make_engine(loaded, affinity=False), SYSTEM)
     previous, off_grid = None, 0
     for turn, question in enumerate(QUESTIONS, start=1):
-        a, b = on.say(question), off.say(question)
+        a, b, c = on.say(question), off.say(question), both.say(question)
         assert b.cached_tokens == 0 and b.decision.outcome == "cold"
-        assert a.text == b.text  # exact mode: resumed output equals the affinity-off arm's
+        assert a.text == b.text == c.text  # exact mode: resumed output equals the cold arm's
         if turn == 1:
             assert a.decision.render() == "cold (nothing parked for this model and cache_salt)"
         elif turn == 2:  # system + first user message: 2 shared segments, under the bar
             assert a.decision.render() == "cold (no nomination: 2 shared segments < 3)"
+            # ... but the longest common prefix covers the whole first prompt: it continues
+            # that conversation, so it replaces its session
+            assert c.decision.render() == (f"prefix: resumed (longest prefix with s1, {previous.prompt_tokens} "
+                                           f"of {c.prompt_tokens}; replaces it)")
+            assert c.cached_tokens == previous.prompt_tokens
         else:
             # Exact mode resumes where the previous prompt ended, right after its reply
             # header: prefill was cut there too (memrad.grid), and the client kept it all.
@@ -71,9 +79,11 @@ def test_a_rewriting_client_resumes_via_affinity_from_turn_three_and_cold_withou
             assert a.decision.render() == (f"affinity: resumed (implicit, {2 * turn - 2} shared segments; "
                                            f"checkpoint {resume}; primed {a.prompt_tokens - resume})")
             assert a.cached_tokens == resume
+            assert c.decision.tier == "affinity" and c.cached_tokens == resume
         previous = a
     assert off_grid >= 1  # resumed at a reply anchor, not at the grid point below it
     assert len(on.engine.pool.sessions()) == 2  # turn 1 and the conversation that resumed since turn 3
+    assert len(both.engine.pool.sessions()) == 1  # one conversation, replaced every turn
 
 
 def test_a_named_client_resumes_from_turn_two(loaded):

@@ -52,20 +52,23 @@ def test_text_prefix_nominates_when_the_reply_retokenizes_differently():
     decided = plan(view(retokenized, "<sys>hello<user>hi<asst>Hey<end><user>more"), [parked], "exact", C)
     assert decided.decision.render() == "text-prefix: resumed (session s1; checkpoint 48; primed 5)"
     fast = plan(view(retokenized, "<sys>hello<user>hi<asst>Hey<end><user>more"), [parked], "fast", C)
-    assert fast.decision.render() == ("text-prefix: resumed (session s1; history diverged at 50 of checkpoint 52, "
-                                      "resumed from earlier checkpoint 50; primed 3)")
+    assert fast.decision.render() == ("text-prefix: resumed (session s1; history diverged at 50 of checkpoint 52; "
+                                      "resumed from 50; primed 3)")
 
 
 def test_a_trimmed_reply_is_not_a_prefix_and_runs_cold():
     parked = session(FIRST + REPLY, prompt=50, text="<sys>hello<user>hi<asst>Hey there")
     trimmed = view(FIRST + [7, 2, 200], "<sys>hello<user>hi<asst>Hey<end><user>more")
-    decided = plan(trimmed, [parked], "exact", C, affinity=False)
+    decided = plan(trimmed, [parked], "exact", C, affinity=False, longest_prefix=False)
     assert decided.decision.render() == ("cold (no nomination: no parked session's tokens or text prefix "
                                          "this prompt (1 eligible parked); affinity off)")
     assert decided.session is None and decided.decision.primed_tokens == 53
     # affinity on, but these ids have no control tokens to fingerprint
-    assert plan(trimmed, [parked], "exact", C).decision.render() == (
+    assert plan(trimmed, [parked], "exact", C, longest_prefix=False).decision.render() == (
         "cold (no nomination: prompt has no message control tokens to fingerprint)")
+    # the longest-prefix tier needs neither: 51 tokens shared, the grid cut below is 48
+    assert plan(trimmed, [parked], "exact", C).decision.render() == (
+        "prefix: resumed (longest prefix with s1, 48 of 53; replaces it)")
 
 
 def test_other_namespaces_are_invisible():

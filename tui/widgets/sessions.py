@@ -28,7 +28,8 @@ class SessionsTable(DataTable):
         self.clear()
         for s, age_s in zip(sessions, ages_s):
             identity = f"{s.identity} ({s.identity_source})" if s.identity else "-"
-            self.add_row(s.session_id, identity, str(s.num_tokens), str(s.prompt_checkpoint),
+            where = f"{s.session_id} (disk)" if s.on_disk else s.session_id
+            self.add_row(where, identity, str(s.num_tokens), str(s.prompt_checkpoint),
                          human_bytes(s.num_bytes), f"{age_s:.0f}s", str(s.hits), key=s.session_id)
         if selected is not None and selected in {s.session_id for s in sessions}:
             self.move_cursor(row=self.get_row_index(selected))
