@@ -30,7 +30,8 @@ from memrad.reply import Reply, ReplyBuilder, ReplyDelta, ToolCall, new_call_id,
 
 log = logging.getLogger("memrad.reply")
 
-TEXT_FIELDS = {"content": "content", "reasoning_content": "reasoning"}
+# Region names -> delta kinds; "thinking" is what some shipped response templates call reasoning.
+TEXT_FIELDS = {"content": "content", "reasoning_content": "reasoning", "thinking": "reasoning"}
 
 
 class _Trim:
@@ -73,6 +74,9 @@ class ReplyParser:
         template = copy.deepcopy(fmt.response_template)
         if not parse_tools:
             template["fields"].pop("tool_calls", None)
+        for spec in template["fields"].values():
+            if spec.get("content") == "json":  # a malformed body comes back as text, never raises
+                spec["content_args"] = {**spec.get("content_args", {}), "allow_non_json": True}
         self._markup = fmt.markup if parse_tools else tuple(m for m in fmt.markup if "think" in m)
         self._parser = ResponseParser(template, prefix=prompt_text)
         self._trims = {kind: _Trim() for kind in TEXT_FIELDS.values()}
@@ -85,15 +89,30 @@ class ReplyParser:
         text = self._held + text
         keep = longest_partial_suffix(text, self._markup)
         self._held = text[len(text) - keep:] if keep else ""
-        return self._events(self._parser.feed(text[: len(text) - keep]))
+        try:
+            return self._events(self._parser.feed(text[: len(text) - keep]))
+        except (ValueError, KeyError) as exc:  # a shipped template's transform that does not fit
+            return self._give_up(exc, text[: len(text) - keep])
 
     def finish(self) -> list[ReplyDelta]:
         """End of the reply (eos, max_tokens, stop string): a held partial tag is dropped."""
         if self._parser is None:
             return []
         self._held = ""
-        _, events = self._parser.finalize()
-        return self._events(events)
+        try:
+            _, events = self._parser.finalize()
+            return self._events(events)
+        except (ValueError, KeyError) as exc:
+            return self._give_up(exc, "")
+
+    def _give_up(self, exc: Exception, text: str) -> list[ReplyDelta]:
+        """The reply format broke mid-reply: the rest of the reply, as written, is content."""
+        log.warning("reply parsing failed (%s); the rest of the reply is returned as content", exc)
+        self._parser = None
+        raw = "".join(self._tool_body) + text
+        for tag in self._markup:
+            raw = raw.replace(tag, "")
+        return plain_reply_deltas(raw)
 
     def _events(self, events: list[dict]) -> list[ReplyDelta]:
         out: list[ReplyDelta] = []
@@ -134,7 +153,11 @@ class ReplyParser:
 
 
 def _call(item: Any) -> tuple[str, str] | None:
-    """(name, arguments JSON text) of one parsed call, or None if it is not a call."""
+    """(name, arguments JSON text) of one parsed call, or None if it is not a call. Accepts
+    {"name", "arguments" | "parameters"} and the wrapped {"type": "function", "function": {…}}
+    that shipped response templates produce."""
+    if isinstance(item, dict) and isinstance(item.get("function"), dict):
+        item = item["function"]
     if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
         return None
     arguments = item.get("arguments", item.get("parameters", {}))

@@ -68,8 +68,10 @@ def parse_responses(body: Any, header_session_id: str | None,
     history = (stored.messages if stored else ()) + tuple(input_messages(body.get("input")))
     messages = ((({"role": "system", "content": instructions},) if instructions else ()) + history)
     tools = responses_tools(body.get("tools"))
-    fields = common({**body, "max_output_tokens": body.get("max_output_tokens"), "stream_options": None,
-                     "user": body.get("user")}, header_session_id, max_tokens_keys=("max_output_tokens",))
+    text_format = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else None
+    if text_format is not None and not (isinstance(text_format, dict) and text_format.get("type") == "text"):
+        raise invalid('text.format is not supported except {"type": "text"}', "text.format")
+    fields = common({**body, "stream_options": None}, header_session_id, max_tokens_keys=("max_output_tokens",))
     if fields["identity"] is None or fields["identity"].source == "x-session-id":
         # The conversation a previous response ran under names this one, unless the body names one.
         if stored is not None and stored.identity is not None:

@@ -1,7 +1,7 @@
 """OpenAI response objects, streamed and whole, for chat and text completions.
 
 Every API's output is a Shape: events to open a stream, events per reply delta, events to
-close it, and the whole object. The route drives any Shape the same way (memrad.server.routes).
+close it, and the whole object. The route drives any Shape the same way (memrad.server.serving).
 """
 
 from __future__ import annotations

@@ -302,3 +302,46 @@ async def test_tool_choice_none_returns_tool_markup_as_text(server, engine):
     assert message.tool_calls is None and whole.choices[0].finish_reason == "stop"
     assert message.content.endswith('<tool_call>\n{"name": "read_file", "arguments": {"path": "src/a.py"}}\n'
                                     '</tool_call>')
+
+
+def tokens_until(engine, text: str, marker: str) -> int:
+    """How many tokens of `text` end just inside `marker` (a reply cut there)."""
+    ids = engine.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    inside = text.index(marker) + len(marker) // 2
+    return next(n for n in range(1, len(ids) + 1) if len(engine.loaded.tokenizer.decode(ids[:n])) > inside - 2)
+
+
+@pytest.mark.parametrize("marker", ["<tool_call>", "</think>"])
+async def test_a_stream_cut_by_max_tokens_inside_markup_sends_no_markup(server, engine, marker):
+    reply = "<think>\nLook.\n</think>\n\n" + CALL_REPLY.split("\n\n", 1)[1]
+    n = tokens_until(engine, reply, marker)
+    engine.script(reply)
+    chunks = [c async for c in await oai(server).chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "x"}], tools=CHAT_TOOLS, max_tokens=n, stream=True)]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    content = "".join(d.content or "" for d in deltas)
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert "<" not in content + reasoning and not any(d.tool_calls for d in deltas)
+    assert (reasoning, content) == (("Look.", "Let me read it.") if marker == "<tool_call>" else ("Look.", ""))
+
+
+async def test_a_stop_string_inside_a_tag_ends_the_reply_without_the_partial_tag(server, engine):
+    engine.script(CALL_REPLY)
+    message = await claude(server).messages.create(model="default", max_tokens=200, tools=MESSAGES_TOOLS,
+                                                   stop_sequences=["_call>"],
+                                                   messages=[{"role": "user", "content": "x"}])
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[1].text == "Let me read it."
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "_call>")
+
+
+async def test_messages_max_tokens_beyond_the_context_is_lowered_to_what_is_left(server, engine):
+    engine.script("Fine.")
+    message = await claude(server).messages.create(model="default", max_tokens=4096,
+                                                   messages=[{"role": "user", "content": "x"}])
+    assert message.content[0].text == "Fine." and message.stop_reason == "end_turn"
+    with pytest.raises(openai.BadRequestError) as chat:
+        await oai(server).chat.completions.create(model="default", max_tokens=32000,
+                                                  messages=[{"role": "user", "content": "x"}])
+    assert chat.value.body["code"] == "context_length_exceeded"

@@ -110,3 +110,21 @@ def test_the_response_store_drops_the_oldest_past_its_cap():
     for i in range(3):
         store.put(StoredResponse(f"resp_{i}", (), None))
     assert (store.get("resp_0"), len(store)) == (None, 2) and store.get("resp_2") is not None
+
+
+def test_a_codex_style_body_is_accepted_as_sent():
+    body = {"model": "default", "instructions": "You are Codex.", "stream": True, "store": False,
+            "tool_choice": "auto", "parallel_tool_calls": False, "prompt_cache_key": "conv-1",
+            "reasoning": {"effort": "medium", "summary": "auto"}, "include": ["reasoning.encrypted_content"],
+            "text": {"verbosity": "low"},
+            "tools": [{"type": "function", "name": "shell", "description": "Run", "strict": False,
+                       "parameters": {"type": "object", "properties": {"command": {"type": "array"}}}}],
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "ls"}]},
+                      {"type": "reasoning", "summary": [], "encrypted_content": "opaque"},
+                      {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": '{"command": ["ls"]}'},
+                      {"type": "function_call_output", "call_id": "c1", "output": "README.md"}]}
+    req = parse_responses(body, None, no_lookup)
+    assert req.parsed.identity == Identity("conv-1", "prompt_cache_key") and not req.store
+    assert req.parsed.stream and req.parsed.parse_tools and not req.parsed.parallel_tool_calls
+    assert [m["role"] for m in req.parsed.messages] == ["system", "user", "assistant", "tool"]
+    assert "reasoning_content" not in req.parsed.messages[2]  # encrypted reasoning has no text to render

@@ -173,3 +173,35 @@ def test_the_detokenizer_keeps_special_markup_tokens():
     detok = IncrementalDetokenizer(tok, fmt.markup_ids)
     text = "".join(detok.push(i) for i in ids) + detok.flush()
     assert text == REPLIES["mistral"][0]
+
+
+def test_a_response_template_shipped_with_the_tokenizer_wins():
+    """transformers' own qwen fallback shape: wrapped calls, its own content close."""
+    tok = build_tokenizer("chatml")
+    tok.response_template = {
+        "defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
+        "fields": {"thinking": {"open": "<think>", "close": "</think>", "content": "text"},
+                   "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True,
+                                  "content": "json", "transform": {"type": "function", "function": "{content}"}},
+                   "content": {"content": "text"}}}
+    fmt = chat_format(tok)
+    assert fmt.response_template is tok.response_template
+    prompt, _ = render_chat(tok, USER, TOOLS, fmt)
+    reply = parse_reply(fmt, prompt, '<think>hm</think>Ok.\n<tool_call>{"name": "ls", "arguments": {}}</tool_call>')
+    assert (reply.reasoning, reply.content, [(c.name, c.arguments) for c in reply.tool_calls]) == (
+        "hm", "Ok.", [("ls", "{}")])
+
+
+def test_a_shipped_template_that_breaks_mid_reply_degrades_to_content(caplog):
+    tok = build_tokenizer("chatml")
+    tok.response_template = {
+        "start_anchor": "<|im_start|>assistant\n",
+        "fields": {"tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "repeats": True, "content": "json",
+                                  "transform": {"function": {"name": "{content.name}"}}},
+                   "content": {"content": "text"}}}
+    fmt = chat_format(tok)
+    prompt, _ = render_chat(tok, USER, TOOLS, fmt)
+    with caplog.at_level(logging.WARNING, "memrad.reply"):
+        reply = streamed(fmt, prompt, ["Ok. <tool_call>", '{"nm": 1}', "</tool_call>"])
+    assert reply.tool_calls == () and reply.content == 'Ok.{"nm": 1}'
+    assert "reply parsing failed" in caplog.text

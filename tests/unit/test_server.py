@@ -246,7 +246,7 @@ async def test_the_decision_reaches_the_client_in_a_header_and_the_body(tiny_loa
 
 def test_decision_headers_escape_what_http_cannot_carry():
     from memrad.protocol import Decision
-    from memrad.server.routes import decision_header
+    from memrad.server.serving import decision_header
 
     decision = Decision("r", "declined", 'named "ñ\r\nx" vs unnamed parked session', 0, 5, tier="affinity")
     value = decision_header(decision)["x-memra-decision"]
