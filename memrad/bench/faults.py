@@ -32,7 +32,8 @@ from memrad.server.metrics import parse_samples
 
 
 def long_user(lines: int) -> str:
-    """A prompt long enough that prefill takes a while (120 lines: ~2,400 SmolLM2 tokens)."""
+    """A prompt long enough that prefill takes a while (24 lines: ~500 SmolLM2 tokens, two
+    prefill chunks, so a cut can land between them)."""
     return "Summarize this log, line by line:\n" + "\n".join(
         f"{i:04d} worker-{i % 7} finished task {i * 37 % 1000} in {i % 13}.{i % 10} s" for i in range(lines))
 
@@ -146,7 +147,7 @@ async def _cut_stream(api: Api, body: dict, phase: str, rng: random.Random) -> s
         return phase
 
 
-async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 120) -> bool:
+async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 24) -> bool:
     rng = random.Random(seed)
     parked = [await Parked.make(api, i) for i in range(3)]
     await api.idle()
@@ -329,7 +330,7 @@ async def _against(url: str, name: str, args) -> bool:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         api = Api(url, session)
         if name == "soak":
-            return await soak(api, args.cuts, args.seed)
+            return await soak(api, args.cuts, args.seed, args.long_lines)
         return await HARNESSES[name](api)
 
 
@@ -338,6 +339,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("harness", choices=("soak", "overload", "kill9", "churn"))
     parser.add_argument("--url", help="run against this daemon (not kill9)")
     parser.add_argument("--cuts", type=int, default=200, help="soak: streams to cut")
+    parser.add_argument("--long-lines", type=int, default=24, help="soak: lines in the long prompt (~20 tokens each)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     started = time.monotonic()
