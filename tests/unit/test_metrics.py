@@ -90,3 +90,18 @@ async def test_metrics_are_scraped_with_real_values_after_real_requests(tiny_loa
     assert got[("memra_pool_max_bytes", ())] == 10**9
     assert got[("memra_queue_depth", ())] == 0 and got[("memra_running_requests", ())] == 0
     assert got[("process_resident_memory_bytes", ())] > 10**7
+
+
+async def test_a_client_gone_before_its_answer_is_counted_as_499_not_an_internal_error(caplog):
+    caplog.set_level("INFO", logger="memrad.server")
+    from memrad.server.app import openai_errors
+
+    class Request:
+        path, method = "/v1/chat/completions", "POST"
+
+    async def handler(request):
+        raise ConnectionResetError("Cannot write to closing transport")  # what prepare() raised
+
+    response = await openai_errors(Request(), handler)
+    assert response.status == 499
+    assert "internal error" not in caplog.text and "client left before the answer" in caplog.text
