@@ -181,8 +181,10 @@ async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 24) -
         exact_prompts += resumed == cold
     ledger_ok = after[("memra_pool_bytes_ledger", ())] == after[("memra_pool_bytes", (("tier", "memory"),))]
     print(f"cuts {cuts}: {', '.join(f'{k} {v}' for k, v in sorted(where.items()))}")
-    print(f"queue back to 0 and nothing running: {idle}; requests by status: "
-          f"{_statuses(after, before)}")
+    statuses = _statuses(after, before)
+    server_errors = sum(n for s, n in statuses.items() if s.startswith("5"))
+    print(f"queue back to 0 and nothing running: {idle}; chat requests by status: "
+          f"{', '.join(f'{s}: {n:.0f}' for s, n in sorted(statuses.items()))}")
     print(f"resumes of the conversations parked before the soak, every 20 cuts and after: "
           f"{sum(ok for ok, _ in checks)}/{len(checks)} exact; "
           f"cut prompts resumed == cold: {exact_prompts}/{len(prompts)}; pool ledger == pool bytes: {ledger_ok}")
@@ -192,16 +194,17 @@ async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 24) -
           f"{after[('memra_pool_sessions', (('tier', 'memory'),))]:.0f} sessions, "
           f"{after[('memra_pool_bytes', (('tier', 'memory'),))] / MB:.0f} MB")
     return (idle and all(ok for ok, _ in checks) and exact_prompts == len(prompts) and ledger_ok
-            and growth <= RSS_BOUND_MB)
+            and growth <= RSS_BOUND_MB and server_errors == 0)
 
 
-def _statuses(after: dict, before: dict) -> str:
+def _statuses(after: dict, before: dict) -> dict[str, float]:
+    """Chat requests by status between two scrapes (499: the client left first)."""
     counts: dict[str, float] = {}
     for (name, labels), value in after.items():
         if name == "memra_http_requests_total" and dict(labels)["route"] == "/v1/chat/completions":
             status = dict(labels)["status"]
             counts[status] = counts.get(status, 0) + value - before.get((name, labels), 0)
-    return ", ".join(f"{s}: {n:.0f}" for s, n in sorted(counts.items()))
+    return counts
 
 
 # --- overload ------------------------------------------------------------------------------
