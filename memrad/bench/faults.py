@@ -32,7 +32,8 @@ from memrad.server.metrics import parse_samples
 
 
 def long_user(lines: int) -> str:
-    """A prompt long enough that prefill takes a while (120 lines: ~2,400 SmolLM2 tokens)."""
+    """A prompt long enough that prefill takes a while (24 lines: ~500 SmolLM2 tokens, two
+    prefill chunks, so a cut can land between them)."""
     return "Summarize this log, line by line:\n" + "\n".join(
         f"{i:04d} worker-{i % 7} finished task {i * 37 % 1000} in {i % 13}.{i % 10} s" for i in range(lines))
 
@@ -100,8 +101,16 @@ class Parked:
         return "resumed" in decision and text == self.cold, decision
 
 
+RSS_BOUND_MB = 256  # growth allowed in resident memory beyond what the pool holds
+
+
 def rss_mb(m: dict) -> float:
     return m[("process_resident_memory_bytes", ())] / MB
+
+
+def unpooled_mb(m: dict) -> float:
+    """Resident memory not explained by parked state: what must stay flat."""
+    return rss_mb(m) - m.get(("memra_pool_bytes", (("tier", "memory"),)), 0.0) / MB
 
 
 # --- soak ----------------------------------------------------------------------------------
@@ -138,12 +147,12 @@ async def _cut_stream(api: Api, body: dict, phase: str, rng: random.Random) -> s
         return phase
 
 
-async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 120) -> bool:
+async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 24) -> bool:
     rng = random.Random(seed)
     parked = [await Parked.make(api, i) for i in range(3)]
     await api.idle()
     before = await api.metrics()
-    rss = [rss_mb(before)]
+    rss = [unpooled_mb(before)]
     where: dict[str, int] = {}
     checks: list[tuple[bool, str]] = []
     prompts = [[{"role": "user", "content": long_user(long_lines) + f"\nRun {k}."}] for k in range(4)]
@@ -160,10 +169,10 @@ async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 120) 
         where[got] = where.get(got, 0) + 1
         if n % 20 == 19:  # check the parked conversations as the soak goes (keeps them from LRU eviction)
             checks += [await p.resumes_exactly(api) for p in parked]
-            rss.append(rss_mb(await api.metrics()))
+            rss.append(unpooled_mb(await api.metrics()))
     idle = await api.idle()
     after = await api.metrics()
-    rss.append(rss_mb(after))
+    rss.append(unpooled_mb(after))
     checks += [await p.resumes_exactly(api) for p in parked]
     exact_prompts = 0
     for k, prompt in enumerate(prompts):  # the states the cut requests parked must be right too
@@ -172,24 +181,30 @@ async def soak(api: Api, cuts: int = 200, seed: int = 0, long_lines: int = 120) 
         exact_prompts += resumed == cold
     ledger_ok = after[("memra_pool_bytes_ledger", ())] == after[("memra_pool_bytes", (("tier", "memory"),))]
     print(f"cuts {cuts}: {', '.join(f'{k} {v}' for k, v in sorted(where.items()))}")
-    print(f"queue back to 0 and nothing running: {idle}; requests by status: "
-          f"{_statuses(after, before)}")
+    statuses = _statuses(after, before)
+    server_errors = sum(n for s, n in statuses.items() if s.startswith("5"))
+    print(f"queue back to 0 and nothing running: {idle}; chat requests by status: "
+          f"{', '.join(f'{s}: {n:.0f}' for s, n in sorted(statuses.items()))}")
     print(f"resumes of the conversations parked before the soak, every 20 cuts and after: "
           f"{sum(ok for ok, _ in checks)}/{len(checks)} exact; "
           f"cut prompts resumed == cold: {exact_prompts}/{len(prompts)}; pool ledger == pool bytes: {ledger_ok}")
-    print(f"RSS MB: start {rss[0]:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f} (growth {rss[-1] - rss[0]:+.0f} MB); "
-          f"pool {after[('memra_pool_sessions', (('tier', 'memory'),))]:.0f} sessions, "
+    growth = max(rss) - rss[0]
+    print(f"RSS beyond the pool's bytes, MB: start {rss[0]:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f} "
+          f"(growth {growth:+.0f} MB, bound {RSS_BOUND_MB}); RSS {rss_mb(after):.0f} MB with the pool at "
+          f"{after[('memra_pool_sessions', (('tier', 'memory'),))]:.0f} sessions, "
           f"{after[('memra_pool_bytes', (('tier', 'memory'),))] / MB:.0f} MB")
-    return idle and all(ok for ok, _ in checks) and exact_prompts == len(prompts) and ledger_ok
+    return (idle and all(ok for ok, _ in checks) and exact_prompts == len(prompts) and ledger_ok
+            and growth <= RSS_BOUND_MB and server_errors == 0)
 
 
-def _statuses(after: dict, before: dict) -> str:
+def _statuses(after: dict, before: dict) -> dict[str, float]:
+    """Chat requests by status between two scrapes (499: the client left first)."""
     counts: dict[str, float] = {}
     for (name, labels), value in after.items():
         if name == "memra_http_requests_total" and dict(labels)["route"] == "/v1/chat/completions":
             status = dict(labels)["status"]
             counts[status] = counts.get(status, 0) + value - before.get((name, labels), 0)
-    return ", ".join(f"{s}: {n:.0f}" for s, n in sorted(counts.items()))
+    return counts
 
 
 # --- overload ------------------------------------------------------------------------------
@@ -265,6 +280,9 @@ async def kill9(daemon: Daemon, first_start_s: float) -> bool:
     async with aiohttp.ClientSession() as session:
         api = Api(daemon.url, session)
         parked = await Parked.make(api, 0)
+        # With one session in memory, parking the next conversation moves this one to the
+        # disk tier (where the build has one): what a kill -9 cannot take away.
+        await api.chat(conversation(1), session_id="pushes-to-disk")
         pid = daemon.status()["pid"]
         body = {"messages": [{"role": "user", "content": "Count from one to fifty."}], "max_tokens": 200,
                 "temperature": 0, "stream": True}
@@ -288,12 +306,12 @@ async def kill9(daemon: Daemon, first_start_s: float) -> bool:
         m = await api.metrics()
         disk = m.get(("memra_pool_sessions", (("tier", "disk"),)))
         intact, decision = await parked.resumes_exactly(api)
-        _, text = await api.chat(conversation(1))
+        _, text = await api.chat(conversation(2))
     print(f"killed pid {pid} mid-decode; left behind: pidfile {pidfile_left}, socket {socket_left}")
     print(f"memrad start after the kill: serving in {restart_s:.1f} s (first start {first_start_s:.1f} s); "
           f"answers: {bool(text)}")
     print(f"parked session after restart: {'intact (resumed exactly)' if intact else 'lost'} ({decision}); "
-          f"disk tier: {'none in this build' if disk is None else f'{disk:.0f} sessions'}")
+          f"disk tier: {'none in this build' if disk is None else f'{disk:.0f} sessions at restart'}")
     return bool(text) and (intact or disk is None)
 
 
@@ -307,14 +325,15 @@ def _alive(pid: int) -> bool:
 
 HARNESSES = {"soak": soak, "overload": overload, "churn": churn}
 DAEMON_ENV = {"soak": {}, "overload": {"MEMRA_MAX_QUEUE": "4"},
-              "churn": {"MEMRA_POOL_MAX_BYTES": str(48 * MB), "MEMRA_POOL_MAX_SESSIONS": "64"}, "kill9": {}}
+              "churn": {"MEMRA_POOL_MAX_BYTES": str(48 * MB), "MEMRA_POOL_MAX_SESSIONS": "64"},
+              "kill9": {"MEMRA_POOL_MAX_SESSIONS": "1"}}
 
 
 async def _against(url: str, name: str, args) -> bool:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         api = Api(url, session)
         if name == "soak":
-            return await soak(api, args.cuts, args.seed)
+            return await soak(api, args.cuts, args.seed, args.long_lines)
         return await HARNESSES[name](api)
 
 
@@ -323,6 +342,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("harness", choices=("soak", "overload", "kill9", "churn"))
     parser.add_argument("--url", help="run against this daemon (not kill9)")
     parser.add_argument("--cuts", type=int, default=200, help="soak: streams to cut")
+    parser.add_argument("--long-lines", type=int, default=24, help="soak: lines in the long prompt (~20 tokens each)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     started = time.monotonic()

@@ -130,11 +130,15 @@ class Probe:
 def _encode(body: object, route: Route) -> bytes:
     if isinstance(body, dict) and route.generates:
         body = dict(body)
-        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):  # no long decodes
+        # No long decodes: valid lengths are clamped (huge ones stay on the OpenAI routes, where
+        # they are a 400; Anthropic's /v1/messages lowers them to the context left, so clamp all).
+        ceiling = 2**20 if not route.path.startswith("/v1/messages") else None
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and GENERATE_TOKENS < value < 2**20:
+            if (isinstance(value, int) and not isinstance(value, bool) and value > GENERATE_TOKENS
+                    and (ceiling is None or value < ceiling)):
                 body[key] = GENERATE_TOKENS
-        if not any(key in body for key in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
+        if not any(body.get(key) is not None for key in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
             body["max_output_tokens" if route.path == "/v1/responses" else "max_tokens"] = GENERATE_TOKENS
     return json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
 

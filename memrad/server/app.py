@@ -18,7 +18,7 @@ from memrad.server import security
 from memrad.server.context import CONTEXT, ServerContext, ServingEngine
 from memrad.server.errors import APIError, error_style, invalid, server_error
 from memrad.server.limits import LIMITS, Limits, too_large
-from memrad.server.metrics import METRICS, Metrics, count_requests, scrape
+from memrad.server.metrics import CLIENT_GONE, METRICS, Metrics, count_requests, scrape
 from memrad.server.openapi import openapi
 from memrad.server.routes import add_routes
 
@@ -47,6 +47,11 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
                    405: f"method {request.method} is not allowed on {request.path}",
                    }.get(exc.status, exc.reason)
         return APIError(exc.status, message, type=kind, code=exc.reason.lower().replace(" ", "_")).response(style)
+    except ConnectionError:
+        # The client hung up before its answer could be written (found by the disconnect
+        # soak: a stream cut while queued failed in prepare). Nobody to answer; not a 500.
+        log.info("client left before the answer to %s %s could be written", request.method, request.path)
+        return web.Response(status=int(CLIENT_GONE))
     except Exception as exc:
         log.exception("internal error on %s %s", request.method, request.path)
         return server_error(f"internal error ({type(exc).__name__}: {exc}); the daemon is still "

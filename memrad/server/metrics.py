@@ -56,8 +56,10 @@ class Metrics:
                                  ["outcome", "tier"], registry=r)
         self.declines = Counter("memra_declines", "Requests that reused nothing, by reason class",
                                 ["reason_class"], registry=r)
-        self.parks = Counter("memra_parks", "Sessions parked in the reuse pool", registry=r)
-        self.evictions = Counter("memra_evictions", "Parked sessions evicted or dropped", registry=r)
+        self.parks = Counter("memra_parks", "Sessions parked in memory", registry=r)
+        self.spills = Counter("memra_spills", "Sessions the memory cap moved to the disk tier", registry=r)
+        self.evictions = Counter("memra_evictions", "Parked sessions dropped (from memory without a disk copy, "
+                                 "or from disk)", registry=r)
         self._ledger: dict[str, int] = {}
         self._lock = threading.Lock()
         ProcessCollector(registry=r)
@@ -74,11 +76,12 @@ class Metrics:
         elif isinstance(event, TurnEvent):
             self._turn(event)
         elif isinstance(event, ParkEvent):
-            self.parks.inc()
-            with self._lock:
+            (self.spills if event.session.on_disk else self.parks).inc()
+            with self._lock:  # the ledger is the memory tier's: a spill to disk leaves it
                 if event.replaced is not None:
                     self._ledger.pop(event.replaced, None)
-                self._ledger[event.session.session_id] = event.session.num_bytes
+                if not event.session.on_disk:
+                    self._ledger[event.session.session_id] = event.session.num_bytes
         elif isinstance(event, EvictEvent):
             self.evictions.inc()
             with self._lock:
@@ -131,7 +134,7 @@ GAUGES = {
     "pool_bytes": ("Bytes of parked state by tier (memory, disk), as the pool counts them", "tier"),
     "pool_max_bytes": ("The pool's byte cap (memory tier)", None),
     "pool_max_sessions": ("The pool's session cap", None),
-    "pool_bytes_ledger": ("Parked bytes per the park/evict events alone (checks pool_bytes)", None),
+    "pool_bytes_ledger": ("Parked bytes in memory per the park/evict events alone (checks pool_bytes)", None),
     "queue_depth": ("Requests waiting for the model", None),
     "running_requests": ("Requests on the model now (0 or 1)", None),
 }

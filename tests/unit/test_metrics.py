@@ -26,11 +26,15 @@ def test_the_ledger_follows_parks_replacements_and_evictions_and_two_apps_do_not
     a.observe(ParkEvent(0.0, session_info("s2", 50), None))
     a.observe(ParkEvent(0.0, session_info("s3", 70), "s1"))   # s3 replaces s1
     a.observe(EvictEvent(0.0, "s2", 10, 50))
+    spilled = SessionInfo("s4", None, None, "m", None, 10, 8, 8, (), 30, 0.0, 0, (), on_disk=True)
+    a.observe(ParkEvent(0.0, session_info("s4", 30), None))
+    a.observe(ParkEvent(0.0, spilled, "s4"))  # the memory cap spilled s4 to the disk tier
     a.observe(DecisionEvent(0.0, Decision("r", "declined", "x", 0, 5, tier="affinity",
                                           reason_class="named-vs-unnamed"), 5, None, ()))
     assert a.ledger_bytes() == 70 and b.ledger_bytes() == 0
     got = samples(a.exposition().decode())
-    assert got[("memra_parks_total", ())] == 3 and got[("memra_evictions_total", ())] == 1
+    assert got[("memra_parks_total", ())] == 4 and got[("memra_evictions_total", ())] == 1
+    assert got[("memra_spills_total", ())] == 1
     assert got[("memra_declines_total", (("reason_class", "named-vs-unnamed"),))] == 1
     assert got[("memra_decisions_total", (("outcome", "declined"), ("tier", "affinity")))] == 1
     assert samples(b.exposition().decode())[("memra_parks_total", ())] == 0
@@ -86,3 +90,18 @@ async def test_metrics_are_scraped_with_real_values_after_real_requests(tiny_loa
     assert got[("memra_pool_max_bytes", ())] == 10**9
     assert got[("memra_queue_depth", ())] == 0 and got[("memra_running_requests", ())] == 0
     assert got[("process_resident_memory_bytes", ())] > 10**7
+
+
+async def test_a_client_gone_before_its_answer_is_counted_as_499_not_an_internal_error(caplog):
+    caplog.set_level("INFO", logger="memrad.server")
+    from memrad.server.app import openai_errors
+
+    class Request:
+        path, method = "/v1/chat/completions", "POST"
+
+    async def handler(request):
+        raise ConnectionResetError("Cannot write to closing transport")  # what prepare() raised
+
+    response = await openai_errors(Request(), handler)
+    assert response.status == 499
+    assert "internal error" not in caplog.text and "client left before the answer" in caplog.text
