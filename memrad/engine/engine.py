@@ -113,6 +113,13 @@ class Engine:
         return self.loaded.context_len
 
     @property
+    def runtime_choices(self) -> dict[str, dict[str, str]]:
+        """What the hardware choices picked and why (/health, `memrad status`)."""
+        loaded = self.loaded
+        return {"dtype": {"value": loaded.dtype_name, "reason": loaded.dtype_choice.reason},
+                "weights": {"value": loaded.weights_name, "reason": loaded.weights.reason}}
+
+    @property
     def vocab_size(self) -> int:
         return len(self.loaded.tokenizer)
 
