@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("smoke", help="prove reuse fires end to end and resumes reproducibly (two fresh daemons)")
     bench = sub.add_parser("bench", help="benchmark harnesses (see docs/BENCHMARKS.md)")
-    bench.add_argument("harness", choices=("record", "replay", "chunk-probe"))
+    bench.add_argument("harness", choices=("record", "replay", "chunk-probe", "speed"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the harness's own arguments")
     return parser
 
@@ -333,6 +333,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from memrad.bench import chunk_probe, record, replay
+    from memrad.bench import chunk_probe, record, replay, speed
 
-    return {"record": record.main, "replay": replay.main, "chunk-probe": chunk_probe.main}[args.harness](args.rest)
+    return {"record": record.main, "replay": replay.main, "chunk-probe": chunk_probe.main,
+            "speed": speed.main}[args.harness](args.rest)

@@ -99,17 +99,23 @@ class Int4Linear(torch.nn.Linear):
     """A Linear whose single-token calls run the packed int4 codes; longer inputs (prefill)
     run the dense `weight` it still holds (see the module docstring for why both)."""
 
-    def __init__(self, linear: torch.nn.Linear, blocks: Int4Blocks, kernel_dtype: torch.dtype) -> None:
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         device = linear.weight.device
-        self.kernel_dtype = kernel_dtype  # the int4 kernels run bf16 (or fp16) activations
-        self.register_buffer("packed", _pack(blocks.codes, device), persistent=False)
-        self.register_buffer("scales_and_zeros", _scales_and_zeros(blocks, kernel_dtype).to(device),
-                             persistent=False)
+        self.kernel_dtype = scales_and_zeros.dtype  # the int4 kernels run bf16 (or fp16) activations
+        self.register_buffer("packed", packed.to(device), persistent=False)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(device), persistent=False)
         self._mm = (torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu"
                     else torch.ops.aten._weight_int4pack_mm)
+
+    @classmethod
+    def from_blocks(cls, linear: torch.nn.Linear, blocks: Int4Blocks, kernel_dtype: torch.dtype) -> "Int4Linear":
+        """Pack `blocks` for the kernel of `linear`'s device (seconds for a whole model on a
+        loaded CPU: memrad.engine.weights keeps the result)."""
+        device = linear.weight.device
+        return cls(linear, _pack(blocks.codes, device), _scales_and_zeros(blocks, kernel_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., T, K]; the packed path only where one token goes through (decode)

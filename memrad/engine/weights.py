@@ -27,7 +27,7 @@ log = logging.getLogger("memrad.engine")
 
 INT4_KINDS = ("Q4_0", "Q4_1")
 # Next to the converted float weights: the GGUF's 4-bit blocks, as shipped (codes, d, m).
-INT4_CACHE = "memra-int4.safetensors"
+INT4_CACHE = "memra-q4-blocks.safetensors"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +86,13 @@ def save_int4_cache(gguf_path: Path, model: Any, folder: Path) -> int:
 
 
 def write_int4_cache(blocks: dict[str, Int4Blocks], folder: Path, source: str) -> None:
-    """Store {module name: blocks} as shipped (two codes a byte, fp16 d and m) in `folder`."""
+    """Store {module name: blocks} in `folder`: codes one a byte (unpacking two a byte cost
+    seconds at every start), d and m as the fp16 they were shipped as."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     for name, block in blocks.items():
-        codes = block.codes
-        tensors[f"{name}.codes"] = (codes[:, 0::2] | codes[:, 1::2] << 4).contiguous()  # [N, K/2]
+        tensors[f"{name}.codes"] = block.codes.contiguous()  # [N, K] uint8 0..15
         tensors[f"{name}.scales"] = block.scales.half()  # exact: they were fp16 in the GGUF
         if block.mins is not None:
             tensors[f"{name}.mins"] = block.mins.half()
@@ -135,10 +135,9 @@ def load_int4_cache(folder: Path) -> dict[str, Int4Blocks]:
     for key in tensors:
         if key.endswith(".codes"):
             name = key.removesuffix(".codes")
-            pairs = tensors[key]  # [N, K/2]
-            codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)  # [N, K]
             mins = tensors.get(f"{name}.mins")
-            out[name] = Int4Blocks(codes, tensors[f"{name}.scales"].float(), None if mins is None else mins.float())
+            out[name] = Int4Blocks(tensors[key], tensors[f"{name}.scales"].float(),
+                                   None if mins is None else mins.float())
     return out
 
 
@@ -165,15 +164,55 @@ def apply_weights(model: Any, choice: Choice, folder: Path, kernel_dtype: torch.
 
 def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsApplied:
     modules = dict(model.named_modules())
-    packed, missing = 0, []
-    for name, blocks in load_int4_cache(folder).items():
-        linear = modules.get(name)
-        if type(linear) is not torch.nn.Linear or tuple(linear.weight.shape) != tuple(blocks.codes.shape):
-            missing.append(name)
-            continue
-        _set_module(model, name, Int4Linear(linear, blocks, kernel_dtype))
-        packed += 1
-    return WeightsApplied(packed, len(missing), packed_bytes(model), f"int4 group 32 ({INT4_CACHE})")
+    device = next(model.parameters()).device
+    packed = _load_packed(folder, device, kernel_dtype)
+    built = packed is None
+    if built:  # first start on this device / torch: pack from the blocks, keep the result
+        packed = {name: (layer.packed, layer.scales_and_zeros) for name, layer in
+                  ((name, Int4Linear.from_blocks(modules[name], blocks, kernel_dtype))
+                   for name, blocks in load_int4_cache(folder).items()
+                   if type(modules.get(name)) is torch.nn.Linear
+                   and tuple(modules[name].weight.shape) == tuple(blocks.codes.shape))}
+    for name, (codes, scales_and_zeros) in packed.items():
+        _set_module(model, name, Int4Linear(modules[name], codes, scales_and_zeros))
+    if built:
+        _save_packed(folder, device, kernel_dtype, packed)
+    return WeightsApplied(len(packed), count_int4_cache(folder) - len(packed), packed_bytes(model),
+                          f"int4 group 32 ({INT4_CACHE})")
+
+
+def _packed_path(folder: Path, device: torch.device, kernel_dtype: torch.dtype) -> Path:
+    """The kernel's own layout depends on the device and the torch build: one file per pair."""
+    dtype = str(kernel_dtype).removeprefix("torch.")
+    return folder / f"memra-int4-{device.type}-{dtype}-torch{torch.__version__}.safetensors"
+
+
+def _load_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    path = _packed_path(folder, device, kernel_dtype)
+    if not path.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    return {key.removesuffix(".packed"): (tensors[key], tensors[key.removesuffix(".packed") + ".scales_and_zeros"])
+            for key in tensors if key.endswith(".packed")}
+
+
+def _save_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype,
+                 packed: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, (codes, scales_and_zeros) in packed.items():
+        tensors[f"{name}.packed"] = codes.cpu().contiguous()
+        tensors[f"{name}.scales_and_zeros"] = scales_and_zeros.cpu().contiguous()
+    path = _packed_path(folder, device, kernel_dtype)
+    try:
+        save_file(tensors, str(path.with_suffix(".partial")))
+        path.with_suffix(".partial").rename(path)
+    except OSError as exc:  # a read-only folder: the next start packs again
+        log.warning("could not keep the packed int4 weights in %s: %s", folder, exc)
 
 
 def _set_module(model: Any, name: str, module: torch.nn.Module) -> None:

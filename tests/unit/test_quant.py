@@ -38,7 +38,7 @@ def _linear(n: int, k: int, dtype: torch.dtype) -> tuple[torch.nn.Linear, object
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int4_linear_runs_packed_codes_for_one_token_and_the_dense_weight_for_more(dtype):
     linear, blocks = _linear(96, 128, dtype)
-    packed = Int4Linear(linear, blocks, torch.bfloat16)
+    packed = Int4Linear.from_blocks(linear, blocks, torch.bfloat16)
     one = torch.randn(1, 1, 128).to(dtype)
     many = torch.randn(1, 5, 128).to(dtype)
     assert torch.equal(packed(many), linear(many))  # prefill: the same dense GEMM, bit for bit
@@ -50,7 +50,7 @@ def test_int4_linear_runs_packed_codes_for_one_token_and_the_dense_weight_for_mo
 
 def test_int4_scales_and_zeros_follow_the_tinygemm_convention():
     linear, blocks = _linear(32, 64, torch.float32)
-    packed = Int4Linear(linear, blocks, torch.float32)
+    packed = Int4Linear.from_blocks(linear, blocks, torch.float32)
     # w = (q - 8) * scale + zero  with  scale = d, zero = m + 8 d
     sz = packed.scales_and_zeros  # [K/32, N, 2]
     assert sz.shape == (64 // GROUP, 32, 2)
