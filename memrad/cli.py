@@ -29,6 +29,7 @@ FLAGS = {
     "device": "model.device",
     "dtype": "model.dtype",
     "threads": "model.threads",
+    "weights": "model.weights",
     "prefill_chunk": "engine.prefill_chunk",
     "reuse_mode": "reuse.mode",
     "max_queue": "server.max_queue",
@@ -41,7 +42,8 @@ FLAGS = {
 
 # `memrad bench NAME` -> the module under memrad.bench that runs it (each has main(argv)).
 BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk_probe", "fuzz": "fuzz",
-                   "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing"}
+                   "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
+                   "speed": "speed"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--device", choices=("auto", "cpu", "cuda"))
     start.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     start.add_argument("--threads", type=int, help="torch intra-op threads (0: all available cores)")
+    start.add_argument("--weights", choices=("auto", "float", "int4", "int8"),
+                       help="decode weights: int4 runs a GGUF's 4-bit blocks as shipped (auto where present)")
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
     start.add_argument("--reuse-mode", choices=("exact", "fast"),
                        help="exact: resumed turns are bit-identical to cold runs; fast: reuse everything parked")
@@ -267,6 +271,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if health:
             report.update({k: health[k] for k in ("model", "device", "dtype", "uptime_s",
                                                    "requests_served", "waiting", "version")})
+            report["choices"] = health.get("choices", {})
     if args.json:
         print(json.dumps(report, indent=2))
     elif not report["running"]:
@@ -279,6 +284,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  url       {report['url']}/v1")
         print(f"  model     {report['model']}")
         print(f"  device    {report['device']} ({report['dtype']})")
+        for name, choice in report["choices"].items():
+            print(f"  {name:<9} {choice['value']}: {choice['reason']}")
         print(f"  uptime    {_duration(report['uptime_s'])}")
         print(f"  requests  {report['requests_served']} served, {report['waiting']} waiting")
         print(f"  log       {report['log']}")

