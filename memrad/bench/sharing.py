@@ -4,8 +4,9 @@
 
 Default model, exact mode, fresh engines per rep, arms interleaved (order rotated per rep):
 
-1. Turn 2 of an unnamed client that keeps only the first sentence of each reply (so turn 2
-   shares 2 segments with turn 1: under affinity's bar of 3). Arms: both tiers, affinity
+1. Turn 2 of an unnamed client that rewrites each reply (keeps its first half, as a
+   reasoning-stripping client does), so turn 2 shares 2 segments with turn 1: under
+   affinity's bar of 3, and no prefix probe matches. Arms: both tiers, affinity
    only (MEMRA_LONGEST_PREFIX=0), neither. Reports cached tokens and engine-side TTFT.
 2. A new conversation opening with the same ~1.1k-token system prompt and tool list as a
    parked one: longest prefix on vs off. Then the parked conversation's next turn, whose
@@ -15,7 +16,6 @@ Default model, exact mode, fresh engines per rep, arms interleaved (order rotate
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 
 from memrad.bench.affinity_turns import SYSTEM, TOOL_OUTPUT
@@ -26,11 +26,6 @@ from memrad.reuse.pool import ReusePool
 
 ARMS = {"both": (True, True), "affinity only": (True, False), "neither": (False, False)}
 LONG_SYSTEM = SYSTEM * 3  # ~1.1k tokens: a system prompt and tool list as agents send them
-
-
-def first_sentence(reply: str) -> str:
-    match = re.search(r"[.!?](\s|$)", reply)
-    return reply[: match.end()].strip() if match else reply
 
 
 def ask(engine: Engine, messages: list[dict], rid: str, max_tokens: int):
@@ -46,7 +41,7 @@ def turn_two(loaded, threads: int, chunk: int, arm: str, max_tokens: int):
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Step 1. Tool result:\n{TOOL_OUTPUT}\nWhat next?"}]
     first = ask(engine, messages, "t1", max_tokens)
-    messages += [{"role": "assistant", "content": first_sentence(first.text)},
+    messages += [{"role": "assistant", "content": first.text[: len(first.text) // 2]},
                  {"role": "user", "content": f"Step 2. Tool result:\n{TOOL_OUTPUT}\nWhat next?"}]
     return ask(engine, messages, "t2", max_tokens)
 
@@ -79,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.reps):
         for arm in order[rep % 3:] + order[: rep % 3]:
             rows[arm].append(turn_two(loaded, threads, args.chunk, arm, args.max_tokens))
-    print("\n| turn 2, unnamed first-sentence client | prompt tokens | cached tokens | TTFT s | decision |")
+    print("\n| turn 2, unnamed rewriting client | prompt tokens | cached tokens | TTFT s | decision |")
     print("| --- | ---: | ---: | ---: | --- |")
     for arm, done in rows.items():
         print(f"| {arm} | {done[0].prompt_tokens} | {done[0].cached_tokens} | "
