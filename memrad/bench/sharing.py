@@ -25,7 +25,7 @@ from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 
 ARMS = {"both": (True, True), "affinity only": (True, False), "neither": (False, False)}
-LONG_SYSTEM = SYSTEM * 3  # ~1.1k tokens: a system prompt and tool list as agents send them
+LONG_SYSTEM = SYSTEM * 4  # ~1.1k tokens: a system prompt and tool list as agents send them
 
 
 def ask(engine: Engine, messages: list[dict], rid: str, max_tokens: int):
