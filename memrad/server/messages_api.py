@@ -54,10 +54,11 @@ def parse_messages(body: Any, header_session_id: str | None, count_only: bool = 
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata must be an object like {\"user_id\": ...}", "metadata")
+    choice = _tool_choice(body.get("tool_choice"), tools)  # a dict from here on, if given
     return ParsedRequest(model=model, sampling=sampling, stream=stream, include_usage=False,
                          identity=identity_of(body, header_session_id, keys=("session_id", "metadata.user_id")),
                          cache_salt=name_field(body.get("cache_salt"), "cache_salt"), messages=messages,
-                         tools=tools, tool_choice=_tool_choice(body.get("tool_choice"), tools),
+                         tools=tools, tool_choice=choice,
                          parallel_tool_calls=not (body.get("tool_choice") or {}).get("disable_parallel_tool_use"))
 
 

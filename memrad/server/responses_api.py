@@ -68,7 +68,10 @@ def parse_responses(body: Any, header_session_id: str | None,
     history = (stored.messages if stored else ()) + tuple(input_messages(body.get("input")))
     messages = ((({"role": "system", "content": instructions},) if instructions else ()) + history)
     tools = responses_tools(body.get("tools"))
-    text_format = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else None
+    for key in ("text", "metadata"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise invalid(f"{key} must be an object", key)
+    text_format = (body.get("text") or {}).get("format")
     if text_format is not None and not (isinstance(text_format, dict) and text_format.get("type") == "text"):
         raise invalid('text.format is not supported except {"type": "text"}', "text.format")
     fields = common({**body, "stream_options": None}, header_session_id, max_tokens_keys=("max_output_tokens",))

@@ -28,13 +28,10 @@ PARAMS = {"type": "object", "properties": {"path": {"type": "string"}}, "require
 
 
 def extension_tiers_only(engine) -> None:
-    """Turn off every reuse tier that does not need the prompt to extend parked tokens:
-    affinity, and the longest-prefix tier where the engine has one. Extend this when a
-    new non-extension tier lands."""
+    """Turn off every reuse tier that does not need the prompt to extend parked tokens
+    (MEMRA_AFFINITY=0, MEMRA_LONGEST_PREFIX=0). Extend this when a new such tier lands."""
     engine.affinity = False
-    for switch in ("longest_prefix",):
-        if hasattr(engine, switch):
-            setattr(engine, switch, False)
+    engine.longest_prefix = False
 
 
 def reply(turn: int) -> tuple[str, str, str]:

@@ -128,3 +128,22 @@ def test_a_codex_style_body_is_accepted_as_sent():
     assert req.parsed.stream and req.parsed.parse_tools and not req.parsed.parallel_tool_calls
     assert [m["role"] for m in req.parsed.messages] == ["system", "user", "assistant", "tool"]
     assert "reasoning_content" not in req.parsed.messages[2]  # encrypted reasoning has no text to render
+
+
+def test_a_claude_code_style_body_is_accepted_as_sent():
+    body = {"model": "default", "max_tokens": 32000, "stream": True, "temperature": 1,
+            "metadata": {"user_id": "user_ab12_account_x_session_5f"},
+            "thinking": {"type": "enabled", "budget_tokens": 4000},
+            "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+            "tools": [{"name": "Bash", "description": "Run", "input_schema": {"type": "object"},
+                       "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "ls",
+                                                       "cache_control": {"type": "ephemeral"}}]},
+                         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                                                            "input": {"command": "ls"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                       "content": "README.md", "is_error": False}]}]}
+    parsed = parse_messages(body, None)
+    assert parsed.identity == Identity("user_ab12_account_x_session_5f", "metadata.user_id")
+    assert [m["role"] for m in parsed.messages] == ["system", "user", "assistant", "tool"]
+    assert parsed.sampling.max_tokens == 32000 and parsed.stream
