@@ -29,6 +29,7 @@ FLAGS = {
     "device": "model.device",
     "dtype": "model.dtype",
     "threads": "model.threads",
+    "weights": "model.weights",
     "prefill_chunk": "engine.prefill_chunk",
     "reuse_mode": "reuse.mode",
     "max_queue": "server.max_queue",
@@ -39,6 +40,11 @@ FLAGS = {
     "longest_prefix": "affinity.longest_prefix",
 }
 
+# `memrad bench NAME` -> the module under memrad.bench that runs it (each has main(argv)).
+BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk_probe", "fuzz": "fuzz",
+                   "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
+                   "speed": "speed"}
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memrad", description="memra's inference daemon")
@@ -48,12 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="start the daemon (in the background unless --foreground)")
     start.add_argument("--foreground", action="store_true", help="run attached to this terminal")
     start.add_argument("--config", type=Path, help="config file (default: the user config dir's memrad.toml)")
-    start.add_argument("--model", help="`default`, a local Hugging Face folder, or a .gguf file")
+    start.add_argument("--model", help="`default`, `gemma3-270m`, a local Hugging Face folder, or a .gguf file")
     start.add_argument("--host")
     start.add_argument("--port", type=int)
     start.add_argument("--device", choices=("auto", "cpu", "cuda"))
     start.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     start.add_argument("--threads", type=int, help="torch intra-op threads (0: all available cores)")
+    start.add_argument("--weights", choices=("auto", "float", "int4", "int8"),
+                       help="decode weights: int4 runs a GGUF's 4-bit blocks as shipped (auto where present)")
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
     start.add_argument("--reuse-mode", choices=("exact", "fast"),
                        help="exact: resumed turns are bit-identical to cold runs; fast: reuse everything parked")
@@ -77,11 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("-n", "--lines", type=int, default=100, help="last N lines (0: all)")
 
     pull = sub.add_parser("pull", help="fetch and convert a model into the cache")
-    pull.add_argument("model", nargs="?", default="default", help="`default` or a .gguf file")
+    pull.add_argument("model", nargs="?", default="default", help="`default`, `gemma3-270m` or a .gguf file")
 
     sub.add_parser("smoke", help="prove reuse fires end to end and resumes reproducibly (two fresh daemons)")
     bench = sub.add_parser("bench", help="benchmark harnesses (see docs/BENCHMARKS.md)")
-    bench.add_argument("harness", choices=("record", "replay", "chunk-probe", "fuzz", "faults"))
+    bench.add_argument("harness", choices=tuple(BENCH_HARNESSES))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the harness's own arguments")
     return parser
 
@@ -263,6 +271,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if health:
             report.update({k: health[k] for k in ("model", "device", "dtype", "uptime_s",
                                                    "requests_served", "waiting", "version")})
+            report["choices"] = health.get("choices", {})
     if args.json:
         print(json.dumps(report, indent=2))
     elif not report["running"]:
@@ -275,6 +284,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  url       {report['url']}/v1")
         print(f"  model     {report['model']}")
         print(f"  device    {report['device']} ({report['dtype']})")
+        for name, choice in report["choices"].items():
+            print(f"  {name:<9} {choice['value']}: {choice['reason']}")
         print(f"  uptime    {_duration(report['uptime_s'])}")
         print(f"  requests  {report['requests_served']} served, {report['waiting']} waiting")
         print(f"  log       {report['log']}")
@@ -312,15 +323,18 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    from memrad.engine import gemma
     from memrad.engine.pull import ModelUnavailable, convert_gguf, converted_dir_for, is_converted, pull_default
 
     try:
         if args.model == "default":
             folder = pull_default(print)
+        elif args.model == gemma.MODEL_ID:
+            folder = gemma.pull(print)
         else:
             path = Path(args.model).expanduser()
             if path.suffix != ".gguf" or not path.is_file():
-                print("memrad: pull takes `default` or a .gguf file; a model folder needs no pull",
+                print(f"memrad: pull takes `default`, `{gemma.MODEL_ID}` or a .gguf file; a model folder needs no pull",
                       file=sys.stderr)
                 return 2
             folder = converted_dir_for(path)
@@ -340,10 +354,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from memrad.bench import chunk_probe, record, replay
+    from importlib import import_module
 
-    if args.harness in ("fuzz", "faults"):  # need hypothesis / the test extra: imported on demand
-        from importlib import import_module
-
-        return import_module(f"memrad.bench.{args.harness}").main(args.rest)
-    return {"record": record.main, "replay": replay.main, "chunk-probe": chunk_probe.main}[args.harness](args.rest)
+    # Imported on demand: fuzz and faults need the test extra (hypothesis).
+    return import_module(f"memrad.bench.{BENCH_HARNESSES[args.harness]}").main(args.rest)

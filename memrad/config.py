@@ -40,6 +40,7 @@ class ModelSettings:
     device: str = _key("auto", "MEMRA_DEVICE")
     dtype: str = _key("auto", "MEMRA_DTYPE")
     threads: int = _key(0, "MEMRA_THREADS")
+    weights: str = _key("auto", "MEMRA_WEIGHTS")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +119,7 @@ class Settings:
 _CHOICES = {
     "model.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model.weights": ("auto", "float", "int4", "int8"),
     "log.level": ("debug", "info", "warning", "error"),
     "reuse.mode": ("exact", "fast"),
 }

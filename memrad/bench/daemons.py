@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -60,4 +61,6 @@ class Daemon:
         return self.root / "state" / "memra" / "log" / "memrad.log"
 
     def stop(self) -> None:
+        """Stop it and delete the sessions it wrote to its disk tier (a harness daemon's only)."""
         self.cli("stop", "--timeout", "30")
+        shutil.rmtree(self.root / "cache", ignore_errors=True)

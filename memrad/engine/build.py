@@ -29,10 +29,10 @@ def build_engine(settings: Settings) -> Engine:
     torch.set_num_threads(threads)
     started = time.perf_counter()
     loaded = load_model(settings.model.name, settings.model.device, settings.model.dtype,
-                        progress=lambda msg: log.info("%s", msg))
-    log.info("loaded %s in %.1f s on %s (%s, %d threads, prefill chunk %d, context %d)",
+                        progress=lambda msg: log.info("%s", msg), weights=settings.model.weights)
+    log.info("loaded %s in %.1f s on %s (%s, %s weights, %d threads, prefill chunk %d, context %d)",
              loaded.model_id, time.perf_counter() - started, loaded.device.type, loaded.dtype_name,
-             threads, settings.engine.prefill_chunk, loaded.context_len)
+             loaded.weights_name, threads, settings.engine.prefill_chunk, loaded.context_len)
     pool = None
     if settings.pool.enabled:
         max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)

@@ -126,6 +126,13 @@ class Engine:
         return self.loaded.context_len
 
     @property
+    def runtime_choices(self) -> dict[str, dict[str, str]]:
+        """What the hardware choices picked and why (/health, `memrad status`)."""
+        loaded = self.loaded
+        return {"dtype": {"value": loaded.dtype_name, "reason": loaded.dtype_choice.reason},
+                "weights": {"value": loaded.weights_name, "reason": loaded.weights.reason}}
+
+    @property
     def vocab_size(self) -> int:
         return len(self.loaded.tokenizer)
 
@@ -161,7 +168,8 @@ class Engine:
         from memrad.engine.disk import tokenizer_hash
 
         return {"model": self.model_id, "tokenizer": tokenizer_hash(self.loaded.tokenizer),
-                "dtype": self.loaded.dtype_name, "device": self.loaded.device.type,
+                "dtype": self.loaded.dtype_name, "weights": self.loaded.weights_name,
+                "device": self.loaded.device.type,
                 "chunk": str(self.prefill_chunk), "mode": self.mode}
 
     def namespace(self, request: GenerationRequest) -> Namespace:

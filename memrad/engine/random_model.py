@@ -29,12 +29,18 @@ def copy_shape(source: Path, out: Path) -> list[str]:
 
 
 def write_random_model(shape: Path, out: Path, seed: int = 0) -> Path:
-    """A loadable folder at `out`: `shape`'s config and tokenizer, weights drawn with `seed`."""
+    """A loadable folder at `out`: `shape`'s config and tokenizer, weights drawn with `seed`,
+    its linear layers rounded to Q4_1 blocks and kept as an int4 cache, as a GGUF's would be
+    (so `--weights auto` picks int4 there as it does for the default model)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memrad.engine.weights import quantize_layers_q4_1, write_int4_cache
 
     copy_shape(shape, out)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=torch.float32)
+    blocks = quantize_layers_q4_1(model)
     model.save_pretrained(out)
+    write_int4_cache(blocks, out, f"random Q4_1 (seed {seed})")
     return out

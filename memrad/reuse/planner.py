@@ -125,8 +125,9 @@ def _same_name(a: Identity | None, b: Identity | None) -> bool:
 
 
 def _nominate_prefix(view: RequestView, sessions: list[ParkedSession]) -> tuple[Tier, ParkedSession] | None:
-    by_tokens = [s for s in sessions if s.num_tokens <= len(view.prompt_ids)
-                 and view.prompt_ids[: s.num_tokens] == s.token_ids]
+    ids = view.prompt_ids
+    by_tokens = [s for s in sessions if 0 < s.num_tokens <= len(ids) and ids[s.num_tokens - 1] == s.token_ids[-1]
+                 and common_prefix_len(ids, s.token_ids) == s.num_tokens]
     if by_tokens:
         return "token-prefix", max(by_tokens, key=lambda s: (s.num_tokens, s.last_used_at))
     by_text = [s for s in sessions if s.text and view.prompt_text.startswith(s.text)]

@@ -114,11 +114,9 @@ class ReusePool:
             sessions = [(self._sessions[sid], blocks) for sid, blocks in found.items() if sid in self._sessions]
         out = []
         for session, blocks in sessions:
-            claimed = blocks * BLOCK
-            if prompt_ids[:claimed] != session.token_ids[:claimed]:
-                continue  # a hash collision: the bytes decide
-            out.append(PrefixMatch(session, claimed + common_prefix_len(prompt_ids[claimed:],
-                                                                         session.token_ids[claimed:])))
+            shared = common_prefix_len(prompt_ids, session.token_ids)
+            if shared >= blocks * BLOCK:  # else a hash collision: the bytes decide
+                out.append(PrefixMatch(session, shared))
         return tuple(out)
 
     def touch(self, session_id: str) -> None:

@@ -134,6 +134,7 @@ async def health(request: web.Request) -> web.Response:
         "model": ctx.engine.model_id,
         "device": ctx.device,
         "dtype": ctx.dtype,
+        "choices": getattr(ctx.engine, "runtime_choices", {}),  # dtype / weights picked, and why
         "threads": ctx.settings.model.threads,
         "prefill_chunk": ctx.settings.engine.prefill_chunk,
         "context_len": ctx.engine.context_len,

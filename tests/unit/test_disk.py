@@ -56,9 +56,9 @@ def test_a_restart_resumes_from_disk_bit_identically(loaded, kind, tmp_path):
     assert warm_state.session.session_id not in {"s1"} and warm_state.session.session_id != cold_state.session.session_id
 
 
-def test_eviction_spills_to_disk_and_the_disk_cap_holds(loaded, tmp_path):
+def test_eviction_spills_to_disk_and_both_caps_hold_under_a_64_conversation_churn(loaded, tmp_path):
     engine = make_engine(loaded, "llama", tmp_path, max_sessions=2, disk_bytes=250_000)
-    for i in range(12):
+    for i in range(64):
         ask(engine, [{"role": "user", "content": f"conversation {i}: " + "list files " * 8}], f"c{i}", salt=str(i))
         assert len(engine.pool.sessions()) <= 2 and engine.disk.pool.bytes_parked <= 250_000
         on_disk = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))

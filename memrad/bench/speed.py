@@ -1,0 +1,271 @@
+"""`memrad bench speed`: engine speed per weight format x dtype, against llama.cpp if given.
+
+    memrad bench speed                                   # the arms this machine supports
+    memrad bench speed --peer LLAMA_BENCH --gguf GGUF    # + llama.cpp on the same GGUF, ratios
+    memrad bench speed --floor 514:254 2426:232          # the floor of resumed turns
+    memrad bench speed --kv-layout                       # torch.cat vs in-place KV, grouped SDPA
+    memrad bench speed --random-like default --out DIR [--shape-only]   # a random-weight model
+
+Per arm, in one process: cold prefill tok/s at each --prefill length (one grid prefill of the
+longest, timed at each mark), a resumed --suffix after the longest (its TTFT minus HTTP),
+decode tok/s at each --decode-at context, load time, model bytes and the resident-memory
+growth of loading it. Arms run interleaved (order reversed every rep), llama-bench once per
+rep between them, so slow spells on a shared machine hit every arm alike; cells are medians.
+The decode floor is the weight bytes one step reads over the measured copy bandwidth.
+Never run in CI: numbers go to docs/BENCHMARKS.md with the command and the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from memrad.engine.hardware import native_bf16
+from memrad.engine.loader import load_model, resolve_model_folder, resolve_threads
+from memrad.engine.random_model import copy_shape, write_random_model
+from memrad.engine.speed import (Arm, Turn, current_rss_bytes, decode_bytes_per_token, median_s,
+                                 memory_bandwidth_bytes_s, model_bytes)
+
+
+def pair(text: str) -> tuple[int, int]:
+    context, _, suffix = text.partition(":")
+    try:
+        parsed = int(context), int(suffix)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CONTEXT:SUFFIX token counts, got {text!r}") from None
+    if parsed[0] < 0 or parsed[1] < 1:
+        raise argparse.ArgumentTypeError(f"need CONTEXT >= 0 and SUFFIX >= 1, got {text!r}")
+    return parsed
+
+
+def default_arms() -> list[str]:
+    """weights:dtype arms: what `auto` picks here, float in that dtype, and fp32 float (the
+    engine before int4 and dtype choice: the baseline every ratio is taken against)."""
+    if native_bf16().value == "yes":
+        return ["int4:bfloat16", "float:bfloat16", "float:float32"]
+    return ["int4:float32", "float:float32"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="memrad bench speed", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="0: all available cores")
+    parser.add_argument("--arms", nargs="+", help="WEIGHTS:DTYPE, e.g. int4:bfloat16 float:float32")
+    parser.add_argument("--prefill", nargs="+", type=int, default=[512, 2048, 4096])
+    parser.add_argument("--decode-at", nargs="+", type=int, default=[512, 4096])
+    parser.add_argument("--suffix", type=int, default=256, help="resumed suffix primed after the longest prefill")
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--peer", type=Path, help="llama.cpp's llama-bench (or llama-server next to it)")
+    parser.add_argument("--gguf", type=Path, help="the GGUF llama.cpp runs (the one --model came from)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every step")
+    parser.add_argument("--floor", nargs="+", type=pair, metavar="CONTEXT:SUFFIX")
+    parser.add_argument("--kv-layout", action="store_true")
+    parser.add_argument("--random-like", help="write a random-weight model shaped like this (`default` or a folder)")
+    parser.add_argument("--out", type=Path, help="where --random-like writes")
+    parser.add_argument("--shape-only", action="store_true", help="--random-like: config and tokenizer only")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.random_like:
+        return _random_model(args)
+    if args.quick:
+        args.prefill, args.decode_at, args.suffix, args.decode_steps, args.reps = [64, 128], [64, 128], 32, 4, 1
+        args.chunk = 64
+    threads = resolve_threads(args.threads)
+    if args.floor:
+        return _floor(args, threads)
+    if args.kv_layout:
+        return _kv_layout(args, threads)
+    return _speed(args, threads)
+
+
+def _speed(args: argparse.Namespace, threads: int) -> int:
+    marks = sorted(args.prefill)
+    longest = marks[-1]
+    if any(m % args.chunk for m in marks) or any(c > longest for c in args.decode_at):
+        raise SystemExit("--prefill lengths must be multiples of --chunk and cover every --decode-at")
+    arms: list[Arm] = []
+    loads: dict[str, tuple[float, int]] = {}
+    for spec in args.arms or default_arms():
+        weights, _, dtype = spec.partition(":")
+        rss, started = current_rss_bytes(), time.perf_counter()
+        loaded = load_model(args.model, args.device, dtype or "auto", progress=lambda _: None, weights=weights)
+        loads[spec] = (time.perf_counter() - started, current_rss_bytes() - rss)
+        arms.append(Arm(spec, loaded, args.chunk, threads))
+        arms[-1].engine.init_worker_thread()  # fixes torch's intra-op threads
+    rng = random.Random(0)
+    ids = [rng.randrange(3, arms[0].engine.vocab_size) for _ in range(longest + args.suffix)]
+    keys = ([f"prefill {m} tok/s" for m in marks] + [f"resume {args.suffix} after {longest} s"]
+            + [f"decode at {at} tok/s" for at in sorted(args.decode_at)])
+    cells: dict[str, dict[str, list[float]]] = {arm.name: {key: [] for key in keys} for arm in arms}
+    peer_cells: dict[str, list[float]] = {}
+    for arm in arms:  # warm up: first calls pay allocation and kernel selection
+        cache, _ = arm.prefill_marks(ids[:args.chunk], [])
+        arm.decode_rate(cache, args.chunk, 2)
+    for rep in range(args.reps):
+        for arm in arms if rep % 2 == 0 else reversed(arms):
+            row = cells[arm.name]
+            cache, seen = arm.prefill_marks(ids[:longest], marks)
+            for mark in marks:
+                row[f"prefill {mark} tok/s"].append(mark / seen[mark])
+            row[f"resume {args.suffix} after {longest} s"].append(arm.resume_s(cache, ids, longest))
+            for at in sorted(args.decode_at, reverse=True):
+                row[f"decode at {at} tok/s"].append(arm.decode_rate(cache, at, args.decode_steps))
+        if args.peer is not None:
+            for key, value in _llama_bench(args, threads, marks).items():
+                peer_cells.setdefault(key, []).append(value)
+        print(f"rep {rep + 1}/{args.reps} done", flush=True)
+    _report(args, threads, arms, cells, peer_cells, loads)
+    return 0
+
+
+def _report(args, threads, arms, cells, peer_cells, loads) -> None:
+    bandwidth = memory_bandwidth_bytes_s()
+    print(f"\nmodel={args.model} threads={threads} reps={args.reps} chunk={args.chunk} (medians, interleaved)")
+    print(f"cpu={_cpu_name()} bf16: {native_bf16().reason}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    names = [arm.name for arm in arms]
+    base = names[-1]
+    header = "| measure | " + " | ".join(names) + (" | llama.cpp |" if peer_cells else " |")
+    print("\n" + header + "\n|" + " --- |" * (len(names) + 1 + bool(peer_cells)))
+    for key in cells[names[0]]:
+        values = [statistics.median(cells[name][key]) for name in names]
+        peer = statistics.median(peer_cells[key]) if key in peer_cells else None
+        row = [_fmt(v) for v in values] + ([_fmt(peer) if peer is not None else "-"] if peer_cells else [])
+        print(f"| {key} | " + " | ".join(row) + " |")
+    for name in names:
+        seconds, rss = loads[name]
+        print(f"| {name}: load s / model MiB / RSS growth MiB | {seconds:.1f} / "
+              f"{model_bytes(arms[names.index(name)].loaded) / 2**20:.0f} / {rss / 2**20:.0f} |")
+    print("\nratios (each arm's median over the baseline arm's, and over llama.cpp's where it ran):")
+    for name in names:
+        for key in cells[name]:
+            ours = statistics.median(cells[name][key])
+            parts = [f"{_ratio(ours, statistics.median(cells[base][key]), key):.2f}x {base}"]
+            if key in peer_cells:
+                parts.append(f"{_ratio(ours, statistics.median(peer_cells[key]), key):.2f}x llama.cpp")
+            print(f"  {name:<15} {key:<28} " + ", ".join(parts))
+    print("\ndecode floor (weight bytes per token / copy bandwidth):")
+    for arm in arms:
+        per_token = decode_bytes_per_token(arm.loaded)
+        floor = bandwidth / per_token
+        best = max(statistics.median(v) for k, v in cells[arm.name].items() if k.startswith("decode"))
+        print(f"  {arm.name:<15} {per_token / 2**20:.0f} MiB/token -> floor {floor:.0f} tok/s; "
+              f"best decode {best:.1f} tok/s = {best / floor:.0%} of the floor")
+
+
+def _ratio(ours: float, theirs: float, key: str) -> float:
+    """Speed ratio >1 = we are faster; for seconds (resume) the inverse."""
+    return theirs / ours if key.endswith(" s") else ours / theirs
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _llama_bench(args: argparse.Namespace, threads: int, marks: list[int]) -> dict[str, float]:
+    """One repetition of llama-bench on the same GGUF: prefill at each mark, decode at depths."""
+    binary = args.peer
+    if binary.name == "llama-server":
+        binary = binary.with_name("llama-bench")
+    if args.gguf is None:
+        raise SystemExit("--peer needs --gguf: the GGUF llama.cpp should run (llama-peer.sh prints it)")
+    base = [str(binary), "-m", str(args.gguf), "-t", str(threads), "-r", "1", "-o", "json"]
+    runs = [base + ["-p", ",".join(map(str, marks)), "-n", "0"],
+            base + ["-p", "0", "-n", str(args.decode_steps), "-d", ",".join(map(str, args.decode_at))]]
+    out: dict[str, float] = {}
+    for cmd in runs:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        for test in json.loads(done.stdout):
+            if test["n_gen"] == 0:
+                out[f"prefill {test['n_prompt']} tok/s"] = test["avg_ts"]
+            else:
+                out[f"decode at {test['n_depth']} tok/s"] = test["avg_ts"]
+    return out
+
+
+def _floor(args: argparse.Namespace, threads: int) -> int:
+    """Interleaved floors of resumed turns: the bare forward of S tokens after C cached ones."""
+    from memrad.engine.engine import Engine
+
+    loaded = load_model(args.model, args.device, "auto", progress=lambda _: None)
+    engine = Engine(loaded, args.chunk, threads)
+    engine.init_worker_thread()
+    rng = random.Random(0)
+    turns = [Turn(engine, [rng.randrange(3, engine.vocab_size) for _ in range(c + s)], c) for c, s in args.floor]
+    times: list[list[float]] = [[] for _ in turns]
+    for rep in range(args.reps):
+        for i in range(len(turns)) if rep % 2 == 0 else reversed(range(len(turns))):
+            times[i].append(turns[i].run())
+    medians = [statistics.median(t) for t in times]
+    print(f"model={loaded.model_id} device={loaded.device.type} dtype={loaded.dtype_name} "
+          f"weights={loaded.weights_name} chunk={args.chunk} reps={args.reps} (medians, interleaved)\n")
+    print("| context | suffix | forward s | vs first | attention share |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for (context, suffix), turn, median in zip(args.floor, turns, medians):
+        share = f"{turn.attention_share():.0%}" if loaded.device.type == "cpu" else "-"
+        print(f"| {context} | {suffix} | {median:.3f} | {median / medians[0]:.2f}x | {share} |", flush=True)
+    return 0
+
+
+def _kv_layout(args: argparse.Namespace, threads: int) -> int:
+    """torch.cat layers vs in-place slabs, grouped SDPA off vs on: cold prefill, resume, decode."""
+    import os
+
+    from memrad.engine.engine import Engine
+    from memrad.engine.forward import crop_to, decode_one_token, prefill
+
+    loaded = load_model(args.model, args.device, "auto", progress=lambda _: None)
+    engine = Engine(loaded, args.chunk, threads)
+    engine.init_worker_thread()
+    n, suffix = max(args.prefill), args.suffix
+    rng = random.Random(0)
+    ids = [rng.randrange(3, engine.vocab_size) for _ in range(n + suffix)]
+    print(f"model={loaded.model_id} dtype={loaded.dtype_name} weights={loaded.weights_name} reps={args.reps}\n")
+    print(f"| KV layers | grouped SDPA | cold prefill {n} tok/s | resume {suffix} after {n} s | decode at {n} tok/s |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for in_place, grouped in [(False, "0"), (False, "1"), (True, "0"), (True, "1")]:
+        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = grouped  # read by transformers per call
+        cold = median_s(lambda: prefill(loaded.model, engine.new_cache(in_place), ids[:n], 0, args.chunk), args.reps)
+        cache = engine.new_cache(in_place)
+        prefill(loaded.model, cache, ids[:n], 0, args.chunk)
+
+        def resume() -> None:
+            crop_to(cache, n)
+            prefill(loaded.model, cache, ids[n:], n, args.chunk, on_grid=False)
+
+        resumed = median_s(resume, args.reps)
+        crop_to(cache, n)
+        decode = median_s(lambda: [decode_one_token(loaded.model, cache, 5, n + i) for i in range(args.decode_steps)], 1)
+        print(f"| {'in-place slabs' if in_place else 'torch.cat'} | {'on' if grouped == '1' else 'off'} | "
+              f"{n / cold:.0f} | {resumed:.3f} | {args.decode_steps / decode:.1f} |", flush=True)
+    return 0
+
+
+def _random_model(args: argparse.Namespace) -> int:
+    if args.out is None:
+        raise SystemExit("--random-like needs --out DIR")
+    _, source = resolve_model_folder(args.random_like, print)
+    if args.shape_only:
+        print(f"copied {', '.join(copy_shape(source, args.out))} from {source} to {args.out}")
+    else:
+        write_random_model(source, args.out, args.seed)
+        print(f"wrote {args.out}: the shape of {source}, random weights (seed {args.seed}), Q4_1 int4 cache")
+    return 0

@@ -1,0 +1,164 @@
+"""Weight-only quantized linear layers, loaded from a GGUF's own blocks (no float round trip).
+
+A GGUF Q4_1 block is 32 weights of one output row: w = q·d + m, q in 0..15, d and m fp16.
+torch's int4 kernels (the CPU `_weight_int4pack_mm_for_cpu`, CUDA's tinygemm
+`_weight_int4pack_mm`) take the same shape of quantization, group 32 along the input, with
+w = (q - 8)·scale + zero. So a block maps onto the packed format exactly by
+
+    scale = d,  zero = m + 8·d          (Q4_0: w = (q - 8)·d, so zero = 0)
+
+up to the scales' dtype: the kernels keep scale and zero in the activation dtype (bf16), so
+d and m lose their last 3 mantissa bits. The 4-bit codes are the shipped ones, bit for bit.
+
+    block (20 B)   | d fp16 | m fp16 | qs[16]: low nibble = weight j, high nibble = weight j+16 |
+    codes          q  [N, K]          uint8 0..15     (N output rows, K inputs)
+    scales/zeros   sz [K/32, N, 2]    activation dtype
+    packed         [N, K/2] uint8 (CPU) or the tinygemm tile layout (CUDA)
+
+Measured on the AVX512-BF16 CPU of docs/BENCHMARKS.md: the int4 kernel reads a quarter of the
+bytes and wins for one token (a 1536x576 GEMV: 30 µs vs 64 µs bf16 dense, 1 thread), but
+loses 5x to the dense bf16 GEMM on a 256-token prefill chunk. So an Int4Linear keeps the
+dense weight for prefill and runs the packed codes only for single-token (decode) steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+GROUP = 32
+# bytes per block of 32 weights, and where the 16 bytes of codes start in it
+_BLOCK_LAYOUT = {"Q4_0": (18, 2), "Q4_1": (20, 4)}
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Blocks:
+    """One weight matrix's GGUF blocks, unpacked: codes, scales and mins as shipped."""
+
+    codes: torch.Tensor  # [N, K] uint8, 0..15
+    scales: torch.Tensor  # [N, K/32] float32 (the block's d)
+    mins: torch.Tensor | None  # [N, K/32] float32 (Q4_1's m); None for Q4_0 (symmetric around 8)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weights [N, K] float32, computed as GGUF defines them (q·d + m)."""
+        n, k = self.codes.shape
+        q = self.codes.view(n, k // GROUP, GROUP).float()
+        if self.mins is None:
+            w = (q - 8) * self.scales[..., None]
+        else:
+            w = q * self.scales[..., None] + self.mins[..., None]
+        return w.view(n, k)
+
+    def permuted(self, rows: torch.Tensor) -> "Int4Blocks":
+        """The same blocks with output rows reordered (transformers un-permutes llama's Q/K)."""
+        return Int4Blocks(self.codes[rows], self.scales[rows], None if self.mins is None else self.mins[rows])
+
+
+def quantize_q4_1(weight: torch.Tensor) -> Int4Blocks:
+    """Q4_1 blocks for a float weight [N, K] (min/max per block, d and m rounded to fp16 as
+    llama.cpp stores them). For models that ship no GGUF: tests and the random-weight model."""
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    d = ((high - low) / 15).half().float()
+    m = low.half().float()
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    codes = torch.round((groups - m[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
+    return Int4Blocks(codes.reshape(n, k), d, m)
+
+
+def unpack_blocks(raw: np.ndarray, kind: str) -> Int4Blocks:
+    """Split a GGUF Q4_0/Q4_1 tensor's bytes [N, K/32 * block bytes] into codes, scales, mins."""
+    size, codes_at = _BLOCK_LAYOUT[kind]
+    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(raw.shape[0], -1, size)  # [N, K/32, size]
+    n, nb, _ = blocks.shape
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(n, nb).float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16).view(n, nb).float() if kind == "Q4_1" else None
+    qs = blocks[..., codes_at:codes_at + 16]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, nb * GROUP)  # [N, K]
+    return Int4Blocks(codes.contiguous(), d, m)
+
+
+def _scales_and_zeros(blocks: Int4Blocks, dtype: torch.dtype) -> torch.Tensor:
+    zeros = 8 * blocks.scales + (blocks.mins if blocks.mins is not None else 0)
+    return torch.stack([blocks.scales.t(), zeros.t()], dim=-1).contiguous().to(dtype)  # [K/32, N, 2]
+
+
+def _pack(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    # tinygemm takes two codes per byte, the even column in the high nibble (torchao's layout)
+    paired = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
+    return torch.ops.aten._convert_weight_to_int4pack(paired, 8)
+
+
+class Int4Linear(torch.nn.Linear):
+    """A Linear whose single-token calls run the packed int4 codes; longer inputs (prefill)
+    run the dense `weight` it still holds (see the module docstring for why both)."""
+
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        device = linear.weight.device
+        self.kernel_dtype = scales_and_zeros.dtype  # the int4 kernels run bf16 (or fp16) activations
+        self.register_buffer("packed", packed.to(device), persistent=False)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(device), persistent=False)
+        self._mm = (torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu"
+                    else torch.ops.aten._weight_int4pack_mm)
+
+    @classmethod
+    def from_blocks(cls, linear: torch.nn.Linear, blocks: Int4Blocks, kernel_dtype: torch.dtype) -> "Int4Linear":
+        """Pack `blocks` for the kernel of `linear`'s device (seconds for a whole model on a
+        loaded CPU: memrad.engine.weights keeps the result)."""
+        device = linear.weight.device
+        return cls(linear, _pack(blocks.codes, device), _scales_and_zeros(blocks, kernel_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., T, K]; the packed path only where one token goes through (decode)
+        if x.dim() < 2 or x.shape[-2] != 1:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, self.in_features).to(self.kernel_dtype)  # [1, K]
+        y = self._mm(flat, self.packed, GROUP, self.scales_and_zeros).to(x.dtype)  # [1, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, int4 group {GROUP} ({self.kernel_dtype}) for single tokens"
+
+
+
+
+class Int8Linear(torch.nn.Linear):
+    """A Linear whose single-token calls run int8 weights with one scale per output row
+    (`_weight_int8pack_mm`); longer inputs run the dense `weight`. Quantized from the float
+    weights (the kernel has no per-block scales, so a GGUF's Q8_0 blocks cannot map onto it
+    exactly): lossy, opt-in only (`--weights int8`)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        w = linear.weight.detach().float()  # [N, K]
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [N]
+        self.register_buffer("codes", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8),
+                             persistent=False)
+        self.register_buffer("scales", scales.to(linear.weight.dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[-2] != 1:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, self.in_features)  # [1, K]
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)  # [1, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of quantized codes and scales the model's Int4Linear / Int8Linear layers hold."""
+    return sum(sum(b.nbytes for b in m.buffers()) for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))

@@ -1,0 +1,62 @@
+"""The default model in every weight format x dtype: a resumed turn equals its cold run, and
+`auto` picks int4 (the shipped Q4_1 blocks) with the dtype the hardware is fast at."""
+
+import pytest
+import torch
+
+from memrad.engine.engine import Engine
+from memrad.engine.hardware import native_bf16
+from memrad.engine.loader import load_model
+from memrad.engine.quant import Int4Linear
+from memrad.request import GenerationRequest, SamplingParams
+from memrad.reuse.pool import ReusePool
+
+pytestmark = pytest.mark.integration
+
+CHUNK = 256
+SYSTEM = {"role": "system", "content": "You are a careful coding agent working in a Python repository. "
+          + "Read before you write, keep changes small, and run the tests after every change. " * 20}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    torch.set_num_threads(2)
+    made = {}
+
+    def get(weights: str, dtype: str):
+        if (weights, dtype) not in made:
+            made[weights, dtype] = load_model("default", device="cpu", dtype=dtype, weights=weights)
+        return made[weights, dtype]
+
+    return get
+
+
+def _ask(engine, messages, rid, salt=None):
+    text, ids = engine.render_chat(messages, None)
+    request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
+                                SamplingParams(temperature=0.0, max_tokens=16), cache_salt=salt)
+    return engine.generate(request, lambda _: None, lambda: False), engine.finished[-1]
+
+
+def test_auto_runs_the_shipped_4_bit_blocks_in_the_dtype_the_cpu_is_fast_at(loaded):
+    smol = loaded("auto", "auto")
+    bf16 = native_bf16().value == "yes"
+    assert smol.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    assert smol.weights.value == "int4" and "210 Q4 tensors from the shipped Q4_1 GGUF" in smol.weights.reason
+    assert sum(isinstance(m, Int4Linear) for m in smol.model.modules()) == 210  # 30 layers x 7
+
+
+@pytest.mark.parametrize("weights,dtype", [("int4", "bfloat16"), ("int4", "float32"), ("float", "bfloat16")])
+def test_a_resumed_turn_is_bit_identical_to_its_cold_run(loaded, weights, dtype):
+    engine = Engine(loaded(weights, dtype), CHUNK, 2, ReusePool(8, 2**31), "exact")
+    engine.finished = []
+    engine.on_finished = engine.finished.append
+    messages = [SYSTEM, {"role": "user", "content": "List the files in the repository root."}]
+    first, _ = _ask(engine, messages, "t1")
+    assert first.prompt_tokens > CHUNK
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now open README.md."}]
+    warm, warm_state = _ask(engine, messages, "t2")
+    cold, cold_state = _ask(engine, messages, "t2-cold", salt="cold")
+    assert warm.decision.outcome == "resumed" and warm.cached_tokens == first.prompt_tokens
+    assert torch.equal(warm_state.prompt_logits, cold_state.prompt_logits)
+    assert warm_state.generated_ids == cold_state.generated_ids and warm.text == cold.text
