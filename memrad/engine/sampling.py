@@ -24,6 +24,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.detach().to("cpu", torch.float32) / params.temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        # A temperature so small (1e-300 passes validation) that logits / T overflowed: the
+        # distribution it asks for is the argmax (found by the fuzzer: multinomial raised).
+        return int(torch.argmax(logits))
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)

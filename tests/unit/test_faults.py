@@ -2,6 +2,8 @@
 able to fail. The full-size runs (default model) are `memrad bench faults ...`; their
 figures are in docs/RELIABILITY.md."""
 
+import time
+
 from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
@@ -12,8 +14,26 @@ from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
 
 
-async def harness(tiny_loaded, run, max_queue=16, pool=ReusePool(32, 10**9)):
+class Slow:
+    """The tiny engine, `step_s` slower per generated token: a job outlasts 16 arrivals."""
+
+    def __init__(self, engine, step_s):
+        self._engine, self.step_s = engine, step_s
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, request, emit, cancelled, on_decision=None):
+        def slow_emit(text):
+            time.sleep(self.step_s)
+            emit(text)
+
+        return self._engine.generate(request, slow_emit, cancelled, on_decision)
+
+
+async def harness(tiny_loaded, run, max_queue=16, pool=ReusePool(32, 10**9), step_s=0.0):
     engine = Engine(tiny_loaded, 16, 1, pool)
+    engine = Slow(engine, step_s) if step_s else engine
     settings = Settings(server=ServerSettings(max_queue=max_queue, shutdown_grace_s=1.0))
     server = TestServer(make_app(settings, engine, "cpu", "float32"), host="127.0.0.1")
     await server.start_server()
@@ -33,7 +53,9 @@ async def test_soak_cut_streams_leave_nothing_behind(tiny_loaded, capsys):
 
 
 async def test_overload_gets_429_with_retry_after_and_serves_everyone_in_order(tiny_loaded, capsys):
-    ok, _ = await harness(tiny_loaded, lambda api: overload(api, clients=16, stagger_s=0.02), max_queue=4)
+    # Clients 50 ms apart; each job takes 16 x 50 ms: the first still runs when the last arrives.
+    ok, _ = await harness(tiny_loaded, lambda api: overload(api, clients=16, stagger_s=0.05), max_queue=4,
+                          step_s=0.05)
     out = capsys.readouterr().out
     assert ok, out
     assert "every client served: 16/16" in out and "FIFO kept among the admitted: True" in out
