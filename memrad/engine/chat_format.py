@@ -17,6 +17,7 @@ memrad.engine.reply turns it into content with a warning instead of failing the 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,17 @@ HERMES_CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# How a call opens, per family: (before the function name, after it). memrad does not
+# constrain decoding, so a client that requires a call (tool_choice `required`, or a named
+# function) gets the call's opening written at the start of the reply: the model continues
+# inside a call, and the parser, which read the opening as part of the prompt, parses it.
+CALL_OPENINGS: dict[str, tuple[str, str]] = {
+    "hermes": ('<tool_call>\n{"name": "', '", "arguments": '),
+    "llama3": ('{"name": "', '", "parameters": '),
+    "mistral": ('[TOOL_CALLS][{"name": "', '", "arguments": '),
+}
+
+
 PROBE_TOOL = {"type": "function", "function": {
     "name": "memra_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
 
@@ -173,3 +185,12 @@ def skipped_markup(tokenizer: Any, markup: tuple[str, ...]) -> frozenset[int]:
 def uses_tools(messages: list[dict], tools: list[dict] | None) -> bool:
     """A conversation that lists tools, calls one or carries a tool result."""
     return bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+
+
+def call_opening(fmt: ChatFormat, name: str | None) -> str:
+    """The start of a reply that must be a tool call (`name`: the one function it must call);
+    "" where the family's call format is unknown (the choice is then only recorded)."""
+    if fmt.family not in CALL_OPENINGS or fmt.response_template is None:
+        return ""
+    head, after_name = CALL_OPENINGS[fmt.family]
+    return head if name is None else head + json.dumps(name, ensure_ascii=False)[1:-1] + after_name

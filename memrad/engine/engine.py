@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from memrad.engine.chat_format import chat_format
+from memrad.engine.chat_format import call_opening, chat_format
 from memrad.engine.detokenize import IncrementalDetokenizer
 from memrad.engine.forward import cache_length, decode_one_token, prefill
 from memrad.engine.kv import install as install_slabs
@@ -140,8 +140,12 @@ class Engine:
         """Run once on the thread that will call `generate`: fix the intra-op thread count."""
         torch.set_num_threads(self.threads)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
-        return render_chat(self.loaded.tokenizer, messages, tools, self.chat_format)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None, require_call: bool = False,
+                    call_name: str | None = None) -> tuple[str, list[int]]:
+        """Render a conversation; with `require_call` the reply starts as a tool call (of
+        `call_name` if given), opened in the prompt (memrad.engine.chat_format.call_opening)."""
+        opening = call_opening(self.chat_format, call_name) if require_call and tools else ""
+        return render_chat(self.loaded.tokenizer, messages, tools, self.chat_format, opening)
 
     def reply_parser(self, prompt_text: str, parse_tools: bool) -> ReplyParser:
         """A fresh parser for the reply to `prompt_text` (tool calls parsed if `parse_tools`)."""

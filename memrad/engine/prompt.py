@@ -17,8 +17,9 @@ class PromptError(ValueError):
 
 
 def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
-                fmt: ChatFormat | None = None) -> tuple[str, list[int]]:
-    """Render with the chat template (generation prompt appended); return (text, ids).
+                fmt: ChatFormat | None = None, reply_opening: str = "") -> tuple[str, list[int]]:
+    """Render with the chat template (generation prompt appended, then `reply_opening`: the
+    start of a required tool call, memrad.engine.chat_format.call_opening); return (text, ids).
 
     A conversation with tools uses memra's tool template where the model's own has no tool
     format (`fmt.tool_template`); a model with neither rejects `tools`. The text is tokenized
@@ -43,6 +44,7 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None =
         )
     except Exception as exc:  # jinja raise_exception() and template errors
         raise PromptError(f"the model's chat template rejected these messages: {exc}", "messages") from exc
+    text += reply_opening
     return text, encode_text(tokenizer, text, add_special_tokens=False)
 
 

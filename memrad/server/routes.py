@@ -113,7 +113,9 @@ def render(ctx: ServerContext, parsed: ParsedRequest) -> tuple[str, list[int]]:
     """The one rendering path of every chat-shaped API: internal messages + tools -> ids."""
     messages = [dict(m) for m in parsed.messages or ()]
     tools = [dict(t) for t in parsed.tools] if parsed.tools else None
-    return ctx.engine.render_chat(messages, tools)
+    choice = parsed.tool_choice
+    return ctx.engine.render_chat(messages, tools, require_call=choice.mode in ("required", "function"),
+                                  call_name=choice.name if choice.mode == "function" else None)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -23,8 +23,9 @@ ToolMode = Literal["auto", "none", "required", "function"]
 
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
-    """What the client asked the model to do with its tools. memrad does not constrain
-    decoding: `none` turns tool-call parsing off, the others are validated and recorded."""
+    """What the client asked the model to do with its tools. `none` turns tool-call parsing
+    off; `required` and `function` open the reply as a call (of the named function), since
+    memrad does not constrain decoding (memrad.engine.chat_format.call_opening)."""
 
     mode: ToolMode = "auto"
     name: str | None = None  # the function a `function` choice names

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import openai
 import pytest
 
@@ -58,7 +60,12 @@ def test_a_rewritten_named_turn_resumes_via_affinity_and_says_so(daemon):
     first = client.chat.completions.with_raw_response.create(
         model="default", messages=[SYSTEM, FIRST_USER], temperature=0, max_tokens=12,
         extra_body={"session_id": "agent-42"})
-    assert first.headers["x-memra-decision"] == 'cold (no nomination: no parked session named "agent-42")'
+    # Earlier tests of this module parked the same system prompt under other names: the
+    # longest-prefix tier forks it (the reused tokens are this request's own), affinity does not.
+    # (Run alone, nothing is parked yet: cold.)
+    assert re.fullmatch(r'prefix: resumed \(longest prefix with s\d+, 512 of \d+; forked\)'
+                        r'|cold \(nothing parked for this model and cache_salt\)',
+                        first.headers["x-memra-decision"]), first.headers["x-memra-decision"]
     reply = first.parse()
     trimmed = reply.choices[0].message.content[:10]  # the client keeps only the start of the reply
     second = client.chat.completions.with_raw_response.create(

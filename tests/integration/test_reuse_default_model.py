@@ -73,7 +73,9 @@ def test_fast_mode_covers_the_first_prompt_and_the_reply(smol):
     assert warm.cached_tokens == first_state.session.num_tokens
     assert warm.cached_tokens >= first.prompt_tokens + first.completion_tokens - 1
     difference = (warm_state.prompt_logits - cold_state.prompt_logits).abs().max().item()
-    assert difference < 1e-2  # close, not bit-identical: the reply's KV came from decode steps
+    # Close, not bit-identical: the reply's KV came from decode steps, which run the int4
+    # kernel with bf16 inputs where prefill runs the dense weights (docs/ARCHITECTURE.md).
+    assert difference < (1e-2 if smol.weights_name == "float" else 5e-2)
 
 
 def test_a_client_that_trims_the_reply_misses_the_prefix_probes_but_not_the_longest_prefix(smol):

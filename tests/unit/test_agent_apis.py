@@ -345,3 +345,39 @@ async def test_messages_max_tokens_beyond_the_context_is_lowered_to_what_is_left
         await oai(server).chat.completions.create(model="default", max_tokens=32000,
                                                   messages=[{"role": "user", "content": "x"}])
     assert chat.value.body["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_a_required_or_named_tool_choice_opens_the_reply_as_that_call(server, engine, api):
+    """memrad does not constrain decoding: a required call is opened in the prompt, so the
+    model's reply (scripted here as what follows the opening) is parsed as that call."""
+    question = "What does src/a.py do?"
+    engine.script('{"path": "src/a.py"}}\n</tool_call>', 'read_file", "arguments": {"path": "b.py"}}\n</tool_call>')
+    if api == "chat":
+        client, messages = oai(server), [{"role": "user", "content": question}]
+        named = await client.chat.completions.create(
+            model="default", messages=messages, tools=CHAT_TOOLS, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "read_file"}})
+        required = await client.chat.completions.create(model="default", messages=messages, tools=CHAT_TOOLS,
+                                                        temperature=0, tool_choice="required")
+        calls = [(r.choices[0].message.tool_calls[0].function.name, r.choices[0].message.tool_calls[0].function.arguments,
+                  r.choices[0].finish_reason) for r in (named, required)]
+    elif api == "responses":
+        client = oai(server)
+        named = await client.responses.create(model="default", input=question, tools=RESPONSES_TOOLS, temperature=0,
+                                              tool_choice={"type": "function", "name": "read_file"})
+        required = await client.responses.create(model="default", input=question, tools=RESPONSES_TOOLS,
+                                                 temperature=0, tool_choice="required")
+        calls = [(r.output[-1].name, r.output[-1].arguments, "tool_calls") for r in (named, required)]
+    else:
+        client = claude(server)
+        kwargs = dict(model="default", max_tokens=64, tools=MESSAGES_TOOLS,
+                      messages=[{"role": "user", "content": question}])
+        named = await client.messages.create(tool_choice={"type": "tool", "name": "read_file"}, **kwargs)
+        required = await client.messages.create(tool_choice={"type": "any"}, **kwargs)
+        calls = [(r.content[-1].name, json.dumps(r.content[-1].input), "tool_calls") for r in (named, required)]
+    assert [(name, json.loads(arguments), finish) for name, arguments, finish in calls] == [
+        ("read_file", {"path": "src/a.py"}, "tool_calls"), ("read_file", {"path": "b.py"}, "tool_calls")]
+    named_prompt, required_prompt = (engine.loaded.tokenizer.decode(list(p)) for p in engine.prompts[-2:])
+    assert named_prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "read_file", "arguments": ')
+    assert required_prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from formats import family_tokenizer
-from memrad.engine.chat_format import RESPONSE_TEMPLATES, chat_format
+from memrad.engine.chat_format import RESPONSE_TEMPLATES, call_opening, chat_format
 from memrad.engine.detokenize import IncrementalDetokenizer
 from memrad.engine.prompt import PromptError, render_chat
 from memrad.engine.reply_parser import ReplyParser, parse_reply
@@ -205,3 +205,19 @@ def test_a_shipped_template_that_breaks_mid_reply_degrades_to_content(caplog):
         reply = streamed(fmt, prompt, ["Ok. <tool_call>", '{"nm": 1}', "</tool_call>"])
     assert reply.tool_calls == () and reply.content == 'Ok.{"nm": 1}'
     assert "reply parsing failed" in caplog.text
+
+
+def test_a_required_call_opened_in_the_prompt_parses_from_the_models_continuation(family):
+    """tool_choice required / named: the reply's opening is part of the prompt, and the parser
+    reads on from it: what the model writes next completes the call, in every family."""
+    name, tok, fmt, _ = family
+    arguments_key = "parameters" if FAMILY_OF[name] == "llama3" else "arguments"
+    tail = "}]" if FAMILY_OF[name] == "mistral" else ("}" if FAMILY_OF[name] == "llama3" else "}\n</tool_call>")
+    for call_name, continuation in ((None, f'read_file", "{arguments_key}": {{"path": "a.py"}}{tail}'),
+                                    ("read_file", f'{{"path": "a.py"}}{tail}')):
+        opening = call_opening(fmt, call_name)
+        prompt, ids = render_chat(tok, USER, TOOLS, fmt, opening)
+        assert opening and prompt.endswith(opening) and ids == tok(prompt, add_special_tokens=False)["input_ids"]
+        reply = streamed(fmt, prompt, [continuation[:5], continuation[5:]])
+        assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [("read_file", {"path": "a.py"})]
+        assert reply.content == ""
