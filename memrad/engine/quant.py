@@ -90,9 +90,11 @@ def _scales_and_zeros(blocks: Int4Blocks, dtype: torch.dtype) -> torch.Tensor:
 def _pack(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    # tinygemm takes two codes per byte, the even column in the high nibble (torchao's layout)
+    # tinygemm takes two codes per byte, the even column in the high nibble (torchao's layout),
+    # and K in tiles of 16 x innerKTiles (2, 4 or 8): SmolLM2's K = 576 allows 4, not 8.
     paired = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
-    return torch.ops.aten._convert_weight_to_int4pack(paired, 8)
+    inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0)
+    return torch.ops.aten._convert_weight_to_int4pack(paired, inner_k_tiles)
 
 
 class Int4Linear(torch.nn.Linear):
