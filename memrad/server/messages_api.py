@@ -25,7 +25,7 @@ from memrad.reply import Reply, ReplyDelta
 from memrad.request import Completion, SamplingParams
 from memrad.server.errors import invalid
 from memrad.server.tools import ToolChoice, assistant_message, check_choice, function_tool, tool_call, tool_result
-from memrad.server.validate import MAX_STOPS, ParsedRequest, identity_of, name_field, object_body
+from memrad.server.validate import MAX_STOPS, ParsedRequest, identity_of, joined_text, name_field, object_body
 from memrad.server.wire import Event, decision_field
 
 STOP_REASONS = {"length": "max_tokens"}
@@ -82,22 +82,7 @@ def _stops(value: Any) -> tuple[str, ...]:
 def _system(value: Any) -> tuple[dict, ...]:
     if value is None or value == "" or value == []:
         return ()
-    return ({"role": "system", "content": _texts(value, "system")},)
-
-
-def _texts(value: Any, where: str) -> str:
-    """A string, or text blocks joined by newlines (as Chat joins text parts)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for j, block in enumerate(value):
-            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-                raise invalid(f"{where}[{j}] must be a text block {{\"type\": \"text\", \"text\": ...}}: "
-                              "this model accepts text only", f"{where}[{j}]")
-            texts.append(block["text"])
-        return "\n".join(texts)
-    raise invalid(f"{where} must be a string or an array of text blocks", where)
+    return ({"role": "system", "content": joined_text(value, "system", "block")},)
 
 
 def _messages(value: Any) -> tuple[dict, ...]:
@@ -123,7 +108,7 @@ def _user(blocks: list, where: str) -> list[dict]:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_result":
             result = block.get("content", "")
-            out.append(tool_result(block.get("tool_use_id"), _texts(result, f"{here}.content"), here))
+            out.append(tool_result(block.get("tool_use_id"), joined_text(result, f"{here}.content", "block"), here))
         elif kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         else:

@@ -165,7 +165,7 @@ def _message(message: Any, i: int) -> dict:
             raise invalid(f"{where}.tool_calls must be an array on an assistant message", f"{where}.tool_calls")
     if content is None and not (role == "assistant" and tool_calls):
         raise invalid(f"{where}.content is required", f"{where}.content")
-    out["content"] = _content(content, f"{where}.content") if content is not None else ""
+    out["content"] = joined_text(content, f"{where}.content") if content is not None else ""
     if tool_calls:
         out["tool_calls"] = chat_tool_calls(tool_calls, f"{where}.tool_calls")
     keys = {"assistant": ("reasoning_content",), "tool": ("tool_call_id",)}.get(role, ("name",))
@@ -180,18 +180,20 @@ def _message(message: Any, i: int) -> dict:
     return out
 
 
-def _content(content: Any, where: str) -> str:
+def joined_text(content: Any, where: str, noun: str = "part") -> str:
+    """A string, or text parts (`noun`: "part" in OpenAI's APIs, "block" in Anthropic's)
+    joined by newlines; anything else is a 400 naming `where`."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}: "
+                raise invalid(f"{where}[{j}] must be a text {noun} {{\"type\": \"text\", \"text\": ...}}: "
                               "this model accepts text only", f"{where}[{j}]")
             texts.append(part["text"])
         return "\n".join(texts)
-    raise invalid(f"{where} must be a string or an array of text parts", where)
+    raise invalid(f"{where} must be a string or an array of text {noun}s", where)
 
 
 def _prompt(value: Any) -> str | tuple[int, ...]:
