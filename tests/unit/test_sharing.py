@@ -6,8 +6,8 @@ import torch
 
 from memrad.engine.engine import Engine
 from memrad.engine.loader import load_model
-from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
+from test_reuse import ask
 
 CHUNK = 16
 SYSTEM = "You are a helpful coding assistant. Read the file, then answer. " * 4
@@ -23,14 +23,6 @@ def make_engine(loaded, kind="llama", max_bytes=10**9, max_sessions=64, affinity
     engine.finished = []
     engine.on_finished = engine.finished.append
     return engine
-
-
-def ask(engine, messages, rid, salt=None, max_tokens=6):
-    text, ids = engine.render_chat(messages, None)
-    request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
-                                SamplingParams(temperature=0.0, max_tokens=max_tokens), cache_salt=salt)
-    completion = engine.generate(request, lambda _: None, lambda: False)
-    return completion, engine.finished[-1]
 
 
 def cold(engine, messages, rid, max_tokens=6):
