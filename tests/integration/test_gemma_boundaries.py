@@ -11,8 +11,8 @@ import torch
 from memrad.engine import gemma
 from memrad.engine.engine import Engine
 from memrad.engine.pull import is_converted
-from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
+from test_reuse_default_model import ask
 
 pytestmark = pytest.mark.integration
 
@@ -27,14 +27,6 @@ def gemma_loaded():
 
     torch.set_num_threads(2)
     return load_model(gemma.MODEL_ID, device="cpu", dtype="float32", allow_pull=False)
-
-
-def ask(engine, messages, rid, salt=None):
-    text, ids = engine.render_chat(messages, None)
-    request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
-                                SamplingParams(temperature=0.0, max_tokens=6), cache_salt=salt)
-    completion = engine.generate(request, lambda _: None, lambda: False)
-    return completion, engine.finished[-1]
 
 
 def test_gemma_has_non_croppable_state_and_memra_supplies_its_turn_template(gemma_loaded):
@@ -58,7 +50,7 @@ def test_a_rewrite_of_turn_3_of_8_resumes_from_the_boundary_before_it(gemma_load
     anchors = []
     for turn in range(1, 9):
         messages.append({"role": "user", "content": f"Step {turn}: which file should I open next?"})
-        done, state = ask(engine, messages, f"t{turn}")
+        done, state = ask(engine, messages, f"t{turn}", max_tokens=6)
         anchors.append(done.prompt_tokens)
         messages.append({"role": "assistant", "content": done.text})
         if turn > 1:
@@ -66,8 +58,8 @@ def test_a_rewrite_of_turn_3_of_8_resumes_from_the_boundary_before_it(gemma_load
     assert anchors[2] in state.session.checkpoints
     messages[6] = {"role": "assistant", "content": "(compacted)"}  # turn 3's reply, rewritten
     messages.append({"role": "user", "content": "Step 9: and now?"})
-    warm, warm_state = ask(engine, messages, "t9")
-    cold, cold_state = ask(engine, messages, "t9-cold", salt="cold")
+    warm, warm_state = ask(engine, messages, "t9", max_tokens=6)
+    cold, cold_state = ask(engine, messages, "t9-cold", salt="cold", max_tokens=6)
     assert warm.cached_tokens == anchors[2], warm.decision.render()
     assert f"of checkpoint {anchors[7]}; resumed from {anchors[2]}; " in warm.decision.render()
     assert torch.equal(warm_state.prompt_logits, cold_state.prompt_logits) and warm.text == cold.text

@@ -13,8 +13,8 @@ from memrad.engine.loader import load_model
 from memrad.engine.pull import ModelUnavailable
 from memrad.engine.quant import Int4Linear, Int8Linear
 from memrad.engine.weights import INT4_CACHE, count_int4_cache, quantize_layers_q4_1, write_int4_cache
-from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
+from test_reuse import ask
 
 CONFIGS = [("float", "float32"), ("float", "bfloat16"), ("int4", "float32"), ("int4", "bfloat16"),
            ("int8", "bfloat16")]
@@ -60,14 +60,6 @@ def test_int4_without_cached_blocks_says_what_to_do(tiny_llama_dir):
     assert _load(tiny_llama_dir, "auto", "float32").weights.value == "float"
 
 
-def _ask(engine, messages, rid, salt=None):
-    text, ids = engine.render_chat(messages, None)
-    request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
-                                SamplingParams(temperature=0.0, max_tokens=6), cache_salt=salt)
-    done = engine.generate(request, lambda _: None, lambda: False)
-    return done, engine.finished[-1]
-
-
 @pytest.mark.parametrize("weights,dtype", CONFIGS)
 def test_resumed_turns_equal_cold_turns_bit_for_bit(q4_dir, weights, dtype):
     loaded = _load(q4_dir, weights, dtype)
@@ -77,8 +69,8 @@ def test_resumed_turns_equal_cold_turns_bit_for_bit(q4_dir, weights, dtype):
     messages = [SYSTEM]
     for turn in range(3):
         messages.append({"role": "user", "content": f"turn {turn}: list files, then open README.md"})
-        warm, warm_state = _ask(engine, messages, f"t{turn}")
-        cold, cold_state = _ask(engine, messages, f"c{turn}", salt=f"cold-{turn}")
+        warm, warm_state = ask(engine, messages, f"t{turn}")
+        cold, cold_state = ask(engine, messages, f"c{turn}", salt=f"cold-{turn}")
         assert cold.decision.outcome == "cold"
         if turn:
             assert warm.decision.outcome == "resumed", warm.decision.render()
@@ -91,7 +83,7 @@ def test_parked_bytes_count_bf16_kv_at_two_bytes_a_value(q4_dir):
     engine = Engine(_load(q4_dir, "int4", "bfloat16"), 16, 1, ReusePool(16, 10**9), "exact")
     engine.finished = []
     engine.on_finished = engine.finished.append
-    _, state = _ask(engine, [SYSTEM, {"role": "user", "content": "hi"}], "r")
+    _, state = ask(engine, [SYSTEM, {"role": "user", "content": "hi"}], "r")
     assert state.cache.layers[0].keys.dtype == torch.bfloat16
     # 2 layers x (keys + values) x 2 kv heads x 16 dims x 2 bytes
     assert state.session.num_bytes == state.session.num_tokens * 2 * 2 * 2 * 16 * 2
