@@ -31,6 +31,7 @@ FLAGS = {
     "threads": "model.threads",
     "weights": "model.weights",
     "prefill_chunk": "engine.prefill_chunk",
+    "compile": "engine.compile",
     "reuse_mode": "reuse.mode",
     "max_queue": "server.max_queue",
     "log_level": "log.level",
@@ -63,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--weights", choices=("auto", "float", "int4", "int8"),
                        help="decode weights: int4 runs a GGUF's 4-bit blocks as shipped (auto where present)")
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
+    start.add_argument("--compile", choices=("auto", "on", "off"),
+                       help="decode step: auto compiles it in the background, on before serving, off stays eager")
     start.add_argument("--reuse-mode", choices=("exact", "fast"),
                        help="exact: resumed turns are bit-identical to cold runs; fast: reuse everything parked")
     start.add_argument("--longest-prefix", action=argparse.BooleanOptionalAction, default=None,

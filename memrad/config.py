@@ -46,6 +46,7 @@ class ModelSettings:
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
     prefill_chunk: int = _key(256, "MEMRA_PREFILL_CHUNK")
+    compile: str = _key("auto", "MEMRA_COMPILE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,7 @@ _CHOICES = {
     "model.weights": ("auto", "float", "int4", "int8"),
     "log.level": ("debug", "info", "warning", "error"),
     "reuse.mode": ("exact", "fast"),
+    "engine.compile": ("auto", "on", "off"),
 }
 _MINIMUM = {
     "server.port": 0,

@@ -42,7 +42,9 @@ def build_engine(settings: Settings) -> Engine:
     else:
         log.info("reuse pool disabled: every request runs cold")
     engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
-                    settings.affinity.enabled, settings.affinity.longest_prefix)
+                    settings.affinity.enabled, settings.affinity.longest_prefix, compile=settings.engine.compile)
+    engine.decoder.start()  # compile = on: compiled here, before serving; auto: in the background
+    log.info("decode: %s (%s)", engine.decoder.choice.value, engine.decoder.choice.reason)
     if pool is not None and settings.disk.enabled and settings.disk.max_bytes > 0:
         engine.disk = _disk_tier(settings, engine, pool)
     if pool is not None:

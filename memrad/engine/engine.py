@@ -28,7 +28,8 @@ import torch
 
 from memrad.engine.chat_format import call_opening, chat_format
 from memrad.engine.detokenize import IncrementalDetokenizer
-from memrad.engine.forward import cache_length, decode_one_token, prefill
+from memrad.engine.decoder import Decoder
+from memrad.engine.forward import cache_length, prefill
 from memrad.engine.kv import install as install_slabs
 from memrad.engine.loader import LoadedModel
 from memrad.engine.prompt import encode_text, render_chat
@@ -96,7 +97,7 @@ class _Decoded:
 class Engine:
     def __init__(self, loaded: LoadedModel, prefill_chunk: int, threads: int,
                  pool: ReusePool | None = None, mode: Mode = "exact", affinity: bool = True,
-                 longest_prefix: bool = True, disk: Any = None) -> None:
+                 longest_prefix: bool = True, disk: Any = None, compile: str = "off") -> None:
         self.loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.threads = threads
@@ -114,6 +115,8 @@ class Engine:
         self.chat_format = chat_format(loaded.tokenizer)
         # Next-token choice; a test engine replaces it with a token script (prefill, reuse stay real).
         self.sampler = sample
+        # The one-token step (memrad.engine.decoder): eager, compiled, or transformers' forward.
+        self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile)
         # Control-socket events (memrad.protocol records); called on the engine thread.
         self.events: Callable[[object], None] | None = None
 
@@ -130,7 +133,8 @@ class Engine:
         """What the hardware choices picked and why (/health, `memrad status`)."""
         loaded = self.loaded
         return {"dtype": {"value": loaded.dtype_name, "reason": loaded.dtype_choice.reason},
-                "weights": {"value": loaded.weights_name, "reason": loaded.weights.reason}}
+                "weights": {"value": loaded.weights_name, "reason": loaded.weights.reason},
+                "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason}}
 
     @property
     def vocab_size(self) -> int:
@@ -282,6 +286,7 @@ class Engine:
         assert pre.primed_to == checkpoint, "prompt checkpoint must equal the prompt length"
         assert cache_length(cache) in (None, checkpoint), "cache must hold exactly the prompt"
         generator = make_generator(params.seed)
+        feed = self.decoder.feeder()  # one step for the whole reply (memrad.engine.decoder)
         detok = IncrementalDetokenizer(tokenizer, self.chat_format.markup_ids)
         stops = StopMatcher(params.stop)
         sent: list[str] = []
@@ -306,7 +311,7 @@ class Engine:
             if cancelled():
                 out.finish = "cancelled"
                 break
-            logits = decode_one_token(model, cache, token, checkpoint + out.num_fed)
+            logits = feed(cache, token, checkpoint + out.num_fed)
             out.num_fed += 1
         if out.finish != "cancelled":
             tail = stops.feed(detok.flush()) + stops.flush()

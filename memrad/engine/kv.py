@@ -30,8 +30,12 @@ from transformers.cache_utils import DynamicLayer
 MAX_RESERVED_TOKENS = 32768
 
 
-def _reserve(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor whose untouched pages cost no memory (CPU) or a plain empty one."""
+@torch.inference_mode()
+def reserve(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor whose untouched pages cost no memory (CPU) or a plain empty one.
+
+    Always an inference tensor, wherever it is made: the compiled decode step guards on
+    that, and a buffer of the other kind would make it compile again mid-request."""
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     num_bytes = dtype.itemsize * math.prod(shape)
@@ -58,11 +62,12 @@ class _Slab:
         k, v = self.keys, self.values
         return (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.element_size()
 
+    @torch.inference_mode()  # the buffers are inference tensors (see `reserve`)
     def grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self.capacity)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = _reserve((*old.shape[:2], capacity, old.shape[3]), old.dtype, old.device)
+            new = reserve((*old.shape[:2], capacity, old.shape[3]), old.dtype, old.device)
             new[..., : self.high_water, :].copy_(old[..., : self.high_water, :])
             setattr(self, name, new)
 
@@ -80,12 +85,13 @@ class SlabLayer(DynamicLayer):
         # key_states: [1, H_kv, T, D]
         self.device = key_states.device
         b, h, _, d = key_states.shape
-        self.slab = _Slab(_reserve((b, h, self.capacity, d), key_states.dtype, self.device),
-                          _reserve((b, value_states.shape[1], self.capacity, value_states.shape[3]),
+        self.slab = _Slab(reserve((b, h, self.capacity, d), key_states.dtype, self.device),
+                          reserve((b, value_states.shape[1], self.capacity, value_states.shape[3]),
                                    value_states.dtype, self.device))
         self.is_initialized = True
         self._expose()
 
+    @torch.inference_mode()  # the buffers are inference tensors (see `reserve`)
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
@@ -99,6 +105,20 @@ class SlabLayer(DynamicLayer):
         self.slab.high_water = max(self.slab.high_water, end)
         self._expose()
         return self.keys, self.values
+
+    def step_buffers(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers [1, H_kv, capacity, D], with room for row
+        `position`, for a decode step that writes that row itself (memrad.engine.decode_step);
+        `wrote_row` records it afterwards."""
+        assert self.is_initialized and position == self.length, f"row {position} is not the next of {self.length}"
+        if position >= self.slab.capacity:
+            self.slab.grow(position + 1)
+        return self.slab.keys, self.slab.values
+
+    def wrote_row(self, position: int) -> None:
+        self.length = position + 1
+        self.slab.high_water = max(self.slab.high_water, self.length)
+        self._expose()
 
     def _expose(self) -> None:
         self.keys = self.slab.keys[..., : self.length, :]
@@ -150,6 +170,11 @@ def install(cache, capacity: int):
     """Swap `cache`'s plain full-attention layers for SlabLayers; returns `cache`."""
     cache.layers = [SlabLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def all_slabs(cache) -> bool:
+    """Whether every layer of `cache` is an initialised SlabLayer (what the decode step needs)."""
+    return all(type(layer) is SlabLayer and layer.is_initialized for layer in cache.layers)
 
 
 def resident_bytes(layer: SlabLayer) -> tuple[int, int]:

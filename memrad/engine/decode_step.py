@@ -1,0 +1,207 @@
+"""One-token decode for llama-shaped models, written as one function over the KV slabs.
+
+transformers' forward spends most of a one-token step outside the kernels (masks, cache
+hooks, per-call dispatch over 30 layers), and its CPU attention for one query with grouped
+KV heads (`enable_gqa`) is the slowest way to ask: 226 µs per layer at 512 tokens of bf16
+context against 37 µs for the same attention with the query heads of each KV head laid out
+as query rows (docs/BENCHMARKS.md, "Decode step"). This step does only the work:
+
+    token [1] -> embed -> x [1, 1, hidden]
+      per layer:  h = norm(x);  q, k, v = qkv(h)            (one fused matmul)
+                  rope(q, k) at `position`;  write k, v into row `position` of the slab
+                  o = attend(q as [1, H_kv, G, D], rows [0, position] of the slab)
+                  x += o_proj(o);  x += down(act(gate) * up) of gate_up(norm(x))
+    -> norm -> head -> logits [V]
+
+    slab keys [1, H_kv, capacity, D]:  | rows 0 .. position-1 (prompt, earlier steps) | k | unused |
+                                        |<-------------------- length ------------------->|
+
+Shapes are static except `length` (= position + 1), so one compiled graph serves every
+step (memrad.engine.compiled). The step's bits differ from transformers' forward, which is
+fine: decoded KV is never reused in exact mode (DESIGN: Exactness), and cold and resumed
+runs decode through the same step, so they stay identical.
+
+`support(model)` says which models this covers and why not others; they keep the
+transformers forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from memrad.engine.quant import Int4Linear
+
+# Model classes whose layers are exactly llama's: pre-norm RMSNorm, q/k/v/o, gated MLP, rope.
+_LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Rope variants whose frequencies do not depend on how long the sequence is.
+_STATIC_ROPE = ("default", "linear", "llama3")
+# From this many rows on, attention on the CPU splits the rows in two halves run side by side
+# (the kernel parallelises over KV heads only: 3 of them on 2 threads leave one idle a third
+# of the time). Measured: 4k rows 395 -> 307 µs; at 512 rows the split loses (69 -> 86 µs).
+SPLIT_ROWS = 2048
+
+
+def support(model: nn.Module, context_len: int) -> str | None:
+    """None if the step computes `model`'s decode, else why not (a log and /health reason)."""
+    name = type(model).__name__
+    if name not in _LLAMA_SHAPED:
+        return f"{name} is not llama-shaped (the step covers {', '.join(_LLAMA_SHAPED)})"
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if window is not None and (getattr(config, "use_sliding_window", True) and window < context_len):
+        return f"{name} uses a sliding window of {window} tokens"
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        return f"{name} has layers that are not full attention"
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type not in _STATIC_ROPE:
+        return f"{name} uses {rope_type} rope, whose frequencies depend on the sequence length"
+    attention = model.model.layers[0].self_attn
+    if hasattr(attention, "q_norm") or not hasattr(attention, "q_proj"):
+        return f"{name}'s attention is not plain q/k/v/o projections"
+    return None
+
+
+def fuse(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenated outputs of `linears` (same input).
+
+    Memory is shared, not copied: each original's weight (and packed int4 codes) becomes a
+    view of the fused tensor, so prefill, which calls the originals, reads the same bytes.
+    Returns a module that calls them one by one where their kinds differ.
+    """
+    if all(type(layer) is nn.Linear for layer in linears):
+        return _fuse_dense(linears)
+    if all(type(layer) is Int4Linear for layer in linears):
+        dense = _fuse_dense(linears)
+        packed = torch.cat([layer.packed for layer in linears])  # [N, K/2] rows are independent
+        scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in linears], dim=1)  # [K/32, N, 2]
+        for layer, rows in zip(linears, _row_ranges(linears)):
+            layer.packed = packed[rows]
+        return Int4Linear(dense, packed, scales_and_zeros)
+    return _Concatenated(linears)
+
+
+def _row_ranges(linears: list[nn.Linear]) -> list[slice]:
+    out, start = [], 0
+    for layer in linears:
+        out.append(slice(start, start + layer.out_features))
+        start += layer.out_features
+    return out
+
+
+def _fuse_dense(linears: list[nn.Linear]) -> nn.Linear:
+    has_bias = [layer.bias is not None for layer in linears]
+    assert all(has_bias) or not any(has_bias), "fused projections either all have a bias or none"
+    weight = torch.cat([layer.weight.detach() for layer in linears])  # [N, K]
+    bias = torch.cat([layer.bias.detach() for layer in linears]) if all(has_bias) else None
+    for layer, rows in zip(linears, _row_ranges(linears)):
+        layer.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias[rows], requires_grad=False)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
+
+
+class _Concatenated(nn.Module):
+    """Projections of different kinds (e.g. one layer left float): run each, join outputs."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(linears)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate heads x [H, D] by cos, sin [1, D] (transformers' rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one token's queries q [1, H_kv, G, D] over keys, values [1, H_kv, L, D].
+
+    The G query heads that share a KV head are the rows of one query block, so no KV head
+    is copied. On the CPU, long contexts split the rows into two halves computed as a batch
+    of 2, plus the one or two rows left over, merged by their log-sum-exp (see SPLIT_ROWS).
+    """
+    rows = keys.shape[2]
+    if q.device.type != "cpu" or rows < SPLIT_ROWS:
+        return F.scaled_dot_product_attention(q, keys, values, scale=scale)
+    half = (rows - 1) // 2  # two halves of `half` rows, then the 1 or 2 rows left
+    _, heads, _, dim = keys.shape
+    k2 = keys[:, :, : 2 * half].reshape(heads, 2, half, dim).transpose(0, 1)  # [2, H_kv, half, D]
+    v2 = values[:, :, : 2 * half].reshape(heads, 2, half, dim).transpose(0, 1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(q.expand(2, -1, -1, -1), k2, v2, scale=scale)[:2]  # [2, H_kv, G, D], [2, H_kv, G]
+    rest_out, rest_lse = flash(q, keys[:, :, 2 * half:], values[:, :, 2 * half:], scale=scale)[:2]
+    outs, lses = [out, rest_out], [lse, rest_lse]
+    weights = torch.softmax(torch.cat(lses).float(), dim=0)  # [parts, H_kv, G]
+    merged = (torch.cat(outs).float() * weights[..., None]).sum(0, keepdim=True)  # [1, H_kv, G, D]
+    return merged.to(q.dtype)
+
+
+class _Layer(nn.Module):
+    """One decoder layer's decode-step view of a transformers LlamaDecoderLayer."""
+
+    def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        attention, mlp = layer.self_attn, layer.mlp
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.scale = float(attention.scaling)
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv = fuse([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.o_proj = attention.o_proj
+        self.gate_up = fuse([mlp.gate_proj, mlp.up_proj])
+        self.down_proj, self.act = mlp.down_proj, mlp.act_fn
+        self.split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
+                length: int, key_rows: torch.Tensor, value_rows: torch.Tensor) -> torch.Tensor:
+        # x [1, 1, hidden]; key_rows, value_rows: this layer's slab [1, H_kv, capacity, D]
+        d, h_kv = self.head_dim, self.kv_heads
+        q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
+        q = rope(q.view(self.heads, d), cos, sin)  # [H, D]
+        k = rope(k.view(h_kv, d), cos, sin)  # [H_kv, D]
+        key_rows.index_copy_(2, position, k.view(1, h_kv, 1, d))
+        value_rows.index_copy_(2, position, v.view(1, h_kv, 1, d))
+        o = attend(q.view(1, h_kv, self.heads // h_kv, d), key_rows[:, :, :length], value_rows[:, :, :length],
+                   self.scale)  # [1, H_kv, G, D]
+        x = x + self.o_proj(o.reshape(1, 1, self.heads * d))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(self.act(gate) * up)
+
+
+class DecodeStep(nn.Module):
+    """The step for a model `support` accepts; shares every weight with the model."""
+
+    def __init__(self, model: nn.Module, max_positions: int) -> None:
+        super().__init__()
+        config, body = model.config, model.model
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.embed, self.norm, self.head = body.embed_tokens, body.norm, model.lm_head
+        self.layers = nn.ModuleList(_Layer(layer, heads, kv_heads, head_dim) for layer in body.layers)
+        # Rope tables for every position, as transformers' rotary module computes them.
+        param = next(model.parameters())
+        positions = torch.arange(max_positions, device=param.device)[None]  # [1, P]
+        with torch.no_grad():
+            cos, sin = body.rotary_emb(torch.zeros(1, dtype=param.dtype, device=param.device), positions)
+        self.register_buffer("cos", cos[0], persistent=False)  # [P, D]
+        self.register_buffer("sin", sin[0], persistent=False)
+
+    def forward(self, token: torch.Tensor, position: torch.Tensor, length: int,
+                keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """Logits [V] (model dtype) after `token` [1] at `position` [1]; writes its KV row."""
+        x = self.embed(token).view(1, 1, -1)  # [1, 1, hidden]
+        cos, sin = self.cos.index_select(0, position), self.sin.index_select(0, position)  # [1, D]
+        for layer, key_rows, value_rows in zip(self.layers, keys, values):
+            x = layer(x, cos, sin, position, length, key_rows, value_rows)
+        return self.head(self.norm(x)).view(-1)

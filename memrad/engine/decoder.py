@@ -1,0 +1,181 @@
+"""What the engine runs for each generated token, and why that one.
+
+    compile = auto   the decode step (memrad.engine.decode_step) eager at once, compiled by
+                     torch.compile on a background thread; requests that start after the
+                     compile finishes decode compiled (the daemon answers while compiling)
+    compile = on     compiled before the daemon answers; a failure stops the start
+    compile = off    the step, eager: the A/B arm of the compiled one
+
+Models the step does not cover, and caches that are not in-place slabs (CUDA), decode with
+transformers' forward; no C++ compiler or a failed compile (auto) leaves the eager step.
+Every choice carries a reason (/health, `memrad status`, the log).
+
+Compiling traces the step on scratch slabs: one graph for short contexts and one for the
+split attention of long ones (decode_step.SPLIT_ROWS), both with a symbolic length, so no
+request ever waits for a compile. Compiled code is kept in the platformdirs cache
+(memra/compile: inductor's FX graph cache and AOTAutograd's cache, keyed by the graph,
+torch and the CPU), so a later start re-traces but does not re-compile.
+
+Compiled and eager steps are not bit-identical to each other; each is deterministic, and a
+request decodes with one step from its first token to its last, so a resumed turn equals a
+cold one under the same step. In exact mode decoded KV is never reused (DESIGN:
+Exactness); in fast mode it is, so there the step is part of the disk tier's key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memrad.engine.decode_step import SPLIT_ROWS, DecodeStep, support
+from memrad.engine.forward import decode_one_token
+from memrad.engine.hardware import Choice
+from memrad.engine.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
+
+log = logging.getLogger("memrad.engine")
+
+COMPILE_MODES = ("auto", "on", "off")
+
+
+class CompileFailed(RuntimeError):
+    """`compile = on` and torch.compile could not build the decode step; says what to do."""
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor would use on the CPU, or None."""
+    named = os.environ.get("CXX")
+    if named:
+        return shutil.which(named)
+    return next((path for path in map(shutil.which, ("g++", "c++", "clang++")) if path), None)
+
+
+def compile_cache_dir() -> str:
+    """Where compiled decode steps are kept between starts (inductor reads the variable)."""
+    from memrad.paths import cache_dir
+
+    path = cache_dir() / "compile"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+Feed = Callable[[Any, int, int], torch.Tensor]  # (cache, token id, position) -> logits [V] float32
+
+
+class Decoder:
+    """Chooses and builds the decode step; `feeder()` hands a request the current one.
+
+    `choice.value` is "compiled", "compiling", "eager" or "transformers", with the reason.
+    """
+
+    def __init__(self, model: Any, context_len: int, device: torch.device, mode: str = "off") -> None:
+        assert mode in COMPILE_MODES, mode
+        self.model = model
+        self.mode = mode
+        self.capacity = min(context_len, MAX_RESERVED_TOKENS)  # the slabs' rows (memrad.engine.kv)
+        self.step: Any = None  # DecodeStep, or its compiled form once ready
+        self.compile_s: float | None = None
+        self._thread: threading.Thread | None = None
+        unsupported = support(model, context_len) if device.type == "cpu" else (
+            "the step runs over CPU slabs; CUDA decodes with transformers' forward")
+        if unsupported is not None:
+            self.choice = Choice("transformers", unsupported)
+            if mode == "on":
+                raise CompileFailed(f"compile = on, but {unsupported}: set compile = auto or off")
+            return
+        self.eager = DecodeStep(model, context_len)
+        self.step = self.eager
+        self.choice = Choice("eager", "compile = off")
+
+    @property
+    def name(self) -> str:
+        return self.choice.value
+
+    def start(self) -> None:
+        """Begin compiling as the mode says: now (on), on a background thread (auto)."""
+        if self.mode == "off" or self.step is None:
+            return
+        if self.mode == "on":
+            self._compile()
+            return
+        self.choice = Choice("compiling", "compile = auto: the eager step serves until torch.compile is done")
+        self._thread = threading.Thread(target=self._compile, name="memrad-compile", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until a background compile has finished (benchmarks, tests)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _compile(self) -> None:
+        compiler = cxx_compiler()
+        if compiler is None:
+            why = "no C++ compiler for torch.compile (install g++, e.g. `apt install g++`)"
+            if self.mode == "on":
+                raise CompileFailed(f"compile = on, but {why}; or set compile = auto or off")
+            self.choice = Choice("eager", f"auto: {why}")
+            return
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
+        started = time.perf_counter()
+        try:
+            compiled = torch.compile(self.eager, fullgraph=True)
+            self._trace(compiled)
+        except Exception as exc:  # inductor raises many types; each means "cannot compile here"
+            why = f"torch.compile failed ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})"
+            if self.mode == "on":
+                raise CompileFailed(f"{why}; set compile = auto or off to start with the eager step") from exc
+            log.warning("%s: decoding with the eager step", why)
+            self.choice = Choice("eager", f"auto: {why}")
+            return
+        self.compile_s = time.perf_counter() - started
+        self.step = compiled  # requests that start from now on decode compiled
+        self.choice = Choice("compiled", f"compile = {self.mode}: torch.compile (inductor, {compiler}), "
+                                         f"ready {self.compile_s:.1f} s after the model")
+        log.info("decode step compiled in %.1f s (cache %s)", self.compile_s, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+    def _trace(self, compiled: Any) -> None:
+        """Run both graphs (short and split attention) on scratch slabs."""
+        config = self.model.config
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        param = next(self.model.parameters())
+        shape = (1, kv_heads, self.capacity, head_dim)
+        layers = len(self.eager.layers)
+        # Their contents do not matter (never read back); CPU reservations are zero pages.
+        keys = [reserve(shape, param.dtype, param.device) for _ in range(layers)]
+        values = [reserve(shape, param.dtype, param.device) for _ in range(layers)]
+        # Two lengths per graph: the first call specialises on its length, the second makes
+        # only `length` dynamic (automatic dynamic shapes); every other size stays static.
+        lengths = [3, 4] + ([SPLIT_ROWS + 1, SPLIT_ROWS + 2] if SPLIT_ROWS + 2 < self.capacity else [])
+        with torch.inference_mode():  # as in `feeder`: the guards check the tensors' kind
+            token = torch.zeros(1, dtype=torch.long, device=param.device)
+            for length in lengths:
+                position = torch.tensor([length - 1], device=param.device)
+                compiled(token, position, length, keys, values)
+
+    def feeder(self) -> Feed:
+        """The step one request decodes with, from its first token to its last."""
+        step = self.step
+        if step is None:
+            return lambda cache, token_id, position: decode_one_token(self.model, cache, token_id, position)
+
+        @torch.inference_mode()
+        def feed(cache: Any, token_id: int, position: int) -> torch.Tensor:
+            if not all_slabs(cache):
+                return decode_one_token(self.model, cache, token_id, position)
+            layers = cache.layers
+            buffers = [layer.step_buffers(position) for layer in layers]
+            device = buffers[0][0].device
+            logits = step(torch.tensor([token_id], device=device), torch.tensor([position], device=device),
+                          position + 1, [k for k, _ in buffers], [v for _, v in buffers])  # [V]
+            for layer in layers:
+                layer.wrote_row(position)
+            return logits.float()
+
+        return feed

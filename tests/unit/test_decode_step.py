@@ -1,0 +1,124 @@
+"""The decode step: what it computes, what it shares with the model, when it compiles.
+
+A tiny llama decodes the same tokens through the step as through transformers' forward;
+building the step leaves prefill's bits alone (it fuses projections by re-pointing the
+model's weights into the fused tensors, not by copying them); the split attention of long
+contexts equals plain attention; models the step does not cover keep transformers' forward,
+with a reason; and a compiled engine's resumed turns equal its cold turns bit for bit.
+"""
+
+import pytest
+import torch
+from tiny import save_tiny
+from torch.nn import functional as F
+
+from memrad.engine import decoder as decoder_module
+from memrad.engine.decode_step import SPLIT_ROWS, DecodeStep, attend, support
+from memrad.engine.decoder import CompileFailed, Decoder
+from memrad.engine.engine import Engine
+from memrad.engine.forward import decode_one_token, prefill
+from memrad.engine.loader import load_model
+from memrad.reuse.pool import ReusePool
+from test_reuse import conversation
+
+PROMPT = list(range(5, 45))  # 40 tokens of the tiny vocabulary
+
+
+def fresh(tiny_llama_dir, dtype="float32"):
+    torch.set_num_threads(1)
+    return load_model(str(tiny_llama_dir), device="cpu", dtype=dtype)
+
+
+def new_cache(loaded):
+    return Engine(loaded, 16, 1).new_cache()
+
+
+def test_the_step_decodes_what_transformers_decodes(tiny_llama_dir):
+    loaded = fresh(tiny_llama_dir)
+    feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
+    ours, theirs = new_cache(loaded), new_cache(loaded)
+    a = prefill(loaded.model, ours, PROMPT, 0, 16)
+    b = prefill(loaded.model, theirs, PROMPT, 0, 16)
+    for step in range(12):
+        token = int(a.argmax())
+        assert token == int(b.argmax()), f"step {step}"
+        a = feed(ours, token, len(PROMPT) + step)
+        b = decode_one_token(loaded.model, theirs, token, len(PROMPT) + step)
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+    assert ours.get_seq_length() == theirs.get_seq_length() == len(PROMPT) + 12
+    assert torch.allclose(ours.layers[1].keys, theirs.layers[1].keys, atol=1e-5, rtol=0)
+
+
+def test_building_the_step_shares_the_weights_and_leaves_prefill_bit_identical(tiny_llama_dir):
+    loaded = fresh(tiny_llama_dir)
+    before = prefill(loaded.model, new_cache(loaded), PROMPT, 0, 16)
+    step = DecodeStep(loaded.model, loaded.context_len)
+    attention = loaded.model.model.layers[0].self_attn
+    fused = step.layers[0].qkv.weight  # [q + k + v rows, hidden]
+    assert attention.k_proj.weight.data_ptr() == fused.data_ptr() + attention.q_proj.weight.numel() * fused.itemsize
+    assert fused.shape[0] == attention.q_proj.out_features + 2 * attention.k_proj.out_features
+    assert torch.equal(prefill(loaded.model, new_cache(loaded), PROMPT, 0, 16), before)
+
+
+@pytest.mark.parametrize("rows", [SPLIT_ROWS - 1, SPLIT_ROWS, SPLIT_ROWS + 1, SPLIT_ROWS + 2])
+def test_split_attention_equals_plain_attention(rows):
+    torch.manual_seed(rows)
+    q = torch.randn(1, 3, 3, 64)  # 9 query heads over 3 KV heads
+    keys, values = torch.randn(1, 3, rows, 64), torch.randn(1, 3, rows, 64)
+    expected = F.scaled_dot_product_attention(q.reshape(1, 9, 1, 64), keys, values, enable_gqa=True)
+    got = attend(q, keys, values, 64 ** -0.5)  # [1, 3, 3, 64]
+    assert torch.allclose(got.reshape(1, 9, 1, 64), expected, atol=1e-5, rtol=0)
+
+
+def test_models_the_step_does_not_cover_keep_transformers_forward_and_say_why(tiny_dir):
+    hybrid = fresh(tiny_dir("qwen3_next"))
+    reason = support(hybrid.model, hybrid.context_len)
+    assert reason == ("Qwen3NextForCausalLM is not llama-shaped "
+                      "(the step covers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
+    chosen = Decoder(hybrid.model, hybrid.context_len, hybrid.device, "auto")
+    assert (chosen.choice.value, chosen.choice.reason) == ("transformers", reason)
+    with pytest.raises(CompileFailed, match="compile = on, but Qwen3NextForCausalLM is not llama-shaped"):
+        Decoder(hybrid.model, hybrid.context_len, hybrid.device, "on")
+
+
+def test_without_a_cxx_compiler_auto_stays_eager_and_on_refuses(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(decoder_module, "cxx_compiler", lambda: None)
+    loaded = fresh(tiny_llama_dir)
+    auto = Decoder(loaded.model, loaded.context_len, loaded.device, "auto")
+    auto.start()
+    auto.wait()
+    assert auto.choice.value == "eager"
+    assert auto.choice.reason == "auto: no C++ compiler for torch.compile (install g++, e.g. `apt install g++`)"
+    with pytest.raises(CompileFailed, match="no C\\+\\+ compiler"):
+        Decoder(loaded.model, loaded.context_len, loaded.device, "on").start()
+
+
+def test_the_slab_grows_when_a_step_writes_past_its_reservation(tiny_llama_dir):
+    loaded = fresh(tiny_llama_dir)
+    cache = new_cache(loaded)
+    for layer in cache.layers:
+        layer.capacity = len(PROMPT)  # reserve exactly the prompt: the first step must grow
+    logits = prefill(loaded.model, cache, PROMPT, 0, 16)
+    feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
+    feed(cache, int(logits.argmax()), len(PROMPT))
+    assert cache.layers[0].slab.capacity == 2 * len(PROMPT) and cache.get_seq_length() == len(PROMPT) + 1
+
+
+@pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
+def test_a_compiled_engine_resumes_bit_identical_to_cold_without_recompiling(tiny_llama_dir):
+    from torch._dynamo.utils import counters
+
+    loaded = fresh(tiny_llama_dir, "bfloat16")
+    engine = Engine(loaded, 16, 1, ReusePool(16, 10**9), "exact", compile="auto")
+    engine.decoder.start()  # auto: in the background
+    engine.decoder.wait()
+    assert engine.decoder.choice.value == "compiled", engine.decoder.choice.reason
+    graphs = counters["stats"]["unique_graphs"]
+    engine.finished = []
+    engine.on_finished = engine.finished.append
+    for turn, row in enumerate(conversation(engine, 3)):
+        if turn:
+            assert row["warm"].decision.outcome == "resumed", row["warm"].decision.render()
+        warm, cold = row["warm_state"].generated_ids, row["cold_state"].generated_ids
+        assert warm == cold and len(warm) > 1
+    assert counters["stats"]["unique_graphs"] == graphs, "a request waited for a compile"
