@@ -27,6 +27,8 @@ transformers forward.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -41,6 +43,7 @@ _STATIC_ROPE = ("default", "linear", "llama3")
 # (the kernel parallelises over KV heads only: 3 of them on 2 threads leave one idle a third
 # of the time). Measured: 4k rows 395 -> 307 µs; at 512 rows the split loses (69 -> 86 µs).
 SPLIT_ROWS = 2048
+_STEP_IDS = itertools.count()
 
 
 def support(model: nn.Module, context_len: int) -> str | None:
@@ -184,6 +187,7 @@ class DecodeStep(nn.Module):
 
     def __init__(self, model: nn.Module, max_positions: int) -> None:
         super().__init__()
+        self.owner = f"decode-step-{next(_STEP_IDS)}"  # unique in the process, never reused
         config, body = model.config, model.model
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -197,11 +201,24 @@ class DecodeStep(nn.Module):
         self.register_buffer("cos", cos[0], persistent=False)  # [P, D]
         self.register_buffer("sin", sin[0], persistent=False)
 
-    def forward(self, token: torch.Tensor, position: torch.Tensor, length: int,
-                keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        """Logits [V] (model dtype) after `token` [1] at `position` [1]; writes its KV row."""
+    def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor], owner: str) -> torch.Tensor:
+        """Logits [V] (model dtype) after `token` [1] at `position` [1]; writes its KV row.
+
+        `rows` [position + 1, 0] holds no data: its first size is the attended length, so
+        torch.compile keeps that one size symbolic (marked dynamic) and every other size static.
+        `owner` must be this step's `owner`: a compiled graph is guarded on it (the compiled
+        decoder skips the guards on weights), so it never runs another step's weights.
+        """
+        assert owner == self.owner, f"{owner} called {self.owner}"
+        length = rows.shape[0]
         x = self.embed(token).view(1, 1, -1)  # [1, 1, hidden]
         cos, sin = self.cos.index_select(0, position), self.sin.index_select(0, position)  # [1, D]
         for layer, key_rows, value_rows in zip(self.layers, keys, values):
             x = layer(x, cos, sin, position, length, key_rows, value_rows)
         return self.head(self.norm(x)).view(-1)
+
+
+def attended_rows(length: int, device: torch.device) -> torch.Tensor:
+    """The `rows` argument of DecodeStep.forward for `length` attended rows (no storage)."""
+    return torch.empty(length, 0, device=device)
