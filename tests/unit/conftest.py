@@ -3,7 +3,8 @@ import torch
 
 from memrad.engine.engine import Engine
 from memrad.engine.loader import load_model
-from tiny import save_tiny
+from memrad.engine.weights import quantize_layers_q4_1, write_int4_cache
+from tiny import build_llama, build_tokenizer, save_tiny
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +34,16 @@ def tiny_loaded(tiny_llama_dir):
 @pytest.fixture
 def tiny_engine(tiny_loaded):
     return Engine(tiny_loaded, prefill_chunk=16, threads=1)
+
+
+@pytest.fixture(scope="session")
+def q4_dir(tmp_path_factory):
+    """The tiny llama rounded to Q4_1, its blocks kept as `memrad pull` keeps a GGUF's."""
+    folder = tmp_path_factory.mktemp("tiny-q4")
+    tokenizer = build_tokenizer()
+    model = build_llama(len(tokenizer))
+    blocks = quantize_layers_q4_1(model)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    write_int4_cache(blocks, folder, "test")
+    return folder

@@ -9,7 +9,6 @@ with a reason; and a compiled engine's resumed turns equal its cold turns bit fo
 
 import pytest
 import torch
-from tiny import build_llama, build_tokenizer
 from torch.nn import functional as F
 
 from memrad.engine import decoder as decoder_module
@@ -18,7 +17,6 @@ from memrad.engine.decoder import CompileFailed, Decoder
 from memrad.engine.engine import Engine
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.loader import load_model
-from memrad.engine.weights import quantize_layers_q4_1, write_int4_cache
 from memrad.reuse.pool import ReusePool
 from test_reuse import conversation
 
@@ -123,19 +121,6 @@ def test_a_compiled_engine_resumes_bit_identical_to_cold_without_recompiling(tin
         warm, cold = row["warm_state"].generated_ids, row["cold_state"].generated_ids
         assert warm == cold and len(warm) > 1
     assert counters["stats"]["unique_graphs"] == graphs, "a request waited for a compile"
-
-
-@pytest.fixture(scope="module")
-def q4_dir(tmp_path_factory):
-    """The tiny llama with Q4_1 blocks kept, as `memrad pull` keeps a GGUF's."""
-    folder = tmp_path_factory.mktemp("tiny-q4-step")
-    tokenizer = build_tokenizer()
-    model = build_llama(len(tokenizer))
-    blocks = quantize_layers_q4_1(model)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    write_int4_cache(blocks, folder, "test")
-    return folder
 
 
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")

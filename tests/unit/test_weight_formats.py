@@ -6,31 +6,18 @@ The tiny llama's linear layers are rounded to Q4_1 and its blocks kept as an int
 
 import pytest
 import torch
-from tiny import build_llama, build_tokenizer
 
 from memrad.engine.engine import Engine
 from memrad.engine.loader import load_model
 from memrad.engine.pull import ModelUnavailable
 from memrad.engine.quant import Int4Linear, Int8Linear
-from memrad.engine.weights import INT4_CACHE, count_int4_cache, quantize_layers_q4_1, write_int4_cache
+from memrad.engine.weights import INT4_CACHE, count_int4_cache
 from memrad.reuse.pool import ReusePool
 from test_reuse import ask
 
 CONFIGS = [("float", "float32"), ("float", "bfloat16"), ("int4", "float32"), ("int4", "bfloat16"),
            ("int8", "bfloat16")]
 SYSTEM = {"role": "system", "content": "You are a helpful coding assistant. Read the file, then answer."}
-
-
-@pytest.fixture(scope="module")
-def q4_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-q4")
-    tokenizer = build_tokenizer()
-    model = build_llama(len(tokenizer))
-    blocks = quantize_layers_q4_1(model)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    write_int4_cache(blocks, folder, "test")
-    return folder
 
 
 def _load(folder, weights, dtype):
