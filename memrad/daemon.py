@@ -190,6 +190,9 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     DaemonInfo(pid=info.pid, started_at=info.started_at, log=info.log, url=url, model=model_id,
                device=device, socket=str(control.path)).write(pidfile_path())
     log.info("serving %s on %s (pid %d); control socket %s", model_id, url, info.pid, control.path)
+    # compile = auto compiles now, in the background: not before, where its tracing would
+    # hold the interpreter while the daemon is still getting ready to answer.
+    app[CONTEXT].engine.decoder.start()
     await stop.wait()
     log.info("stopping: finishing or cancelling in-flight requests")
     await control.close()

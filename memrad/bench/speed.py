@@ -5,6 +5,7 @@
     memrad bench speed --floor 514:254 2426:232          # the floor of resumed turns
     memrad bench speed --kv-layout                       # torch.cat vs in-place KV, grouped SDPA
     memrad bench speed --random-like default --out DIR [--shape-only]   # a random-weight model
+    memrad bench speed --startup                         # daemon start: ready and compiled times
 
 Per arm, in one process: cold prefill tok/s at each --prefill length (one grid prefill of the
 longest, timed at each mark), a resumed --suffix after the longest (its TTFT minus HTTP),
@@ -23,13 +24,16 @@ import platform
 import random
 import statistics
 import subprocess
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
+from memrad.bench.daemons import Daemon
 from memrad.engine.hardware import native_bf16
 from memrad.engine.loader import load_model, resolve_model_folder, resolve_threads
 from memrad.engine.random_model import copy_shape, write_random_model
-from memrad.engine.speed import (Arm, Turn, current_rss_bytes, decode_bytes_per_token, median_s,
+from memrad.engine.speed import (DECODES, Arm, Turn, current_rss_bytes, decode_bytes_per_token, median_s,
                                  memory_bandwidth_bytes_s, model_bytes)
 
 
@@ -45,11 +49,12 @@ def pair(text: str) -> tuple[int, int]:
 
 
 def default_arms() -> list[str]:
-    """weights:dtype arms: what `auto` picks here, float in that dtype, and fp32 float (the
-    engine before int4 and dtype choice: the baseline every ratio is taken against)."""
-    if native_bf16().value == "yes":
-        return ["int4:bfloat16", "float:bfloat16", "float:float32"]
-    return ["int4:float32", "float:float32"]
+    """weights:dtype:decode arms: what `auto` picks here with the step compiled and eager (the
+    compile A/B), with transformers' forward (the step's A/B), and fp32 float weights through
+    transformers' forward (the engine before #13: the baseline every ratio is taken against)."""
+    dtype = "bfloat16" if native_bf16().value == "yes" else "float32"
+    return [f"int4:{dtype}:compiled", f"int4:{dtype}:eager", f"int4:{dtype}:transformers",
+            "float:float32:transformers"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=0, help="0: all available cores")
-    parser.add_argument("--arms", nargs="+", help="WEIGHTS:DTYPE, e.g. int4:bfloat16 float:float32")
+    parser.add_argument("--arms", nargs="+",
+                        help="WEIGHTS:DTYPE:DECODE, e.g. int4:bfloat16:compiled float:float32:transformers "
+                             "(DECODE: compiled, eager or transformers)")
     parser.add_argument("--prefill", nargs="+", type=int, default=[512, 2048, 4096])
     parser.add_argument("--decode-at", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--suffix", type=int, default=256, help="resumed suffix primed after the longest prefill")
@@ -73,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="where --random-like writes")
     parser.add_argument("--shape-only", action="store_true", help="--random-like: config and tokenizer only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup", action="store_true",
+                        help="time `memrad start` until /health answers and until decode is compiled")
     args = parser.parse_args(argv)
     if args.random_like:
         return _random_model(args)
@@ -80,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         args.prefill, args.decode_at, args.suffix, args.decode_steps, args.reps = [64, 128], [64, 128], 32, 4, 1
         args.chunk = 64
     threads = resolve_threads(args.threads)
+    if args.startup:
+        return _startup(args, threads)
     if args.floor:
         return _floor(args, threads)
     if args.kv_layout:
@@ -95,12 +106,13 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
     arms: list[Arm] = []
     loads: dict[str, tuple[float, int]] = {}
     for spec in args.arms or default_arms():
-        weights, _, dtype = spec.partition(":")
+        weights, dtype, decode = (spec.split(":") + ["auto", "eager"])[:3]
+        if decode not in DECODES:
+            raise SystemExit(f"arm {spec}: DECODE must be one of {', '.join(DECODES)}")
         rss, started = current_rss_bytes(), time.perf_counter()
-        loaded = load_model(args.model, args.device, dtype or "auto", progress=lambda _: None, weights=weights)
+        loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights)
         loads[spec] = (time.perf_counter() - started, current_rss_bytes() - rss)
-        arms.append(Arm(spec, loaded, args.chunk, threads))
-        arms[-1].engine.init_worker_thread()  # fixes torch's intra-op threads
+        arms.append(Arm(spec, loaded, args.chunk, threads, decode))
     rng = random.Random(0)
     ids = [rng.randrange(3, arms[0].engine.vocab_size) for _ in range(longest + args.suffix)]
     keys = ([f"prefill {m} tok/s" for m in marks] + [f"resume {args.suffix} after {longest} s"]
@@ -142,8 +154,10 @@ def _report(args, threads, arms, cells, peer_cells, loads) -> None:
         print(f"| {key} | " + " | ".join(row) + " |")
     for name in names:
         seconds, rss = loads[name]
+        arm = arms[names.index(name)]
+        compiled = f" / compile {arm.compile_s:.1f} s" if arm.compile_s is not None else ""
         print(f"| {name}: load s / model MiB / RSS growth MiB | {seconds:.1f} / "
-              f"{model_bytes(arms[names.index(name)].loaded) / 2**20:.0f} / {rss / 2**20:.0f} |")
+              f"{model_bytes(arm.loaded) / 2**20:.0f} / {rss / 2**20:.0f}{compiled} |")
     print("\nratios (each arm's median over the baseline arm's, and over llama.cpp's where it ran):")
     for name in names:
         for key in cells[name]:
@@ -269,3 +283,37 @@ def _random_model(args: argparse.Namespace) -> int:
         write_random_model(source, args.out, args.seed)
         print(f"wrote {args.out}: the shape of {source}, random weights (seed {args.seed}), Q4_1 int4 cache")
     return 0
+
+
+def _startup(args: argparse.Namespace, threads: int) -> int:
+    """Start the daemon three times on one fresh compile cache: compile = auto twice (the first
+    start compiles, the second finds the cache), then compile = on (compiled before it answers).
+    Prints seconds until /health answers and until it reports the decode step compiled."""
+    print(f"cpu={_cpu_name()} threads={threads} model={args.model}")
+    print("| start | compile | answers s | decode compiled s |\n| --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory(prefix="memra-startup-") as tmp:
+        for label, mode in (("first (empty compile cache)", "auto"), ("second", "auto"), ("third", "on")):
+            ready_s, compiled_s = _time_start(Path(tmp), mode, threads, args.model)
+            print(f"| {label} | {mode} | {ready_s:.1f} | {_fmt(compiled_s) if compiled_s else '-'} |", flush=True)
+    return 0
+
+
+def _time_start(root: Path, mode: str, threads: int, model: str) -> tuple[float, float | None]:
+    """`memrad start` (detached, as a user runs it) in isolated dirs sharing `root`'s compile
+    cache: seconds until it returns serving, and until /health reports decode compiled."""
+    daemon = Daemon.create({"TORCHINDUCTOR_CACHE_DIR": str(root / "compile"), "MEMRA_DISK": "0"})
+    started = time.perf_counter()
+    daemon.start("--compile", mode, "--threads", str(threads), "--model", model)
+    ready_s, compiled_s = time.perf_counter() - started, None
+    try:
+        while time.perf_counter() - started < 600:
+            with urllib.request.urlopen(f"{daemon.url}/health", timeout=5) as response:
+                decode = json.loads(response.read())["choices"]["decode"]["value"]
+            if decode == "compiled":
+                compiled_s = time.perf_counter() - started
+            if decode != "compiling":  # compiled, or nothing compiles (the reason is in /health)
+                break
+            time.sleep(0.1)
+    finally:
+        daemon.stop()
+    return ready_s, compiled_s

@@ -43,7 +43,8 @@ def build_engine(settings: Settings) -> Engine:
         log.info("reuse pool disabled: every request runs cold")
     engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
                     settings.affinity.enabled, settings.affinity.longest_prefix, compile=settings.engine.compile)
-    engine.decoder.start()  # compile = on: compiled here, before serving; auto: in the background
+    if settings.engine.compile == "on":
+        engine.decoder.start()  # before serving; auto starts once the daemon listens (memrad.daemon)
     log.info("decode: %s (%s)", engine.decoder.choice.value, engine.decoder.choice.reason)
     if pool is not None and settings.disk.enabled and settings.disk.max_bytes > 0:
         engine.disk = _disk_tier(settings, engine, pool)

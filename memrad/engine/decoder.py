@@ -89,6 +89,7 @@ class Decoder:
         self.step: Any = None  # DecodeStep, or its compiled form once ready
         self.compile_s: float | None = None
         self._thread: threading.Thread | None = None
+        self._started = False
         unsupported = support(model, context_len) if device.type == "cpu" else (
             "the step runs over CPU slabs; CUDA decodes with transformers' forward")
         if unsupported is not None:
@@ -98,16 +99,17 @@ class Decoder:
             return
         self.eager = DecodeStep(model, context_len)
         self.step = self.eager
-        self.choice = Choice("eager", "compile = off")
+        self.choice = Choice("eager", "compile = off" if mode == "off" else f"compile = {mode}: not started")
 
     @property
     def name(self) -> str:
         return self.choice.value
 
     def start(self) -> None:
-        """Begin compiling as the mode says: now (on), on a background thread (auto)."""
-        if self.mode == "off" or self.step is None:
+        """Begin compiling as the mode says: now (on), on a background thread (auto). Once."""
+        if self.mode == "off" or self.step is None or self._started:
             return
+        self._started = True
         if self.mode == "on":
             self._compile()
             return

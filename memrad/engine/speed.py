@@ -53,12 +53,24 @@ def model_bytes(loaded: LoadedModel) -> int:
     return sum(seen.values())
 
 
-class Arm:
-    """One loaded configuration (weights x dtype) and its warm cache of `ids`."""
+DECODES = ("compiled", "eager", "transformers")
 
-    def __init__(self, name: str, loaded: LoadedModel, chunk: int, threads: int) -> None:
+
+class Arm:
+    """One loaded configuration (weights x dtype x decode step) and its warm cache of `ids`.
+
+    `decode`: the step compiled (compile = on, built here), eager (compile = off), or
+    transformers' own forward (the engine before the step: the baseline)."""
+
+    def __init__(self, name: str, loaded: LoadedModel, chunk: int, threads: int, decode: str = "eager") -> None:
+        assert decode in DECODES, decode
         self.name, self.loaded = name, loaded
-        self.engine = Engine(loaded, chunk, threads)
+        self.engine = Engine(loaded, chunk, threads, compile={"compiled": "on"}.get(decode, "off"))
+        self.engine.init_worker_thread()  # fixes torch's intra-op threads before compiling
+        self.engine.decoder.start()
+        self.compile_s = self.engine.decoder.compile_s
+        self.feed = (self.engine.decoder.feeder() if decode != "transformers"
+                     else lambda cache, token, position: decode_one_token(loaded.model, cache, token, position))
         self.chunk = chunk
 
     def prefill_marks(self, ids: Sequence[int], marks: Sequence[int]) -> tuple[object, dict[int, float]]:
@@ -88,7 +100,7 @@ class Arm:
         crop_to(cache, at)
         started = time.perf_counter()
         for i in range(steps):
-            decode_one_token(self.loaded.model, cache, 5, at + i)
+            self.feed(cache, 5, at + i)
         rate = steps / (time.perf_counter() - started)
         crop_to(cache, at)
         return rate

@@ -92,7 +92,10 @@ class Daemon:
                if not k.startswith("MEMRA_") or k == "MEMRA_CACHE_DIR"}
         env.update(XDG_RUNTIME_DIR=str(runtime), XDG_STATE_HOME=str(state),
                    XDG_CONFIG_HOME=str(config), XDG_CACHE_HOME=str(root / "cache"),
-                   MEMRA_CACHE_DIR=str(cache_dir()), PYTHONUNBUFFERED="1")
+                   MEMRA_CACHE_DIR=str(cache_dir()), PYTHONUNBUFFERED="1",
+                   # A background compile would switch the decode step between two requests of
+                   # one test; the compiled step has its own story (test_compiled_decode_daemon).
+                   MEMRA_COMPILE="off")
         self.sessions_dir = root / "cache" / "memra" / "sessions"
         self.env = env
         self.runtime_dir = runtime / "memra"

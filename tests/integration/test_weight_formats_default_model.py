@@ -1,5 +1,6 @@
-"""The default model in every weight format x dtype: a resumed turn equals its cold run, and
-`auto` picks int4 (the shipped Q4_1 blocks) with the dtype the hardware is fast at."""
+"""The default model in every weight format x dtype (and with the decode step compiled): a
+resumed turn equals its cold run, and `auto` picks int4 (the shipped Q4_1 blocks) with the
+dtype the hardware is fast at."""
 
 import pytest
 import torch
@@ -46,9 +47,12 @@ def test_auto_runs_the_shipped_4_bit_blocks_in_the_dtype_the_cpu_is_fast_at(load
     assert sum(isinstance(m, Int4Linear) for m in smol.model.modules()) == 210  # 30 layers x 7
 
 
-@pytest.mark.parametrize("weights,dtype", [("int4", "bfloat16"), ("int4", "float32"), ("float", "bfloat16")])
-def test_a_resumed_turn_is_bit_identical_to_its_cold_run(loaded, weights, dtype):
-    engine = Engine(loaded(weights, dtype), CHUNK, 2, ReusePool(8, 2**31), "exact")
+@pytest.mark.parametrize("weights,dtype,compile", [("int4", "bfloat16", "off"), ("int4", "bfloat16", "on"),
+                                                   ("int4", "float32", "off"), ("float", "bfloat16", "off")])
+def test_a_resumed_turn_is_bit_identical_to_its_cold_run(loaded, weights, dtype, compile):
+    engine = Engine(loaded(weights, dtype), CHUNK, 2, ReusePool(8, 2**31), "exact", compile=compile)
+    engine.decoder.start()
+    assert engine.decoder.choice.value == ("compiled" if compile == "on" else "eager")
     engine.finished = []
     engine.on_finished = engine.finished.append
     messages = [SYSTEM, {"role": "user", "content": "List the files in the repository root."}]

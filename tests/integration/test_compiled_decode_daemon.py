@@ -1,0 +1,62 @@
+"""A daemon with the compiled decode step, started the way a user starts it.
+
+`--compile on` compiles before it answers: /health says so, a resumed turn equals its cold
+run, and a second start finds the compiled code in the cache instead of building it again.
+`--compile auto` answers at once and reports "compiling" until the step is ready.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from daemon_harness import wait_until
+from test_reuse_daemon import chat, client_for
+from test_reuse_default_model import FIRST_USER, SYSTEM, second_turn
+
+pytestmark = pytest.mark.integration
+
+
+def compiled_in_s(daemon) -> float:
+    decode = daemon.get_json("/health")["choices"]["decode"]
+    assert decode["value"] == "compiled", decode
+    return float(re.search(r"ready ([0-9.]+) s after the model", decode["reason"]).group(1))
+
+
+def test_compiled_decode_resumes_exactly_and_a_second_start_reuses_the_compiled_code(make_daemon, tmp_path):
+    daemon = make_daemon()
+    daemon.env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "compile")  # an empty compile cache
+    daemon.env["MEMRA_COMPILE"] = "on"
+    assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
+    first_compile_s = compiled_in_s(daemon)
+    client = client_for(daemon)
+    first = chat(client, [SYSTEM, FIRST_USER])
+    messages = second_turn(first.choices[0].message.content)
+    warm = chat(client, messages)
+    cold = chat(client, messages, extra_body={"cache_salt": "cold"})
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    assert daemon.cli("stop").returncode == 0
+
+    assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
+    second_compile_s = compiled_in_s(daemon)
+    assert second_compile_s < 0.6 * first_compile_s, (first_compile_s, second_compile_s)
+    again = chat(client_for(daemon), messages, extra_body={"cache_salt": "cold"})
+    assert again.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_compile_auto_answers_while_it_compiles(make_daemon, tmp_path):
+    daemon = make_daemon()
+    daemon.env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "compile")
+    daemon.env["MEMRA_COMPILE"] = "auto"
+    assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
+    decode = daemon.get_json("/health")["choices"]["decode"]
+    assert decode == {"value": "compiling",
+                      "reason": "compile = auto: the eager step serves until torch.compile is done"}
+    reply = chat(client_for(daemon), [SYSTEM, FIRST_USER])  # served by the eager step meanwhile
+    assert reply.choices[0].message.content
+    assert wait_until(lambda: daemon.get_json("/health")["choices"]["decode"]["value"] != "compiling", 300, 1.0)
+    assert compiled_in_s(daemon) > 0
+    assert "decode step compiled in" in daemon.log_text()
