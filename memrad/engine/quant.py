@@ -28,9 +28,11 @@ w = q·d) is exactly two int4 blocks, since q = 16·(hi - 8) + lo with 4-bit cod
 
 A Q8Linear lays hi and lo side by side along the input ([N, 2K] codes, 2K/32 groups of
 scales) and feeds the kernel the activation twice, [x, x]: one call sums both halves in the
-kernel's own fp32 accumulator. Measured on SmolLM2's head (49152 x 576, one token, 2 threads):
-as fast as or faster than two calls summed in fp32, no less accurate, and ~2x faster than
-the bf16 dense GEMV; its error (bf16 scales, as for the int4 layers) is in BENCHMARKS.
+kernel's own fp32 accumulator. Measured on SmolLM2's head (49152 x 576, one token, 2 threads,
+AVX512-BF16): 0.97 ms, vs 1.12 ms for two calls summed and 1.97 ms for the bf16 dense GEMV.
+Over 256 real hidden states its worst error is 0.0081 of the largest logit (two calls summed,
+in bf16 or fp32: 0.0086; the bf16 dense head: 0.0053): the cost of bf16 scales, as for the
+int4 layers. Its logits are bf16 whatever the activation dtype.
 """
 
 from __future__ import annotations
