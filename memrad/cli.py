@@ -327,7 +327,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from memrad.engine import gemma
-    from memrad.engine.pull import ModelUnavailable, convert_gguf, converted_dir_for, is_converted, pull_default
+    from memrad.engine.pull import ModelUnavailable, pull_default, pull_gguf
 
     try:
         if args.model == "default":
@@ -340,9 +340,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
                 print(f"memrad: pull takes `default`, `{gemma.MODEL_ID}` or a .gguf file; a model folder needs no pull",
                       file=sys.stderr)
                 return 2
-            folder = converted_dir_for(path)
-            if not is_converted(folder):
-                convert_gguf(path, folder, print)
+            folder = pull_gguf(path, print)
     except ModelUnavailable as exc:
         print(f"memrad: {exc}", file=sys.stderr)
         return 1

@@ -177,6 +177,7 @@ class Engine:
 
         return {"model": self.model_id, "tokenizer": tokenizer_hash(self.loaded.tokenizer),
                 "dtype": self.loaded.dtype_name, "weights": self.loaded.weights_name,
+                "head": self.loaded.head,
                 "device": self.loaded.device.type,
                 "chunk": str(self.prefill_chunk), "mode": self.mode}
 

@@ -11,7 +11,8 @@ Weights: a GGUF's Q4_0/Q4_1 blocks run as packed int4 (memrad.engine.quant) on e
 torch has an int4 kernel for: CUDA (tinygemm) and x86 CPUs. The CPU kernel is fast only with
 bf16 inputs (fp32 inputs measured 20-40x slower than a dense GEMV), so Int4Linear hands it
 bf16 even when the activations are fp32; under AVX2-only kernels that still decoded ~1.5x
-faster than the fp32 dense model (docs/BENCHMARKS.md).
+faster than the fp32 dense model (docs/BENCHMARKS.md). A Q8_0 output head runs on the same
+kernel (Q8Linear), so with int4 weights the logits come out in bf16 whatever the activations.
 """
 
 from __future__ import annotations
@@ -64,16 +65,19 @@ def pick_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, Choic
     return torch.float32, Choice("float32", f"auto: {bf16.reason}, so bf16 would be emulated (5-6x slower)")
 
 
-def pick_weights(requested: str, device: torch.device, int4_tensors: int, source: str) -> Choice:
+def pick_weights(requested: str, device: torch.device, int4_tensors: int, source: str,
+                 q8_head: bool = False) -> Choice:
     """The weight format for `requested`; `int4_tensors` counts the GGUF's Q4_0/Q4_1 linear
-    weights (0 when the model has no GGUF), `source` names where they come from."""
+    weights (0 when the model has no GGUF), `source` names where they come from, `q8_head`
+    says its output head's Q8_0 blocks run on the same kernel (memrad.engine.quant.Q8Linear)."""
     if requested == "float":
         return Choice("float", "set by model.weights")
     if requested == "int8":
         return Choice("int8", "set by model.weights (per-channel int8 from the float weights)")
+    head = " and its Q8_0 head" if q8_head else ""
     if requested == "int4":
-        return Choice("int4", f"set by model.weights ({int4_tensors} Q4 tensors from {source})")
+        return Choice("int4", f"set by model.weights ({int4_tensors} Q4 tensors from {source}{head})")
     if int4_tensors == 0:
         return Choice("float", f"auto: {source}")
     kernel = "tinygemm" if device.type == "cuda" else "the CPU int4 kernel (bf16 inputs)"
-    return Choice("int4", f"auto: as shipped, {int4_tensors} Q4 tensors from {source} on {kernel}")
+    return Choice("int4", f"auto: as shipped, {int4_tensors} Q4 tensors from {source}{head} on {kernel}")

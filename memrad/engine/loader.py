@@ -16,11 +16,10 @@ from memrad.engine.pull import (
     DEFAULT_MODEL_ID,
     ModelUnavailable,
     Progress,
-    convert_gguf,
-    converted_dir_for,
     default_model_dir,
     is_converted,
     pull_default,
+    pull_gguf,
 )
 
 log = logging.getLogger("memrad.engine")
@@ -44,6 +43,7 @@ class LoadedModel:
     dtype_choice: Choice = Choice("float32", "set by model.dtype")
     weights: Choice = Choice("float", "set by model.weights")
     packed_bytes: int = 0  # int4 / int8 codes and scales held besides the float weights
+    head: str = "float"  # how the output head runs (memrad.engine.weights.head_format)
 
     @property
     def dtype_name(self) -> str:
@@ -94,10 +94,7 @@ def resolve_model_folder(spec: str, progress: Progress, allow_pull: bool = True)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelUnavailable(f"{path} is a file but not a .gguf; pass a .gguf file or a model folder")
-        folder = converted_dir_for(path)
-        if not is_converted(folder):
-            convert_gguf(path, folder, progress)
-        return path.stem, folder
+        return path.stem, pull_gguf(path, progress)
     if not (path / "config.json").is_file():
         raise ModelUnavailable(f"{path} has no config.json: it is not a Hugging Face model folder")
     return path.resolve().name, path
@@ -107,14 +104,15 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
                progress: Progress = log.info, allow_pull: bool = True, weights: str = "auto") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from memrad.engine.weights import apply_weights, count_int4_cache
+    from memrad.engine.weights import apply_weights, count_int4_cache, count_q8_cache
 
     model_id, folder = resolve_model_folder(spec, progress, allow_pull)
     refuse_unsupported(folder)
     dev = pick_device(device)
     dt, dtype_choice = _pick_dtype(dtype, dev)
     int4_tensors = count_int4_cache(folder)
-    weights_choice = pick_weights(weights, dev, int4_tensors, _int4_source(spec, folder, int4_tensors))
+    weights_choice = pick_weights(weights, dev, int4_tensors, _int4_source(spec, folder, int4_tensors),
+                                  q8_head=count_q8_cache(folder) > 0)
     if weights_choice.value == "int4" and int4_tensors == 0:
         raise ModelUnavailable(f"--weights int4 needs a GGUF's Q4_0/Q4_1 blocks and {folder} has none "
                                f"({_int4_source(spec, folder, 0)}); use --weights auto or float")
@@ -132,7 +130,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     # The int4 kernels take bf16 inputs (fp16 where the activations are fp16).
     applied = apply_weights(model, weights_choice, folder, torch.float16 if dt == torch.float16 else torch.bfloat16)
     progress(f"dtype {dtype_choice.value}: {dtype_choice.reason}")
-    progress(f"weights {weights_choice.value}: {weights_choice.reason} ({applied.packed} layers packed, "
+    head = " with the Q8_0 head" if applied.head == "q8_0" else ""
+    progress(f"weights {weights_choice.value}: {weights_choice.reason} ({applied.packed} layers packed{head}, "
              f"{applied.packed_bytes / 2**20:.0f} MiB)")
     return LoadedModel(
         model_id=model_id,
@@ -146,6 +145,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         dtype_choice=dtype_choice,
         weights=weights_choice,
         packed_bytes=applied.packed_bytes,
+        head=applied.head,
     )
 
 

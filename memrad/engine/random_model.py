@@ -30,17 +30,18 @@ def copy_shape(source: Path, out: Path) -> list[str]:
 
 def write_random_model(shape: Path, out: Path, seed: int = 0) -> Path:
     """A loadable folder at `out`: `shape`'s config and tokenizer, weights drawn with `seed`,
-    its linear layers rounded to Q4_1 blocks and kept as an int4 cache, as a GGUF's would be
-    (so `--weights auto` picks int4 there as it does for the default model)."""
+    its linear layers rounded to Q4_1 blocks and its head to Q8_0, both kept as block caches,
+    as the default model's GGUF ships them (so `--weights auto` runs the same kernels there)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from memrad.engine.weights import quantize_layers_q4_1, write_int4_cache
+    from memrad.engine.weights import quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache, write_q8_cache
 
     copy_shape(shape, out)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=torch.float32)
-    blocks = quantize_layers_q4_1(model)
+    blocks, head = quantize_layers_q4_1(model), quantize_head_q8_0(model)
     model.save_pretrained(out)
     write_int4_cache(blocks, out, f"random Q4_1 (seed {seed})")
+    write_q8_cache(head, out, f"random Q8_0 head (seed {seed})", "Q8_0")
     return out

@@ -8,6 +8,22 @@ tensor processor over row indices), and checked once, at conversion: its dequant
 must equal the float32 weight transformers made of it, bit for bit. A tensor that fails stays
 float, so a mapping error can cost speed but never change the weights. The checked blocks
 are kept as shipped (codes, d, m) in the converted folder, so a start reads no GGUF.
+
+The output head gets the same treatment when the GGUF ships it as Q8_0 (llama.cpp's default
+for a tied head: `token_embd.weight`, which the head shares with the input embedding): its
+blocks are checked against the head's float weight, kept in a sibling file (Q8_CACHE: older
+memrad never opens it), and run by a Q8Linear (memrad.engine.quant). The embedding keeps the
+float weight it shares with the head. A folder made before memra kept the head loads with a
+dense head and says what adds it.
+
+Packing for the kernels takes seconds, so the packed layers are kept too, one file per device
+and torch build, stamped with the block files they were made from: new blocks, new packing.
+
+    memra-q4-blocks.safetensors     {layer}.codes/.scales/.mins       the GGUF's Q4 blocks
+    memra-q8-blocks.safetensors     {head}.codes/.scales              its Q8_0 head (maybe none)
+    memra-int4-{device}-{dtype}-torch{version}.safetensors
+                                    {layer}.packed/.scales_and_zeros  Int4Linear
+                                    {head}.q8_packed/.q8_scales_and_zeros  Q8Linear
 """
 
 from __future__ import annotations
@@ -21,30 +37,45 @@ import numpy as np
 import torch
 
 from memrad.engine.hardware import Choice
-from memrad.engine.quant import Int4Blocks, Int4Linear, Int8Linear, packed_bytes, quantize_q4_1, unpack_blocks
+from memrad.engine.quant import (
+    Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, packed_bytes, quantize_q4_1, unpack_blocks, unpack_q8_0,
+)
 
 log = logging.getLogger("memrad.engine")
 
 INT4_KINDS = ("Q4_0", "Q4_1")
 # Next to the converted float weights: the GGUF's 4-bit blocks, as shipped (codes, d, m).
 INT4_CACHE = "memra-q4-blocks.safetensors"
+# Beside it: the output head's Q8_0 blocks (none when the GGUF ships the head otherwise).
+Q8_CACHE = "memra-q8-blocks.safetensors"
+# What the packed file's layout means; a file stamped otherwise is packed again.
+# 2: Q4_0 zeros fixed (1 packed them as Q4_1 with m = 0), and the Q8_0 head.
+PACKED_LAYOUT = "2"
+# Packed-file key suffixes per layer class; memrad before the Q8 head reads only ".packed".
+_PACKED_KEYS: dict[type, tuple[str, str]] = {Int4Linear: (".packed", ".scales_and_zeros"),
+                                             Q8Linear: (".q8_packed", ".q8_scales_and_zeros")}
+Packed = dict[str, tuple[type, torch.Tensor, torch.Tensor]]  # {module: (layer class, codes, scales_and_zeros)}
 
 
 @dataclass(frozen=True, slots=True)
 class WeightsApplied:
-    """What `apply_weights` did: layers packed, layers left float (and why), bytes packed."""
+    """What `apply_weights` did: layers packed (the head among them), layers left float,
+    bytes packed, and how the output head runs (`head_format`)."""
 
     packed: int
     left_float: int
     packed_bytes: int
     note: str
+    head: str = "float"
 
 
-def read_int4_blocks(gguf_path: Path, model: Any) -> dict[str, Int4Blocks]:
-    """Q4_0/Q4_1 weights of `gguf_path` as {module name in `model`: blocks in model row order}.
+def read_gguf_blocks(gguf_path: Path, model: Any) -> tuple[dict[str, Int4Blocks], dict[str, Int8Blocks], str]:
+    """The GGUF's blocks for `model`'s Linear layers, in model row order: Q4_0/Q4_1 weights
+    as {module name: Int4Blocks}, the output head's Q8_0 blocks as {head name: Int8Blocks}
+    (empty unless the head ships as Q8_0), and the head tensor's GGUF type ("none" if absent).
 
     Slow (gguf's reader parses all metadata, ~10 s for the default model): run once, at
-    conversion, and kept in the folder's int4 cache (`save_int4_cache`).
+    conversion, and kept in the folder's block caches (`save_block_caches`).
     """
     from gguf import GGUFReader, MODEL_ARCH_NAMES, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -54,51 +85,83 @@ def read_int4_blocks(gguf_path: Path, model: Any) -> dict[str, Int4Blocks]:
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
     arch_id = next((key for key, value in MODEL_ARCH_NAMES.items() if value == arch), None)
     if arch_id is None:
-        return {}
+        return {}, {}, "none"
     name_map = get_tensor_name_map(arch_id, model.config.num_hidden_layers)
     gguf_to_module = {f"{name_map.get_name(name)}.weight": name for name, mod in model.named_modules()
                       if isinstance(mod, torch.nn.Linear) and name_map.get_name(name) is not None}
-    out: dict[str, Int4Blocks] = {}
+    head, head_name = model.get_output_embeddings(), _head_name(model)
+    embedding = model.get_input_embeddings()
+    if head is not None and embedding is not None and head.weight is embedding.weight:
+        # tied: the GGUF ships no output.weight; token_embd.weight is the head too
+        embedding_name = next(name for name, mod in model.named_modules() if mod is embedding)
+        gguf_to_module.setdefault(f"{name_map.get_name(embedding_name)}.weight", head_name)
+    int4: dict[str, Int4Blocks] = {}
+    q8: dict[str, Int8Blocks] = {}
+    head_kind = "none"
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         module = gguf_to_module.get(tensor.name)
-        if kind not in INT4_KINDS or module is None:
+        if module is None:
             continue
-        blocks = unpack_blocks(np.array(tensor.data), kind)
-        rows = _row_order(processor, tensor.name, blocks.codes.shape[0])
-        out[module] = blocks if rows is None else blocks.permuted(rows)
-    return out
+        if module == head_name:
+            head_kind = kind
+        if kind in INT4_KINDS:
+            blocks = unpack_blocks(np.array(tensor.data), kind)
+            rows = _row_order(processor, tensor.name, blocks.codes.shape[0])
+            int4[module] = blocks if rows is None else blocks.permuted(rows)
+        elif kind == "Q8_0" and module == head_name:  # vocab rows: never permuted
+            q8[module] = unpack_q8_0(np.array(tensor.data))
+    return int4, q8, head_kind
 
 
-def save_int4_cache(gguf_path: Path, model: Any, folder: Path) -> int:
-    """Write the GGUF's int4 blocks that match `model`'s float weights bit for bit into
-    `folder`; returns how many. `model` must hold the float32 weights the folder was made of."""
+def save_block_caches(gguf_path: Path, model: Any, folder: Path) -> tuple[int, int]:
+    """Write the GGUF's int4 blocks and Q8_0 head that match `model`'s float weights bit for
+    bit into `folder`; returns how many of each. `model` must hold the float32 weights the
+    folder was made of (for a tied head: the embedding's)."""
+    int4, q8, head_kind = read_gguf_blocks(gguf_path, model)
+    int4, q8 = _matching(int4, model), _matching(q8, model)
+    write_int4_cache(int4, folder, gguf_path.name)
+    write_q8_cache(q8, folder, gguf_path.name, head_kind)
+    return len(int4), len(q8)
+
+
+def _matching(blocks: dict, model: Any) -> dict:
+    """The entries of {module name: blocks} whose dequantized weights equal the module's."""
     modules = dict(model.named_modules())
-    kept: dict[str, Int4Blocks] = {}
-    for name, blocks in read_int4_blocks(gguf_path, model).items():
+    kept = {}
+    for name, block in blocks.items():
         weight = modules[name].weight.detach().cpu()
-        if tuple(weight.shape) != tuple(blocks.codes.shape) or not torch.equal(blocks.dequantize(), weight.float()):
+        if tuple(weight.shape) != tuple(block.codes.shape) or not torch.equal(block.dequantize(), weight.float()):
             log.warning("GGUF tensor for %s does not match the float weights: it stays float", name)
             continue
-        kept[name] = blocks
-    write_int4_cache(kept, folder, gguf_path.name)
-    return len(kept)
+        kept[name] = block
+    return kept
 
 
 def write_int4_cache(blocks: dict[str, Int4Blocks], folder: Path, source: str) -> None:
     """Store {module name: blocks} in `folder`: codes one a byte (unpacking two a byte cost
     seconds at every start), d and m as the fp16 they were shipped as."""
+    _write_blocks(folder / INT4_CACHE, blocks, {"source": source})
+
+
+def write_q8_cache(blocks: dict[str, Int8Blocks], folder: Path, source: str, head_kind: str) -> None:
+    """Store the head's Q8_0 blocks ({} when there are none) and the GGUF type the head was
+    shipped as: the file's presence says the head was looked at, its header why it is dense."""
+    _write_blocks(folder / Q8_CACHE, blocks, {"source": source, "head": head_kind})
+
+
+def _write_blocks(path: Path, blocks: dict[str, Int4Blocks | Int8Blocks], metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     for name, block in blocks.items():
-        tensors[f"{name}.codes"] = block.codes.contiguous()  # [N, K] uint8 0..15
+        tensors[f"{name}.codes"] = block.codes.contiguous()  # [N, K] uint8 0..15 or int8
         tensors[f"{name}.scales"] = block.scales.half()  # exact: they were fp16 in the GGUF
-        if block.mins is not None:
+        if getattr(block, "mins", None) is not None:
             tensors[f"{name}.mins"] = block.mins.half()
-    staging = folder / (INT4_CACHE + ".partial")
-    save_file(tensors, str(staging), metadata={"source": source})
-    staging.rename(folder / INT4_CACHE)
+    staging = path.with_name(path.name + ".partial")
+    save_file(tensors, str(staging), metadata=metadata)
+    staging.rename(path)
 
 
 def quantize_layers_q4_1(model: Any) -> dict[str, Int4Blocks]:
@@ -116,15 +179,36 @@ def quantize_layers_q4_1(model: Any) -> dict[str, Int4Blocks]:
     return out
 
 
+def quantize_head_q8_0(model: Any) -> dict[str, Int8Blocks]:
+    """Round the output head to Q8_0 in place with gguf-py's quantizer (bit-exact with
+    llama.cpp; a tied head rounds the embedding it shares) and return {head name: blocks}:
+    the head llama.cpp ships with SmolLM2, for tests and the random-weight model."""
+    from gguf import GGMLQuantizationType, quants
+
+    head = model.get_output_embeddings()
+    blocks = unpack_q8_0(quants.quantize(head.weight.detach().float().numpy(), GGMLQuantizationType.Q8_0))
+    with torch.no_grad():
+        head.weight.copy_(blocks.dequantize())
+    return {_head_name(model): blocks}
+
+
 def count_int4_cache(folder: Path) -> int:
     """How many int4 weight matrices the folder's cache holds (0 without one)."""
-    path = folder / INT4_CACHE
+    return len(_cached_names(folder / INT4_CACHE))
+
+
+def count_q8_cache(folder: Path) -> int:
+    """How many Q8_0 weight matrices (the head, or none) the folder's cache holds."""
+    return len(_cached_names(folder / Q8_CACHE))
+
+
+def _cached_names(path: Path) -> list[str]:
     if not path.is_file():
-        return 0
+        return []
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        return sum(key.endswith(".codes") for key in f.keys())
+        return [key.removesuffix(".codes") for key in f.keys() if key.endswith(".codes")]
 
 
 def load_int4_cache(folder: Path) -> dict[str, Int4Blocks]:
@@ -139,6 +223,29 @@ def load_int4_cache(folder: Path) -> dict[str, Int4Blocks]:
             out[name] = Int4Blocks(tensors[key], tensors[f"{name}.scales"].float(),
                                    None if mins is None else mins.float())
     return out
+
+
+def load_q8_cache(folder: Path) -> dict[str, Int8Blocks]:
+    """The folder's Q8_0 blocks ({} when it has none, or no file: made before memra kept them)."""
+    if not (folder / Q8_CACHE).is_file():
+        return {}
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / Q8_CACHE))
+    names = [key.removesuffix(".codes") for key in tensors if key.endswith(".codes")]
+    return {name: Int8Blocks(tensors[f"{name}.codes"], tensors[f"{name}.scales"].float()) for name in names}
+
+
+def head_format(model: Any) -> str:
+    """How the output head runs: "q8_0" (its GGUF blocks), "int4", "int8" or "float". It
+    decides the logits' bits, so the disk tier's compatibility key names it."""
+    head = model.get_output_embeddings()
+    return {Q8Linear: "q8_0", Int4Linear: "int4", Int8Linear: "int8"}.get(type(head), "float")
+
+
+def _head_name(model: Any) -> str | None:
+    head = model.get_output_embeddings()
+    return next((name for name, mod in model.named_modules() if mod is head), None)
 
 
 def _row_order(processor: Any, gguf_name: str, num_rows: int) -> torch.Tensor | None:
@@ -158,27 +265,69 @@ def apply_weights(model: Any, choice: Choice, folder: Path, kernel_dtype: torch.
         targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is torch.nn.Linear]
         for name, mod in targets:
             _set_module(model, name, Int8Linear(mod))
-        return WeightsApplied(len(targets), 0, packed_bytes(model), "per-channel int8")
+        return WeightsApplied(len(targets), 0, packed_bytes(model), "per-channel int8", head_format(model))
     return WeightsApplied(0, 0, 0, "float")
 
 
 def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsApplied:
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
-    packed = _load_packed(folder, device, kernel_dtype)
+    stamp = _blocks_stamp(folder)
+    packed = _load_packed(folder, device, kernel_dtype, stamp)
     built = packed is None
-    if built:  # first start on this device / torch: pack from the blocks, keep the result
-        packed = {name: (layer.packed, layer.scales_and_zeros) for name, layer in
-                  ((name, Int4Linear.from_blocks(modules[name], blocks, kernel_dtype))
-                   for name, blocks in load_int4_cache(folder).items()
-                   if type(modules.get(name)) is torch.nn.Linear
-                   and tuple(modules[name].weight.shape) == tuple(blocks.codes.shape))}
-    for name, (codes, scales_and_zeros) in packed.items():
-        _set_module(model, name, Int4Linear(modules[name], codes, scales_and_zeros))
+    if built:  # first start on this device / torch / block files: pack, keep the result
+        packed = _pack_cached(folder, modules, kernel_dtype)
+    for name, (cls, codes, scales_and_zeros) in packed.items():
+        _set_module(model, name, cls(modules[name], codes, scales_and_zeros))
     if built:
-        _save_packed(folder, device, kernel_dtype, packed)
-    return WeightsApplied(len(packed), count_int4_cache(folder) - len(packed), packed_bytes(model),
-                          f"int4 group 32 ({INT4_CACHE})")
+        _save_packed(folder, device, kernel_dtype, packed, stamp)
+    head = head_format(model)
+    if head == "float":  # a warning where a pull would change that
+        level = logging.INFO if (folder / Q8_CACHE).is_file() else logging.WARNING
+        log.log(level, "the output head runs dense: %s", _why_dense_head(folder, model))
+    cached = count_int4_cache(folder) + count_q8_cache(folder)
+    note = f"int4 group 32 ({INT4_CACHE})" + (" + Q8_0 head as int4 hi|lo" if head == "q8_0" else "")
+    return WeightsApplied(len(packed), cached - len(packed), packed_bytes(model), note, head)
+
+
+def _pack_cached(folder: Path, modules: dict[str, torch.nn.Module], kernel_dtype: torch.dtype) -> Packed:
+    """Pack the folder's cached blocks for the layers of `modules` they fit."""
+    layers = [(name, Int4Linear.from_blocks(modules[name], blocks, kernel_dtype))
+              for name, blocks in load_int4_cache(folder).items() if _fits(modules.get(name), blocks)]
+    layers += [(name, Q8Linear.from_blocks(modules[name], blocks, kernel_dtype))
+               for name, blocks in load_q8_cache(folder).items() if _fits(modules.get(name), blocks)]
+    return {name: (type(layer), layer.packed, layer.scales_and_zeros) for name, layer in layers}
+
+
+def _fits(module: torch.nn.Module | None, blocks: Int4Blocks | Int8Blocks) -> bool:
+    # the CPU packer takes N in multiples of 16 (a vocabulary need not be one)
+    return (type(module) is torch.nn.Linear and tuple(module.weight.shape) == tuple(blocks.codes.shape)
+            and module.out_features % 16 == 0)
+
+
+def _why_dense_head(folder: Path, model: Any) -> str:
+    """Why a model with int4 layers runs no Q8_0 head, with what to run if anything does."""
+    path = folder / Q8_CACHE
+    if not path.is_file():
+        return (f"{folder} was made before memra kept the head's Q8_0 blocks; `memrad pull` (the "
+                "default model) or `memrad pull FILE.gguf` (a GGUF) adds them")
+    if count_q8_cache(folder):
+        return f"the int4 kernel packs rows in sixteens and it has {model.get_output_embeddings().out_features}"
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        kind = (f.metadata() or {}).get("head", "none")
+    if kind == "Q8_0":
+        return "its Q8_0 blocks did not match the float weights at conversion"
+    return f"the GGUF ships it as {kind}, not Q8_0" if kind != "none" else "the GGUF names no output head"
+
+
+def _blocks_stamp(folder: Path) -> str:
+    """What a packed file was made from: the layout and the block files as written (size and
+    time: a rewrite of equal size, e.g. another seed's random model, packs again)."""
+    files = [f"{(folder / name).stat().st_size}@{(folder / name).stat().st_mtime_ns}"
+             if (folder / name).is_file() else "absent" for name in (INT4_CACHE, Q8_CACHE)]
+    return f"layout {PACKED_LAYOUT}; q4 {files[0]}; q8 {files[1]}"
 
 
 def _packed_path(folder: Path, device: torch.device, kernel_dtype: torch.dtype) -> Path:
@@ -187,29 +336,33 @@ def _packed_path(folder: Path, device: torch.device, kernel_dtype: torch.dtype) 
     return folder / f"memra-int4-{device.type}-{dtype}-torch{torch.__version__}.safetensors"
 
 
-def _load_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype
-                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+def _load_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype, stamp: str) -> Packed | None:
+    """The kept packed layers, or None without a file made from these blocks in this layout."""
     path = _packed_path(folder, device, kernel_dtype)
     if not path.is_file():
         return None
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
+    with safe_open(str(path), "pt") as f:
+        if (f.metadata() or {}).get("memra") != stamp:
+            return None
     tensors = load_file(str(path))
-    return {key.removesuffix(".packed"): (tensors[key], tensors[key.removesuffix(".packed") + ".scales_and_zeros"])
-            for key in tensors if key.endswith(".packed")}
+    return {key.removesuffix(codes_key): (cls, tensors[key], tensors[key.removesuffix(codes_key) + sz_key])
+            for cls, (codes_key, sz_key) in _PACKED_KEYS.items() for key in tensors if key.endswith(codes_key)}
 
 
-def _save_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype,
-                 packed: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _save_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype, packed: Packed, stamp: str) -> None:
     from safetensors.torch import save_file
 
     tensors = {}
-    for name, (codes, scales_and_zeros) in packed.items():
-        tensors[f"{name}.packed"] = codes.cpu().contiguous()
-        tensors[f"{name}.scales_and_zeros"] = scales_and_zeros.cpu().contiguous()
+    for name, (cls, codes, scales_and_zeros) in packed.items():
+        codes_key, sz_key = _PACKED_KEYS[cls]
+        tensors[name + codes_key] = codes.cpu().contiguous()
+        tensors[name + sz_key] = scales_and_zeros.cpu().contiguous()
     path = _packed_path(folder, device, kernel_dtype)
     try:
-        save_file(tensors, str(path.with_suffix(".partial")))
+        save_file(tensors, str(path.with_suffix(".partial")), metadata={"memra": stamp})
         path.with_suffix(".partial").rename(path)
     except OSError as exc:  # a read-only folder: the next start packs again
         log.warning("could not keep the packed int4 weights in %s: %s", folder, exc)

@@ -1,5 +1,7 @@
 """The reuse pool on the real default model, in process: exact resumes equal cold runs."""
 
+import math
+
 import pytest
 import torch
 
@@ -75,7 +77,11 @@ def test_fast_mode_covers_the_first_prompt_and_the_reply(smol):
     difference = (warm_state.prompt_logits - cold_state.prompt_logits).abs().max().item()
     # Close, not bit-identical: the reply's KV came from decode steps, which run the int4
     # kernel with bf16 inputs where prefill runs the dense weights (docs/ARCHITECTURE.md).
-    assert difference < (1e-2 if smol.weights_name == "float" else 5e-2)
+    # The Q8_0 head runs on that kernel too, so its logits are bf16: add one bf16 step at
+    # the largest logit (0.125 for logits of 16 to 32).
+    top = cold_state.prompt_logits.abs().max().item()
+    bf16_step = 2.0 ** (math.floor(math.log2(top)) - 7) if smol.head == "q8_0" else 0.0
+    assert difference < (1e-2 if smol.weights_name == "float" else 5e-2 + bf16_step)
 
 
 def test_a_client_that_trims_the_reply_misses_the_prefix_probes_but_not_the_longest_prefix(smol):

@@ -1,6 +1,6 @@
 """The default model in every weight format x dtype (and with the decode step compiled): a
-resumed turn equals its cold run, and `auto` picks int4 (the shipped Q4_1 blocks) with the
-dtype the hardware is fast at."""
+resumed turn equals its cold run, and `auto` picks int4 (the shipped Q4_1 blocks and Q8_0
+head) with the dtype the hardware is fast at."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ import torch
 from memrad.engine.engine import Engine
 from memrad.engine.hardware import native_bf16
 from memrad.engine.loader import load_model
-from memrad.engine.quant import Int4Linear
+from memrad.engine.pull import pull_default
+from memrad.engine.quant import Int4Linear, Q8Linear
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 
@@ -22,6 +23,8 @@ SYSTEM = {"role": "system", "content": "You are a careful coding agent working i
 @pytest.fixture(scope="module")
 def loaded():
     torch.set_num_threads(2)
+    # a cache converted by an older memrad lacks the head's Q8_0 blocks: pull adds them
+    pull_default(progress=lambda _: None, show_pip_progress=False)
     made = {}
 
     def get(weights: str, dtype: str):
@@ -43,8 +46,19 @@ def test_auto_runs_the_shipped_4_bit_blocks_in_the_dtype_the_cpu_is_fast_at(load
     smol = loaded("auto", "auto")
     bf16 = native_bf16().value == "yes"
     assert smol.dtype == (torch.bfloat16 if bf16 else torch.float32)
-    assert smol.weights.value == "int4" and "210 Q4 tensors from the shipped Q4_1 GGUF" in smol.weights.reason
-    assert sum(isinstance(m, Int4Linear) for m in smol.model.modules()) == 210  # 30 layers x 7
+    assert smol.weights.value == "int4"
+    assert "210 Q4 tensors from the shipped Q4_1 GGUF and its Q8_0 head" in smol.weights.reason
+    assert sum(type(m) is Int4Linear for m in smol.model.modules()) == 210  # 30 layers x 7
+    assert type(smol.model.lm_head) is Q8Linear and smol.head == "q8_0"
+    assert smol.model.lm_head.weight is smol.model.model.embed_tokens.weight  # the embedding stays float
+
+
+def test_the_q8_0_head_answers_a_short_question_sensibly(loaded):
+    engine = Engine(loaded("auto", "auto"), CHUNK, 2, ReusePool(8, 2**31), "exact")
+    engine.finished = []
+    engine.on_finished = engine.finished.append
+    reply, _ = _ask(engine, [{"role": "user", "content": "What is the capital of France?"}], "paris")
+    assert "Paris" in reply.text
 
 
 @pytest.mark.parametrize("weights,dtype,compile", [("int4", "bfloat16", "off"), ("int4", "bfloat16", "on"),

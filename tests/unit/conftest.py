@@ -3,8 +3,7 @@ import torch
 
 from memrad.engine.engine import Engine
 from memrad.engine.loader import load_model
-from memrad.engine.weights import quantize_layers_q4_1, write_int4_cache
-from tiny import build_llama, build_tokenizer, save_tiny
+from tiny import save_tiny, write_q4_folder
 
 
 @pytest.fixture(scope="session")
@@ -38,12 +37,5 @@ def tiny_engine(tiny_loaded):
 
 @pytest.fixture(scope="session")
 def q4_dir(tmp_path_factory):
-    """The tiny llama rounded to Q4_1, its blocks kept as `memrad pull` keeps a GGUF's."""
-    folder = tmp_path_factory.mktemp("tiny-q4")
-    tokenizer = build_tokenizer()
-    model = build_llama(len(tokenizer))
-    blocks = quantize_layers_q4_1(model)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    write_int4_cache(blocks, folder, "test")
-    return folder
+    """The tiny llama shaped like SmolLM2's GGUF: Q4_1 layers, a tied Q8_0 head (tiny.write_q4_folder)."""
+    return write_q4_folder(tmp_path_factory.mktemp("tiny-q4"))

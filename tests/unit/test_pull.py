@@ -1,7 +1,9 @@
 import pytest
+from tiny import build_llama, build_tokenizer, write_tiny_gguf
 
 from memrad.engine.loader import load_model
-from memrad.engine.pull import ModelUnavailable, pull_default
+from memrad.engine.pull import MARKER, ModelUnavailable, converted_dir_for, has_block_caches, pull_default, pull_gguf
+from memrad.engine.weights import count_q8_cache, quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache
 
 
 @pytest.fixture
@@ -45,3 +47,22 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path.write_bytes(b"x")
     with pytest.raises(ModelUnavailable, match="not a .gguf"):
         load_model(str(path))
+
+
+def test_a_gguf_converted_before_the_head_was_kept_gets_its_head_blocks_without_a_network(offline, tmp_path):
+    tokenizer, model = build_tokenizer(), build_llama(400, tied=True)
+    layers = quantize_layers_q4_1(model)
+    quantize_head_q8_0(model)
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", model)
+    folder = converted_dir_for(gguf)  # as an older memrad left it: converted, Q4 blocks only
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    write_int4_cache(layers, folder, gguf.name)
+    (folder / MARKER).write_text("{}")
+    assert not has_block_caches(folder)
+    said = []
+    assert pull_gguf(gguf, said.append) == folder
+    assert has_block_caches(folder) and count_q8_cache(folder) == 1
+    assert said[-1] == "1 int4 weight matrices and the Q8_0 head kept (checked against the float weights)"
+    said.clear()
+    assert pull_gguf(gguf, said.append) == folder and said == []  # nothing left to add

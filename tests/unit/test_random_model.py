@@ -27,6 +27,7 @@ def test_a_random_model_has_the_shape_and_tokenizer_of_its_source_and_other_weig
     theirs = dict(source.model.named_parameters())
     assert {n: p.shape for n, p in ours.items()} == {n: p.shape for n, p in theirs.items()}
     assert not torch.equal(ours["model.embed_tokens.weight"], theirs["model.embed_tokens.weight"])
+    assert drawn.weights.value == "int4" and drawn.head == "q8_0"  # the kernels the default model runs
     again = load_model(str(write_random_model(shape, tmp_path / "again", seed=3)), device="cpu", dtype="float32")
     assert torch.equal(dict(again.model.named_parameters())["model.embed_tokens.weight"],
                        ours["model.embed_tokens.weight"])  # the seed decides the weights

@@ -1,17 +1,25 @@
 """Every weight format x activation dtype: resumed turns stay bit-identical to cold ones.
 
-The tiny llama's linear layers are rounded to Q4_1 and its blocks kept as an int4 cache, as
-`memrad pull` keeps a GGUF's, so `--weights int4` runs the packed kernel on single tokens.
+The tiny llama is shaped like SmolLM2's GGUF: its linear layers are rounded to Q4_1 and its
+head, tied to the input embedding, to Q8_0, and both sets of blocks are kept as `memrad pull`
+keeps a GGUF's, so `--weights int4` runs the packed kernel on single tokens, head included.
+A folder made before memra kept the head still loads, with a dense head.
 """
+
+import logging
 
 import pytest
 import torch
+from tiny import build_llama, build_tokenizer, write_q4_folder, write_tiny_gguf
 
 from memrad.engine.engine import Engine
 from memrad.engine.loader import load_model
 from memrad.engine.pull import ModelUnavailable
-from memrad.engine.quant import Int4Linear, Int8Linear
-from memrad.engine.weights import INT4_CACHE, count_int4_cache
+from memrad.engine.quant import Int4Linear, Int8Linear, Q8Linear
+from memrad.engine.weights import (
+    INT4_CACHE, Q8_CACHE, count_int4_cache, count_q8_cache, load_int4_cache, load_q8_cache, quantize_head_q8_0,
+    quantize_layers_q4_1, save_block_caches, write_int4_cache, write_q8_cache,
+)
 from memrad.reuse.pool import ReusePool
 from test_reuse import ask
 
@@ -20,36 +28,136 @@ CONFIGS = [("float", "float32"), ("float", "bfloat16"), ("int4", "float32"), ("i
 SYSTEM = {"role": "system", "content": "You are a helpful coding assistant. Read the file, then answer."}
 
 
-def _load(folder, weights, dtype):
+@pytest.fixture
+def old_dir(tmp_path):
+    """The same model as made before memra kept the head's Q8_0 blocks (they wait beside it)."""
+    folder = write_q4_folder(tmp_path / "tiny-q4-old")
+    (folder / Q8_CACHE).rename(tmp_path / Q8_CACHE)
+    return folder
+
+
+def _load(folder, weights, dtype, progress=lambda _: None):
     torch.set_num_threads(1)
-    return load_model(str(folder), device="cpu", dtype=dtype, weights=weights)
+    return load_model(str(folder), device="cpu", dtype=dtype, weights=weights, progress=progress)
 
 
-def test_the_int4_cache_holds_every_layer_linear_but_the_head(q4_dir):
+def test_conversion_keeps_the_q8_0_token_embedding_as_the_tied_heads_blocks(tmp_path):
+    model = build_llama(400, tied=True)
+    quantize_layers_q4_1(model)
+    quantize_head_q8_0(model)
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", model)
+    assert save_block_caches(gguf, model, tmp_path) == (1, 1)  # layer 0's V, and the head
+    assert set(load_int4_cache(tmp_path)) == {"model.layers.0.self_attn.v_proj"}
+    head, = load_q8_cache(tmp_path).values()
+    assert torch.equal(head.dequantize(), model.model.embed_tokens.weight)
+
+
+def test_a_head_whose_blocks_differ_from_the_float_weights_stays_float(tmp_path, caplog):
+    model = build_llama(400, tied=True)
+    quantize_head_q8_0(model)
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", model)
+    with torch.no_grad():
+        model.lm_head.weight[7, 3] += 1e-3  # the folder's float weights are not the GGUF's
+    with caplog.at_level(logging.WARNING, logger="memrad.engine"):
+        assert save_block_caches(gguf, model, tmp_path)[1] == 0
+    assert "GGUF tensor for lm_head does not match the float weights: it stays float" in caplog.text
+    assert count_q8_cache(tmp_path) == 0 and (tmp_path / Q8_CACHE).is_file()
+
+
+def test_int4_runs_every_layer_linear_and_the_q8_0_head_tied_to_a_float_embedding(q4_dir):
     assert count_int4_cache(q4_dir) == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
-    loaded = _load(q4_dir, "auto", "bfloat16")
-    assert loaded.weights.value == "int4"
-    packed = [m for m in loaded.model.modules() if isinstance(m, Int4Linear)]
-    assert len(packed) == 14 and not isinstance(loaded.model.lm_head, Int4Linear)
+    assert count_q8_cache(q4_dir) == 1 and set(load_q8_cache(q4_dir)) == {"lm_head"}
+    said = []
+    loaded = _load(q4_dir, "auto", "bfloat16", said.append)
+    assert loaded.weights.value == "int4" and "14 Q4 tensors from the GGUF and its Q8_0 head" in loaded.weights.reason
+    model = loaded.model
+    assert type(model.lm_head) is Q8Linear and loaded.head == "q8_0"
+    assert type(model.model.embed_tokens) is torch.nn.Embedding
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, still float
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    packed = [m for m in model.modules() if isinstance(m, Int4Linear)]  # Q8Linear is one
+    assert len(packed) == 15 and sum(type(m) is Int4Linear for m in packed) == 14
     assert loaded.packed_bytes == sum(m.packed.nbytes + m.scales_and_zeros.nbytes for m in packed)
+    # the head: [hi | lo] codes for 400 x 128 at 2 a byte, and (scale, zero) per 32 of them
+    assert model.lm_head.packed.nbytes + model.lm_head.scales_and_zeros.nbytes == 400 * 64 + 4 * 400 * 2 * 2
+    assert any("(15 layers packed with the Q8_0 head" in line for line in said)
+
+
+def test_a_second_start_reads_the_packed_head_instead_of_packing_again(q4_dir, monkeypatch):
+    first = _load(q4_dir, "int4", "float32")
+
+    def repack(*_):
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr(Q8Linear, "from_blocks", repack)
+    monkeypatch.setattr(Int4Linear, "from_blocks", repack)
+    second = _load(q4_dir, "int4", "float32")
+    assert type(second.model.lm_head) is Q8Linear
+    assert torch.equal(second.model.lm_head.packed, first.model.lm_head.packed)
+
+
+def test_a_folder_made_before_the_head_was_kept_loads_with_a_dense_head_and_says_what_to_run(old_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="memrad.engine"):
+        loaded = _load(old_dir, "auto", "bfloat16")
+    assert loaded.weights.value == "int4" and "Q8_0" not in loaded.weights.reason
+    assert type(loaded.model.lm_head) is torch.nn.Linear and loaded.head == "float"
+    assert sum(type(m) is Int4Linear for m in loaded.model.modules()) == 14
+    assert f"the output head runs dense: {old_dir} was made before memra kept the head's Q8_0 blocks; " \
+           "`memrad pull` (the default model) or `memrad pull FILE.gguf` (a GGUF) adds them" in caplog.text
+
+
+def test_adding_the_head_blocks_later_packs_the_head_at_the_next_start(old_dir):
+    before = _load(old_dir, "int4", "bfloat16")  # keeps a packed file without the head
+    engine_before = Engine(before, 16, 1)
+    (old_dir.parent / Q8_CACHE).rename(old_dir / Q8_CACHE)  # as `memrad pull` adds them
+    after = _load(old_dir, "int4", "bfloat16")
+    assert type(after.model.lm_head) is Q8Linear
+    # parked state on disk made under the dense head is never loaded under the Q8_0 head
+    assert engine_before.state_format()["head"] == "float"
+    assert Engine(after, 16, 1).state_format() == dict(engine_before.state_format(), head="q8_0")
+
+
+def test_a_head_the_gguf_ships_in_another_format_stays_dense_and_says_so(old_dir, caplog):
+    write_q8_cache({}, old_dir, "test", "Q6_K")
+    with caplog.at_level(logging.INFO, logger="memrad.engine"):
+        assert _load(old_dir, "int4", "bfloat16").head == "float"
+    said, = [r for r in caplog.records if "output head" in r.getMessage()]
+    assert said.levelname == "INFO"  # nothing to run: the GGUF's own choice
+    assert said.getMessage() == "the output head runs dense: the GGUF ships it as Q6_K, not Q8_0"
+
+
+def test_a_vocabulary_the_kernel_cannot_pack_keeps_a_dense_head_and_says_why(tmp_path, caplog):
+    tokenizer = build_tokenizer()
+    model = build_llama(len(tokenizer) + 8, tied=True)  # 408 rows: the CPU packer takes sixteens
+    layers, head = quantize_layers_q4_1(model), quantize_head_q8_0(model)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    write_int4_cache(layers, tmp_path, "test")
+    write_q8_cache(head, tmp_path, "test", "Q8_0")
+    with caplog.at_level(logging.INFO, logger="memrad.engine"):
+        loaded = _load(tmp_path, "int4", "bfloat16")
+    assert loaded.head == "float" and sum(type(m) is Int4Linear for m in loaded.model.modules()) == 14
+    assert "the output head runs dense: the int4 kernel packs rows in sixteens and it has 408" in caplog.text
 
 
 def test_int8_packs_every_linear_and_float_packs_none(q4_dir):
-    assert sum(isinstance(m, Int8Linear) for m in _load(q4_dir, "int8", "bfloat16").model.modules()) == 15
+    int8 = _load(q4_dir, "int8", "bfloat16")
+    assert sum(isinstance(m, Int8Linear) for m in int8.model.modules()) == 15 and int8.head == "int8"
     floats = _load(q4_dir, "float", "float32")
-    assert floats.packed_bytes == 0 and floats.weights.reason == "set by model.weights"
+    assert floats.packed_bytes == 0 and floats.weights.reason == "set by model.weights" and floats.head == "float"
 
 
 def test_int4_without_cached_blocks_says_what_to_do(tiny_llama_dir):
     with pytest.raises(ModelUnavailable, match="--weights int4 needs a GGUF's Q4_0/Q4_1 blocks"):
         _load(tiny_llama_dir, "int4", "float32")
-    assert not (tiny_llama_dir / INT4_CACHE).exists()
+    assert not (tiny_llama_dir / INT4_CACHE).exists() and not (tiny_llama_dir / Q8_CACHE).exists()
     assert _load(tiny_llama_dir, "auto", "float32").weights.value == "float"
 
 
 @pytest.mark.parametrize("weights,dtype", CONFIGS)
 def test_resumed_turns_equal_cold_turns_bit_for_bit(q4_dir, weights, dtype):
     loaded = _load(q4_dir, weights, dtype)
+    assert loaded.head == {"float": "float", "int4": "q8_0", "int8": "int8"}[weights]
     engine = Engine(loaded, 16, 1, ReusePool(16, 10**9), "exact")
     engine.finished = []
     engine.on_finished = engine.finished.append

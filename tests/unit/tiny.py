@@ -69,12 +69,13 @@ def build_tokenizer(style: str = "chatml") -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_llama(vocab_size: int, seed: int = 0, max_positions: int = 1024) -> LlamaForCausalLM:
+def build_llama(vocab_size: int, seed: int = 0, max_positions: int = 1024, tied: bool = False) -> LlamaForCausalLM:
+    """`tied`: the head shares the input embedding's weight, as in SmolLM2."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0, tie_word_embeddings=False)
+                         pad_token_id=0, tie_word_embeddings=tied)
     return LlamaForCausalLM(config).eval()
 
 
@@ -141,3 +142,37 @@ def save_tiny(folder: Path, kind: str) -> Path:
     tokenizer.save_pretrained(folder)
     return folder
 
+
+def write_q4_folder(folder: Path) -> Path:
+    """The tiny llama shaped like SmolLM2's GGUF, as `memrad pull` leaves one: Q4_1 layers and
+    a Q8_0 head tied to the embedding, their blocks kept beside the float weights."""
+    from memrad.engine.weights import quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache, write_q8_cache
+
+    tokenizer = build_tokenizer()
+    model = build_llama(len(tokenizer), tied=True)
+    blocks, head = quantize_layers_q4_1(model), quantize_head_q8_0(model)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    write_int4_cache(blocks, folder, "test")
+    write_q8_cache(head, folder, "test", "Q8_0")
+    return folder
+
+
+def write_tiny_gguf(path: Path, model) -> Path:
+    """A GGUF holding what memra reads back from one (no tokenizer, so transformers cannot
+    load it): a tied llama's embedding as Q8_0 `token_embd.weight`, as llama.cpp ships
+    SmolLM2's head, and layer 0's V projection as Q4_1 (V: no row permutation)."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    writer = GGUFWriter(str(path), "llama")
+    for name, weight, kind in (
+        ("token_embd.weight", model.model.embed_tokens.weight, GGMLQuantizationType.Q8_0),
+        ("blk.0.attn_v.weight", model.model.layers[0].self_attn.v_proj.weight, GGMLQuantizationType.Q4_1),
+    ):
+        raw = quants.quantize(weight.detach().float().numpy(), kind)
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
