@@ -128,26 +128,31 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one token's queries q [1, H_kv, G, D] over keys, values [1, H_kv, L, D].
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+    """Attention of one token's queries q [1, H_kv, G, D] over the first `length` rows of
+    keys, values [1, H_kv, capacity, D] (capacity > length: `SlabLayer.step_buffers`).
 
     The G query heads that share a KV head are the rows of one query block, so no KV head
     is copied. On the CPU, long contexts split the rows into two halves computed as a batch
-    of 2, plus the one or two rows left over, merged by their log-sum-exp (see SPLIT_ROWS).
+    of 2 and merged by their log-sum-exp (see SPLIT_ROWS). Both halves have ceil(length/2)
+    rows: for an odd length the second one reaches one row past the end, masked out, so
+    odd and even lengths run the same graph.
+
+        rows  | 0 ......... half-1 | half ......... length-1 | (length: masked) |
+              |<---- batch 0 ----->|<------------ batch 1 ----------------->|
     """
-    rows = keys.shape[2]
-    if q.device.type != "cpu" or rows < SPLIT_ROWS:
-        return F.scaled_dot_product_attention(q, keys, values, scale=scale)
-    half = (rows - 1) // 2  # two halves of `half` rows, then the 1 or 2 rows left
+    if q.device.type != "cpu" or length < SPLIT_ROWS:
+        return F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length], scale=scale)
+    half = (length + 1) // 2
     _, heads, _, dim = keys.shape
     k2 = keys[:, :, : 2 * half].reshape(heads, 2, half, dim).transpose(0, 1)  # [2, H_kv, half, D]
     v2 = values[:, :, : 2 * half].reshape(heads, 2, half, dim).transpose(0, 1)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = flash(q.expand(2, -1, -1, -1), k2, v2, scale=scale)[:2]  # [2, H_kv, G, D], [2, H_kv, G]
-    rest_out, rest_lse = flash(q, keys[:, :, 2 * half:], values[:, :, 2 * half:], scale=scale)[:2]
-    outs, lses = [out, rest_out], [lse, rest_lse]
-    weights = torch.softmax(torch.cat(lses).float(), dim=0)  # [parts, H_kv, G]
-    merged = (torch.cat(outs).float() * weights[..., None]).sum(0, keepdim=True)  # [1, H_kv, G, D]
+    visible = torch.arange(2 * half, device=q.device) < length  # [2 * half]
+    mask = torch.where(visible, 0.0, float("-inf")).to(q.dtype).view(2, 1, 1, half)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.expand(2, -1, -1, -1), k2, v2, attn_mask=mask, scale=scale)[:2]  # [2, H_kv, G, D], [2, H_kv, G]
+    weights = torch.softmax(lse.float(), dim=0)  # [2, H_kv, G]
+    merged = (out.float() * weights[..., None]).sum(0, keepdim=True)  # [1, H_kv, G, D]
     return merged.to(q.dtype)
 
 
@@ -175,8 +180,7 @@ class _Layer(nn.Module):
         k = rope(k.view(h_kv, d), cos, sin)  # [H_kv, D]
         key_rows.index_copy_(2, position, k.view(1, h_kv, 1, d))
         value_rows.index_copy_(2, position, v.view(1, h_kv, 1, d))
-        o = attend(q.view(1, h_kv, self.heads // h_kv, d), key_rows[:, :, :length], value_rows[:, :, :length],
-                   self.scale)  # [1, H_kv, G, D]
+        o = attend(q.view(1, h_kv, self.heads // h_kv, d), key_rows, value_rows, length, self.scale)  # [1, H_kv, G, D]
         x = x + self.o_proj(o.reshape(1, 1, self.heads * d))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(self.act(gate) * up)

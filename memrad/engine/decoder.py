@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from memrad.engine.decode_step import SPLIT_ROWS, DecodeStep, attended_rows, support
+from memrad.engine import decode_step
+from memrad.engine.decode_step import DecodeStep, attended_rows, support
 from memrad.engine.forward import decode_one_token
 from memrad.engine.hardware import Choice
 from memrad.engine.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
@@ -160,7 +161,8 @@ class Decoder:
         keys = [reserve(shape, param.dtype, param.device) for _ in range(layers)]
         values = [reserve(shape, param.dtype, param.device) for _ in range(layers)]
         # One trace per graph: the attended length is marked dynamic, every other size static.
-        lengths = [3] + ([SPLIT_ROWS + 1] if SPLIT_ROWS + 1 < self.capacity else [])
+        split = decode_step.SPLIT_ROWS
+        lengths = [3] + ([split + 1] if split + 2 <= self.capacity else [])
         with torch.inference_mode():  # as in `feeder`: the guards check the tensors' kind
             token = torch.zeros(1, dtype=torch.long, device=param.device)
             for length in lengths:

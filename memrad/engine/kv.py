@@ -108,11 +108,12 @@ class SlabLayer(DynamicLayer):
 
     def step_buffers(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole key and value buffers [1, H_kv, capacity, D], with room for row
-        `position`, for a decode step that writes that row itself (memrad.engine.decode_step);
+        `position` and one more (the split attention reads one row past the end, masked),
+        for a decode step that writes that row itself (memrad.engine.decode_step);
         `wrote_row` records it afterwards."""
         assert self.is_initialized and position == self.length, f"row {position} is not the next of {self.length}"
-        if position >= self.slab.capacity:
-            self.slab.grow(position + 1)
+        if position + 1 >= self.slab.capacity:
+            self.slab.grow(position + 2)
         return self.slab.keys, self.slab.values
 
     def wrote_row(self, position: int) -> None:

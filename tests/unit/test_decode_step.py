@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from memrad.engine import decode_step
 from memrad.engine import decoder as decoder_module
 from memrad.engine.decode_step import SPLIT_ROWS, DecodeStep, attend, support
 from memrad.engine.decoder import CompileFailed, Decoder
@@ -63,9 +64,11 @@ def test_building_the_step_shares_the_weights_and_leaves_prefill_bit_identical(t
 def test_split_attention_equals_plain_attention(rows):
     torch.manual_seed(rows)
     q = torch.randn(1, 3, 3, 64)  # 9 query heads over 3 KV heads
-    keys, values = torch.randn(1, 3, rows, 64), torch.randn(1, 3, rows, 64)
-    expected = F.scaled_dot_product_attention(q.reshape(1, 9, 1, 64), keys, values, enable_gqa=True)
-    got = attend(q, keys, values, 64 ** -0.5)  # [1, 3, 3, 64]
+    keys, values = torch.randn(1, 3, rows + 8, 64), torch.randn(1, 3, rows + 8, 64)  # a slab: rows + unused
+    keys[:, :, rows:], values[:, :, rows:] = 1e4, -1e4  # stale rows past the end must not count
+    expected = F.scaled_dot_product_attention(q.reshape(1, 9, 1, 64), keys[:, :, :rows], values[:, :, :rows],
+                                              enable_gqa=True)
+    got = attend(q, keys, values, rows, 64 ** -0.5)  # [1, 3, 3, 64]
     assert torch.allclose(got.reshape(1, 9, 1, 64), expected, atol=1e-5, rtol=0)
 
 
@@ -104,9 +107,10 @@ def test_the_slab_grows_when_a_step_writes_past_its_reservation(tiny_llama_dir):
 
 
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
-def test_a_compiled_engine_resumes_bit_identical_to_cold_without_recompiling(tiny_llama_dir):
+def test_a_compiled_engine_resumes_bit_identical_to_cold_without_recompiling(tiny_llama_dir, monkeypatch):
     from torch._dynamo.utils import counters
 
+    monkeypatch.setattr(decode_step, "SPLIT_ROWS", 24)  # every prompt here decodes split, odd and even
     loaded = fresh(tiny_llama_dir, "bfloat16")
     engine = Engine(loaded, 16, 1, ReusePool(16, 10**9), "exact", compile="auto")
     engine.decoder.start()  # auto: in the background
