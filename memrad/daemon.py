@@ -159,8 +159,12 @@ def serve(settings: Settings) -> None:
 
 def _load(settings: Settings):
     from memrad.engine.build import build_engine
+    from memrad.engine.decoder import CompileFailed
 
-    engine = build_engine(settings)
+    try:
+        engine = build_engine(settings)
+    except CompileFailed as exc:
+        raise StartupError(str(exc)) from None
     return engine, engine.loaded.device.type, engine.loaded.dtype_name
 
 

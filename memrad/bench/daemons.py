@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,12 +48,21 @@ class Daemon:
         return subprocess.run([sys.executable, "-m", "memrad", *args], env=self.env, capture_output=True,
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
-    def start(self, *flags: str) -> None:
+    def start(self, *flags: str, settled: bool = True) -> None:
+        """`memrad start`; with `settled`, also wait until the decode step is no longer
+        compiling (compile = auto compiles in the background: measure the steady state)."""
         port = free_port()
         result = self.cli("start", "--port", str(port), *flags)
         if result.returncode != 0:
             raise RuntimeError(f"memrad start failed:\n{result.stdout}{result.stderr}")
         self.url = f"http://127.0.0.1:{port}"
+        while settled and self.decode() == "compiling":
+            time.sleep(0.5)
+
+    def decode(self) -> str:
+        """The decode step /health reports: compiled, compiling, eager or transformers."""
+        with urllib.request.urlopen(f"{self.url}/health", timeout=10) as response:
+            return json.loads(response.read())["choices"]["decode"]["value"]
 
     def status(self) -> dict:
         return json.loads(self.cli("status", "--json").stdout)

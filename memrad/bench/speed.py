@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from memrad.bench.daemons import Daemon
@@ -303,17 +302,12 @@ def _time_start(root: Path, mode: str, threads: int, model: str) -> tuple[float,
     cache: seconds until it returns serving, and until /health reports decode compiled."""
     daemon = Daemon.create({"TORCHINDUCTOR_CACHE_DIR": str(root / "compile"), "MEMRA_DISK": "0"})
     started = time.perf_counter()
-    daemon.start("--compile", mode, "--threads", str(threads), "--model", model)
-    ready_s, compiled_s = time.perf_counter() - started, None
     try:
-        while time.perf_counter() - started < 600:
-            with urllib.request.urlopen(f"{daemon.url}/health", timeout=5) as response:
-                decode = json.loads(response.read())["choices"]["decode"]["value"]
-            if decode == "compiled":
-                compiled_s = time.perf_counter() - started
-            if decode != "compiling":  # compiled, or nothing compiles (the reason is in /health)
-                break
+        daemon.start("--compile", mode, "--threads", str(threads), "--model", model, settled=False)
+        ready_s = time.perf_counter() - started
+        while daemon.decode() == "compiling" and time.perf_counter() - started < 600:
             time.sleep(0.1)
+        compiled_s = time.perf_counter() - started if daemon.decode() == "compiled" else None
     finally:
         daemon.stop()
     return ready_s, compiled_s

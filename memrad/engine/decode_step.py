@@ -41,8 +41,9 @@ _LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _STATIC_ROPE = ("default", "linear", "llama3")
 # From this many rows on, attention on the CPU splits the rows in two halves run side by side
 # (the kernel parallelises over KV heads only: 3 of them on 2 threads leave one idle a third
-# of the time). Measured: 4k rows 395 -> 307 µs; at 512 rows the split loses (69 -> 86 µs).
-SPLIT_ROWS = 2048
+# of the time). Measured (bf16, 2 threads, cache flushed): 4,095 rows 413 -> 371 µs; 2,048
+# rows 210 -> 222 µs (the split loses); 3, 4, 6 or 8 parts were no better than 2.
+SPLIT_ROWS = 3072
 _STEP_IDS = itertools.count()
 
 

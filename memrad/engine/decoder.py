@@ -19,7 +19,8 @@ torch and the CPU), so a later start re-traces but does not re-compile.
 Compiled and eager steps are not bit-identical to each other; each is deterministic, and a
 request decodes with one step from its first token to its last, so a resumed turn equals a
 cold one under the same step. In exact mode decoded KV is never reused (DESIGN:
-Exactness); in fast mode it is, so there the step is part of the disk tier's key.
+Exactness), so parked state does not depend on the step; fast mode reuses it and promises
+no exactness.
 """
 
 from __future__ import annotations
@@ -101,10 +102,6 @@ class Decoder:
         self.eager = DecodeStep(model, context_len)
         self.step = self.eager
         self.choice = Choice("eager", "compile = off" if mode == "off" else f"compile = {mode}: not started")
-
-    @property
-    def name(self) -> str:
-        return self.choice.value
 
     def start(self) -> None:
         """Begin compiling as the mode says: now (on), on a background thread (auto). Once."""
