@@ -45,7 +45,7 @@ def play(url: str, scenario: Scenario, rewrite: str = "half", session_id: str | 
 
 def _run_fresh(scenario: Scenario) -> list[Turn]:
     daemon = Daemon.create()
-    daemon.start()
+    daemon.start(settled=False)  # answers while compile = auto compiles: smoke that too
     try:
         return play(daemon.url, scenario)
     finally:

@@ -12,7 +12,8 @@ longest, timed at each mark), a resumed --suffix after the longest (its TTFT min
 decode tok/s at each --decode-at context, load time, model bytes and the resident-memory
 growth of loading it. Arms run interleaved (order reversed every rep), llama-bench once per
 rep between them, so slow spells on a shared machine hit every arm alike; cells are medians.
-The decode floor is the weight bytes one step reads over the measured copy bandwidth.
+The decode floor is the bytes one step reads (weights, and the KV rows of its context) over
+the measured copy bandwidth.
 Never run in CI: numbers go to docs/BENCHMARKS.md with the command and the CPU.
 """
 
@@ -32,8 +33,8 @@ from memrad.bench.daemons import Daemon
 from memrad.engine.hardware import native_bf16
 from memrad.engine.loader import load_model, resolve_model_folder, resolve_threads
 from memrad.engine.random_model import copy_shape, write_random_model
-from memrad.engine.speed import (DECODES, Arm, Turn, current_rss_bytes, decode_bytes_per_token, median_s,
-                                 memory_bandwidth_bytes_s, model_bytes)
+from memrad.engine.speed import (DECODES, Arm, Turn, current_rss_bytes, decode_bytes_per_token, kv_bytes_per_token,
+                                 median_s, memory_bandwidth_bytes_s, model_bytes)
 
 
 def pair(text: str) -> tuple[int, int]:
@@ -165,13 +166,14 @@ def _report(args, threads, arms, cells, peer_cells, loads) -> None:
             if key in peer_cells:
                 parts.append(f"{_ratio(ours, statistics.median(peer_cells[key]), key):.2f}x llama.cpp")
             print(f"  {name:<15} {key:<28} " + ", ".join(parts))
-    print("\ndecode floor (weight bytes per token / copy bandwidth):")
+    print("\ndecode floor ((weight bytes + KV bytes of the context) per token / copy bandwidth):")
     for arm in arms:
-        per_token = decode_bytes_per_token(arm.loaded)
-        floor = bandwidth / per_token
-        best = max(statistics.median(v) for k, v in cells[arm.name].items() if k.startswith("decode"))
-        print(f"  {arm.name:<15} {per_token / 2**20:.0f} MiB/token -> floor {floor:.0f} tok/s; "
-              f"best decode {best:.1f} tok/s = {best / floor:.0%} of the floor")
+        weights, kv_row = decode_bytes_per_token(arm.loaded), kv_bytes_per_token(arm.loaded)
+        for at in sorted(args.decode_at):
+            per_token = weights + at * kv_row
+            floor, got = bandwidth / per_token, statistics.median(cells[arm.name][f"decode at {at} tok/s"])
+            print(f"  {arm.name:<28} at {at:>5}: {weights / 2**20:.0f} + {at * kv_row / 2**20:.0f} MiB/token "
+                  f"-> floor {floor:.0f} tok/s; decode {got:.1f} tok/s = {got / floor:.0%} of the floor")
 
 
 def _ratio(ours: float, theirs: float, key: str) -> float:
@@ -285,13 +287,15 @@ def _random_model(args: argparse.Namespace) -> int:
 
 
 def _startup(args: argparse.Namespace, threads: int) -> int:
-    """Start the daemon three times on one fresh compile cache: compile = auto twice (the first
-    start compiles, the second finds the cache), then compile = on (compiled before it answers).
+    """Start the daemon four times on one fresh compile cache: compile = auto twice (the first
+    start compiles, the second finds the cache), compile = on (compiled before it answers),
+    and compile = off (imports and the model load only: the floor of any start).
     Prints seconds until /health answers and until it reports the decode step compiled."""
     print(f"cpu={_cpu_name()} threads={threads} model={args.model}")
     print("| start | compile | answers s | decode compiled s |\n| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory(prefix="memra-startup-") as tmp:
-        for label, mode in (("first (empty compile cache)", "auto"), ("second", "auto"), ("third", "on")):
+        for label, mode in (("first (empty compile cache)", "auto"), ("second", "auto"), ("third", "on"),
+                            ("fourth: the floor, no compile", "off")):
             ready_s, compiled_s = _time_start(Path(tmp), mode, threads, args.model)
             print(f"| {label} | {mode} | {ready_s:.1f} | {_fmt(compiled_s) if compiled_s else '-'} |", flush=True)
     return 0

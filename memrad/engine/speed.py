@@ -156,3 +156,11 @@ def decode_bytes_per_token(loaded: LoadedModel) -> int:
         elif isinstance(module, torch.nn.Linear):
             total += module.weight.nbytes
     return total
+
+
+def kv_bytes_per_token(loaded: LoadedModel) -> int:
+    """Bytes of K and V one position holds over all layers: what attention reads per row."""
+    config = loaded.model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * loaded.dtype.itemsize
