@@ -4,7 +4,7 @@ transformers' forward spends most of a one-token step outside the kernels (masks
 hooks, per-call dispatch over 30 layers), and its CPU attention for one query with grouped
 KV heads (`enable_gqa`) is the slowest way to ask: 226 µs per layer at 512 tokens of bf16
 context against 37 µs for the same attention with the query heads of each KV head laid out
-as query rows (docs/BENCHMARKS.md, "Decode step"). This step does only the work:
+as query rows (docs/ARCHITECTURE.md, "The decode step"). This step does only the work:
 
     token [1] -> embed -> x [1, 1, hidden]
       per layer:  h = norm(x);  q, k, v = qkv(h)            (one fused matmul)
@@ -16,10 +16,10 @@ as query rows (docs/BENCHMARKS.md, "Decode step"). This step does only the work:
     slab keys [1, H_kv, capacity, D]:  | rows 0 .. position-1 (prompt, earlier steps) | k | unused |
                                         |<-------------------- length ------------------->|
 
-Shapes are static except `length` (= position + 1), so one compiled graph serves every
-step (memrad.engine.compiled). The step's bits differ from transformers' forward, which is
-fine: decoded KV is never reused in exact mode (DESIGN: Exactness), and cold and resumed
-runs decode through the same step, so they stay identical.
+Shapes are static except `length` (= position + 1), so two compiled graphs (short and
+split attention) serve every step (memrad.engine.decoder). The step's bits differ from
+transformers' forward, which is fine: decoded KV is never reused in exact mode (DESIGN:
+Exactness), and cold and resumed runs decode through the same step, so they stay identical.
 
 `support(model)` says which models this covers and why not others; they keep the
 transformers forward.
