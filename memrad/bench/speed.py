@@ -48,6 +48,16 @@ def pair(text: str) -> tuple[int, int]:
     return parsed
 
 
+def arm_spec(text: str) -> tuple[str, str, str]:
+    """WEIGHTS[:DTYPE[:DECODE]] -> (weights, dtype, decode); dtype defaults to auto, decode to
+    the eager step."""
+    parts = text.split(":")
+    weights, dtype, decode = parts[0], (parts[1:2] or ["auto"])[0], (parts[2:3] or ["eager"])[0]
+    if len(parts) > 3 or decode not in DECODES:
+        raise SystemExit(f"arm {text}: expected WEIGHTS:DTYPE:DECODE with DECODE one of {', '.join(DECODES)}")
+    return weights, dtype, decode
+
+
 def default_arms() -> list[str]:
     """weights:dtype:decode arms: what `auto` picks here with the step compiled and eager (the
     compile A/B), with transformers' forward (the step's A/B), and fp32 float weights through
@@ -106,9 +116,7 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
     arms: list[Arm] = []
     loads: dict[str, tuple[float, int]] = {}
     for spec in args.arms or default_arms():
-        weights, dtype, decode = (spec.split(":") + ["auto", "eager"])[:3]
-        if decode not in DECODES:
-            raise SystemExit(f"arm {spec}: DECODE must be one of {', '.join(DECODES)}")
+        weights, dtype, decode = arm_spec(spec)
         rss, started = current_rss_bytes(), time.perf_counter()
         loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights)
         loads[spec] = (time.perf_counter() - started, current_rss_bytes() - rss)
