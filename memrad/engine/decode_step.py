@@ -68,6 +68,12 @@ def support(model: nn.Module, context_len: int) -> str | None:
     return None
 
 
+def attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a transformers attention config."""
+    heads = config.num_attention_heads
+    return heads, config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 def fuse(linears: list[nn.Linear]) -> nn.Linear:
     """One Linear whose output is the concatenated outputs of `linears` (same input).
 
@@ -194,8 +200,7 @@ class DecodeStep(nn.Module):
         super().__init__()
         self.owner = f"decode-step-{next(_STEP_IDS)}"  # unique in the process, never reused
         config, body = model.config, model.model
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv_heads, head_dim = attention_shape(config)
         self.embed, self.norm, self.head = body.embed_tokens, body.norm, model.lm_head
         self.layers = nn.ModuleList(_Layer(layer, heads, kv_heads, head_dim) for layer in body.layers)
         # Rope tables for every position, as transformers' rotary module computes them.

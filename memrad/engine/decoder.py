@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from memrad.engine import decode_step
-from memrad.engine.decode_step import DecodeStep, attended_rows, support
+from memrad.engine.decode_step import DecodeStep, attended_rows, attention_shape, support
 from memrad.engine.forward import decode_one_token
 from memrad.engine.hardware import Choice
 from memrad.engine.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
@@ -148,9 +148,7 @@ class Decoder:
 
     def _trace(self, compiled: Any) -> None:
         """Run both graphs (short and split attention) on scratch slabs."""
-        config = self.model.config
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        _, kv_heads, head_dim = attention_shape(self.model.config)
         param = next(self.model.parameters())
         shape = (1, kv_heads, self.capacity, head_dim)
         layers = len(self.eager.layers)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from memrad.engine.decode_step import attention_shape
 from memrad.engine.engine import Engine
 from memrad.engine.forward import crop_to, decode_one_token, prefill
 from memrad.engine.loader import LoadedModel
@@ -161,6 +162,5 @@ def decode_bytes_per_token(loaded: LoadedModel) -> int:
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """Bytes of K and V one position holds over all layers: what attention reads per row."""
     config = loaded.model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * loaded.dtype.itemsize
+    _, kv_heads, head_dim = attention_shape(config)
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * loaded.dtype.itemsize
