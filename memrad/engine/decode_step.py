@@ -16,8 +16,9 @@ as query rows (docs/ARCHITECTURE.md, "The decode step"). This step does only the
     slab keys [1, H_kv, capacity, D]:  | rows 0 .. position-1 (prompt, earlier steps) | k | unused |
                                         |<-------------------- length ------------------->|
 
-Shapes are static except `length` (= position + 1), so two compiled graphs (short and
-split attention) serve every step (memrad.engine.decoder). The step's bits differ from
+Shapes are static except `length` (= position + 1), so one compiled graph serves every
+step with memra's attention kernel, two (short and split attention) with torch's
+(memrad.engine.decoder). The step's bits differ from
 transformers' forward, which is fine: decoded KV is never reused in exact mode (DESIGN:
 Exactness), and cold and resumed runs decode through the same step, so they stay identical.
 
@@ -40,7 +41,7 @@ _LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Rope variants whose frequencies do not depend on how long the sequence is.
 _STATIC_ROPE = ("default", "linear", "llama3")
 # From this many rows on, attention on the CPU splits the rows in two halves run side by side
-# (the kernel parallelises over KV heads only: 3 of them on 2 threads leave one idle a third
+# (torch's kernel parallelises over KV heads only: 3 of them on 2 threads leave one idle a third
 # of the time). Measured (bf16, 2 threads, cache flushed): 4,095 rows 413 -> 371 µs; 2,048
 # rows 210 -> 222 µs (the split loses); 3, 4, 6 or 8 parts were no better than 2.
 SPLIT_ROWS = 3072
@@ -135,19 +136,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, scale: float,
+           kernel: bool = False) -> torch.Tensor:
     """Attention of one token's queries q [1, H_kv, G, D] over the first `length` rows of
     keys, values [1, H_kv, capacity, D] (capacity > length: `SlabLayer.step_buffers`).
 
-    The G query heads that share a KV head are the rows of one query block, so no KV head
-    is copied. On the CPU, long contexts split the rows into two halves computed as a batch
-    of 2 and merged by their log-sum-exp (see SPLIT_ROWS). Both halves have ceil(length/2)
-    rows: for an odd length the second one reaches one row past the end, masked out, so
-    odd and even lengths run the same graph.
+    With `kernel`, memra's CPU decode-attention op (memrad.engine.cpu_attention) reads the
+    rows once, chunked over the threads. Otherwise torch's attention, with the G query heads
+    that share a KV head as the rows of one query block, so no KV head is copied; on the
+    CPU, long contexts split the rows into two halves computed as a batch of 2 and merged by
+    their log-sum-exp (see SPLIT_ROWS). Both halves have ceil(length/2) rows: for an odd
+    length the second one reaches one row past the end, masked out, so odd and even lengths
+    run the same graph.
 
         rows  | 0 ......... half-1 | half ......... length-1 | (length: masked) |
               |<---- batch 0 ----->|<------------ batch 1 ----------------->|
     """
+    if kernel:
+        return torch.ops.memra.decode_attention(q, keys[:, :, :length], values[:, :, :length], scale)
     if q.device.type != "cpu" or length < SPLIT_ROWS:
         return F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length], scale=scale)
     half = (length + 1) // 2
@@ -179,7 +185,7 @@ class _Layer(nn.Module):
         self.split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
-                length: int, key_rows: torch.Tensor, value_rows: torch.Tensor) -> torch.Tensor:
+                length: int, key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
         # x [1, 1, hidden]; key_rows, value_rows: this layer's slab [1, H_kv, capacity, D]
         d, h_kv = self.head_dim, self.kv_heads
         q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
@@ -187,7 +193,7 @@ class _Layer(nn.Module):
         k = rope(k.view(h_kv, d), cos, sin)  # [H_kv, D]
         key_rows.index_copy_(2, position, k.view(1, h_kv, 1, d))
         value_rows.index_copy_(2, position, v.view(1, h_kv, 1, d))
-        o = attend(q.view(1, h_kv, self.heads // h_kv, d), key_rows, value_rows, length, self.scale)  # [1, H_kv, G, D]
+        o = attend(q.view(1, h_kv, self.heads // h_kv, d), key_rows, value_rows, length, self.scale, kernel)  # [1, H_kv, G, D]
         x = x + self.o_proj(o.reshape(1, 1, self.heads * d))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(self.act(gate) * up)
@@ -212,20 +218,21 @@ class DecodeStep(nn.Module):
         self.register_buffer("sin", sin[0], persistent=False)
 
     def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor], owner: str) -> torch.Tensor:
+                keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool = False) -> torch.Tensor:
         """Logits [V] (model dtype) after `token` [1] at `position` [1]; writes its KV row.
 
         `rows` [position + 1, 0] holds no data: its first size is the attended length, so
         torch.compile keeps that one size symbolic (marked dynamic) and every other size static.
         `owner` must be this step's `owner`: a compiled graph is guarded on it (the compiled
         decoder skips the guards on weights), so it never runs another step's weights.
+        `kernel`: attend with memra's CPU kernel (loaded by memrad.engine.cpu_attention).
         """
         assert owner == self.owner, f"{owner} called {self.owner}"
         length = rows.shape[0]
         x = self.embed(token).view(1, 1, -1)  # [1, 1, hidden]
         cos, sin = self.cos.index_select(0, position), self.sin.index_select(0, position)  # [1, D]
         for layer, key_rows, value_rows in zip(self.layers, keys, values):
-            x = layer(x, cos, sin, position, length, key_rows, value_rows)
+            x = layer(x, cos, sin, position, length, key_rows, value_rows, kernel)
         return self.head(self.norm(x)).view(-1)
 
 

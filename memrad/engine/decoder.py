@@ -4,15 +4,19 @@
                      torch.compile on a background thread; requests that start after the
                      compile finishes decode compiled (the daemon answers while compiling)
     compile = on     compiled before the daemon answers; a failure stops the start
-    compile = off    the step, eager: the A/B arm of the compiled one
+    compile = off    the step, eager, with torch's attention: the A/B arm of the compiled one
+
+Compiling includes memra's CPU attention kernel (memrad.engine.cpu_attention), built once
+per machine: the compiled step attends with it, and with `auto` the eager step does too
+from the start when an earlier start has built it.
 
 Models the step does not cover, and caches that are not in-place slabs (CUDA), decode with
 transformers' forward; no C++ compiler or a failed compile (auto) leaves the eager step.
 Every choice carries a reason (/health, `memrad status`, the log).
 
-Compiling traces the step on scratch slabs: one graph for short contexts and one for the
-split attention of long ones (decode_step.SPLIT_ROWS), both with a symbolic length, so no
-request ever waits for a compile. Compiled code is kept in the platformdirs cache
+Compiling traces the step on scratch slabs with a symbolic length, so no request ever waits
+for a compile: one graph with memra's attention kernel; without it, one for short contexts
+and one for the split attention of long ones (decode_step.SPLIT_ROWS). Compiled code is kept in the platformdirs cache
 (memra/compile: inductor's FX graph cache and AOTAutograd's cache, keyed by the graph,
 torch and the CPU), so a later start re-traces but does not re-compile.
 
@@ -35,7 +39,7 @@ from typing import Any
 
 import torch
 
-from memrad.engine import decode_step
+from memrad.engine import cpu_attention, decode_step
 from memrad.engine.decode_step import DecodeStep, attended_rows, attention_shape, support
 from memrad.engine.forward import decode_one_token
 from memrad.engine.hardware import Choice
@@ -88,10 +92,12 @@ class Decoder:
         self.model = model
         self.mode = mode
         self.capacity = min(context_len, MAX_RESERVED_TOKENS)  # the slabs' rows (memrad.engine.kv)
-        self.step: Any = None  # DecodeStep, or its compiled form once ready
         self.compile_s: float | None = None
         self._thread: threading.Thread | None = None
         self._started = False
+        # (step, attend with memra's kernel), read and replaced as one, so a request never
+        # pairs one step with the other's attention; no step: transformers decodes.
+        self.current: tuple[Any, bool] = (None, False)
         unsupported = support(model, context_len) if device.type == "cpu" else (
             "the step runs over CPU slabs; CUDA decodes with transformers' forward")
         if unsupported is not None:
@@ -100,8 +106,17 @@ class Decoder:
                 raise CompileFailed(f"compile = on, but {unsupported}: set compile = auto or off")
             return
         self.eager = DecodeStep(model, context_len)
-        self.step = self.eager
-        self.choice = Choice("eager", "compile = off" if mode == "off" else f"compile = {mode}: not started")
+        # A kernel built by an earlier start loads in milliseconds: the eager step uses it.
+        kernel = mode == "auto" and cpu_attention.load(cxx_compiler(), build_missing=False) is None
+        self.current = (self.eager, kernel)
+        attention = "memra's attention kernel" if kernel else "torch's attention"
+        self.choice = Choice("eager", f"compile = off: {attention}" if mode == "off"
+                             else f"compile = {mode}: not started; {attention}")
+
+    @property
+    def step(self) -> Any:
+        """The DecodeStep, or its compiled form once ready; None when transformers decodes."""
+        return self.current[0]
 
     def start(self) -> None:
         """Begin compiling as the mode says: now (on), on a background thread (auto). Once."""
@@ -130,9 +145,13 @@ class Decoder:
             return
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
         started = time.perf_counter()
+        no_kernel = cpu_attention.load(compiler)
+        kernel = no_kernel is None
+        if not kernel:
+            log.warning("decode attention: torch's (%s)", no_kernel)
         try:
             compiled = torch.compile(self.eager, fullgraph=True, options={"guard_filter_fn": _guards_to_keep})
-            self._trace(compiled)
+            self._trace(compiled, kernel)
         except Exception as exc:  # inductor raises many types; each means "cannot compile here"
             why = f"torch.compile failed ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})"
             if self.mode == "on":
@@ -141,13 +160,14 @@ class Decoder:
             self.choice = Choice("eager", f"auto: {why}")
             return
         self.compile_s = time.perf_counter() - started
-        self.step = compiled  # requests that start from now on decode compiled
+        self.current = (compiled, kernel)  # requests that start from now on decode compiled
+        attention = "memra's attention kernel" if kernel else f"torch's attention ({no_kernel})"
         self.choice = Choice("compiled", f"compile = {self.mode}: torch.compile (inductor, {compiler}), "
-                                         f"ready {self.compile_s:.1f} s after the model")
+                                         f"{attention}, ready {self.compile_s:.1f} s after the model")
         log.info("decode step compiled in %.1f s (cache %s)", self.compile_s, os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
-    def _trace(self, compiled: Any) -> None:
-        """Run both graphs (short and split attention) on scratch slabs."""
+    def _trace(self, compiled: Any, kernel: bool) -> None:
+        """Run every graph the step has on scratch slabs."""
         _, kv_heads, head_dim = attention_shape(self.model.config)
         param = next(self.model.parameters())
         shape = (1, kv_heads, self.capacity, head_dim)
@@ -157,18 +177,18 @@ class Decoder:
         values = [reserve(shape, param.dtype, param.device) for _ in range(layers)]
         # One trace per graph: the attended length is marked dynamic, every other size static.
         split = decode_step.SPLIT_ROWS
-        lengths = [3] + ([split + 1] if split + 2 <= self.capacity else [])
+        lengths = [3] + ([split + 1] if split + 2 <= self.capacity and not kernel else [])
         with torch.inference_mode():  # as in `feeder`: the guards check the tensors' kind
             token = torch.zeros(1, dtype=torch.long, device=param.device)
             for length in lengths:
                 position = torch.tensor([length - 1], device=param.device)
                 rows = attended_rows(length, param.device)
                 torch._dynamo.mark_dynamic(rows, 0)
-                compiled(token, position, rows, keys, values, self.eager.owner)
+                compiled(token, position, rows, keys, values, self.eager.owner, kernel)
 
     def feeder(self) -> Feed:
         """The step one request decodes with, from its first token to its last."""
-        step, owner = self.step, self.eager.owner if self.step is not None else ""
+        step, kernel = self.current
         if step is None:
             return lambda cache, token_id, position: decode_one_token(self.model, cache, token_id, position)
 
@@ -181,7 +201,7 @@ class Decoder:
             device = buffers[0][0].device
             logits = step(torch.tensor([token_id], device=device), torch.tensor([position], device=device),
                           attended_rows(position + 1, device), [k for k, _ in buffers], [v for _, v in buffers],
-                          owner)
+                          self.eager.owner, kernel)
             for layer in layers:
                 layer.wrote_row(position)
             return logits.float()

@@ -4,7 +4,8 @@ A tiny llama decodes the same tokens through the step as through transformers' f
 building the step leaves prefill's bits alone (it fuses projections by re-pointing the
 model's weights into the fused tensors, not by copying them); the split attention of long
 contexts equals plain attention; models the step does not cover keep transformers' forward,
-with a reason; and a compiled engine's resumed turns equal its cold turns bit for bit.
+with a reason; and a compiled engine (one graph, memra's attention kernel) resumes turns
+that equal its cold turns bit for bit.
 """
 
 import pytest
@@ -113,10 +114,13 @@ def test_a_compiled_engine_resumes_bit_identical_to_cold_without_recompiling(tin
     monkeypatch.setattr(decode_step, "SPLIT_ROWS", 24)  # every prompt here decodes split, odd and even
     loaded = fresh(tiny_llama_dir, "bfloat16")
     engine = Engine(loaded, 16, 1, ReusePool(16, 10**9), "exact", compile="auto")
+    before = counters["stats"]["unique_graphs"]
     engine.decoder.start()  # auto: in the background
     engine.decoder.wait()
     assert engine.decoder.choice.value == "compiled", engine.decoder.choice.reason
+    assert "memra's attention kernel" in engine.decoder.choice.reason
     graphs = counters["stats"]["unique_graphs"]
+    assert graphs - before == 1  # with the kernel, one graph serves every length
     engine.finished = []
     engine.on_finished = engine.finished.append
     for turn, row in enumerate(conversation(engine, 3)):

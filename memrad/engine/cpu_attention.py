@@ -1,0 +1,117 @@
+"""The CPU decode-attention kernel: built once per machine, then loaded as `memra::decode_attention`.
+
+torch's CPU attention for one query token parallelises over (batch, KV head) and tiles for
+prefill: with 3 KV heads on 2 threads it read a 4k-row bf16 cache at ~9 GB/s (~370 µs a layer,
+two thirds of a decode step at 4k). csrc/decode_attention.cpp scores the query heads of each
+KV head together and spreads fixed row chunks over the threads: ~97 µs, ~32 GB/s
+(docs/BENCHMARKS.md, "Session 6").
+
+    csrc/decode_attention.cpp --g++ (flags of torch's CPU capability)--> <cache>/kernels/
+        decode_attention-<hash of source, flags, torch>.so  --torch.ops.load_library-->  op
+
+It is compiled with the vector width torch itself dispatches to on this CPU (AVX512, AVX2
+or plain), never `-march=native`, so `ATEN_CPU_CAPABILITY=avx2` emulates an AVX2 machine
+honestly. A build happens once per machine and torch (~8 s); later loads take milliseconds.
+`load()` never raises: without a compiler, or when the build fails, it says why and the
+decode step keeps torch's attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("memrad.engine")
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+OP_NAME = "memra::decode_attention"
+
+# torch's CPU capability -> the defines its vector headers read and the ISA they need
+# (the flags inductor compiles its own CPU code with).
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq",
+               "-mavx512vl", "-mavx512bw", "-mfma"],
+    "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}
+
+_lock = threading.Lock()
+_loaded: str | None = None  # path of the library loaded into this process
+
+
+class BuildFailed(RuntimeError):
+    """g++ could not build the kernel; the message carries the compiler's first error."""
+
+
+def capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def compile_command(compiler: str, output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    flags = _CAPABILITY_FLAGS.get(capability(), ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"])
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    libraries = [arg for path in cpp_extension.library_paths() for arg in (f"-L{path}", f"-Wl,-rpath,{path}")]
+    return [compiler, "-O3", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *flags,
+            *includes, str(SOURCE), "-o", str(output), *libraries, "-lc10", "-ltorch_cpu"]
+
+
+def library_path(compiler: str) -> Path:
+    """Where this machine's build lives: named by what went into it, so a new torch, CPU
+    capability or source builds afresh and never loads a stale library."""
+    from memrad.paths import cache_dir
+
+    recipe = "\0".join([SOURCE.read_text(), torch.__version__, sys.version, *compile_command(compiler, Path("out"))])
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"decode_attention-{capability().lower()}-{digest}.so"
+
+
+def build(compiler: str) -> Path:
+    """The library for this machine, compiled now unless the cache has it. Safe against a
+    concurrent build by another process (each writes its own file, renamed into place)."""
+    path = library_path(compiler)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    result = subprocess.run(compile_command(compiler, partial), capture_output=True, text=True)
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        errors = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
+        raise BuildFailed(f"{compiler} could not build {SOURCE.name}: {(errors or ['no output'])[0][:300]}")
+    partial.replace(path)
+    log.info("built the CPU decode-attention kernel: %s", path)
+    return path
+
+
+def load(compiler: str | None, build_missing: bool = True) -> str | None:
+    """Make `torch.ops.memra.decode_attention` callable; None if it is, else why not.
+    `build_missing=False` only loads a library an earlier build left in the cache."""
+    global _loaded
+    if compiler is None:
+        return "no C++ compiler to build the attention kernel (install g++)"
+    with _lock:
+        if _loaded is not None:
+            return None
+        if not build_missing and not library_path(compiler).exists():
+            return "the attention kernel is not built yet"
+        try:
+            path = build(compiler)
+            torch.ops.load_library(str(path))
+        except (BuildFailed, OSError, RuntimeError) as exc:
+            return str(exc)
+        torch.library.register_fake(OP_NAME)(_shape_of_output)
+        _loaded = str(path)
+    return None
+
+
+def _shape_of_output(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)  # [1, H_kv, G, D]: what torch.compile traces the op as

@@ -1,0 +1,225 @@
+// One token's attention over a KV cache on the CPU, reading the cache once at memory speed.
+//
+//   memra::decode_attention(q [1, H_kv, G, D], keys [1, H_kv, L, D], values [1, H_kv, L, D],
+//                           scale) -> out [1, H_kv, G, D]      (q, keys, values: one dtype)
+//
+// The G query heads that share a KV head are scored together, so each key and value row is
+// read once per token. Rows are cut into chunks of CHUNK_ROWS; each (KV head, chunk) is one
+// task with its own max, sum and weighted values (flash-decoding), spread over torch's
+// threads, then merged in chunk order. The partition depends only on L, never on the thread
+// count, so the result has the same bits with any number of threads.
+//
+//   rows  | chunk 0 (256) | chunk 1 (256) | ... | chunk C-1 (L - 256 (C-1)) |
+//   task (h, c): scores s = q_h . k_j (scaled), m = max s, l = sum e^(s-m), a = sum e^(s-m) v_j
+//   out_h = sum_c e^(m_c - M) a_c / sum_c e^(m_c - M) l_c,   M = max_c m_c
+//
+// Built at run time with the flags of the machine's CPU (memrad.engine.cpu_attention).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using VF = at::vec::Vectorized<float>;
+constexpr int64_t CHUNK_ROWS = 256;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline VF load_float(const float* p) { return VF::loadu(p); }
+inline VF load_float(const c10::BFloat16* p) {
+  VF out;
+  at::vec::load_fp32_from_bf16(p, out);
+  return out;
+}
+
+// Scores in place -> e^(score - max); returns (max, sum).
+inline std::pair<float, float> softmax_terms(float* s, int64_t rows) {
+  const int64_t W = VF::size(), full = rows - rows % W;
+  VF m_vec(NEG_INF);
+  for (int64_t j = 0; j < full; j += W) m_vec = at::vec::maximum(m_vec, VF::loadu(s + j));
+  float m = at::vec::vec_reduce_all<float>([](VF& a, VF& b) { return at::vec::maximum(a, b); }, m_vec);
+  for (int64_t j = full; j < rows; ++j) m = std::max(m, s[j]);
+  VF total_vec(0.f);
+  for (int64_t j = 0; j < full; j += W) {
+    VF e = (VF::loadu(s + j) - VF(m)).exp_u20();
+    e.store(s + j);
+    total_vec = total_vec + e;
+  }
+  float total = at::vec::vec_reduce_all<float>([](VF& a, VF& b) { return a + b; }, total_vec);
+  for (int64_t j = full; j < rows; ++j) {
+    s[j] = std::exp(s[j] - m);
+    total += s[j];
+  }
+  return {m, total};
+}
+
+// Task (h, c) for a head dim D that is a multiple of the vector width and G <= 8 queries:
+// queries and partial outputs stay in registers.
+template <typename T, int D, int G>
+void chunk_task(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t rows,
+                float* scores, float* max_out, float* sum_out, float* acc_out) {
+  constexpr int N = D / VF::size();
+  VF qv[G][N];
+  for (int g = 0; g < G; ++g)
+    for (int n = 0; n < N; ++n) qv[g][n] = VF::loadu(q + g * D + n * VF::size());
+  for (int64_t j = 0; j < rows; ++j) {
+    const T* k = keys + j * row_stride;
+    VF kv[N];
+    for (int n = 0; n < N; ++n) kv[n] = load_float(k + n * VF::size());
+    for (int g = 0; g < G; ++g) {
+      VF s = qv[g][0] * kv[0];
+      for (int n = 1; n < N; ++n) s = at::vec::fmadd(qv[g][n], kv[n], s);
+      scores[g * CHUNK_ROWS + j] = at::vec::vec_reduce_all<float>([](VF& a, VF& b) { return a + b; }, s);
+    }
+  }
+  for (int g = 0; g < G; ++g) std::tie(max_out[g], sum_out[g]) = softmax_terms(scores + g * CHUNK_ROWS, rows);
+  VF acc[G][N];
+  for (int g = 0; g < G; ++g)
+    for (int n = 0; n < N; ++n) acc[g][n] = VF(0.f);
+  for (int64_t j = 0; j < rows; ++j) {
+    const T* v = values + j * row_stride;
+    VF vv[N];
+    for (int n = 0; n < N; ++n) vv[n] = load_float(v + n * VF::size());
+    for (int g = 0; g < G; ++g) {
+      VF p(scores[g * CHUNK_ROWS + j]);
+      for (int n = 0; n < N; ++n) acc[g][n] = at::vec::fmadd(p, vv[n], acc[g][n]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int n = 0; n < N; ++n) acc[g][n].store(acc_out + g * D + n * VF::size());
+}
+
+// Any other head dim or group size: the same task in plain loops.
+template <typename T>
+void chunk_task_any(const float* q, int64_t G, int64_t D, const T* keys, const T* values, int64_t row_stride,
+                    int64_t rows, float* scores, float* max_out, float* sum_out, float* acc_out) {
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * static_cast<float>(keys[j * row_stride + d]);
+      scores[g * CHUNK_ROWS + j] = dot;
+    }
+  for (int64_t g = 0; g < G; ++g) std::tie(max_out[g], sum_out[g]) = softmax_terms(scores + g * CHUNK_ROWS, rows);
+  std::fill(acc_out, acc_out + G * D, 0.f);
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d)
+        acc_out[g * D + d] += scores[g * CHUNK_ROWS + j] * static_cast<float>(values[j * row_stride + d]);
+}
+
+using Task = void (*)(const float*, const void*, const void*, int64_t, int64_t, float*, float*, float*, float*);
+
+template <typename T, int D, int G>
+void typed_task(const float* q, const void* k, const void* v, int64_t stride, int64_t rows, float* s, float* m,
+                float* l, float* a) {
+  chunk_task<T, D, G>(q, static_cast<const T*>(k), static_cast<const T*>(v), stride, rows, s, m, l, a);
+}
+
+template <typename T, int D>
+Task pick_group(int64_t G) {
+  switch (G) {
+    case 1: return typed_task<T, D, 1>;
+    case 2: return typed_task<T, D, 2>;
+    case 3: return typed_task<T, D, 3>;
+    case 4: return typed_task<T, D, 4>;
+    case 5: return typed_task<T, D, 5>;
+    case 6: return typed_task<T, D, 6>;
+    case 7: return typed_task<T, D, 7>;
+    case 8: return typed_task<T, D, 8>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+Task pick(int64_t G, int64_t D) {
+  if (D % VF::size() != 0) return nullptr;
+  switch (D) {
+    case 16: return pick_group<T, 16>(G);
+    case 32: return pick_group<T, 32>(G);
+    case 64: return pick_group<T, 64>(G);
+    case 128: return pick_group<T, 128>(G);
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scale, at::Tensor& out) {
+  const int64_t heads = keys.size(1), G = q.size(2), L = keys.size(2), D = keys.size(3);
+  const int64_t chunks = (L + CHUNK_ROWS - 1) / CHUNK_ROWS;
+  const int64_t row_stride = keys.stride(2);
+  // Queries as float, scaled: [H_kv, G, D].
+  const at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();
+  const float* qp = qf.const_data_ptr<float>();
+  const T* kp = keys.const_data_ptr<T>();
+  const T* vp = values.const_data_ptr<T>();
+  std::vector<float> maxes(heads * chunks * G), sums(heads * chunks * G), accs(heads * chunks * G * D);
+  const Task task_fn = pick<T>(G, D);
+  at::parallel_for(0, heads * chunks, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(G * CHUNK_ROWS);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t h = task / chunks, begin = (task % chunks) * CHUNK_ROWS;
+      const int64_t rows = std::min(L - begin, CHUNK_ROWS);
+      const T* k = kp + h * keys.stride(1) + begin * row_stride;
+      const T* v = vp + h * values.stride(1) + begin * row_stride;
+      float *m = &maxes[task * G], *l = &sums[task * G], *a = &accs[task * G * D];
+      if (task_fn != nullptr) {
+        task_fn(qp + h * G * D, k, v, row_stride, rows, scores.data(), m, l, a);
+      } else {
+        chunk_task_any<T>(qp + h * G * D, G, D, k, v, row_stride, rows, scores.data(), m, l, a);
+      }
+    }
+  });
+  T* op = out.data_ptr<T>();
+  std::vector<float> o(D);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t g = 0; g < G; ++g) {
+      float M = NEG_INF;
+      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, maxes[(h * chunks + c) * G + g]);
+      float total = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (h * chunks + c) * G + g;
+        const float w = std::exp(maxes[at] - M);
+        total += w * sums[at];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * accs[at * D + d];
+      }
+      T* dst = op + (h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] / total);
+    }
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scale) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && q.size(0) == 1 && keys.size(0) == 1,
+              "decode_attention takes q [1, H_kv, G, D], keys and values [1, H_kv, L, D]");
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.stride(2) == values.stride(2),
+              "keys and values differ in shape or row stride");
+  TORCH_CHECK(q.size(1) == keys.size(1) && q.size(3) == keys.size(3), "q does not match the keys' heads");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "key and value rows must be contiguous");
+  TORCH_CHECK(keys.size(2) > 0, "no rows to attend");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+              "q, keys and values differ in dtype");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (keys.scalar_type() == at::kBFloat16) {
+    attend<c10::BFloat16>(q, keys, values, scale, out);
+  } else {
+    TORCH_CHECK(keys.scalar_type() == at::kFloat, "decode_attention takes bfloat16 or float32");
+    attend<float>(q, keys, values, scale, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(memra, m) { m.def("decode_attention(Tensor q, Tensor keys, Tensor values, float scale) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(memra, CPU, m) { m.impl("decode_attention", decode_attention); }

@@ -1,0 +1,92 @@
+"""memra's CPU decode-attention kernel: what it computes, that its bits do not depend on the
+thread count, what it refuses, and how it is built and found again.
+
+The reference is attention in float64 over the same rows; the kernel is handed slices of a
+slab whose rows past the end hold stale values that must not count.
+"""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from memrad.engine import cpu_attention
+from memrad.engine.decoder import cxx_compiler
+
+pytestmark = pytest.mark.skipif(cxx_compiler() is None, reason="the kernel is built with a C++ compiler")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert cpu_attention.load(cxx_compiler()) is None
+
+
+def slab(heads, rows, dim, dtype, seed):
+    """q [1, H_kv, G, D] and key, value slabs [1, H_kv, rows + 16, D] with stale rows at the end."""
+    torch.manual_seed(seed)
+    keys, values = torch.randn(1, heads, rows + 16, dim), torch.randn(1, heads, rows + 16, dim)
+    keys[:, :, rows:], values[:, :, rows:] = 50.0, -1e4
+    return keys.to(dtype), values.to(dtype)
+
+
+def reference(q, keys, values, scale):
+    heads, group = q.shape[1], q.shape[2]
+    q64 = q.double().reshape(1, heads * group, 1, -1)
+    out = F.scaled_dot_product_attention(q64, keys.double(), values.double(), scale=scale, enable_gqa=True)
+    return out.reshape(q.shape)
+
+
+# (KV heads, query heads per KV head, head dim): the default model's, a tiny test model's, a
+# wide head, and one the kernel has no vector path for (group 9, head dim 48: plain loops).
+SHAPES = [(3, 3, 64), (2, 2, 16), (1, 4, 128), (2, 9, 48)]
+
+
+@pytest.mark.parametrize("heads,group,dim", SHAPES)
+@pytest.mark.parametrize("rows", [1, 255, 256, 257, 1000])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+def test_the_kernel_computes_attention_over_the_first_rows_only(heads, group, dim, rows, dtype, tolerance):
+    keys, values = slab(heads, rows, dim, dtype, seed=rows + dim)
+    q = torch.randn(1, heads, group, dim).to(dtype)
+    scale = dim ** -0.5
+    got = torch.ops.memra.decode_attention(q, keys[:, :, :rows], values[:, :, :rows], scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    expected = reference(q, keys[:, :, :rows], values[:, :, :rows], scale)
+    assert (got.double() - expected).abs().max() <= tolerance
+
+
+def test_the_bits_do_not_depend_on_the_thread_count():
+    keys, values = slab(3, 4000, 64, torch.bfloat16, seed=1)
+    q = torch.randn(1, 3, 3, 64).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(torch.ops.memra.decode_attention(q, keys[:, :, :4000], values[:, :, :4000], 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_mismatched_inputs_are_refused_with_what_is_wrong():
+    keys, values = slab(3, 8, 64, torch.bfloat16, seed=2)
+    with pytest.raises(RuntimeError, match="q, keys and values differ in dtype"):
+        torch.ops.memra.decode_attention(torch.randn(1, 3, 3, 64), keys, values, 0.125)
+    with pytest.raises(RuntimeError, match="q does not match the keys' heads"):
+        torch.ops.memra.decode_attention(torch.randn(1, 2, 3, 64).to(torch.bfloat16), keys, values, 0.125)
+    with pytest.raises(RuntimeError, match="no rows to attend"):
+        torch.ops.memra.decode_attention(torch.randn(1, 3, 3, 64).to(torch.bfloat16), keys[:, :, :0],
+                                         values[:, :, :0], 0.125)
+
+
+def test_the_build_is_found_again_and_named_by_what_went_into_it(monkeypatch):
+    compiler = cxx_compiler()
+    path = cpu_attention.library_path(compiler)
+    assert path.exists() and path.name.startswith(f"decode_attention-{cpu_attention.capability().lower()}-")
+    assert cpu_attention.build(compiler) == path  # cached: no second build
+    assert cpu_attention.load(compiler, build_missing=False) is None
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert cpu_attention.library_path(compiler) != path  # another torch builds afresh
+
+
+def test_without_a_compiler_the_reason_says_what_to_install():
+    assert cpu_attention.load(None) == "no C++ compiler to build the attention kernel (install g++)"
