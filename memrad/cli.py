@@ -345,7 +345,22 @@ def cmd_pull(args: argparse.Namespace) -> int:
         print(f"memrad: {exc}", file=sys.stderr)
         return 1
     print(f"ready: {folder}")
+    _build_attention_kernel()
     return 0
+
+
+def _build_attention_kernel() -> None:
+    """Build the CPU decode-attention kernel now, so a first start decodes with it at once
+    (a start would build it in the background otherwise); a failure only loses speed."""
+    from memrad.engine import cpu_attention
+    from memrad.engine.decoder import cxx_compiler
+
+    compiler = cxx_compiler()
+    if compiler is not None and cpu_attention.library_path(compiler).exists():
+        return
+    print("building the CPU decode-attention kernel (once per machine and torch) ...")
+    why_not = cpu_attention.load(compiler)
+    print(f"attention kernel: {'built' if why_not is None else f'not built ({why_not}); decode uses torch attention'}")
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
