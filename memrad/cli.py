@@ -212,7 +212,7 @@ def _wait_until_serving(child: subprocess.Popen, log_file: Path, offset: int) ->
                 print(f"\r\033[K  {message}", end="", flush=True)
             else:
                 print(f"  {message}", flush=True)
-        time.sleep(0.2)
+        time.sleep(0.05)  # the wait is what a start costs the user: poll often, it is cheap
     _clear(interactive)
     print(f"memrad: the daemon did not answer within {START_TIMEOUT_S:.0f} s; see `memrad logs`",
           file=sys.stderr)

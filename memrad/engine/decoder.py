@@ -1,8 +1,8 @@
 """What the engine runs for each generated token, and why that one.
 
-    compile = auto   the decode step (memrad.engine.decode_step) eager at once, compiled by
-                     torch.compile on a background thread; requests that start after the
-                     compile finishes decode compiled (the daemon answers while compiling)
+    compile = auto   the decode step (memrad.engine.decode_step) eager at once, compiled on a
+                     background thread; requests that start after the compile finishes decode
+                     compiled (the daemon answers while compiling)
     compile = on     compiled before the daemon answers; a failure stops the start
     compile = off    the step, eager, with torch's attention: the A/B arm of the compiled one
 
@@ -10,15 +10,19 @@ Compiling includes memra's CPU attention kernel (memrad.engine.cpu_attention), b
 per machine: the compiled step attends with it, and with `auto` the eager step does too
 from the start when an earlier start has built it.
 
+Compiled means an AOTInductor package (memrad.engine.step_package): the first start on a
+machine exports the step (one graph with memra's attention kernel; without it, one for
+short contexts and one for the split attention of long ones, decode_step.SPLIT_ROWS; the
+attended length symbolic in each) and compiles it into a shared library kept in the
+compile cache, keyed by the model, its weights' format and dtype, torch and the CPU. Every
+later start opens that library (milliseconds, no compiler needed), under either mode, before
+it serves. Where AOTInductor fails, torch.compile is tried (traced on scratch slabs, so no
+request ever waits for a compile; inductor's caches keep its code, but each start traces
+again, ~9 s for the default model).
+
 Models the step does not cover, and caches that are not in-place slabs (CUDA), decode with
 transformers' forward; no C++ compiler or a failed compile (auto) leaves the eager step.
 Every choice carries a reason (/health, `memrad status`, the log).
-
-Compiling traces the step on scratch slabs with a symbolic length, so no request ever waits
-for a compile: one graph with memra's attention kernel; without it, one for short contexts
-and one for the split attention of long ones (decode_step.SPLIT_ROWS). Compiled code is kept in the platformdirs cache
-(memra/compile: inductor's FX graph cache and AOTAutograd's cache, keyed by the graph,
-torch and the CPU), so a later start re-traces but does not re-compile.
 
 Compiled and eager steps are not bit-identical to each other; each is deterministic, and a
 request decodes with one step from its first token to its last, so a resumed turn equals a
@@ -35,11 +39,12 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from memrad.engine import cpu_attention, decode_step
+from memrad.engine import cpu_attention, decode_step, step_package
 from memrad.engine.decode_step import DecodeStep, attended_rows, attention_shape, support
 from memrad.engine.forward import decode_one_token
 from memrad.engine.hardware import Choice
@@ -63,7 +68,8 @@ def cxx_compiler() -> str | None:
 
 
 def compile_cache_dir() -> str:
-    """Where compiled decode steps are kept between starts (inductor reads the variable)."""
+    """Where compiled decode steps are kept between starts (inductor reads the variable; a set
+    TORCHINDUCTOR_CACHE_DIR moves the packages too, e.g. a benchmark's fresh cache)."""
     from memrad.paths import cache_dir
 
     path = cache_dir() / "compile"
@@ -72,6 +78,14 @@ def compile_cache_dir() -> str:
 
 
 Feed = Callable[[Any, int, int], torch.Tensor]  # (cache, token id, position) -> logits [V] float32
+
+
+def _attention(kernel: bool, why_not: str | None = None) -> str:
+    return "memra's attention kernel" if kernel else "torch's attention" + (f" ({why_not})" if why_not else "")
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).splitlines() or [""])[0][:200]
 
 
 def _guards_to_keep(entries: list) -> list[bool]:
@@ -119,14 +133,17 @@ class Decoder:
         return self.current[0]
 
     def start(self) -> None:
-        """Begin compiling as the mode says: now (on), on a background thread (auto). Once."""
+        """Begin compiling as the mode says: now (on), on a background thread (auto). Once.
+        A package an earlier start built is opened at once under either mode."""
         if self.mode == "off" or self.step is None or self._started:
             return
         self._started = True
+        if self._open_package():
+            return
         if self.mode == "on":
             self._compile()
             return
-        self.choice = Choice("compiling", "compile = auto: the eager step serves until torch.compile is done")
+        self.choice = Choice("compiling", "compile = auto: the eager step serves until the compiled step is ready")
         self._thread = threading.Thread(target=self._compile, name="memrad-compile", daemon=True)
         self._thread.start()
 
@@ -134,6 +151,29 @@ class Decoder:
         """Block until a background compile has finished (benchmarks, tests)."""
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def _package(self, kernel: bool) -> Path:
+        directory = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir()))
+        return step_package.package_path(self.eager, self.model.config, self.capacity, kernel, directory)
+
+    def _open_package(self) -> bool:
+        """Open the package an earlier start built: with memra's attention kernel when that is
+        built (the package calls it by name), else the one with torch's attention."""
+        started = time.perf_counter()
+        try:
+            kernel = cpu_attention.load(cxx_compiler(), build_missing=False) is None
+            path = self._package(kernel)
+            if not path.is_file():
+                return False
+            step = step_package.load(self.eager, self.capacity, kernel, path)
+        except Exception as exc:  # damaged, or unreadable by this torch: compile again
+            log.warning("cannot open the decode step's package (%s: %s): compiling again",
+                        type(exc).__name__, _first_line(exc))
+            return False
+        self._ready(step, kernel, f"AOTInductor package from the compile cache ({path.name}), "
+                                  f"{_attention(kernel)}", started)
+        log.info("decode step opened from %s in %.2f s", path, self.compile_s)
+        return True
 
     def _compile(self) -> None:
         compiler = cxx_compiler()
@@ -143,28 +183,37 @@ class Decoder:
                 raise CompileFailed(f"compile = on, but {why}; or set compile = auto or off")
             self.choice = Choice("eager", f"auto: {why}")
             return
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
         started = time.perf_counter()
         no_kernel = cpu_attention.load(compiler)
         kernel = no_kernel is None
         if not kernel:
             log.warning("decode attention: torch's (%s)", no_kernel)
         try:
-            compiled = torch.compile(self.eager, fullgraph=True, options={"guard_filter_fn": _guards_to_keep})
-            self._trace(compiled, kernel)
-        except Exception as exc:  # inductor raises many types; each means "cannot compile here"
-            why = f"torch.compile failed ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})"
-            if self.mode == "on":
-                raise CompileFailed(f"{why}; set compile = auto or off to start with the eager step") from exc
-            log.warning("%s: decoding with the eager step", why)
-            self.choice = Choice("eager", f"auto: {why}")
-            return
-        self.compile_s = time.perf_counter() - started
-        self.current = (compiled, kernel)  # requests that start from now on decode compiled
-        attention = "memra's attention kernel" if kernel else f"torch's attention ({no_kernel})"
-        self.choice = Choice("compiled", f"compile = {self.mode}: torch.compile (inductor, {compiler}), "
-                                         f"{attention}, ready {self.compile_s:.1f} s after the model")
+            path = self._package(kernel)
+            step_package.build(self.eager, self.model.config, self.capacity, kernel, path)
+            step = step_package.load(self.eager, self.capacity, kernel, path)
+            how = f"AOTInductor ({compiler}), package built"
+        except Exception as exc:  # export and inductor raise many types; try torch.compile
+            aoti_failed = f"{type(exc).__name__}: {_first_line(exc)}"
+            log.warning("AOTInductor failed (%s): trying torch.compile", aoti_failed)
+            try:
+                step = torch.compile(self.eager, fullgraph=True, options={"guard_filter_fn": _guards_to_keep})
+                self._trace(step, kernel)
+            except Exception as exc:  # inductor raises many types; each means "cannot compile here"
+                why = f"torch.compile failed ({type(exc).__name__}: {_first_line(exc)})"
+                if self.mode == "on":
+                    raise CompileFailed(f"{why}; set compile = auto or off to start with the eager step") from exc
+                log.warning("%s: decoding with the eager step", why)
+                self.choice = Choice("eager", f"auto: {why}")
+                return
+            how = f"torch.compile (inductor, {compiler}; AOTInductor failed: {aoti_failed})"
+        self._ready(step, kernel, f"{how}, {_attention(kernel, no_kernel)}", started)
         log.info("decode step compiled in %.1f s (cache %s)", self.compile_s, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+    def _ready(self, step: Any, kernel: bool, how: str, started: float) -> None:
+        self.compile_s = time.perf_counter() - started
+        self.current = (step, kernel)  # requests that start from now on decode compiled
+        self.choice = Choice("compiled", f"compile = {self.mode}: {how}, ready {self.compile_s:.1f} s after the model")
 
     def _trace(self, compiled: Any, kernel: bool) -> None:
         """Run every graph the step has on scratch slabs."""

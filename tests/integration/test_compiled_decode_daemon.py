@@ -1,7 +1,7 @@
 """A daemon with the compiled decode step, started the way a user starts it.
 
 `--compile on` compiles before it answers: /health says so, a resumed turn equals its cold
-run, and a second start finds the compiled code in the cache instead of building it again.
+run, and a second start opens the compiled package from the cache instead of building it again.
 `--compile auto` answers at once and reports "compiling" until the step is ready.
 """
 
@@ -54,7 +54,7 @@ def test_compile_auto_answers_while_it_compiles(make_daemon, tmp_path):
     assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
     decode = daemon.get_json("/health")["choices"]["decode"]
     assert decode == {"value": "compiling",
-                      "reason": "compile = auto: the eager step serves until torch.compile is done"}
+                      "reason": "compile = auto: the eager step serves until the compiled step is ready"}
     reply = chat(client_for(daemon), [SYSTEM, FIRST_USER])  # served by the eager step meanwhile
     assert reply.choices[0].message.content
     assert wait_until(lambda: daemon.get_json("/health")["choices"]["decode"]["value"] != "compiling", 300, 1.0)

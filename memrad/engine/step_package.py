@@ -1,0 +1,217 @@
+"""The decode step compiled ahead of time (AOTInductor): built once, loaded by later starts.
+
+torch.compile traces the step again in every process (dynamo: ~9 s for the default model's
+two graphs of 30 layers on 2 cores) even when inductor's caches hold the compiled code. An
+AOTInductor package is the compiled code itself: `torch.export` captures each graph once,
+inductor compiles it into a shared library, and a later start only opens the library
+(10-30 ms for both of the default model's graphs, measured; docs/ARCHITECTURE.md, "The decode step").
+
+    compile/decode-step-{model}-{weights}-{dtype}-attn-{memra|torch}-torch{version}-{cpu}-{key}.pt2
+        with memra's attention kernel (memrad.engine.cpu_attention):
+            graph "kernel" attended length in [2, capacity - 2]
+        with torch's attention:
+            graph "short"  attended length in [2, SPLIT_ROWS - 1]
+            graph "split"  attended length in [SPLIT_ROWS, capacity - 2]   (if the slabs reach it)
+    ...{key}.constants.safetensors
+        the constants inductor made itself (the int4 op's group size, as a tensor per call)
+
+memra's kernel is a C++ op (`memra::decode_attention`, TORCH_LIBRARY): the library calls it
+by name through AOTInductor's proxy executor, so the kernel must be loaded into the process
+before a package that uses it is opened (the loader looks its schema up then).
+
+The weights are not in the package: a start hands the library the step's own tensors by
+reference (`user_managed`), so nothing is copied and resident memory does not grow. So the
+key names everything the compiled code was made for besides their values: the step's code,
+torch and transformers, the CPU, the model's config, each weight's name, dtype, shape and
+strides, the slab capacity, SPLIT_ROWS and the attention (with the kernel's source). Any
+change is another file, never a wrong graph.
+
+The attended length stays symbolic within each graph's range, every other size is static.
+Lengths outside the ranges (a one-token prompt's first step, the slab's last row, a slab that
+grew) run the eager step: the choice depends on the position only, so a resumed turn still
+decodes each position exactly as its cold run does.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memrad.engine import cpu_attention, decode_step, quant
+from memrad.engine.decode_step import DecodeStep, attended_rows
+
+# What AOTInductor is asked for: the weights stay out of the library (supplied at load), and
+# the constants it makes itself come back to the caller so they can be kept beside it.
+_AOTI_OPTIONS = {
+    "aot_inductor.package": True,
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+}
+_LAYOUT = "1"  # of the files this module writes; bump when it changes
+
+
+def graph_ranges(capacity: int, kernel: bool) -> dict[str, tuple[int, int]]:
+    """{graph: (shortest, longest attended length)} for slabs of `capacity` rows.
+
+    The split attention reads one row past an odd length, so the longest is capacity - 2
+    (at capacity - 1 the two halves would cover the whole slab: another graph). The first
+    decode step attends at least 2 rows (a prompt of 1 and the new token)."""
+    last, split = capacity - 2, decode_step.SPLIT_ROWS
+    if kernel:
+        return {"kernel": (2, last)} if 2 < last else {}
+    ranges = {"short": (2, min(split - 1, last)), "split": (split, last)}
+    return {graph: (low, high) for graph, (low, high) in ranges.items() if low < high}
+
+
+def package_path(step: DecodeStep, config: Any, capacity: int, kernel: bool, directory: Path) -> Path:
+    """Where the package for this step, model config, slab capacity and attention (`kernel`:
+    memra's) lives in `directory`."""
+    weights = "int4" if any(isinstance(m, quant.Int4Linear) for m in step.modules()) else "float"
+    dtype = str(step.cos.dtype).removeprefix("torch.")
+    label = Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model"
+    attention = "memra" if kernel else "torch"
+    return directory / (f"decode-step-{_safe(label)}-{weights}-{dtype}-attn-{attention}-torch{_safe(torch.__version__)}-"
+                        f"{torch.backends.cpu.get_cpu_capability().lower()}-{_key(step, config, capacity, kernel)}.pt2")
+
+
+def constants_path(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".pt2") + ".constants.safetensors")
+
+
+class PackagedStep:
+    """Called like a DecodeStep; runs the package's graph for the attended length."""
+
+    def __init__(self, eager: DecodeStep, runners: dict[str, Any], made: dict[str, torch.Tensor],
+                 capacity: int, kernel: bool) -> None:
+        self.eager, self.runners, self.capacity, self.kernel = eager, runners, capacity, kernel
+        self._made = made  # the library holds pointers into these (user_managed): keep them alive
+        self._ranges = [(low, high, runners[graph]) for graph, (low, high) in graph_ranges(capacity, kernel).items()]
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
+                 keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool) -> torch.Tensor:
+        assert owner == self.eager.owner and kernel == self.kernel, (owner, kernel)
+        length = rows.shape[0]
+        runner = next((r for low, high, r in self._ranges if low <= length <= high), None)
+        if runner is None or keys[0].shape[2] != self.capacity:  # outside the ranges, a grown slab
+            return self.eager(token, position, rows, keys, values, owner, kernel)
+        return runner.boxed_run([token, position, rows, *keys, *values])[0]  # logits [V]
+
+
+def load(step: DecodeStep, capacity: int, kernel: bool, path: Path) -> PackagedStep:
+    """Open the package at `path` for `step`, handing it the step's own tensors (no copy).
+    With `kernel`, memra's attention kernel must be loaded already (cpu_attention.load).
+
+    Uses torch's C++ loader directly: `torch._inductor.aoti_load_package` does the same
+    after importing inductor's Python side, which costs ~0.9 s (measured) a start does not need."""
+    from safetensors.torch import load_file
+
+    made = load_file(str(constants_path(path)))  # {"graph/name": tensor}
+    state = _constants(step)
+    runners = {}
+    for graph in graph_ranges(capacity, kernel):
+        runner = torch._C._aoti.AOTIModelPackageLoader(str(path), graph, False, 1, -1)
+        fqns = runner.get_constant_fqns()
+        supplied = {fqn: state[fqn] if fqn in state else made[f"{graph}/{fqn}"] for fqn in fqns}
+        # (use_inactive, check_full_update, user_managed, allow_h2d_copy)
+        runner.load_constants(supplied, False, True, True, False)
+        runners[graph] = runner
+    return PackagedStep(step, runners, made, capacity, kernel)
+
+
+def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path) -> None:
+    """Export the step's graphs, compile them with AOTInductor and write the package and its
+    constants at `path` (atomically: a package is only ever there complete). Minutes."""
+    from safetensors.torch import save_file
+    from torch._inductor import aot_compile
+    from torch._inductor.package import package_aoti
+
+    exported = _Exported(_twin(step), kernel)
+    _, kv_heads, head_dim = decode_step.attention_shape(config)
+    dtype, device = step.cos.dtype, step.cos.device
+    # Export reads only their shapes: untouched memory, never written.
+    keys = [torch.empty(1, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in step.layers]
+    values = [torch.empty(1, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in step.layers]
+    files, weights = {}, {}
+    for graph, (low, high) in graph_ranges(capacity, kernel).items():
+        length = low + 1
+        args = (torch.zeros(1, dtype=torch.long, device=device), torch.tensor([length - 1], device=device),
+                attended_rows(length, device), keys, values)
+        dims = ({}, {}, {0: torch.export.Dim(f"length_{graph}", min=low, max=high)},
+                [{}] * len(keys), [{}] * len(values))
+        with torch.no_grad():
+            program = torch.export.export(exported, args, dynamic_shapes=dims, strict=False)
+        compiled = aot_compile(program.module(check_guards=False), *program.example_inputs, options=_AOTI_OPTIONS)
+        files[graph] = [item for item in compiled if isinstance(item, str)]
+        weights[graph] = {name: tensor for item in compiled if not isinstance(item, str)
+                          for name, (tensor, _) in item.items()}
+    staging = path.with_name(path.name.removesuffix(".pt2") + ".partial.pt2")  # package_aoti wants .pt2
+    package_aoti(str(staging), files)
+    # Keep what the step does not hold: the constants inductor made (named as it named them).
+    state = _constants(step)
+    made = {f"{graph}/{fqn}": weights[graph][fqn].detach().clone().contiguous()
+            for graph in files for fqn in torch._C._aoti.AOTIModelPackageLoader(str(staging), graph, False, 1, -1)
+            .get_constant_fqns() if fqn not in state}
+    # The package last: its presence says both files are complete.
+    save_file(made, str(constants_path(path).with_suffix(".partial")))
+    os.replace(constants_path(path).with_suffix(".partial"), constants_path(path))
+    os.replace(staging, path)
+
+
+class _Exported(nn.Module):
+    """The step with `owner` and `kernel` bound: export takes tensors (and lists of them) only."""
+
+    def __init__(self, step: DecodeStep, kernel: bool) -> None:
+        super().__init__()
+        self.step, self.kernel = step, kernel
+
+    def forward(self, token, position, rows, keys, values):
+        return self.step(token, position, rows, keys, values, self.step.owner, self.kernel)
+
+
+def _twin(step: DecodeStep) -> DecodeStep:
+    """A copy of the step's modules over the same tensors. Export swaps a module's weights
+    for fake tensors while it traces; on the twin, the eager step keeps serving meanwhile."""
+    return copy.deepcopy(step, {id(tensor): tensor for tensor in _constants(step).values()})
+
+
+def _constants(step: DecodeStep) -> dict[str, torch.Tensor]:
+    """Every weight and buffer of the step under the name the exported graph gives it."""
+    named = [*step.named_parameters(prefix="step", remove_duplicate=False),
+             *step.named_buffers(prefix="step", remove_duplicate=False)]
+    return dict(named)
+
+
+def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool) -> str:
+    import transformers
+
+    digest = hashlib.sha256()
+    for part in (_LAYOUT, torch.__version__, transformers.__version__, torch.backends.cpu.get_cpu_capability(),
+                 _cpu_flags(), capacity, decode_step.SPLIT_ROWS, kernel, config.to_json_string(use_diff=False)):
+        digest.update(f"{part}\n".encode())
+    kernel_source = [cpu_attention.__file__, cpu_attention.SOURCE] if kernel else []
+    for source in (decode_step.__file__, quant.__file__, __file__, *kernel_source):
+        digest.update(Path(source).read_bytes())
+    for name, module in step.named_modules():
+        digest.update(f"{name} {type(module).__module__}.{type(module).__qualname__}\n".encode())
+    for name, tensor in sorted(_constants(step).items()):
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)} {tensor.stride()}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: the library is compiled for this CPU (-march=native)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _safe(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in text)

@@ -1,0 +1,79 @@
+"""The decode step's AOTInductor package: built by the first start, opened by the next.
+
+A first Decoder builds the package into the compile cache. A second one in the same
+configuration opens it without exporting, compiling or tracing anything (each is made to
+fail), decodes the same logits bit for bit (with memra's attention kernel, called by name
+from the package; with torch's attention, through both graphs, short and split), within the
+compiled tolerance of the eager step, and computes with the step's own weights (the package
+holds none of them). Another configuration names another file.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from memrad.engine import cpu_attention, decode_step, step_package
+from memrad.engine.decoder import Decoder, cxx_compiler
+from memrad.engine.forward import prefill
+from memrad.engine.loader import load_model
+from memrad.engine.step_package import PackagedStep
+from test_decode_step import PROMPT, new_cache
+
+
+def load(q4_dir, dtype="bfloat16"):
+    torch.set_num_threads(1)
+    return load_model(str(q4_dir), device="cpu", dtype=dtype, weights="int4")
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="building the package needs a C++ compiler")
+@pytest.mark.parametrize("kernel,graphs", [(True, ["kernel"]), (False, ["short", "split"])])
+def test_a_second_decoder_opens_the_package_and_decodes_what_the_first_did(q4_dir, tmp_path, monkeypatch,
+                                                                           kernel, graphs):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty compile cache
+    monkeypatch.setattr(decode_step, "SPLIT_ROWS", len(PROMPT) + 4)  # 8 steps cross into the split graph
+    if not kernel:
+        monkeypatch.setattr(cpu_attention, "load", lambda *args, **kwargs: "switched off by the test")
+    loaded = load(q4_dir)
+    first = Decoder(loaded.model, loaded.context_len, loaded.device, "on")
+    first.start()
+    assert first.choice.value == "compiled" and "package built" in first.choice.reason, first.choice.reason
+    assert list(first.step.runners) == graphs and first.current[1] == kernel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the second start compiled")
+
+    monkeypatch.setattr(step_package, "build", refuse)
+    monkeypatch.setattr(torch, "compile", refuse)
+    second = Decoder(loaded.model, loaded.context_len, loaded.device, "auto")
+    second.start()  # auto: opened at once, no background thread
+    assert second.choice.value == "compiled" and "from the compile cache" in second.choice.reason
+    assert isinstance(second.step, PackagedStep) and second._thread is None
+
+    feeds = [first.feeder(), second.feeder(), Decoder(loaded.model, loaded.context_len, loaded.device).feeder()]
+    caches = [new_cache(loaded) for _ in feeds]
+    logits = [prefill(loaded.model, cache, PROMPT, 0, 16) for cache in caches]
+    for step in range(8):  # attended lengths 41..48: short up to 43, split from 44
+        token = int(logits[2].argmax())
+        logits = [feed(cache, token, len(PROMPT) + step) for feed, cache in zip(feeds, caches)]
+        assert torch.equal(logits[0], logits[1]), step
+        assert torch.isfinite(logits[1]).all() and (logits[1] - logits[2]).abs().max() <= 0.01, step
+    assert caches[1].get_seq_length() == len(PROMPT) + 8  # the package wrote its KV rows in place
+
+    with torch.no_grad():
+        second.eager.norm.weight.zero_()  # the model's own final norm: the package reads it, not a copy
+    assert not second.feeder()(caches[1], 5, len(PROMPT) + 8).any()
+
+
+def test_another_configuration_names_another_package(q4_dir, monkeypatch):
+    bf16, fp32 = load(q4_dir), load(q4_dir, "float32")
+
+    def path(loaded, capacity=64, kernel=True):
+        step = decode_step.DecodeStep(loaded.model, loaded.context_len)
+        return step_package.package_path(step, loaded.model.config, capacity, kernel, Path("/cache"))
+
+    same = path(bf16)
+    assert same == path(bf16) and same.name.startswith("decode-step-") and "-int4-bfloat16-attn-memra-" in same.name
+    assert path(fp32) != same and path(bf16, capacity=128) != same and path(bf16, kernel=False) != same
+    monkeypatch.setattr(decode_step, "SPLIT_ROWS", 32)
+    assert path(bf16) != same
