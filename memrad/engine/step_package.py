@@ -24,7 +24,8 @@ reference (`user_managed`), so nothing is copied and resident memory does not gr
 key names everything the compiled code was made for besides their values: the step's code,
 torch and transformers, the CPU, the model's config, each weight's name, dtype, shape and
 strides, the slab capacity, SPLIT_ROWS and the attention (with the kernel's source). Any
-change is another file, never a wrong graph.
+change is another file, never a wrong graph; the directory keeps the 8 most recently used
+(`prune`).
 
 The attended length stays symbolic within each graph's range, every other size is static.
 Lengths outside the ranges (a one-token prompt's first step, the slab's last row, a slab that
@@ -54,6 +55,7 @@ _AOTI_OPTIONS = {
     "aot_inductor.package_constants_on_disk_format": "pickle_weights",
 }
 _LAYOUT = "1"  # of the files this module writes; bump when it changes
+KEEP_PACKAGES = 8  # in the compile cache: several models and configurations side by side
 
 
 def graph_ranges(capacity: int, kernel: bool) -> dict[str, tuple[int, int]]:
@@ -112,6 +114,7 @@ def load(step: DecodeStep, capacity: int, kernel: bool, path: Path) -> PackagedS
     from safetensors.torch import load_file
 
     made = load_file(str(constants_path(path)))  # {"graph/name": tensor}
+    os.utime(path)  # used now: `prune` keeps the most recently used
     state = _constants(step)
     runners = {}
     for graph in graph_ranges(capacity, kernel):
@@ -161,6 +164,19 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
     save_file(made, str(constants_path(path).with_suffix(".partial")))
     os.replace(constants_path(path).with_suffix(".partial"), constants_path(path))
     os.replace(staging, path)
+    prune(path.parent)
+
+
+def prune(directory: Path, keep: int = KEEP_PACKAGES) -> list[Path]:
+    """Delete all but the `keep` most recently used packages (and their constants) in
+    `directory`: each torch, model or code change writes a new one (4-8 MB) and nothing
+    else would ever remove the old. `load` marks a package used. Returns what went."""
+    packages = sorted(directory.glob("decode-step-*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
+    gone = [p for p in packages if not p.name.endswith(".partial.pt2")][keep:]
+    for package in gone:
+        constants_path(package).unlink(missing_ok=True)
+        package.unlink(missing_ok=True)
+    return gone
 
 
 class _Exported(nn.Module):

@@ -8,6 +8,7 @@ compiled tolerance of the eager step, and computes with the step's own weights (
 holds none of them). Another configuration names another file.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,17 @@ def test_another_configuration_names_another_package(q4_dir, monkeypatch):
     assert path(fp32) != same and path(bf16, capacity=128) != same and path(bf16, kernel=False) != same
     monkeypatch.setattr(decode_step, "SPLIT_ROWS", 32)
     assert path(bf16) != same
+
+
+def test_pruning_keeps_the_most_recently_used_packages(tmp_path):
+    for age, name in enumerate(["a", "b", "c", "d"]):
+        package = tmp_path / f"decode-step-{name}.pt2"
+        package.write_bytes(b"pt2")
+        step_package.constants_path(package).write_bytes(b"constants")
+        os.utime(package, (1000 - age, 1000 - age))  # a newest, d oldest
+    (tmp_path / "decode-step-x.partial.pt2").write_bytes(b"being built by another start")
+    gone = step_package.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in gone) == ["decode-step-c.pt2", "decode-step-d.pt2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "decode-step-a.constants.safetensors", "decode-step-a.pt2", "decode-step-b.constants.safetensors",
+        "decode-step-b.pt2", "decode-step-x.partial.pt2"]
