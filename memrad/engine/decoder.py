@@ -123,9 +123,8 @@ class Decoder:
         # A kernel built by an earlier start loads in milliseconds: the eager step uses it.
         kernel = mode == "auto" and cpu_attention.load(cxx_compiler(), build_missing=False) is None
         self.current = (self.eager, kernel)
-        attention = "memra's attention kernel" if kernel else "torch's attention"
-        self.choice = Choice("eager", f"compile = off: {attention}" if mode == "off"
-                             else f"compile = {mode}: not started; {attention}")
+        self.choice = Choice("eager", f"compile = off: {_attention(kernel)}" if mode == "off"
+                             else f"compile = {mode}: not started; {_attention(kernel)}")
 
     @property
     def step(self) -> Any:
