@@ -68,12 +68,23 @@ def cxx_compiler() -> str | None:
 
 
 def compile_cache_dir() -> str:
-    """Where compiled decode steps are kept between starts (inductor reads the variable; a set
-    TORCHINDUCTOR_CACHE_DIR moves the packages too, e.g. a benchmark's fresh cache)."""
+    """Where compiled decode steps are kept between starts: memra's cache (compile/), unless
+    TORCHINDUCTOR_CACHE_DIR names another directory (a benchmark's or a test's fresh cache).
+
+    Inductor writes its own default (/tmp/torchinductor_<user>) into that variable the first
+    time anything asks for its cache, and loading a model does: that default is not a
+    choice, and /tmp does not outlive a reboot. The variable is then pointed here, so
+    inductor's own caches (the torch.compile fallback) live here too."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from memrad.paths import cache_dir
 
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return chosen
     path = cache_dir() / "compile"
     path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return str(path)
 
 
@@ -152,7 +163,7 @@ class Decoder:
             self._thread.join(timeout_s)
 
     def _package(self, kernel: bool) -> Path:
-        directory = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir()))
+        directory = Path(compile_cache_dir())
         return step_package.package_path(self.eager, self.model.config, self.capacity, kernel, directory)
 
     def _open_package(self) -> bool:

@@ -153,17 +153,23 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
         files[graph] = [item for item in compiled if isinstance(item, str)]
         weights[graph] = {name: tensor for item in compiled if not isinstance(item, str)
                           for name, (tensor, _) in item.items()}
-    staging = path.with_name(path.name.removesuffix(".pt2") + ".partial.pt2")  # package_aoti wants .pt2
-    package_aoti(str(staging), files)
-    # Keep what the step does not hold: the constants inductor made (named as it named them).
-    state = _constants(step)
-    made = {f"{graph}/{fqn}": weights[graph][fqn].detach().clone().contiguous()
-            for graph in files for fqn in torch._C._aoti.AOTIModelPackageLoader(str(staging), graph, False, 1, -1)
-            .get_constant_fqns() if fqn not in state}
-    # The package last: its presence says both files are complete.
-    save_file(made, str(constants_path(path).with_suffix(".partial")))
-    os.replace(constants_path(path).with_suffix(".partial"), constants_path(path))
-    os.replace(staging, path)
+    # Each builder stages its own files (two starts may build at once); package_aoti wants .pt2.
+    staging = path.with_name(path.name.removesuffix(".pt2") + f".{os.getpid()}.partial.pt2")
+    staged_constants = constants_path(path).with_suffix(f".{os.getpid()}.partial")
+    try:
+        package_aoti(str(staging), files)
+        # Keep what the step does not hold: the constants inductor made (named as it named them).
+        state = _constants(step)
+        made = {f"{graph}/{fqn}": weights[graph][fqn].detach().clone().contiguous()
+                for graph in files for fqn in torch._C._aoti.AOTIModelPackageLoader(str(staging), graph, False, 1, -1)
+                .get_constant_fqns() if fqn not in state}
+        # The package last: its presence says both files are complete.
+        save_file(made, str(staged_constants))
+        os.replace(staged_constants, constants_path(path))
+        os.replace(staging, path)
+    finally:  # a failed build leaves nothing behind
+        staging.unlink(missing_ok=True)
+        staged_constants.unlink(missing_ok=True)
     prune(path.parent)
 
 

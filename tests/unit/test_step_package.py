@@ -92,3 +92,17 @@ def test_pruning_keeps_the_most_recently_used_packages(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "decode-step-a.constants.safetensors", "decode-step-a.pt2", "decode-step-b.constants.safetensors",
         "decode-step-b.pt2", "decode-step-x.partial.pt2"]
+
+
+def test_packages_live_in_memras_cache_unless_a_directory_was_chosen(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from memrad.engine.decoder import compile_cache_dir
+
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path / "memra"))
+    # What inductor writes into the variable the first time anything asks (a model load does).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert compile_cache_dir() == str(tmp_path / "memra" / "compile")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "memra" / "compile")  # inductor's too
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
+    assert compile_cache_dir() == str(tmp_path / "chosen")
