@@ -146,6 +146,7 @@ def serve(settings: Settings) -> None:
         log.info("removed stale %s left by a daemon that did not stop cleanly", path)
     info = DaemonInfo(pid=os.getpid(), started_at=time.time(), log=str(log_path()))
     info.write(pidfile_path())
+    engine = None
     try:
         engine, device, dtype = _load(settings)
         from memrad.server.app import make_app
@@ -155,6 +156,13 @@ def serve(settings: Settings) -> None:
     finally:
         clean_stale_files()
         lock.close()
+    if engine is not None and engine.decoder.compiling():
+        # Stopped while the decode step compiles on its thread: interpreter teardown under a
+        # running compile aborts in C++ ("terminate called without an active exception",
+        # exit 134). Everything is written and logged by now, so the process just ends.
+        log.info("stopped while compiling the decode step: the next start compiles again")
+        logging.shutdown()
+        os._exit(0)
 
 
 def _load(settings: Settings):

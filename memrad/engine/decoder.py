@@ -157,6 +157,10 @@ class Decoder:
         self._thread = threading.Thread(target=self._compile, name="memrad-compile", daemon=True)
         self._thread.start()
 
+    def compiling(self) -> bool:
+        """A background compile is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until a background compile has finished (benchmarks, tests)."""
         if self._thread is not None:

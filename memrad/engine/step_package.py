@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -176,13 +177,17 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
 def prune(directory: Path, keep: int = KEEP_PACKAGES) -> list[Path]:
     """Delete all but the `keep` most recently used packages (and their constants) in
     `directory`: each torch, model or code change writes a new one (4-8 MB) and nothing
-    else would ever remove the old. `load` marks a package used. Returns what went."""
+    else would ever remove the old. `load` marks a package used. Staging files an hour old
+    are a build that never finished (a daemon stopped mid-compile). Returns what went."""
     packages = sorted(directory.glob("decode-step-*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
-    gone = [p for p in packages if not p.name.endswith(".partial.pt2")][keep:]
+    gone = [p for p in packages if ".partial." not in p.name][keep:]
     for package in gone:
         constants_path(package).unlink(missing_ok=True)
         package.unlink(missing_ok=True)
-    return gone
+    abandoned = [p for p in directory.glob("decode-step-*.partial*") if time.time() - p.stat().st_mtime > 3600]
+    for staging in abandoned:
+        staging.unlink(missing_ok=True)
+    return gone + abandoned
 
 
 class _Exported(nn.Module):

@@ -60,3 +60,16 @@ def test_compile_auto_answers_while_it_compiles(make_daemon, tmp_path):
     assert wait_until(lambda: daemon.get_json("/health")["choices"]["decode"]["value"] != "compiling", 300, 1.0)
     assert compiled_in_s(daemon) > 0
     assert "decode step compiled in" in daemon.log_text()
+
+
+def test_a_daemon_stopped_while_compiling_ends_cleanly(make_daemon, tmp_path):
+    daemon = make_daemon()
+    daemon.env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "compile")  # nothing to open: it compiles
+    daemon.env["MEMRA_COMPILE"] = "auto"
+    assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
+    assert daemon.get_json("/health")["choices"]["decode"]["value"] == "compiling"
+    assert daemon.cli("stop").returncode == 0
+    log = daemon.log_text()
+    assert "stopped while compiling the decode step: the next start compiles again" in log
+    assert "terminate called" not in log  # interpreter teardown under a running compile aborted
+    assert not list((tmp_path / "compile").glob("decode-step-*"))  # no package half-written

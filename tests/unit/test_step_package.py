@@ -9,6 +9,7 @@ holds none of them). Another configuration names another file.
 """
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -86,12 +87,15 @@ def test_pruning_keeps_the_most_recently_used_packages(tmp_path):
         package.write_bytes(b"pt2")
         step_package.constants_path(package).write_bytes(b"constants")
         os.utime(package, (1000 - age, 1000 - age))  # a newest, d oldest
-    (tmp_path / "decode-step-x.partial.pt2").write_bytes(b"being built by another start")
+    (tmp_path / "decode-step-x.123.partial.pt2").write_bytes(b"being built by another start")
+    abandoned = tmp_path / "decode-step-y.456.partial.pt2"
+    abandoned.write_bytes(b"a build stopped two hours ago")
+    os.utime(abandoned, (time.time() - 7200, time.time() - 7200))
     gone = step_package.prune(tmp_path, keep=2)
-    assert sorted(p.name for p in gone) == ["decode-step-c.pt2", "decode-step-d.pt2"]
+    assert sorted(p.name for p in gone) == ["decode-step-c.pt2", "decode-step-d.pt2", "decode-step-y.456.partial.pt2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "decode-step-a.constants.safetensors", "decode-step-a.pt2", "decode-step-b.constants.safetensors",
-        "decode-step-b.pt2", "decode-step-x.partial.pt2"]
+        "decode-step-b.pt2", "decode-step-x.123.partial.pt2"]
 
 
 def test_packages_live_in_memras_cache_unless_a_directory_was_chosen(tmp_path, monkeypatch):
