@@ -13,8 +13,8 @@ It is compiled with the vector width torch itself dispatches to on this CPU (AVX
 or plain), never `-march=native`, so `ATEN_CPU_CAPABILITY=avx2` emulates an AVX2 machine
 honestly (measured: `-march=native`, `-mtune=native` or AVX512-BF16 conversions change
 nothing here), and with OpenMP, which `at::parallel_for` is written in (without it the
-tasks ran on one thread: 167 instead of 97 µs at 4k rows). A build happens once per machine and torch (~8 s); later loads take milliseconds.
-`load()` never raises: without a compiler, or when the build fails, it says why and the
+tasks ran on one thread: 167 instead of 97 µs at 4k rows). A build happens once per
+machine and torch (~8 s); later loads take milliseconds. `load()` never raises: without a compiler, or when the build fails, it says why and the
 decode step keeps torch's attention.
 """
 
@@ -43,6 +43,7 @@ _CAPABILITY_FLAGS = {
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
 
+BUILD_TIMEOUT_S = 600  # ~8 s on 2 cores; a compiler that hangs must not hold the start forever
 _lock = threading.Lock()
 _loaded: str | None = None  # path of the library loaded into this process
 
@@ -64,8 +65,8 @@ def compile_command(compiler: str, output: Path) -> list[str]:
     libraries = [arg for path in cpp_extension.library_paths() for arg in (f"-L{path}", f"-Wl,-rpath,{path}")]
     # -fopenmp: at::parallel_for is inline OpenMP; without it the tasks run on one thread.
     # libgomp resolves to the one torch ships and has loaded (its soname, torch's lib dir).
-    return [compiler, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *flags,
-            *includes, str(SOURCE), "-o", str(output), *libraries, "-lc10", "-ltorch_cpu"]
+    return [compiler, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *flags, *includes, str(SOURCE), "-o", str(output), *libraries, "-lc10", "-ltorch_cpu"]
 
 
 def library_path(compiler: str) -> Path:
@@ -86,7 +87,12 @@ def build(compiler: str) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")
-    result = subprocess.run(compile_command(compiler, partial), capture_output=True, text=True)
+    try:
+        result = subprocess.run(compile_command(compiler, partial), capture_output=True, text=True,
+                                timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        partial.unlink(missing_ok=True)
+        raise BuildFailed(f"{compiler} did not build {SOURCE.name} within {BUILD_TIMEOUT_S} s") from None
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
         errors = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()

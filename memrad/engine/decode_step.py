@@ -193,7 +193,8 @@ class _Layer(nn.Module):
         k = rope(k.view(h_kv, d), cos, sin)  # [H_kv, D]
         key_rows.index_copy_(2, position, k.view(1, h_kv, 1, d))
         value_rows.index_copy_(2, position, v.view(1, h_kv, 1, d))
-        o = attend(q.view(1, h_kv, self.heads // h_kv, d), key_rows, value_rows, length, self.scale, kernel)  # [1, H_kv, G, D]
+        q = q.view(1, h_kv, self.heads // h_kv, d)  # the G query heads of a KV head as rows
+        o = attend(q, key_rows, value_rows, length, self.scale, kernel)  # [1, H_kv, G, D]
         x = x + self.o_proj(o.reshape(1, 1, self.heads * d))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(self.act(gate) * up)
