@@ -56,13 +56,19 @@ class Daemon:
         if result.returncode != 0:
             raise RuntimeError(f"memrad start failed:\n{result.stdout}{result.stderr}")
         self.url = f"http://127.0.0.1:{port}"
-        while settled and self.decode() == "compiling":
+        while settled and self.compiling():
             time.sleep(0.5)
 
-    def decode(self) -> str:
-        """The decode step /health reports: compiled, compiling, eager or transformers."""
+    def decode(self) -> dict:
+        """The decode step /health reports: {value: compiled, compiling, eager or
+        transformers, reason}."""
         with urllib.request.urlopen(f"{self.url}/health", timeout=10) as response:
-            return json.loads(response.read())["choices"]["decode"]["value"]
+            return json.loads(response.read())["choices"]["decode"]
+
+    def compiling(self) -> bool:
+        """Compiling, or about to: /health answers a moment before `compile = auto` starts."""
+        decode = self.decode()
+        return decode["value"] == "compiling" or "not started" in decode["reason"]
 
     def status(self) -> dict:
         return json.loads(self.cli("status", "--json").stdout)

@@ -317,9 +317,9 @@ def _time_start(root: Path, mode: str, threads: int, model: str) -> tuple[float,
     try:
         daemon.start("--compile", mode, "--threads", str(threads), "--model", model, settled=False)
         ready_s = time.perf_counter() - started
-        while daemon.decode() == "compiling" and time.perf_counter() - started < 600:
+        while daemon.compiling() and time.perf_counter() - started < 600:
             time.sleep(0.1)
-        compiled_s = time.perf_counter() - started if daemon.decode() == "compiled" else None
+        compiled_s = time.perf_counter() - started if daemon.decode()["value"] == "compiled" else None
     finally:
         daemon.stop()
     return ready_s, compiled_s

@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -86,6 +87,9 @@ def build(compiler: str) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    for abandoned in path.parent.glob("*.partial"):  # builds a stopped daemon never finished
+        if time.time() - abandoned.stat().st_mtime > 3600:
+            abandoned.unlink(missing_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")
     try:
         result = subprocess.run(compile_command(compiler, partial), capture_output=True, text=True,
