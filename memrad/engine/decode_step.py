@@ -18,9 +18,9 @@ as query rows (docs/ARCHITECTURE.md, "The decode step"). This step does only the
 
 Shapes are static except `length` (= position + 1), so one compiled graph serves every
 step with memra's attention kernel, two (short and split attention) with torch's
-(memrad.engine.decoder). The step's bits differ from
-transformers' forward, which is fine: decoded KV is never reused in exact mode (DESIGN:
-Exactness), and cold and resumed runs decode through the same step, so they stay identical.
+(memrad.engine.decoder). The step's bits differ from transformers' forward, which is
+fine: decoded KV is never reused in exact mode (DESIGN: Exactness), and cold and resumed
+runs decode through the same step, so they stay identical.
 
 `support(model)` says which models this covers and why not others; they keep the
 transformers forward.
