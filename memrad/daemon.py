@@ -157,10 +157,10 @@ def serve(settings: Settings) -> None:
         clean_stale_files()
         lock.close()
     if engine is not None and engine.decoder.compiling():
-        # Stopped while the decode step compiles on its thread: interpreter teardown under a
-        # running compile aborts in C++ ("terminate called without an active exception",
-        # exit 134). Everything is written and logged by now, so the process just ends.
-        log.info("stopped while compiling the decode step: the next start compiles again")
+        # Still compiling in this process (the torch.compile fallback; a package build runs in
+        # a child, stopped by engine.close): interpreter teardown under a running compile
+        # aborts in C++ ("terminate called without an active exception", exit 134).
+        # Everything is written and logged by now, so the process just ends.
         logging.shutdown()
         os._exit(0)
 

@@ -14,11 +14,12 @@ Compiled means an AOTInductor package (memrad.engine.step_package): the first st
 machine exports the step (one graph with memra's attention kernel; without it, one for
 short contexts and one for the split attention of long ones, decode_step.SPLIT_ROWS; the
 attended length symbolic in each) and compiles it into a shared library kept in the
-compile cache, keyed by the model, its weights' format and dtype, torch and the CPU. Every
-later start opens that library (milliseconds, no compiler needed), under either mode, before
-it serves. Where AOTInductor fails, torch.compile is tried (traced on scratch slabs, so no
-request ever waits for a compile; inductor's caches keep its code, but each start traces
-again, ~9 s for the default model).
+compile cache, keyed by the model, its weights' format and dtype, torch and the CPU. With
+a recipe (the engine gives one) that runs in a child process, so the daemon's interpreter
+keeps serving. Every later start opens the library (milliseconds, no compiler needed),
+under either mode, before it serves. Where AOTInductor fails, torch.compile is tried
+(traced on scratch slabs, so no request ever waits for a compile; inductor's caches keep
+its code, but each start traces again, ~9 s for the default model).
 
 Models the step does not cover, and caches that are not in-place slabs (CUDA), decode with
 transformers' forward; no C++ compiler or a failed compile (auto) leaves the eager step.
@@ -112,14 +113,17 @@ class Decoder:
     `choice.value` is "compiled", "compiling", "eager" or "transformers", with the reason.
     """
 
-    def __init__(self, model: Any, context_len: int, device: torch.device, mode: str = "off") -> None:
+    def __init__(self, model: Any, context_len: int, device: torch.device, mode: str = "off",
+                 recipe: step_package.Recipe | None = None) -> None:
         assert mode in COMPILE_MODES, mode
         self.model = model
         self.mode = mode
+        self.recipe = recipe  # given: the package is built in a child process (step_package.build_in_child)
         self.capacity = min(context_len, MAX_RESERVED_TOKENS)  # the slabs' rows (memrad.engine.kv)
         self.compile_s: float | None = None
         self._thread: threading.Thread | None = None
         self._started = False
+        self._closed = False
         # (step, attend with memra's kernel), read and replaced as one, so a request never
         # pairs one step with the other's attention; no step: transformers decodes.
         self.current: tuple[Any, bool] = (None, False)
@@ -160,6 +164,14 @@ class Decoder:
     def compiling(self) -> bool:
         """A background compile is still running."""
         return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop a package build still running in its child process (at `memrad stop`); the
+        compile thread then ends without trying torch.compile."""
+        self._closed = True
+        if self.compiling():
+            log.info("stopped while compiling the decode step: the next start compiles again")
+        step_package.stop_children()
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until a background compile has finished (benchmarks, tests)."""
@@ -204,10 +216,15 @@ class Decoder:
             log.warning("decode attention: torch's (%s)", no_kernel)
         try:
             path = self._package(kernel)
-            step_package.build(self.eager, self.model.config, self.capacity, kernel, path)
+            if self.recipe is not None:
+                step_package.build_in_child(self.recipe, kernel, path)
+            else:
+                step_package.build(self.eager, self.model.config, self.capacity, kernel, path)
             step = step_package.load(self.eager, self.capacity, kernel, path)
             how = f"AOTInductor ({compiler}), package built"
         except Exception as exc:  # export and inductor raise many types; try torch.compile
+            if self._closed:
+                return
             aoti_failed = f"{type(exc).__name__}: {_first_line(exc)}"
             log.warning("AOTInductor failed (%s): trying torch.compile", aoti_failed)
             try:

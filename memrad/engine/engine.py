@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from memrad.engine import step_package
 from memrad.engine.chat_format import call_opening, chat_format
 from memrad.engine.detokenize import IncrementalDetokenizer
 from memrad.engine.decoder import Decoder
@@ -116,7 +117,8 @@ class Engine:
         # Next-token choice; a test engine replaces it with a token script (prefill, reuse stay real).
         self.sampler = sample
         # The one-token step (memrad.engine.decoder): eager, compiled, or transformers' forward.
-        self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile)
+        self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile, step_package.Recipe(
+            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len))
         # Control-socket events (memrad.protocol records); called on the engine thread.
         self.events: Callable[[object], None] | None = None
 
@@ -449,6 +451,7 @@ class Engine:
     def close(self) -> None:
         """At `memrad stop`: write every parked session to the disk tier (most recent last, so
         the disk's LRU keeps the freshest). Call once nothing runs on the engine."""
+        self.decoder.close()
         if self.pool is None or self.disk is None:
             return
         sessions = self.pool.sessions()

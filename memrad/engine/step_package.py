@@ -38,7 +38,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ from torch import nn
 
 from memrad.engine import cpu_attention, decode_step, quant
 from memrad.engine.decode_step import DecodeStep, attended_rows
+from memrad.engine.kv import MAX_RESERVED_TOKENS
 
 # What AOTInductor is asked for: the weights stay out of the library (supplied at load), and
 # the constants it makes itself come back to the caller so they can be kept beside it.
@@ -190,6 +194,78 @@ def prune(directory: Path, keep: int = KEEP_PACKAGES) -> list[Path]:
     return gone + abandoned
 
 
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """How to load the model a step was made from, so another process can build its package:
+    the loader's arguments for the model as the daemon loaded it."""
+
+    folder: str
+    dtype: str  # "bfloat16", "float32", ...
+    weights: str  # "int4", "float", ...
+    context_len: int
+
+
+def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 1800) -> None:
+    """`build` in a child process that loads the model itself. Export and inductor are
+    Python-heavy: on the daemon's own interpreter they held the GIL against the engine thread,
+    and a request served meanwhile decoded at ~5 instead of ~60 tok/s (measured on the default
+    model). The child runs one torch thread, leaving the other core to serving. Raises
+    RuntimeError with the child's last lines if it fails."""
+    args = [sys.executable, "-m", "memrad.engine.step_package", recipe.folder, recipe.dtype, recipe.weights,
+            str(recipe.context_len), "kernel" if kernel else "torch", str(path)]
+    child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL)
+    _children.add(child)
+    try:
+        _, err = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise RuntimeError(f"building the package took more than {timeout_s:.0f} s") from None
+    finally:
+        _children.discard(child)
+    if child.returncode != 0:
+        last = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {child.returncode}"]
+        raise RuntimeError(f"the package build exited with {child.returncode}: {last[0][:300]}")
+
+
+def stop_children() -> None:
+    """Stop builds still running (at `memrad stop`): a stopped daemon leaves no work behind."""
+    for child in list(_children):
+        child.kill()
+
+
+_children: set[subprocess.Popen] = set()
+
+
+def main(argv: list[str]) -> int:
+    """The child of `build_in_child`: load the model as the daemon did, build the package."""
+    from memrad.engine.loader import load_model
+
+    folder, dtype, weights, context_len, attention, path = argv
+    kernel = attention == "kernel"
+    torch.set_num_threads(1)
+    loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights, allow_pull=False,
+                        progress=lambda _: None)
+    if kernel and cpu_attention.load(_compiler()) is not None:
+        print("memra's attention kernel is not available to the child", file=sys.stderr)
+        return 2
+    capacity = min(int(context_len), MAX_RESERVED_TOKENS)
+    step = DecodeStep(loaded.model, int(context_len))
+    mine = package_path(step, loaded.model.config, capacity, kernel, Path(path).parent)
+    if mine != Path(path):  # another load would make another step: never build it under this name
+        print(f"the child's step is {mine.name}, not {Path(path).name}", file=sys.stderr)
+        return 3
+    build(step, loaded.model.config, capacity, kernel, Path(path))
+    return 0
+
+
+def _compiler() -> str | None:
+    from memrad.engine.decoder import cxx_compiler
+
+    return cxx_compiler()
+
+
 class _Exported(nn.Module):
     """The step with `owner` and `kernel` bound: export takes tensors (and lists of them) only."""
 
@@ -242,3 +318,7 @@ def _cpu_flags() -> str:
 
 def _safe(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in text)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -109,10 +109,9 @@ def test_the_slab_grows_when_a_step_writes_past_its_reservation(tiny_llama_dir):
 
 
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
-def test_a_compiled_engine_resumes_bit_identical_to_cold_without_recompiling(tiny_llama_dir, monkeypatch):
+def test_a_compiled_engine_resumes_bit_identical_to_cold_without_recompiling(tiny_llama_dir):
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(decode_step, "SPLIT_ROWS", 24)  # every prompt here decodes split, odd and even
     loaded = fresh(tiny_llama_dir, "bfloat16")
     engine = Engine(loaded, 16, 1, ReusePool(16, 10**9), "exact", compile="auto")
     before = counters["stats"]["unique_graphs"]

@@ -110,3 +110,21 @@ def test_packages_live_in_memras_cache_unless_a_directory_was_chosen(tmp_path, m
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "memra" / "compile")  # inductor's too
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
     assert compile_cache_dir() == str(tmp_path / "chosen")
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="building the package needs a C++ compiler")
+def test_a_child_builds_the_package_the_daemon_would_and_refuses_any_other_name(q4_dir, tmp_path, monkeypatch):
+    # The engine builds in a child process (the daemon's interpreter keeps serving); the child
+    # loads the model from the recipe and must arrive at the very step the parent holds.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    loaded = load(q4_dir)
+    recipe = step_package.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len)
+    parent = Decoder(loaded.model, loaded.context_len, loaded.device, "on", recipe)
+    kernel = cpu_attention.load(cxx_compiler()) is None
+    wrong = parent._package(kernel).with_name("decode-step-elsewhere.pt2")
+    with pytest.raises(RuntimeError, match="exited with 3: the child.s step is decode-step-tiny-q40-.*, not decode-step-elsewhere.pt2"):
+        step_package.build_in_child(recipe, kernel, wrong)
+    assert not wrong.exists()
+    parent.start()  # the child builds under the parent's name; the parent opens it
+    assert parent.choice.value == "compiled" and "package built" in parent.choice.reason, parent.choice.reason
+    assert isinstance(parent.step, PackagedStep) and parent._package(kernel).is_file()
