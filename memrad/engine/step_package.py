@@ -205,11 +205,14 @@ class Recipe:
     context_len: int
 
 
+_children: set[subprocess.Popen] = set()  # builds running now (`stop_children`)
+
+
 def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 1800) -> None:
     """`build` in a child process that loads the model itself. Export and inductor are
     Python-heavy: on the daemon's own interpreter they held the GIL against the engine thread,
-    and a request served meanwhile decoded at ~5 instead of ~60 tok/s (measured on the default
-    model). The child runs one torch thread, leaving the other core to serving. Raises
+    and a reply served meanwhile decoded at 5.2 instead of 68 tok/s (measured on the default
+    model, docs/BENCHMARKS.md). The child runs one torch thread, leaving the other core to serving. Raises
     RuntimeError with the child's last lines if it fails."""
     args = [sys.executable, "-m", "memrad.engine.step_package", recipe.folder, recipe.dtype, recipe.weights,
             str(recipe.context_len), "kernel" if kernel else "torch", str(path)]
@@ -233,9 +236,6 @@ def stop_children() -> None:
     """Stop builds still running (at `memrad stop`): a stopped daemon leaves no work behind."""
     for child in list(_children):
         child.kill()
-
-
-_children: set[subprocess.Popen] = set()
 
 
 def main(argv: list[str]) -> int:
