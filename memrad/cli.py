@@ -353,7 +353,7 @@ def _build_attention_kernel() -> None:
     """Build the CPU decode-attention kernel now, so a first start decodes with it at once
     (a start would build it in the background otherwise); a failure only loses speed."""
     from memrad.engine import cpu_attention
-    from memrad.engine.decoder import cxx_compiler
+    from memrad.engine.cpu_attention import cxx_compiler
 
     compiler = cxx_compiler()
     if compiler is not None and cpu_attention.library_path(compiler).exists():

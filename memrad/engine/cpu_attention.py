@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -51,6 +52,14 @@ _loaded: str | None = None  # path of the library loaded into this process
 
 class BuildFailed(RuntimeError):
     """g++ could not build the kernel; the message carries the compiler's first error."""
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor would use on the CPU (and this kernel is built with), or None."""
+    named = os.environ.get("CXX")
+    if named:
+        return shutil.which(named)
+    return next((path for path in map(shutil.which, ("g++", "c++", "clang++")) if path), None)
 
 
 def capability() -> str:

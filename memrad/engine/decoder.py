@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 
 from memrad.engine import cpu_attention, decode_step, step_package
+from memrad.engine.cpu_attention import cxx_compiler
 from memrad.engine.decode_step import DecodeStep, attended_rows, attention_shape, support
 from memrad.engine.forward import decode_one_token
 from memrad.engine.hardware import Choice
@@ -58,14 +58,6 @@ COMPILE_MODES = ("auto", "on", "off")
 
 class CompileFailed(RuntimeError):
     """`compile = on` and torch.compile could not build the decode step; says what to do."""
-
-
-def cxx_compiler() -> str | None:
-    """The C++ compiler inductor would use on the CPU, or None."""
-    named = os.environ.get("CXX")
-    if named:
-        return shutil.which(named)
-    return next((path for path in map(shutil.which, ("g++", "c++", "clang++")) if path), None)
 
 
 def compile_cache_dir() -> str:

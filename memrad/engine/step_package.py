@@ -247,7 +247,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights, allow_pull=False,
                         progress=lambda _: None)
-    if kernel and cpu_attention.load(_compiler()) is not None:
+    if kernel and cpu_attention.load(cpu_attention.cxx_compiler()) is not None:
         print("memra's attention kernel is not available to the child", file=sys.stderr)
         return 2
     capacity = min(int(context_len), MAX_RESERVED_TOKENS)
@@ -258,12 +258,6 @@ def main(argv: list[str]) -> int:
         return 3
     build(step, loaded.model.config, capacity, kernel, Path(path))
     return 0
-
-
-def _compiler() -> str | None:
-    from memrad.engine.decoder import cxx_compiler
-
-    return cxx_compiler()
 
 
 class _Exported(nn.Module):
