@@ -133,7 +133,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def _run_foreground(settings: Settings) -> int:
     from memrad.daemon import configure_logging, serve
-    from memrad.engine.pull import ModelUnavailable
+    from memrad.engine.model.pull import ModelUnavailable
 
     configure_logging(settings.log.level, detached=os.environ.get(DETACHED_ENV) == "1")
     try:
@@ -165,7 +165,7 @@ def _child_env(args: argparse.Namespace) -> dict[str, str]:
 
 def _start_detached(args: argparse.Namespace, settings: Settings) -> int:
     if settings.model.name == "default":
-        from memrad.engine.pull import ModelUnavailable, default_model_dir, is_converted, pull_default
+        from memrad.engine.model.pull import ModelUnavailable, default_model_dir, is_converted, pull_default
 
         if not is_converted(default_model_dir()):
             print("first start: fetching the default model (SmolLM2-135M-Instruct)")
@@ -326,8 +326,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from memrad.engine import gemma
-    from memrad.engine.pull import ModelUnavailable, pull_default, pull_gguf
+    from memrad.engine.model import catalog as gemma
+    from memrad.engine.model.pull import ModelUnavailable, pull_default, pull_gguf
 
     try:
         if args.model == "default":
@@ -352,8 +352,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def _build_attention_kernel() -> None:
     """Build the CPU decode-attention kernel now, so a first start decodes with it at once
     (a start would build it in the background otherwise); a failure only loses speed."""
-    from memrad.engine import cpu_attention
-    from memrad.engine.cpu_attention import cxx_compiler
+    from memrad.engine.decode import cpu_attention
+    from memrad.engine.decode.cpu_attention import cxx_compiler
 
     compiler = cxx_compiler()
     if compiler is not None and cpu_attention.library_path(compiler).exists():

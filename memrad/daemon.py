@@ -167,7 +167,7 @@ def serve(settings: Settings) -> None:
 
 def _load(settings: Settings):
     from memrad.engine.build import build_engine
-    from memrad.engine.decoder import CompileFailed
+    from memrad.engine.decode.decoder import CompileFailed
 
     try:
         engine = build_engine(settings)

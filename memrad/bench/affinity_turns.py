@@ -26,7 +26,7 @@ import time
 
 from memrad.engine.engine import Engine
 from memrad.engine.forward import crop_to, prefill
-from memrad.engine.loader import load_model, resolve_threads
+from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.grid import find_anchors
 from memrad.request import GenerationRequest, Identity, SamplingParams
 from memrad.reuse.planner import common_prefix_len

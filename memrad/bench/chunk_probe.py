@@ -12,7 +12,7 @@ import argparse
 
 from memrad.bench.scenarios import SHORT
 from memrad.engine.engine import Engine
-from memrad.engine.loader import load_model, resolve_threads
+from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.request import GenerationRequest, SamplingParams
 
 

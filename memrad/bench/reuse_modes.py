@@ -14,7 +14,7 @@ import argparse
 import statistics
 
 from memrad.engine.engine import Engine
-from memrad.engine.loader import load_model, resolve_threads
+from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 

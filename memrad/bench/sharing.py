@@ -20,7 +20,7 @@ import statistics
 
 from memrad.bench.affinity_turns import SYSTEM, TOOL_OUTPUT
 from memrad.engine.engine import Engine
-from memrad.engine.loader import load_model, resolve_threads
+from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 

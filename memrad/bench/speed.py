@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 from memrad.bench.daemons import Daemon
-from memrad.engine.hardware import native_bf16
-from memrad.engine.loader import load_model, resolve_model_folder, resolve_threads
-from memrad.engine.random_model import copy_shape, write_random_model
-from memrad.engine.speed import (DECODES, Arm, Turn, current_rss_bytes, decode_bytes_per_token, kv_bytes_per_token,
+from memrad.engine.model.hardware import native_bf16
+from memrad.engine.model.loader import load_model, resolve_model_folder, resolve_threads
+from memrad.engine.model.random_model import copy_shape, write_random_model
+from memrad.engine.timing import (DECODES, Arm, Turn, current_rss_bytes, decode_bytes_per_token, kv_bytes_per_token,
                                  median_s, memory_bandwidth_bytes_s, model_bytes)
 
 

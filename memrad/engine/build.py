@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from memrad.config import Settings
-from memrad.engine.disk import DiskTier
+from memrad.engine.state.disk import DiskTier
 from memrad.engine.engine import Engine
-from memrad.engine.loader import default_pool_bytes, load_model, resolve_threads
+from memrad.engine.model.loader import default_pool_bytes, load_model, resolve_threads
 from memrad.paths import sessions_dir
 from memrad.reuse.pool import ReusePool
 

@@ -12,7 +12,7 @@
 Non-croppable (recurrent, sliding-window) state is snapshotted during prefill at the last
 cut <= P (the exact checkpoint: P itself when the prompt ends with a reply header,
 memrad.grid), at P (the prompt checkpoint, fast mode), and at each reply anchor it passes
-(boundary checkpoints, thinned to a bounded set: memrad.engine.state.thin_boundaries), since
+(boundary checkpoints, thinned to a bounded set: memrad.engine.state.snapshot.thin_boundaries), since
 it cannot be cut back later. A rewrite of turn k then resumes from the boundary before k.
 """
 
@@ -26,25 +26,25 @@ from typing import Any
 
 import torch
 
-from memrad.engine import step_package
-from memrad.engine.chat_format import call_opening, chat_format
-from memrad.engine.detokenize import IncrementalDetokenizer
-from memrad.engine.decoder import Decoder
+from memrad.engine.decode import package as step_package
+from memrad.chat.format import call_opening, chat_format
+from memrad.chat.detokenize import IncrementalDetokenizer
+from memrad.engine.decode.decoder import Decoder
 from memrad.engine.forward import cache_length, prefill
-from memrad.engine.kv import install as install_slabs
-from memrad.engine.loader import LoadedModel
-from memrad.engine.prompt import encode_text, render_chat
-from memrad.engine.reply_parser import ReplyParser
-from memrad.engine.report import divergence_context, segment_infos, session_info
+from memrad.engine.state.kv import install as install_slabs
+from memrad.engine.model.loader import LoadedModel
+from memrad.chat.render import encode_text, render_chat
+from memrad.chat.parse import ReplyParser
+from memrad.reuse.report import divergence_context, segment_infos, session_info
 from memrad.engine.sampling import make_generator, sample
-from memrad.engine.state import ParkedState, Snapshot, is_croppable, thin_boundaries
+from memrad.engine.state.snapshot import ParkedState, Snapshot, is_croppable, thin_boundaries
 from memrad.grid import cut_floor, find_anchors, is_cut
 from memrad.protocol import Decision, DecisionEvent, EvictEvent, ParkEvent, TurnEvent
 from memrad.reuse.fingerprint import Segment, chain, derive_openers, derive_reply_header, segments
 from memrad.request import Completion, FinishReason, GenerationRequest
 from memrad.reuse.planner import Mode, Plan, RequestView, plan
 from memrad.reuse.pool import Namespace, ParkedSession, PrefixMatch, ReusePool
-from memrad.stops import StopMatcher
+from memrad.chat.stops import StopMatcher
 
 log = logging.getLogger("memrad.engine")
 
@@ -106,17 +106,17 @@ class Engine:
         self.mode = mode
         self.affinity = affinity
         self.longest_prefix = longest_prefix
-        self.disk = disk  # memrad.engine.disk.DiskTier or None: evicted state is dropped
+        self.disk = disk  # memrad.engine.state.disk.DiskTier or None: evicted state is dropped
         # Control tokens that open a chat message: the fingerprint splits prompts at them.
         self.openers = derive_openers(loaded.tokenizer)
         # Exact mode also cuts prefill right after each reply header (memrad.grid).
         self.reply_header = derive_reply_header(loaded.tokenizer) if mode == "exact" else ()
         self.on_finished: FinishHook | None = None
-        # How chat turns carry tools and reasoning, and how replies parse (memrad.engine.chat_format).
+        # How chat turns carry tools and reasoning, and how replies parse (memrad.chat.format).
         self.chat_format = chat_format(loaded.tokenizer)
         # Next-token choice; a test engine replaces it with a token script (prefill, reuse stay real).
         self.sampler = sample
-        # The one-token step (memrad.engine.decoder): eager, compiled, or transformers' forward.
+        # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
         self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile, step_package.Recipe(
             str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len))
         # Control-socket events (memrad.protocol records); called on the engine thread.
@@ -149,7 +149,7 @@ class Engine:
     def render_chat(self, messages: list[dict], tools: list[dict] | None, require_call: bool = False,
                     call_name: str | None = None) -> tuple[str, list[int]]:
         """Render a conversation; with `require_call` the reply starts as a tool call (of
-        `call_name` if given), opened in the prompt (memrad.engine.chat_format.call_opening)."""
+        `call_name` if given), opened in the prompt (memrad.chat.format.call_opening)."""
         opening = call_opening(self.chat_format, call_name) if require_call and tools else ""
         return render_chat(self.loaded.tokenizer, messages, tools, self.chat_format, opening)
 
@@ -164,7 +164,7 @@ class Engine:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
     def new_cache(self, in_place: bool = True):
-        """An empty cache; on CPU its full-attention layers append in place (memrad.engine.kv)
+        """An empty cache; on CPU its full-attention layers append in place (memrad.engine.state.kv)
         unless `in_place` is False (transformers' torch.cat layers: the A/B baseline)."""
         from transformers import DynamicCache
 
@@ -173,9 +173,9 @@ class Engine:
 
     def state_format(self) -> dict[str, str]:
         """What parked state depends on besides its tokens: the disk tier's compatibility key
-        (memrad.engine.disk). A file made under any other value is never loaded; a new
+        (memrad.engine.state.disk). A file made under any other value is never loaded; a new
         setting that changes the state's bits is one more line here."""
-        from memrad.engine.disk import tokenizer_hash
+        from memrad.engine.state.disk import tokenizer_hash
 
         return {"model": self.model_id, "tokenizer": tokenizer_hash(self.loaded.tokenizer),
                 "dtype": self.loaded.dtype_name, "weights": self.loaded.weights_name,
@@ -289,7 +289,7 @@ class Engine:
         assert pre.primed_to == checkpoint, "prompt checkpoint must equal the prompt length"
         assert cache_length(cache) in (None, checkpoint), "cache must hold exactly the prompt"
         generator = make_generator(params.seed)
-        feed = self.decoder.feeder()  # one step for the whole reply (memrad.engine.decoder)
+        feed = self.decoder.feeder()  # one step for the whole reply (memrad.engine.decode.decoder)
         detok = IncrementalDetokenizer(tokenizer, self.chat_format.markup_ids)
         stops = StopMatcher(params.stop)
         sent: list[str] = []

@@ -6,7 +6,7 @@ check-then-act: `park` evicts first and never leaves the pool over a cap. A pref
 (memrad.reuse.prefix_index) follows every park and removal, so `prefix_matches` finds the
 sessions sharing the longest token prefix with a prompt without scanning them all.
 
-The same class holds the disk tier's records (memrad.engine.disk): there `state` is None,
+The same class holds the disk tier's records (memrad.engine.state.disk): there `state` is None,
 `on_disk` is True and `num_bytes` is the file's size; the caps are the disk's.
 
 Invariants, checked on park:

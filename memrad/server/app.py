@@ -12,7 +12,7 @@ import logging
 from aiohttp import web
 
 from memrad.config import Settings
-from memrad.engine.prompt import PromptError
+from memrad.chat.render import PromptError
 from memrad.scheduler import Scheduler
 from memrad.server import security
 from memrad.server.context import CONTEXT, ServerContext, ServingEngine

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memrad.protocol import Decision
-from memrad.reply import Reply, ReplyDelta
+from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, SamplingParams
 from memrad.server.errors import invalid
 from memrad.server.tools import ToolChoice, assistant_message, check_choice, function_tool, tool_call, tool_result

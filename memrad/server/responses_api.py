@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from memrad.protocol import Decision
-from memrad.reply import Reply, ReplyDelta
+from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, Identity
 from memrad.server.errors import invalid
 from memrad.server.response_store import StoredResponse

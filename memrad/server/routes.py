@@ -14,7 +14,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from memrad import __version__
-from memrad.reply import Reply
+from memrad.chat.reply import Reply
 from memrad.request import Completion
 from memrad.server.context import CONTEXT, ServerContext
 from memrad.server.errors import APIError, invalid

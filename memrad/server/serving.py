@@ -19,7 +19,7 @@ from typing import Protocol
 from aiohttp import web
 
 from memrad.protocol import Decision
-from memrad.reply import Reply, ReplyBuilder, ReplyDelta, plain_reply_deltas
+from memrad.chat.reply import Reply, ReplyBuilder, ReplyDelta, plain_reply_deltas
 from memrad.request import Completion, GenerationRequest
 from memrad.scheduler import Job, QueueFull, ShuttingDown
 from memrad.server.context import ServerContext
@@ -31,7 +31,7 @@ log = logging.getLogger("memrad.server")
 
 
 class ReplyParserLike(Protocol):
-    """memrad.engine.reply_parser.ReplyParser as the server sees it."""
+    """memrad.chat.parse.ReplyParser as the server sees it."""
 
     def feed(self, text: str) -> list[ReplyDelta]: ...
     def finish(self) -> list[ReplyDelta]: ...

@@ -25,7 +25,7 @@ ToolMode = Literal["auto", "none", "required", "function"]
 class ToolChoice:
     """What the client asked the model to do with its tools. `none` turns tool-call parsing
     off; `required` and `function` open the reply as a call (of the named function), since
-    memrad does not constrain decoding (memrad.engine.chat_format.call_opening)."""
+    memrad does not constrain decoding (memrad.chat.format.call_opening)."""
 
     mode: ToolMode = "auto"
     name: str | None = None  # the function a `function` choice names

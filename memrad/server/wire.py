@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from memrad.protocol import Decision
-from memrad.reply import Reply, ReplyDelta
+from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion
 
 Kind = Literal["chat", "completion"]

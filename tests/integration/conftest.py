@@ -51,7 +51,7 @@ def smol():
     """The default model loaded in this process (pulled into the cache on first use)."""
     import torch
 
-    from memrad.engine.loader import load_model
+    from memrad.engine.model.loader import load_model
 
     torch.set_num_threads(2)
     return load_model("default", device="cpu", dtype="float32")

@@ -34,7 +34,7 @@ def expected_device() -> tuple[str, str]:
     """(device, dtype) that `--device auto --dtype auto` picks on this machine."""
     import torch
 
-    from memrad.engine.hardware import pick_dtype
+    from memrad.engine.model.hardware import pick_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return device.type, pick_dtype("auto", device)[1].value

@@ -8,9 +8,9 @@ tests never download weights."""
 import pytest
 import torch
 
-from memrad.engine import gemma
+from memrad.engine.model import catalog as gemma
 from memrad.engine.engine import Engine
-from memrad.engine.pull import is_converted
+from memrad.engine.model.pull import is_converted
 from memrad.reuse.pool import ReusePool
 from test_reuse_default_model import ask
 
@@ -23,7 +23,7 @@ CHUNK = 256
 def gemma_loaded():
     if not is_converted(gemma.model_dir()):
         pytest.skip("gemma3-270m is not in the cache: run `memrad pull gemma3-270m`")
-    from memrad.engine.loader import load_model
+    from memrad.engine.model.loader import load_model
 
     torch.set_num_threads(2)
     return load_model(gemma.MODEL_ID, device="cpu", dtype="float32", allow_pull=False)

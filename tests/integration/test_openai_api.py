@@ -28,7 +28,7 @@ def tokenizer():
     """The model's own tokenizer and chat template, loaded independently of memrad's engine."""
     from transformers import AutoTokenizer
 
-    from memrad.engine.pull import default_model_dir
+    from memrad.engine.model.pull import default_model_dir
 
     return AutoTokenizer.from_pretrained(str(default_model_dir()))
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from memrad.engine.engine import Engine
-from memrad.engine.hardware import native_bf16
-from memrad.engine.loader import load_model
-from memrad.engine.pull import pull_default
-from memrad.engine.quant import Int4Linear, Q8Linear
+from memrad.engine.model.hardware import native_bf16
+from memrad.engine.model.loader import load_model
+from memrad.engine.model.pull import pull_default
+from memrad.engine.model.quant import Int4Linear, Q8Linear
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from memrad.engine.engine import Engine
-from memrad.engine.loader import load_model
+from memrad.engine.model.loader import load_model
 from tiny import save_tiny, write_q4_folder
 
 

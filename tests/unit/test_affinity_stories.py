@@ -3,7 +3,7 @@
 import pytest
 
 from memrad.engine.engine import Engine
-from memrad.engine.loader import load_model
+from memrad.engine.model.loader import load_model
 from memrad.request import GenerationRequest, Identity, SamplingParams
 from memrad.reuse.pool import ReusePool
 

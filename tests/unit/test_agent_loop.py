@@ -15,7 +15,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from memrad.config import Settings
-from memrad.engine.loader import load_model
+from memrad.engine.model.loader import load_model
 from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
 from scripted import ScriptedEngine

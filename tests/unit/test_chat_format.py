@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from formats import family_tokenizer
-from memrad.engine.chat_format import RESPONSE_TEMPLATES, call_opening, chat_format
-from memrad.engine.detokenize import IncrementalDetokenizer
-from memrad.engine.prompt import PromptError, render_chat
-from memrad.engine.reply_parser import ReplyParser, parse_reply
-from memrad.reply import ReplyBuilder
+from memrad.chat.format import RESPONSE_TEMPLATES, call_opening, chat_format
+from memrad.chat.detokenize import IncrementalDetokenizer
+from memrad.chat.render import PromptError, render_chat
+from memrad.chat.parse import ReplyParser, parse_reply
+from memrad.chat.reply import ReplyBuilder
 from tiny import build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": {
@@ -120,7 +120,7 @@ def test_a_stream_cut_anywhere_never_shows_markup(family, caplog):
     """max_tokens or a stop string can end the reply inside a think block or a call."""
     name, _, fmt, prompt = family
     text = REPLIES[name][0]
-    caplog.set_level(logging.ERROR, "memrad.reply")
+    caplog.set_level(logging.ERROR, "memrad.chat.reply")
     for end in range(len(text) + 1):
         reply = streamed(fmt, prompt, list(text[:end]))
         for field in (reply.content, reply.reasoning or ""):
@@ -141,7 +141,7 @@ def test_malformed_tool_json_is_content_with_a_warning(caplog):
     tok = build_tokenizer("chatml")
     fmt = chat_format(tok)
     prompt, _ = render_chat(tok, USER, TOOLS, fmt)
-    with caplog.at_level(logging.WARNING, "memrad.reply"):
+    with caplog.at_level(logging.WARNING, "memrad.chat.reply"):
         reply = parse_reply(fmt, prompt, 'Sure.\n<tool_call>\n{"name": read_file}\n</tool_call>')
     assert reply.tool_calls == () and reply.content == 'Sure.\n{"name": read_file}'
     assert "does not parse" in caplog.text
@@ -201,7 +201,7 @@ def test_a_shipped_template_that_breaks_mid_reply_degrades_to_content(caplog):
                    "content": {"content": "text"}}}
     fmt = chat_format(tok)
     prompt, _ = render_chat(tok, USER, TOOLS, fmt)
-    with caplog.at_level(logging.WARNING, "memrad.reply"):
+    with caplog.at_level(logging.WARNING, "memrad.chat.reply"):
         reply = streamed(fmt, prompt, ["Ok. <tool_call>", '{"nm": 1}', "</tool_call>"])
     assert reply.tool_calls == () and reply.content == 'Ok.{"nm": 1}'
     assert "reply parsing failed" in caplog.text

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from memrad.engine import cpu_attention
-from memrad.engine.decoder import cxx_compiler
+from memrad.engine.decode import cpu_attention
+from memrad.engine.decode.decoder import cxx_compiler
 
 pytestmark = pytest.mark.skipif(cxx_compiler() is None, reason="the kernel is built with a C++ compiler")
 

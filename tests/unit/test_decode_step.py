@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from memrad.engine import decode_step
-from memrad.engine import decoder as decoder_module
-from memrad.engine.decode_step import SPLIT_ROWS, DecodeStep, attend, support
-from memrad.engine.decoder import CompileFailed, Decoder
+from memrad.engine.decode import step as decode_step
+from memrad.engine.decode import decoder as decoder_module
+from memrad.engine.decode.step import SPLIT_ROWS, DecodeStep, attend, support
+from memrad.engine.decode.decoder import CompileFailed, Decoder
 from memrad.engine.engine import Engine
 from memrad.engine.forward import decode_one_token, prefill
-from memrad.engine.loader import load_model
-from memrad.engine.step_package import PackagedStep
+from memrad.engine.model.loader import load_model
+from memrad.engine.decode.package import PackagedStep
 from memrad.reuse.pool import ReusePool
 from test_reuse import conversation
 

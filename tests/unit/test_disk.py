@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from memrad.engine.disk import DiskTier
+from memrad.engine.state.disk import DiskTier
 from memrad.engine.engine import Engine
-from memrad.engine.loader import load_model
+from memrad.engine.model.loader import load_model
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 

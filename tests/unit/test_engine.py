@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from memrad.engine.detokenize import IncrementalDetokenizer
+from memrad.chat.detokenize import IncrementalDetokenizer
 from memrad.engine.engine import Engine
 from memrad.engine.forward import cache_length, prefill
 from memrad.grid import canonical_chunks, find_anchors, grid_chunks

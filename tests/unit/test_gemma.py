@@ -6,8 +6,8 @@ import zipfile
 
 import pytest
 
-from memrad.engine import gemma
-from memrad.engine.pull import ModelUnavailable
+from memrad.engine.model import catalog as gemma
+from memrad.engine.model.pull import ModelUnavailable
 
 
 def wheel(path, files):

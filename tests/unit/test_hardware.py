@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from memrad.engine import hardware
-from memrad.engine.hardware import Choice, native_bf16, pick_dtype, pick_weights
+from memrad.engine.model import hardware
+from memrad.engine.model.hardware import Choice, native_bf16, pick_dtype, pick_weights
 
 CPU = torch.device("cpu")
 

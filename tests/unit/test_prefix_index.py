@@ -1,6 +1,6 @@
 """The prefix index proposes, the tokens decide; boundary thinning only ever gets stricter."""
 
-from memrad.engine.state import RECENT_BOUNDARIES, thin_boundaries
+from memrad.engine.state.snapshot import RECENT_BOUNDARIES, thin_boundaries
 from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
 from memrad.reuse.prefix_index import BLOCK, PrefixIndex, common_prefix_len
 

@@ -1,9 +1,9 @@
 import pytest
 from tiny import build_llama, build_tokenizer, write_tiny_gguf
 
-from memrad.engine.loader import load_model
-from memrad.engine.pull import MARKER, ModelUnavailable, converted_dir_for, has_block_caches, pull_default, pull_gguf
-from memrad.engine.weights import count_q8_cache, quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache
+from memrad.engine.model.loader import load_model
+from memrad.engine.model.pull import MARKER, ModelUnavailable, converted_dir_for, has_block_caches, pull_default, pull_gguf
+from memrad.engine.model.weights import count_q8_cache, quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from memrad.engine.quant import (
+from memrad.engine.model.quant import (
     GROUP, Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, quantize_q4_1, unpack_blocks, unpack_q8_0,
 )
 

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from memrad.engine.loader import load_model
-from memrad.engine.random_model import copy_shape, write_random_model
+from memrad.engine.model.loader import load_model
+from memrad.engine.model.random_model import copy_shape, write_random_model
 
 
 def test_the_shape_is_config_and_tokenizer_only(tiny_llama_dir, tmp_path):

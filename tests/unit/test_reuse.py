@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from memrad.engine.engine import Engine
-from memrad.engine.kv import SlabLayer
-from memrad.engine.loader import load_model
-from memrad.engine.pull import ModelUnavailable
+from memrad.engine.state.kv import SlabLayer
+from memrad.engine.model.loader import load_model
+from memrad.engine.model.pull import ModelUnavailable
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 

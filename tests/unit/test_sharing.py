@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from memrad.engine.engine import Engine
-from memrad.engine.loader import load_model
+from memrad.engine.model.loader import load_model
 from memrad.reuse.pool import ReusePool
 from test_reuse import ask
 

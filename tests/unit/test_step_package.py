@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from memrad.engine import cpu_attention, decode_step, step_package
-from memrad.engine.decoder import Decoder, cxx_compiler
+from memrad.engine.decode import cpu_attention
+from memrad.engine.decode import step as decode_step
+from memrad.engine.decode import package as step_package
+from memrad.engine.decode.decoder import Decoder, cxx_compiler
 from memrad.engine.forward import prefill
-from memrad.engine.loader import load_model
-from memrad.engine.step_package import PackagedStep
+from memrad.engine.model.loader import load_model
+from memrad.engine.decode.package import PackagedStep
 from test_decode_step import PROMPT, new_cache
 
 
@@ -101,7 +103,7 @@ def test_pruning_keeps_the_most_recently_used_packages(tmp_path):
 def test_packages_live_in_memras_cache_unless_a_directory_was_chosen(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from memrad.engine.decoder import compile_cache_dir
+    from memrad.engine.decode.decoder import compile_cache_dir
 
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path / "memra"))
     # What inductor writes into the variable the first time anything asks (a model load does).

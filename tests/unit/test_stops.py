@@ -1,4 +1,4 @@
-from memrad.stops import StopMatcher
+from memrad.chat.stops import StopMatcher
 
 
 def run(stops, deltas):

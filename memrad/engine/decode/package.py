@@ -7,7 +7,7 @@ inductor compiles it into a shared library, and a later start only opens the lib
 (10-30 ms for both of the default model's graphs, measured; docs/ARCHITECTURE.md, "The decode step").
 
     compile/decode-step-{model}-{weights}-{dtype}-attn-{memra|torch}-torch{version}-{cpu}-{key}.pt2
-        with memra's attention kernel (memrad.engine.cpu_attention):
+        with memra's attention kernel (memrad.engine.decode.cpu_attention):
             graph "kernel" attended length in [2, capacity - 2]
         with torch's attention:
             graph "short"  attended length in [2, SPLIT_ROWS - 1]
@@ -48,9 +48,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from memrad.engine import cpu_attention, decode_step, quant
-from memrad.engine.decode_step import DecodeStep, attended_rows
-from memrad.engine.kv import MAX_RESERVED_TOKENS
+from memrad.engine.decode import cpu_attention
+from memrad.engine.decode import step as decode_step
+from memrad.engine.model import quant
+from memrad.engine.decode.step import DecodeStep, attended_rows
+from memrad.engine.state.kv import MAX_RESERVED_TOKENS
 
 # What AOTInductor is asked for: the weights stay out of the library (supplied at load), and
 # the constants it makes itself come back to the caller so they can be kept beside it.
@@ -214,7 +216,7 @@ def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 
     and a reply served meanwhile decoded at 5.2 instead of 68 tok/s (measured on the default
     model, docs/BENCHMARKS.md). The child runs one torch thread, leaving the other core to serving. Raises
     RuntimeError with the child's last lines if it fails."""
-    args = [sys.executable, "-m", "memrad.engine.step_package", recipe.folder, recipe.dtype, recipe.weights,
+    args = [sys.executable, "-m", "memrad.engine.decode.package", recipe.folder, recipe.dtype, recipe.weights,
             str(recipe.context_len), "kernel" if kernel else "torch", str(path)]
     child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              stdin=subprocess.DEVNULL)
@@ -240,7 +242,7 @@ def stop_children() -> None:
 
 def main(argv: list[str]) -> int:
     """The child of `build_in_child`: load the model as the daemon did, build the package."""
-    from memrad.engine.loader import load_model
+    from memrad.engine.model.loader import load_model
 
     folder, dtype, weights, context_len, attention, path = argv
     kernel = attention == "kernel"

@@ -18,7 +18,7 @@ as query rows (docs/ARCHITECTURE.md, "The decode step"). This step does only the
 
 Shapes are static except `length` (= position + 1), so one compiled graph serves every
 step with memra's attention kernel, two (short and split attention) with torch's
-(memrad.engine.decoder). The step's bits differ from transformers' forward, which is
+(memrad.engine.decode.decoder). The step's bits differ from transformers' forward, which is
 fine: decoded KV is never reused in exact mode (DESIGN: Exactness), and cold and resumed
 runs decode through the same step, so they stay identical.
 
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memrad.engine.quant import Int4Linear
+from memrad.engine.model.quant import Int4Linear
 
 # Model classes whose layers are exactly llama's: pre-norm RMSNorm, q/k/v/o, gated MLP, rope.
 _LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -141,7 +141,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: in
     """Attention of one token's queries q [1, H_kv, G, D] over the first `length` rows of
     keys, values [1, H_kv, capacity, D] (capacity > length: `SlabLayer.step_buffers`).
 
-    With `kernel`, memra's CPU decode-attention op (memrad.engine.cpu_attention) reads the
+    With `kernel`, memra's CPU decode-attention op (memrad.engine.decode.cpu_attention) reads the
     rows once, chunked over the threads. Otherwise torch's attention, with the G query heads
     that share a KV head as the rows of one query block, so no KV head is copied; on the
     CPU, long contexts split the rows into two halves computed as a batch of 2 and merged by
@@ -226,7 +226,7 @@ class DecodeStep(nn.Module):
         torch.compile keeps that one size symbolic (marked dynamic) and every other size static.
         `owner` must be this step's `owner`: a compiled graph is guarded on it (the compiled
         decoder skips the guards on weights), so it never runs another step's weights.
-        `kernel`: attend with memra's CPU kernel (loaded by memrad.engine.cpu_attention).
+        `kernel`: attend with memra's CPU kernel (loaded by memrad.engine.decode.cpu_attention).
         """
         assert owner == self.owner, f"{owner} called {self.owner}"
         length = rows.shape[0]

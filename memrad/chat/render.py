@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from memrad.engine.chat_format import ChatFormat, uses_tools
+from memrad.chat.format import ChatFormat, uses_tools
 
 
 class PromptError(ValueError):
@@ -19,7 +19,7 @@ class PromptError(ValueError):
 def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
                 fmt: ChatFormat | None = None, reply_opening: str = "") -> tuple[str, list[int]]:
     """Render with the chat template (generation prompt appended, then `reply_opening`: the
-    start of a required tool call, memrad.engine.chat_format.call_opening); return (text, ids).
+    start of a required tool call, memrad.chat.format.call_opening); return (text, ids).
 
     A conversation with tools uses memra's tool template where the model's own has no tool
     format (`fmt.tool_template`); a model with neither rejects `tools`. The text is tokenized

@@ -109,7 +109,7 @@ class SlabLayer(DynamicLayer):
     def step_buffers(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole key and value buffers [1, H_kv, capacity, D], with room for row
         `position` and one more (the split attention reads one row past the end, masked),
-        for a decode step that writes that row itself (memrad.engine.decode_step);
+        for a decode step that writes that row itself (memrad.engine.decode.step);
         `wrote_row` records it afterwards."""
         assert self.is_initialized and position == self.length, f"row {position} is not the next of {self.length}"
         if position + 1 >= self.slab.capacity:
@@ -147,7 +147,7 @@ class SlabLayer(DynamicLayer):
 
     def copied(self, position: int) -> "SlabLayer":
         """A layer with its own buffer holding a copy of the first `position` rows: a fork
-        appends there and leaves this layer's rows untouched (memrad.engine.state)."""
+        appends there and leaves this layer's rows untouched (memrad.engine.state.snapshot)."""
         assert 0 <= position <= self.length, f"cannot copy {position} of {self.length} rows"
         out = SlabLayer(self.capacity)
         if self.is_initialized:

@@ -1,16 +1,16 @@
 """What the engine runs for each generated token, and why that one.
 
-    compile = auto   the decode step (memrad.engine.decode_step) eager at once, compiled on a
+    compile = auto   the decode step (memrad.engine.decode.step) eager at once, compiled on a
                      background thread; requests that start after the compile finishes decode
                      compiled (the daemon answers while compiling)
     compile = on     compiled before the daemon answers; a failure stops the start
     compile = off    the step, eager, with torch's attention: the A/B arm of the compiled one
 
-Compiling includes memra's CPU attention kernel (memrad.engine.cpu_attention), built once
+Compiling includes memra's CPU attention kernel (memrad.engine.decode.cpu_attention), built once
 per machine: the compiled step attends with it, and with `auto` the eager step does too
 from the start when an earlier start has built it.
 
-Compiled means an AOTInductor package (memrad.engine.step_package): the first start on a
+Compiled means an AOTInductor package (memrad.engine.decode.package): the first start on a
 machine exports the step (one graph with memra's attention kernel; without it, one for
 short contexts and one for the split attention of long ones, decode_step.SPLIT_ROWS; the
 attended length symbolic in each) and compiles it into a shared library kept in the
@@ -44,12 +44,14 @@ from typing import Any
 
 import torch
 
-from memrad.engine import cpu_attention, decode_step, step_package
-from memrad.engine.cpu_attention import cxx_compiler
-from memrad.engine.decode_step import DecodeStep, attended_rows, attention_shape, support
+from memrad.engine.decode import cpu_attention
+from memrad.engine.decode import step as decode_step
+from memrad.engine.decode import package as step_package
+from memrad.engine.decode.cpu_attention import cxx_compiler
+from memrad.engine.decode.step import DecodeStep, attended_rows, attention_shape, support
 from memrad.engine.forward import decode_one_token
-from memrad.engine.hardware import Choice
-from memrad.engine.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
+from memrad.engine.model.hardware import Choice
+from memrad.engine.state.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
 
 log = logging.getLogger("memrad.engine")
 
@@ -111,7 +113,7 @@ class Decoder:
         self.model = model
         self.mode = mode
         self.recipe = recipe  # given: the package is built in a child process (step_package.build_in_child)
-        self.capacity = min(context_len, MAX_RESERVED_TOKENS)  # the slabs' rows (memrad.engine.kv)
+        self.capacity = min(context_len, MAX_RESERVED_TOKENS)  # the slabs' rows (memrad.engine.state.kv)
         self.compile_s: float | None = None
         self._thread: threading.Thread | None = None
         self._started = False

@@ -24,11 +24,11 @@ import json
 import logging
 from typing import Any
 
-from memrad.engine.chat_format import ChatFormat
-from memrad.stops import longest_partial_suffix
-from memrad.reply import Reply, ReplyBuilder, ReplyDelta, ToolCall, new_call_id, plain_reply_deltas
+from memrad.chat.format import ChatFormat
+from memrad.chat.stops import longest_partial_suffix
+from memrad.chat.reply import Reply, ReplyBuilder, ReplyDelta, ToolCall, new_call_id, plain_reply_deltas
 
-log = logging.getLogger("memrad.reply")
+log = logging.getLogger("memrad.chat.reply")
 
 # Region names -> delta kinds; "thinking" is what some shipped response templates call reasoning.
 TEXT_FIELDS = {"content": "content", "reasoning_content": "reasoning", "thinking": "reasoning"}

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from memrad.engine.decode_step import attention_shape
+from memrad.engine.decode.step import attention_shape
 from memrad.engine.engine import Engine
 from memrad.engine.forward import crop_to, decode_one_token, prefill
-from memrad.engine.loader import LoadedModel
+from memrad.engine.model.loader import LoadedModel
 
 
 def median_s(fn: Callable[[], object], reps: int) -> float:
@@ -148,7 +148,7 @@ def memory_bandwidth_bytes_s(num_bytes: int = 256 * 2**20, reps: int = 5) -> flo
 def decode_bytes_per_token(loaded: LoadedModel) -> int:
     """Weight bytes one decode step reads: packed codes where a layer has them, else the float
     weight (the embedding row gather is left out)."""
-    from memrad.engine.quant import Int4Linear, Int8Linear
+    from memrad.engine.model.quant import Int4Linear, Int8Linear
 
     total = 0
     for module in loaded.model.modules():

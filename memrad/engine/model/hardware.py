@@ -7,7 +7,7 @@ so the choice must follow the hardware. Detection reads CPU flags as torch repor
 the two environment caps (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`): it is exact, so
 nothing is measured at start and nothing needs caching per machine.
 
-Weights: a GGUF's Q4_0/Q4_1 blocks run as packed int4 (memrad.engine.quant) on every device
+Weights: a GGUF's Q4_0/Q4_1 blocks run as packed int4 (memrad.engine.model.quant) on every device
 torch has an int4 kernel for: CUDA (tinygemm) and x86 CPUs. The CPU kernel is fast only with
 bf16 inputs (fp32 inputs measured 20-40x slower than a dense GEMV), so Int4Linear hands it
 bf16 even when the activations are fp32; under AVX2-only kernels that still decoded ~1.5x
@@ -69,7 +69,7 @@ def pick_weights(requested: str, device: torch.device, int4_tensors: int, source
                  q8_head: bool = False) -> Choice:
     """The weight format for `requested`; `int4_tensors` counts the GGUF's Q4_0/Q4_1 linear
     weights (0 when the model has no GGUF), `source` names where they come from, `q8_head`
-    says its output head's Q8_0 blocks run on the same kernel (memrad.engine.quant.Q8Linear)."""
+    says its output head's Q8_0 blocks run on the same kernel (memrad.engine.model.quant.Q8Linear)."""
     if requested == "float":
         return Choice("float", "set by model.weights")
     if requested == "int8":

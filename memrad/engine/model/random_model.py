@@ -35,7 +35,7 @@ def write_random_model(shape: Path, out: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from memrad.engine.weights import quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache, write_q8_cache
+    from memrad.engine.model.weights import quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache, write_q8_cache
 
     copy_shape(shape, out)
     torch.manual_seed(seed)

@@ -1,6 +1,6 @@
 """A model's reply as the APIs see it: content, reasoning and tool calls. Pure records.
 
-The engine's reply parser (memrad.engine.reply_parser) turns generated text into
+The engine's reply parser (memrad.chat.parse) turns generated text into
 ReplyDelta records as it streams; ReplyBuilder folds them into the whole Reply, so a
 streamed and a whole response are built from the same deltas and cannot disagree.
 """

@@ -160,7 +160,7 @@ class Int4Linear(torch.nn.Linear):
     @classmethod
     def from_blocks(cls, linear: torch.nn.Linear, blocks: Int4Blocks, kernel_dtype: torch.dtype) -> "Int4Linear":
         """Pack `blocks` for the kernel of `linear`'s device (seconds for a whole model on a
-        loaded CPU: memrad.engine.weights keeps the result)."""
+        loaded CPU: memrad.engine.model.weights keeps the result)."""
         device = linear.weight.device
         return cls(linear, _pack(blocks.codes, device), _scales_and_zeros(blocks, kernel_dtype))
 

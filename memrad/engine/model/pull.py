@@ -83,8 +83,8 @@ def pull_gguf(gguf_path: Path, progress: Progress = print) -> Path:
 
 
 def has_block_caches(folder: Path) -> bool:
-    """Whether conversion kept the GGUF's Q4 blocks and looked at its head (memrad.engine.weights)."""
-    from memrad.engine.weights import INT4_CACHE, Q8_CACHE
+    """Whether conversion kept the GGUF's Q4 blocks and looked at its head (memrad.engine.model.weights)."""
+    from memrad.engine.model.weights import INT4_CACHE, Q8_CACHE
 
     return (folder / INT4_CACHE).is_file() and (folder / Q8_CACHE).is_file()
 
@@ -98,7 +98,7 @@ def _add_block_caches(gguf_path: Path, folder: Path, progress: Progress) -> None
 
 
 def _write_block_caches(gguf_path: Path, model, folder: Path, progress: Progress) -> None:
-    from memrad.engine.weights import save_block_caches
+    from memrad.engine.model.weights import save_block_caches
 
     progress(f"keeping {gguf_path.name}'s 4-bit blocks and Q8_0 head for int4 weights")
     int4, q8 = save_block_caches(gguf_path, model, folder)

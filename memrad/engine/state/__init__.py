@@ -1,0 +1,1 @@
+"""Session state: KV slabs, snapshots and rebuilds, the disk tier."""
