@@ -326,18 +326,17 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from memrad.engine.model import catalog as gemma
-    from memrad.engine.model.pull import ModelUnavailable, pull_default, pull_gguf
+    from memrad.engine.model import catalog
+    from memrad.engine.model.pull import ModelUnavailable, pull_gguf, pull_named
 
     try:
-        if args.model == "default":
-            folder = pull_default(print)
-        elif args.model == gemma.MODEL_ID:
-            folder = gemma.pull(print)
+        entry = catalog.lookup(args.model)
+        if entry is not None:
+            folder = pull_named(entry, print)
         else:
             path = Path(args.model).expanduser()
             if path.suffix != ".gguf" or not path.is_file():
-                print(f"memrad: pull takes `default`, `{gemma.MODEL_ID}` or a .gguf file; a model folder needs no pull",
+                print(f"memrad: pull takes {catalog.names()} or a .gguf file; a model folder needs no pull",
                       file=sys.stderr)
                 return 2
             folder = pull_gguf(path, print)

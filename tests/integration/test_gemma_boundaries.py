@@ -8,9 +8,9 @@ tests never download weights."""
 import pytest
 import torch
 
-from memrad.engine.model import catalog as gemma
+from memrad.engine.model.catalog import GEMMA3_270M
 from memrad.engine.engine import Engine
-from memrad.engine.model.pull import is_converted
+from memrad.engine.model.pull import is_converted, model_dir
 from memrad.reuse.pool import ReusePool
 from test_reuse_default_model import ask
 
@@ -21,12 +21,12 @@ CHUNK = 256
 
 @pytest.fixture(scope="module")
 def gemma_loaded():
-    if not is_converted(gemma.model_dir()):
+    if not is_converted(model_dir(GEMMA3_270M)):
         pytest.skip("gemma3-270m is not in the cache: run `memrad pull gemma3-270m`")
     from memrad.engine.model.loader import load_model
 
     torch.set_num_threads(2)
-    return load_model(gemma.MODEL_ID, device="cpu", dtype="float32", allow_pull=False)
+    return load_model(GEMMA3_270M.name, device="cpu", dtype="float32", allow_pull=False)
 
 
 def test_gemma_has_non_croppable_state_and_memra_supplies_its_turn_template(gemma_loaded):

