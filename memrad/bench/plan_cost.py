@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
+from memrad.engine.timing import median_s
 from memrad.reuse.planner import RequestView, plan
 from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
 
@@ -28,15 +27,6 @@ def _session(i: int, tokens: tuple[int, ...], prompt: int) -> ParkedSession:
                          fingerprint=(), num_bytes=1, created_at=0.0, last_used_at=float(i))
 
 
-def _median_s(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def measure(sessions: int, tokens: int, system: int, chunk: int, reps: int, seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed)
     shared = tuple(rng.randrange(3, 49152) for _ in range(system))
@@ -45,19 +35,19 @@ def measure(sessions: int, tokens: int, system: int, chunk: int, reps: int, seed
     for i in range(sessions):
         own = tuple(shared + tuple(rng.randrange(3, 49152) for _ in range(tokens - system)))
         parked.append(_session(i, own, tokens - 32))
-    park_s = _median_s(lambda: pool.park(parked[0]), 1)
+    park_s = median_s(lambda: pool.park(parked[0]), 1)
     for s in parked:
         pool.park(s)
-    park_s = _median_s(lambda: (pool.remove("s0"), pool.park(parked[0])), reps)
+    park_s = median_s(lambda: (pool.remove("s0"), pool.park(parked[0])), reps)
     new_conversation = shared + tuple(rng.randrange(3, 49152) for _ in range(200))
     next_turn = parked[sessions // 2].token_ids + tuple(rng.randrange(3, 49152) for _ in range(200))
     out = {"park_ms": park_s * 1e3}
     for name, prompt in (("shared_system", new_conversation), ("next_turn", next_turn)):
         view = RequestView("r", prompt, "", NS)
         everything = pool.sessions()
-        out[f"{name}_index_ms"] = 1e3 * _median_s(
+        out[f"{name}_index_ms"] = 1e3 * median_s(
             lambda: plan(view, pool.sessions(), "exact", chunk, matches=pool.prefix_matches(NS, prompt)), reps)
-        out[f"{name}_scan_ms"] = 1e3 * _median_s(lambda: plan(view, everything, "exact", chunk), reps)
+        out[f"{name}_scan_ms"] = 1e3 * median_s(lambda: plan(view, everything, "exact", chunk), reps)
         decided = plan(view, everything, "exact", chunk, matches=pool.prefix_matches(NS, prompt))
         out[f"{name}_reused"] = decided.checkpoint
     return out
