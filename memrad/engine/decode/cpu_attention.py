@@ -1,21 +1,23 @@
 """The CPU decode-attention kernel: built once per machine, then loaded as `memra::decode_attention`.
 
 torch's CPU attention for one query token parallelises over (batch, KV head) and tiles for
-prefill: with 3 KV heads on 2 threads it read a 4k-row bf16 cache at ~9 GB/s (~370 µs a layer,
-two thirds of a decode step at 4k). csrc/decode_attention.cpp scores the query heads of each
-KV head together and spreads fixed row chunks over the threads: ~97 µs, ~32 GB/s
-(docs/BENCHMARKS.md, "Session 6").
+prefill: with 3 KV heads on 2 threads one thread idles and a long cache is read far below the
+memory's bandwidth (most of a decode step at 4k). csrc/decode_attention.cpp scores the
+query heads of each KV head together and spreads fixed row chunks over the threads, which
+reads the cache several times faster (measured: docs/BENCHMARKS.md, Decode: the attention
+kernel).
 
     csrc/decode_attention.cpp --g++ (flags of torch's CPU capability)--> <cache>/kernels/
         decode_attention-<hash of source, flags, torch>.so  --torch.ops.load_library-->  op
 
 It is compiled with the vector width torch itself dispatches to on this CPU (AVX512, AVX2
 or plain), never `-march=native`, so `ATEN_CPU_CAPABILITY=avx2` emulates an AVX2 machine
-honestly (measured: `-march=native`, `-mtune=native` or AVX512-BF16 conversions change
-nothing here), and with OpenMP, which `at::parallel_for` is written in (without it the
-tasks ran on one thread: 167 instead of 97 µs at 4k rows). A build happens once per
-machine and torch (~8 s); later loads take milliseconds. `load()` never raises: without a compiler, or when the build fails, it says why and the
-decode step keeps torch's attention.
+honestly (`-march=native`, `-mtune=native` or AVX512-BF16 conversions were measured to change
+nothing here), and with OpenMP, which `at::parallel_for` is written in (without it the tasks
+ran on one thread; both: docs/BENCHMARKS.md, Decode: the attention kernel). A build happens
+once per machine and torch (seconds); later loads take milliseconds. `load()` never raises:
+without a compiler, or when the build fails, it says why and the decode step keeps torch's
+attention.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ _CAPABILITY_FLAGS = {
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
 
-BUILD_TIMEOUT_S = 600  # ~8 s on 2 cores; a compiler that hangs must not hold the start forever
+BUILD_TIMEOUT_S = 600  # a build takes seconds; a compiler that hangs must not hold the start forever
 _lock = threading.Lock()
 _loaded: str | None = None  # path of the library loaded into this process
 

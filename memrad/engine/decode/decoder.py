@@ -1,35 +1,27 @@
 """What the engine runs for each generated token, and why that one.
 
-    compile = auto   the decode step (memrad.engine.decode.step) eager at once, compiled on a
-                     background thread; requests that start after the compile finishes decode
-                     compiled (the daemon answers while compiling)
+    compile = auto   the eager step (memrad.engine.decode.step) at once, the compiled one built
+                     in the background; requests that start after it is ready decode compiled
+                     (the daemon answers meanwhile)
     compile = on     compiled before the daemon answers; a failure stops the start
     compile = off    the step, eager, with torch's attention: the A/B arm of the compiled one
 
-Compiling includes memra's CPU attention kernel (memrad.engine.decode.cpu_attention), built once
-per machine: the compiled step attends with it, and with `auto` the eager step does too
-from the start when an earlier start has built it.
-
-Compiled means an AOTInductor package (memrad.engine.decode.package): the first start on a
-machine exports the step (one graph with memra's attention kernel; without it, one for
-short contexts and one for the split attention of long ones, decode_step.SPLIT_ROWS; the
-attended length symbolic in each) and compiles it into a shared library kept in the
-compile cache, keyed by the model, its weights' format and dtype, torch and the CPU. With
-a recipe (the engine gives one) that runs in a child process, so the daemon's interpreter
-keeps serving. Every later start opens the library (milliseconds, no compiler needed),
-under either mode, before it serves. Where AOTInductor fails, torch.compile is tried
-(traced on scratch slabs, so no request ever waits for a compile; inductor's caches keep
-its code, but each start traces again, ~9 s for the default model).
-
+Compiled means an AOTInductor package (memrad.engine.decode.package) that attends with memra's
+CPU kernel (memrad.engine.decode.cpu_attention): built once per machine, model and torch (in a
+child process when the engine gives a recipe, so this interpreter keeps serving) and opened by
+every later start before it serves. torch.compile is the fallback where AOTInductor fails.
 Models the step does not cover, and caches that are not in-place slabs (CUDA), decode with
-transformers' forward; no C++ compiler or a failed compile (auto) leaves the eager step.
-Every choice carries a reason (/health, `memrad status`, the log).
+transformers' forward; no C++ compiler or a failed compile (auto) leaves the eager step. Every
+choice carries a reason (/health, `memrad status`, the log).
 
 Compiled and eager steps are not bit-identical to each other; each is deterministic, and a
-request decodes with one step from its first token to its last, so a resumed turn equals a
-cold one under the same step. In exact mode decoded KV is never reused (DESIGN:
-Exactness), so parked state does not depend on the step; fast mode reuses it and promises
-no exactness.
+request decodes with one step from its first token to its last (`feeder()`), so a resumed turn
+equals a cold one under the same step. In exact mode decoded KV is never reused (DESIGN:
+Exactness), so parked state does not depend on the step; fast mode reuses it and promises no
+exactness.
+
+Why it compiles this way, and what was tried and dropped: docs/ARCHITECTURE.md, "The decode
+step". Measured: docs/BENCHMARKS.md, Decode and Startup and compile.
 """
 
 from __future__ import annotations
@@ -96,8 +88,9 @@ def _first_line(exc: Exception) -> str:
 
 def _guards_to_keep(entries: list) -> list[bool]:
     """Every guard but those on the step's modules and weights, which cannot change after the
-    load: checking ~6,000 of them cost ~1 ms per token (measured), against ~0.1 ms for the
-    rest. The step's `owner` argument keeps its guard, so another step's graph never runs."""
+    load: checking them cost far more per token than all the rest (measured: docs/BENCHMARKS.md,
+    Decode: the step's parts). The step's `owner` argument keeps its guard, so another step's
+    graph never runs."""
     return [not entry.orig_guard.source.is_unspecialized_nn_module() for entry in entries]
 
 

@@ -1,10 +1,11 @@
 """The decode step compiled ahead of time (AOTInductor): built once, loaded by later starts.
 
-torch.compile traces the step again in every process (dynamo: ~9 s for the default model's
-two graphs of 30 layers on 2 cores) even when inductor's caches hold the compiled code. An
+torch.compile traces the step again in every process (dynamo re-traces the default model's two
+30-layer graphs, seconds of every start) even when inductor's caches hold the compiled code. An
 AOTInductor package is the compiled code itself: `torch.export` captures each graph once,
 inductor compiles it into a shared library, and a later start only opens the library
-(10-30 ms for both of the default model's graphs, measured; docs/ARCHITECTURE.md, "The decode step").
+(milliseconds; measured: docs/BENCHMARKS.md, Startup and compile; why: docs/ARCHITECTURE.md,
+"The decode step").
 
     compile/decode-step-{model}-{weights}-{dtype}-attn-{memra|torch}-torch{version}-{cpu}-{key}.pt2
         with memra's attention kernel (memrad.engine.decode.cpu_attention):
@@ -117,7 +118,8 @@ def load(step: DecodeStep, capacity: int, kernel: bool, path: Path) -> PackagedS
     With `kernel`, memra's attention kernel must be loaded already (cpu_attention.load).
 
     Uses torch's C++ loader directly: `torch._inductor.aoti_load_package` does the same
-    after importing inductor's Python side, which costs ~0.9 s (measured) a start does not need."""
+    after importing inductor's Python side, which a start does not need (its cost:
+    docs/BENCHMARKS.md, Startup and compile)."""
     from safetensors.torch import load_file
 
     made = load_file(str(constants_path(path)))  # {"graph/name": tensor}
@@ -213,8 +215,9 @@ _children: set[subprocess.Popen] = set()  # builds running now (`stop_children`)
 def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 1800) -> None:
     """`build` in a child process that loads the model itself. Export and inductor are
     Python-heavy: on the daemon's own interpreter they held the GIL against the engine thread,
-    and a reply served meanwhile decoded at 5.2 instead of 68 tok/s (measured on the default
-    model, docs/BENCHMARKS.md). The child runs one torch thread, leaving the other core to serving. Raises
+    and a reply served meanwhile decoded at a small fraction of its speed (measured:
+    docs/BENCHMARKS.md, Decode: the step's parts). The child runs one torch thread, leaving the
+    other core to serving. Raises
     RuntimeError with the child's last lines if it fails."""
     args = [sys.executable, "-m", "memrad.engine.decode.package", recipe.folder, recipe.dtype, recipe.weights,
             str(recipe.context_len), "kernel" if kernel else "torch", str(path)]

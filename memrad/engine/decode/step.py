@@ -2,9 +2,10 @@
 
 transformers' forward spends most of a one-token step outside the kernels (masks, cache
 hooks, per-call dispatch over 30 layers), and its CPU attention for one query with grouped
-KV heads (`enable_gqa`) is the slowest way to ask: 226 µs per layer at 512 tokens of bf16
-context against 37 µs for the same attention with the query heads of each KV head laid out
-as query rows (docs/ARCHITECTURE.md, "The decode step"). This step does only the work:
+KV heads (`enable_gqa`) is the slowest way to ask: the same attention with the query heads of
+each KV head laid out as query rows is several times faster (measured: docs/BENCHMARKS.md,
+Decode: the step's parts; why: docs/ARCHITECTURE.md, "The decode step"). This step does only
+the work:
 
     token [1] -> embed -> x [1, 1, hidden]
       per layer:  h = norm(x);  q, k, v = qkv(h)            (one fused matmul)
@@ -42,8 +43,8 @@ _LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _STATIC_ROPE = ("default", "linear", "llama3")
 # From this many rows on, attention on the CPU splits the rows in two halves run side by side
 # (torch's kernel parallelises over KV heads only: 3 of them on 2 threads leave one idle a third
-# of the time). Measured (bf16, 2 threads, cache flushed): 4,095 rows 413 -> 371 µs; 2,048
-# rows 210 -> 222 µs (the split loses); 3, 4, 6 or 8 parts were no better than 2.
+# of the time). At 4k rows the split wins, at 2,048 it still loses, and more parts than 2 are no
+# better (measured: docs/BENCHMARKS.md, Decode: the step's parts).
 SPLIT_ROWS = 3072
 _STEP_IDS = itertools.count()
 

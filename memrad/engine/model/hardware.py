@@ -2,16 +2,18 @@
 
 Activations: bf16 where the CPU computes bf16 natively (AMX tiles or AVX512-BF16) and torch
 and oneDNN are allowed to use those instructions, and on CUDA; fp32 elsewhere. On AVX2-only
-CPUs bf16 is emulated and measured 5-6x slower than fp32 for prefill (docs/BENCHMARKS.md),
-so the choice must follow the hardware. Detection reads CPU flags as torch reports them plus
+CPUs bf16 is emulated and several times slower than fp32 for prefill (measured:
+docs/BENCHMARKS.md, Prefill: dtype on an AVX2-only CPU), so the choice must follow the
+hardware. Detection reads CPU flags as torch reports them plus
 the two environment caps (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`): it is exact, so
 nothing is measured at start and nothing needs caching per machine.
 
 Weights: a GGUF's Q4_0/Q4_1 blocks run as packed int4 (memrad.engine.model.quant) on every device
 torch has an int4 kernel for: CUDA (tinygemm) and x86 CPUs. The CPU kernel is fast only with
-bf16 inputs (fp32 inputs measured 20-40x slower than a dense GEMV), so Int4Linear hands it
-bf16 even when the activations are fp32; under AVX2-only kernels that still decoded ~1.5x
-faster than the fp32 dense model (docs/BENCHMARKS.md). A Q8_0 output head runs on the same
+bf16 inputs (with fp32 inputs it loses to a dense GEMV; docs/BENCHMARKS.md, Weight formats),
+so Int4Linear hands it bf16 even when the activations are fp32; under AVX2-only kernels that
+still decodes faster than the fp32 dense model (docs/BENCHMARKS.md, AVX2-class CPUs). A Q8_0
+output head runs on the same
 kernel (Q8Linear), so with int4 weights the logits come out in bf16 whatever the activations.
 """
 

@@ -109,7 +109,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     if dev.type == "cpu":
         # Unless told that torch's SDPA takes grouped KV heads with a mask (its CPU kernel
         # does), transformers copies the whole cache out to every query head, per layer and
-        # per prefill chunk. Measured in docs/BENCHMARKS.md ("In-place KV"); set to 0 to undo.
+        # per prefill chunk. Measured: docs/BENCHMARKS.md, Reuse and affinity: In-place KV; set to
+        # 0 to undo.
         os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     progress(f"loading {model_id} from {folder} ({dev.type}, {dt}, {weights_choice.value} weights)")
     try:

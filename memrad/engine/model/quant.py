@@ -15,9 +15,9 @@ d and m lose their last 3 mantissa bits. The 4-bit codes are the shipped ones, b
     scales/zeros   sz [K/32, N, 2]    activation dtype
     packed         [N, K/2] uint8 (CPU) or the tinygemm tile layout (CUDA)
 
-Measured on the AVX512-BF16 CPU of docs/BENCHMARKS.md: the int4 kernel reads a quarter of the
-bytes and wins for one token (a 1536x576 GEMV: 30 µs vs 64 µs bf16 dense, 1 thread), but
-loses 5x to the dense bf16 GEMM on a 256-token prefill chunk. So an Int4Linear keeps the
+The int4 kernel reads a quarter of the bytes and wins for one token, but loses several-fold to
+the dense bf16 GEMM on a 256-token prefill chunk (measured: docs/BENCHMARKS.md, Weight
+formats). So an Int4Linear keeps the
 dense weight for prefill and runs the packed codes only for single-token (decode) steps.
 
 A Q8_0 block (the output head llama.cpp ships: 32 int8 codes q in -128..127, one fp16 d,
@@ -28,11 +28,10 @@ w = q·d) is exactly two int4 blocks, since q = 16·(hi - 8) + lo with 4-bit cod
 
 A Q8Linear lays hi and lo side by side along the input ([N, 2K] codes, 2K/32 groups of
 scales) and feeds the kernel the activation twice, [x, x]: one call sums both halves in the
-kernel's own fp32 accumulator. Measured on SmolLM2's head (49152 x 576, one token, 2 threads,
-AVX512-BF16): 0.97 ms, vs 1.12 ms for two calls summed and 1.97 ms for the bf16 dense GEMV.
-Over 256 real hidden states its worst error is 0.0081 of the largest logit (two calls summed,
-in bf16 or fp32: 0.0086; the bf16 dense head: 0.0053): the cost of bf16 scales, as for the
-int4 layers. Its logits are bf16 whatever the activation dtype.
+kernel's own fp32 accumulator: faster than two calls summed and than the bf16 dense GEMV, and
+as accurate as two calls (its error is the cost of bf16 scales, as for the int4 layers; both
+measured: docs/BENCHMARKS.md, Decode: the step's parts). Its logits are bf16 whatever the
+activation dtype.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def read_gguf_blocks(gguf_path: Path, model: Any) -> tuple[dict[str, Int4Blocks]
     as {module name: Int4Blocks}, the output head's Q8_0 blocks as {head name: Int8Blocks}
     (empty unless the head ships as Q8_0), and the head tensor's GGUF type ("none" if absent).
 
-    Slow (gguf's reader parses all metadata, ~10 s for the default model): run once, at
+    Slow (gguf's reader parses all metadata; docs/BENCHMARKS.md, Startup and compile): run once, at
     conversion, and kept in the folder's block caches (`save_block_caches`).
     """
     from gguf import GGUFReader, MODEL_ARCH_NAMES, get_tensor_name_map

@@ -2,11 +2,10 @@
 
 transformers' DynamicLayer grows by `torch.cat`: every prefill chunk and every decode step
 copies the whole cache into a fresh allocation. On a CPU that is memory traffic in
-proportion to the context on every step, and fresh memory is paid again in page faults
-(~15-20 µs per 4 KiB on this project's VMs): a resumed 232-token suffix at 2.4k context
-measured 1.46 s in the engine against 0.86 s for the same forward on a warm cache
-(docs/BENCHMARKS.md, "In-place KV"). A SlabLayer writes new rows in place instead, into a
-buffer that reserves room for the model's whole context once:
+proportion to the context on every step, and fresh memory is paid again in page faults: inside
+a serving process a resumed suffix took far longer than the same forward on a warm cache
+(measured: docs/BENCHMARKS.md, Reuse and affinity: In-place KV). A SlabLayer writes new rows in
+place instead, into a buffer that reserves room for the model's whole context once:
 
     buffer  [1, H_kv, capacity, D]    anonymous mmap: a page is committed when first written
              |<--- length --->|<------------- reserved, never touched ------------->|
