@@ -25,7 +25,8 @@ from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, SamplingParams
 from memrad.server.errors import invalid
 from memrad.server.tools import ToolChoice, assistant_message, check_choice, function_tool, tool_call, tool_result
-from memrad.server.validate import MAX_STOPS, ParsedRequest, identity_of, joined_text, name_field, object_body
+from memrad.server.validate import (ParsedRequest, identity_of, joined_text, name_field, number, object_body,
+                                    stops)
 from memrad.server.wire import Event, decision_field
 
 STOP_REASONS = {"length": "max_tokens"}
@@ -48,9 +49,12 @@ def parse_messages(body: Any, header_session_id: str | None, count_only: bool = 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream must be true or false", "stream")
-    sampling = SamplingParams(temperature=_number(body, "temperature", 0.0, 1.0, 1.0),
-                              top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 1.0,
-                              max_tokens=max_tokens if not count_only else None, stop=_stops(body.get("stop_sequences")))
+    temperature = number(body, "temperature", 0.0, 1.0, quote_value=False)
+    top_p = number(body, "top_p", 0.0, 1.0, quote_value=False)
+    sampling = SamplingParams(temperature=1.0 if temperature is None else float(temperature),
+                              top_p=float(top_p) if top_p else 1.0,
+                              max_tokens=max_tokens if not count_only else None,
+                              stop=stops(body.get("stop_sequences"), "stop_sequences", one_string=False))
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata must be an object like {\"user_id\": ...}", "metadata")
@@ -60,23 +64,6 @@ def parse_messages(body: Any, header_session_id: str | None, count_only: bool = 
                          cache_salt=name_field(body.get("cache_salt"), "cache_salt"), messages=messages,
                          tools=tools, tool_choice=choice,
                          parallel_tool_calls=not (body.get("tool_choice") or {}).get("disable_parallel_tool_use"))
-
-
-def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
-        raise invalid(f"{key} must be a number between {lo:g} and {hi:g}", key)
-    return float(value)
-
-
-def _stops(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or len(value) > MAX_STOPS or not all(isinstance(s, str) and s for s in value):
-        raise invalid(f"stop_sequences must be an array of at most {MAX_STOPS} non-empty strings", "stop_sequences")
-    return tuple(value)
 
 
 def _system(value: Any) -> tuple[dict, ...]:

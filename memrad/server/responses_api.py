@@ -26,7 +26,7 @@ from memrad.server.errors import invalid
 from memrad.server.response_store import StoredResponse
 from memrad.server.tools import (ToolChoice, assistant_message, check_choice, function_tool, tool_call,
                                  tool_result)
-from memrad.server.validate import ParsedRequest, common, name_field, object_body
+from memrad.server.validate import ParsedRequest, boolean, common, name_field, object_body
 from memrad.server.wire import Event, decision_field
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
@@ -79,12 +79,8 @@ def parse_responses(body: Any, header_session_id: str | None,
         # The conversation a previous response ran under names this one, unless the body names one.
         if stored is not None and stored.identity is not None:
             fields["identity"] = Identity(stored.identity.name, "previous_response_id")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise invalid("parallel_tool_calls must be true or false", "parallel_tool_calls")
-    store = body.get("store")
-    if store is not None and not isinstance(store, bool):
-        raise invalid("store must be true or false", "store")
+    parallel = boolean(body, "parallel_tool_calls")
+    store = boolean(body, "store")
     parsed = ParsedRequest(messages=messages, tools=tools, tool_choice=responses_tool_choice(body.get("tool_choice"),
                                                                                                tools),
                            parallel_tool_calls=parallel is not False, **fields)

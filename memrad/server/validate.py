@@ -46,7 +46,7 @@ class ParsedRequest:
 def parse_chat(body: Any, header_session_id: str | None) -> ParsedRequest:
     body = object_body(body)
     tools = chat_tools(body.get("tools"))
-    parallel = _bool(body, "parallel_tool_calls")
+    parallel = boolean(body, "parallel_tool_calls")
     return ParsedRequest(
         messages=_messages(body.get("messages")),
         tools=tools,
@@ -58,9 +58,9 @@ def parse_chat(body: Any, header_session_id: str | None) -> ParsedRequest:
 
 def parse_completion(body: Any, header_session_id: str | None) -> ParsedRequest:
     body = object_body(body)
-    _unsupported(body, "echo", (None, False), "echo is not supported")
-    _unsupported(body, "suffix", (None, ""), "suffix (fill-in-the-middle) is not supported")
-    _unsupported(body, "best_of", (None, 1), "best_of must be 1")
+    unsupported(body, "echo", (None, False), "echo is not supported")
+    unsupported(body, "suffix", (None, ""), "suffix (fill-in-the-middle) is not supported")
+    unsupported(body, "best_of", (None, 1), "best_of must be 1")
     return ParsedRequest(prompt=_prompt(body.get("prompt")),
                          **common(body, header_session_id, max_tokens_keys=("max_tokens",)))
 
@@ -73,43 +73,43 @@ def object_body(body: Any) -> dict:
 
 def common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str, ...]) -> dict:
     """The fields every OpenAI-shaped body shares (sampling, stream, identity, salt)."""
-    n = _int(body, "n", minimum=1)
+    n = integer(body, "n", minimum=1)
     if n not in (None, 1):
         raise invalid("n must be 1: memrad generates one choice per request", "n")
-    _unsupported(body, "logprobs", (None, False), "logprobs are not supported")
-    _unsupported(body, "top_logprobs", (None, 0), "top_logprobs are not supported")
+    unsupported(body, "logprobs", (None, False), "logprobs are not supported")
+    unsupported(body, "top_logprobs", (None, 0), "top_logprobs are not supported")
     for key in ("presence_penalty", "frequency_penalty"):
-        if _number(body, key, -2.0, 2.0) not in (None, 0, 0.0):
+        if number(body, key, -2.0, 2.0) not in (None, 0, 0.0):
             raise invalid(f"{key} is not supported; send 0 or leave it out", key)
     if body.get("logit_bias") not in (None, {}):
         raise invalid("logit_bias is not supported", "logit_bias")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise invalid('response_format is not supported except {"type": "text"}', "response_format")
-    stream = _bool(body, "stream") or False
+    stream = boolean(body, "stream") or False
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options must be an object like {\"include_usage\": true}", "stream_options")
-    include_usage = _bool(options or {}, "include_usage", "stream_options.include_usage") or False
+    include_usage = boolean(options or {}, "include_usage", "stream_options.include_usage") or False
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise invalid("model must be a non-empty string", "model")
     max_tokens = None
     for key in max_tokens_keys:
-        value = _int(body, key, minimum=1)
+        value = integer(body, key, minimum=1)
         if value is not None:
             max_tokens = value
             break
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
+    temperature = number(body, "temperature", 0.0, 2.0)
+    top_p = number(body, "top_p", 0.0, 1.0)
     if top_p == 0.0:
         raise invalid("top_p must be greater than 0 and at most 1", "top_p")
     sampling = SamplingParams(
         temperature=1.0 if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p),
-        seed=_int(body, "seed"),
+        seed=integer(body, "seed"),
         max_tokens=max_tokens,
-        stop=_stops(body.get("stop")),
+        stop=stops(body.get("stop")),
     )
     return dict(model=model, sampling=sampling, stream=stream, include_usage=include_usage,
                 identity=identity_of(body, header_session_id),
@@ -210,30 +210,22 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
     raise invalid("prompt is required: a non-empty string or an array of token ids", "prompt")
 
 
-def _stops(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if (not isinstance(value, list) or len(value) > MAX_STOPS
-            or not all(isinstance(s, str) and s for s in value)):
-        raise invalid(f"stop must be a non-empty string or an array of at most {MAX_STOPS} of them", "stop")
-    return tuple(value)
+# Field validators, shared by the three APIs: each returns None (or ()) for an absent field
+# and raises a 400 naming the field, saying what a valid value looks like.
 
-
-def _unsupported(body: dict, key: str, allowed: tuple, message: str) -> None:
+def unsupported(body: dict, key: str, allowed: tuple, message: str) -> None:
     if body.get(key) not in allowed:
         raise invalid(message, key)
 
 
-def _bool(body: dict, key: str, param: str | None = None) -> bool | None:
+def boolean(body: dict, key: str, param: str | None = None) -> bool | None:
     value = body.get(key)
     if value is not None and not isinstance(value, bool):
         raise invalid(f"{param or key} must be true or false", param or key)
     return value
 
 
-def _int(body: dict, key: str, minimum: int | None = None) -> int | None:
+def integer(body: dict, key: str, minimum: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return None
@@ -244,12 +236,29 @@ def _int(body: dict, key: str, minimum: int | None = None) -> int | None:
     return value
 
 
-def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
+def number(body: dict, key: str, lo: float, hi: float, *, quote_value: bool = True) -> float | None:
+    """A number in [lo, hi]. `quote_value`: an out-of-range value is quoted back (the OpenAI
+    APIs); Anthropic's Messages answers a wrong type and a wrong range alike."""
     value = body.get(key)
     if value is None:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise invalid(f"{key} must be a number between {lo:g} and {hi:g}", key)
     if not lo <= value <= hi:
-        raise invalid(f"{key} must be between {lo:g} and {hi:g}; got {value}", key)
+        raise invalid(f"{key} must be between {lo:g} and {hi:g}; got {value}" if quote_value
+                      else f"{key} must be a number between {lo:g} and {hi:g}", key)
     return value
+
+
+def stops(value: Any, param: str = "stop", *, one_string: bool = True) -> tuple[str, ...]:
+    """At most MAX_STOPS non-empty stop strings. `one_string`: a bare string is one stop
+    (OpenAI's `stop`); Anthropic's `stop_sequences` takes an array only."""
+    if value is None:
+        return ()
+    if one_string and isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or len(value) > MAX_STOPS or not all(isinstance(s, str) and s for s in value):
+        shape = (f"a non-empty string or an array of at most {MAX_STOPS} of them" if one_string
+                 else f"an array of at most {MAX_STOPS} non-empty strings")
+        raise invalid(f"{param} must be {shape}", param)
+    return tuple(value)
