@@ -24,7 +24,8 @@ from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, SamplingParams
 from memrad.server.errors import invalid
-from memrad.server.tools import ToolChoice, assistant_message, check_choice, function_tool, tool_call, tool_result
+from memrad.server.tools import (ToolChoice, ToolMode, ToolParts, assistant_message, function_tools, tool_call,
+                                 tool_choice_of, tool_result)
 from memrad.server.validate import (ParsedRequest, identity_of, joined_text, name_field, number, object_body,
                                     stops)
 from memrad.server.wire import Event, decision_field
@@ -45,7 +46,7 @@ def parse_messages(body: Any, header_session_id: str | None, count_only: bool = 
     if not count_only and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise invalid("max_tokens is required: an integer of at least 1", "max_tokens")
     messages = _system(body.get("system")) + _messages(body.get("messages"))
-    tools = _tools(body.get("tools"))
+    tools = messages_tools(body.get("tools"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream must be true or false", "stream")
@@ -58,7 +59,7 @@ def parse_messages(body: Any, header_session_id: str | None, count_only: bool = 
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata must be an object like {\"user_id\": ...}", "metadata")
-    choice = _tool_choice(body.get("tool_choice"), tools)  # a dict from here on, if given
+    choice = messages_tool_choice(body.get("tool_choice"), tools)  # a dict from here on, if given
     return ParsedRequest(model=model, sampling=sampling, stream=stream, include_usage=False,
                          identity=identity_of(body, header_session_id, keys=("session_id", "metadata.user_id")),
                          cache_salt=name_field(body.get("cache_salt"), "cache_salt"), messages=messages,
@@ -125,30 +126,29 @@ def _assistant(blocks: list, where: str) -> dict:
     return assistant_message("\n".join(texts), calls, "\n".join(thinking) or None)
 
 
-def _tools(value: Any) -> tuple[dict, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise invalid("tools must be an array of {name, description, input_schema} objects", "tools")
-    out = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
-            raise invalid(f"{where} must be a custom tool {{name, description, input_schema}}: memrad serves "
-                          "no server tools", where)
-        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where))
-    return tuple(out) or None
+def messages_tools(value: Any) -> tuple[dict, ...] | None:
+    """Custom tools, as Anthropic sends them: {"name", "description", "input_schema"}."""
+    return function_tools(value, "{name, description, input_schema} objects", _tool)
 
 
-def _tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
+def _tool(tool: Any, where: str) -> ToolParts:
+    if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+        raise invalid(f"{where} must be a custom tool {{name, description, input_schema}}: memrad serves "
+                      "no server tools", where)
+    return tool.get("name"), tool.get("description"), tool.get("input_schema")
+
+
+CHOICE_MODES: dict[str, ToolMode] = {"auto": "auto", "any": "required", "none": "none", "tool": "function"}
+
+
+def messages_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
     """auto | any (a call is required) | tool (named) | none."""
-    if value is None:
-        return ToolChoice()
-    kind = value.get("type") if isinstance(value, dict) else None
-    modes = {"auto": "auto", "any": "required", "none": "none", "tool": "function"}
-    if kind not in modes:
-        raise invalid('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
-    return check_choice(ToolChoice(modes[kind], value.get("name")), tools)  # type: ignore[arg-type]
+    return tool_choice_of(value, tools, _named_choice, '{"type": "auto" | "any" | "tool" | "none"}')
+
+
+def _named_choice(value: dict) -> tuple[ToolMode, Any] | None:
+    kind = value.get("type")
+    return (CHOICE_MODES[kind], value.get("name")) if kind in CHOICE_MODES else None
 
 
 def stop_reason(reply: Reply, c: Completion) -> str:

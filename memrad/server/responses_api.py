@@ -24,8 +24,8 @@ from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, Identity
 from memrad.server.errors import invalid
 from memrad.server.response_store import StoredResponse
-from memrad.server.tools import (ToolChoice, assistant_message, check_choice, function_tool, tool_call,
-                                 tool_result)
+from memrad.server.tools import (OPENAI_MODES, ToolChoice, ToolMode, ToolParts, assistant_message, function_tools,
+                                 tool_call, tool_choice_of, tool_result)
 from memrad.server.validate import ParsedRequest, boolean, common, name_field, object_body
 from memrad.server.wire import Event, decision_field
 
@@ -95,30 +95,25 @@ def parse_responses(body: Any, header_session_id: str | None,
 
 def responses_tools(value: Any) -> tuple[dict, ...] | None:
     """Function tools, flat as Responses sends them: {"type": "function", "name", "parameters"}."""
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise invalid("tools must be an array of function tools", "tools")
-    out = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise invalid(f"{where} has type {kind!r}: memrad serves function tools only "
-                          "(no built-in web_search, file_search, …)", where)
-        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where))
-    return tuple(out) or None
+    return function_tools(value, "function tools", _tool)
+
+
+def _tool(tool: Any, where: str) -> ToolParts:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise invalid(f"{where} has type {kind!r}: memrad serves function tools only "
+                      "(no built-in web_search, file_search, …)", where)
+    return tool.get("name"), tool.get("description"), tool.get("parameters")
 
 
 def responses_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
-    if value is None:
-        return ToolChoice()
-    if value in ("auto", "none", "required"):
-        return check_choice(ToolChoice(value), tools)
-    if isinstance(value, dict) and value.get("type") == "function":
-        return check_choice(ToolChoice("function", value.get("name")), tools)
-    raise invalid('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
-                  "tool_choice")
+    """"auto" | "none" | "required" | {"type": "function", "name"}."""
+    return tool_choice_of(value, tools, _named_choice, '"auto", "none", "required" or {"type": "function", '
+                          '"name": ...}', OPENAI_MODES)
+
+
+def _named_choice(value: dict) -> tuple[ToolMode, Any] | None:
+    return ("function", value.get("name")) if value.get("type") == "function" else None
 
 
 def input_messages(value: Any) -> list[dict]:
