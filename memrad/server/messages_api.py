@@ -24,11 +24,11 @@ from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, SamplingParams
 from memrad.server.errors import invalid
+from memrad.server.serving import Event, decision_field
 from memrad.server.tools import (ToolChoice, ToolMode, ToolParts, assistant_message, function_tools, tool_call,
                                  tool_choice_of, tool_result)
 from memrad.server.validate import (ParsedRequest, identity_of, joined_text, name_field, number, object_body,
                                     stops)
-from memrad.server.wire import Event, decision_field
 
 STOP_REASONS = {"length": "max_tokens"}
 

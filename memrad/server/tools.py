@@ -64,19 +64,6 @@ def function_tools(value: Any, array_of: str, parts: Callable[[Any, str], ToolPa
     return tuple(function_tool(*parts(tool, f"tools[{i}]"), f"tools[{i}]") for i, tool in enumerate(value)) or None
 
 
-def chat_tools(value: Any) -> tuple[dict, ...] | None:
-    """Chat Completions `tools`: function tools only."""
-    return function_tools(value, '{"type": "function", "function": {...}} objects', _chat_tool)
-
-
-def _chat_tool(tool: Any, where: str) -> ToolParts:
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise invalid(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}: "
-                      "memrad serves function tools only", where)
-    fn = tool["function"]
-    return fn.get("name"), fn.get("description"), fn.get("parameters")
-
-
 def tool_names(tools: tuple[dict, ...] | None) -> list[str]:
     return [t["function"]["name"] for t in tools or ()]
 
@@ -112,19 +99,6 @@ def tool_choice_of(value: Any, tools: tuple[dict, ...] | None, named: Callable[[
     return check_choice(ToolChoice(*read), tools)
 
 
-def chat_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
-    """Chat `tool_choice`: "auto" | "none" | "required" | {"type": "function", "function": {"name"}}."""
-    return tool_choice_of(value, tools, _chat_named, '"auto", "none", "required" or {"type": "function", "function": '
-                          '{"name": ...}}', OPENAI_MODES)
-
-
-def _chat_named(value: dict) -> tuple[ToolMode, Any] | None:
-    function = value.get("function")
-    if value.get("type") != "function" or not isinstance(function, dict):
-        return None
-    return "function", function.get("name")
-
-
 def tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
     """One call in the internal shape. `arguments`: JSON text of an object, or the object."""
     if not isinstance(call_id, str) or not call_id:
@@ -142,20 +116,6 @@ def tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
         raise invalid(f"{where}'s arguments must be a JSON object", where)
     return {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": json.dumps(parsed, ensure_ascii=False)}}
-
-
-def chat_tool_calls(value: Any, where: str) -> list[dict]:
-    if not isinstance(value, list):
-        raise invalid(f"{where} must be an array of tool calls", where)
-    out = []
-    for j, call in enumerate(value):
-        here = f"{where}[{j}]"
-        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-            raise invalid(f"{here} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                          "\"arguments\"}}}}", here)
-        fn = call["function"]
-        out.append(tool_call(call.get("id"), fn.get("name"), fn.get("arguments", "{}"), here))
-    return out
 
 
 def assistant_message(content: str, tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:

@@ -1,6 +1,8 @@
-"""Request bodies -> validated records. Pure: no engine, no aiohttp.
+"""The one internal request (ParsedRequest) and the field validators the three APIs share.
 
-Every rejection names the field (`param`) and says what a valid value looks like.
+Each API's adapter (chat_api, responses_api, messages_api) parses its body into a
+ParsedRequest with these. Pure: no engine, no aiohttp. Every rejection names the field
+(`param`) and says what a valid value looks like.
 """
 
 from __future__ import annotations
@@ -10,11 +12,10 @@ from typing import Any
 
 from memrad.request import Identity, SamplingParams
 from memrad.server.errors import invalid
-from memrad.server.tools import ToolChoice, chat_tool_calls, chat_tool_choice, chat_tools
+from memrad.server.tools import ToolChoice
 
 MAX_NAME_CHARS = 256
 MAX_STOPS = 4
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,28 +42,6 @@ class ParsedRequest:
     def parse_tools(self) -> bool:
         """Whether the reply is parsed for tool calls (tools listed and not tool_choice none)."""
         return bool(self.tools) and self.tool_choice.mode != "none"
-
-
-def parse_chat(body: Any, header_session_id: str | None) -> ParsedRequest:
-    body = object_body(body)
-    tools = chat_tools(body.get("tools"))
-    parallel = boolean(body, "parallel_tool_calls")
-    return ParsedRequest(
-        messages=_messages(body.get("messages")),
-        tools=tools,
-        tool_choice=chat_tool_choice(body.get("tool_choice"), tools),
-        parallel_tool_calls=True if parallel is None else parallel,
-        **common(body, header_session_id, max_tokens_keys=("max_completion_tokens", "max_tokens")),
-    )
-
-
-def parse_completion(body: Any, header_session_id: str | None) -> ParsedRequest:
-    body = object_body(body)
-    unsupported(body, "echo", (None, False), "echo is not supported")
-    unsupported(body, "suffix", (None, ""), "suffix (fill-in-the-middle) is not supported")
-    unsupported(body, "best_of", (None, 1), "best_of must be 1")
-    return ParsedRequest(prompt=_prompt(body.get("prompt")),
-                         **common(body, header_session_id, max_tokens_keys=("max_tokens",)))
 
 
 def object_body(body: Any) -> dict:
@@ -142,44 +121,6 @@ def name_field(value: Any, param: str) -> str | None:
     return value
 
 
-def _messages(value: Any) -> tuple[dict, ...]:
-    if value is None:
-        raise invalid("messages is required: a non-empty array of {role, content} objects", "messages")
-    if not isinstance(value, list) or not value:
-        raise invalid("messages must be a non-empty array of {role, content} objects", "messages")
-    return tuple(_message(m, i) for i, m in enumerate(value))
-
-
-def _message(message: Any, i: int) -> dict:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise invalid(f"{where} must be an object with role and content", where)
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise invalid(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{where}.role")
-    out: dict = {"role": "system" if role == "developer" else role}
-    content = message.get("content")
-    tool_calls = message.get("tool_calls")
-    if tool_calls is not None:
-        if role != "assistant":
-            raise invalid(f"{where}.tool_calls must be an array on an assistant message", f"{where}.tool_calls")
-    if content is None and not (role == "assistant" and tool_calls):
-        raise invalid(f"{where}.content is required", f"{where}.content")
-    out["content"] = joined_text(content, f"{where}.content") if content is not None else ""
-    if tool_calls:
-        out["tool_calls"] = chat_tool_calls(tool_calls, f"{where}.tool_calls")
-    keys = {"assistant": ("reasoning_content",), "tool": ("tool_call_id",)}.get(role, ("name",))
-    for key in keys:
-        if message.get(key) is not None:
-            if not isinstance(message[key], str):
-                raise invalid(f"{where}.{key} must be a string", f"{where}.{key}")
-            out[key] = message[key]
-    if role == "tool" and "tool_call_id" not in out:
-        raise invalid(f"{where}.tool_call_id is required: the id of the call this result answers",
-                      f"{where}.tool_call_id")
-    return out
-
-
 def joined_text(content: Any, where: str, noun: str = "part") -> str:
     """A string, or text parts (`noun`: "part" in OpenAI's APIs, "block" in Anthropic's)
     joined by newlines; anything else is a 400 naming `where`."""
@@ -194,20 +135,6 @@ def joined_text(content: Any, where: str, noun: str = "part") -> str:
             texts.append(part["text"])
         return "\n".join(texts)
     raise invalid(f"{where} must be a string or an array of text {noun}s", where)
-
-
-def _prompt(value: Any) -> str | tuple[int, ...]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise invalid("prompt must not be empty", "prompt")
-        return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return tuple(value)
-    if isinstance(value, list) and len(value) > 1:
-        raise invalid("prompt must be one string (batches of prompts are not supported)", "prompt")
-    raise invalid("prompt is required: a non-empty string or an array of token ids", "prompt")
 
 
 # Field validators, shared by the three APIs: each returns None (or ()) for an absent field
