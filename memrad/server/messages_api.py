@@ -30,8 +30,6 @@ from memrad.server.tools import (ToolChoice, ToolMode, ToolParts, assistant_mess
 from memrad.server.validate import (ParsedRequest, identity_of, joined_text, name_field, number, object_body,
                                     stops)
 
-STOP_REASONS = {"length": "max_tokens"}
-
 
 def new_message_id() -> str:
     return "msg_" + secrets.token_hex(12)
