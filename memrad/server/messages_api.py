@@ -24,11 +24,11 @@ from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, SamplingParams
 from memrad.server.errors import invalid
-from memrad.server.tools import ToolChoice, assistant_message, check_choice, function_tool, tool_call, tool_result
-from memrad.server.validate import MAX_STOPS, ParsedRequest, identity_of, joined_text, name_field, object_body
-from memrad.server.wire import Event, decision_field
-
-STOP_REASONS = {"length": "max_tokens"}
+from memrad.server.serving import Event, decision_field
+from memrad.server.tools import (ToolChoice, ToolMode, ToolParts, assistant_message, function_tools, tool_call,
+                                 tool_choice_of, tool_result)
+from memrad.server.validate import (ParsedRequest, identity_of, joined_text, name_field, number, object_body,
+                                    stops)
 
 
 def new_message_id() -> str:
@@ -44,39 +44,25 @@ def parse_messages(body: Any, header_session_id: str | None, count_only: bool = 
     if not count_only and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise invalid("max_tokens is required: an integer of at least 1", "max_tokens")
     messages = _system(body.get("system")) + _messages(body.get("messages"))
-    tools = _tools(body.get("tools"))
+    tools = messages_tools(body.get("tools"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream must be true or false", "stream")
-    sampling = SamplingParams(temperature=_number(body, "temperature", 0.0, 1.0, 1.0),
-                              top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 1.0,
-                              max_tokens=max_tokens if not count_only else None, stop=_stops(body.get("stop_sequences")))
+    temperature = number(body, "temperature", 0.0, 1.0, quote_value=False)
+    top_p = number(body, "top_p", 0.0, 1.0, quote_value=False)
+    sampling = SamplingParams(temperature=1.0 if temperature is None else float(temperature),
+                              top_p=float(top_p) if top_p else 1.0,
+                              max_tokens=max_tokens if not count_only else None,
+                              stop=stops(body.get("stop_sequences"), "stop_sequences", one_string=False))
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata must be an object like {\"user_id\": ...}", "metadata")
-    choice = _tool_choice(body.get("tool_choice"), tools)  # a dict from here on, if given
+    choice = messages_tool_choice(body.get("tool_choice"), tools)  # a dict from here on, if given
     return ParsedRequest(model=model, sampling=sampling, stream=stream, include_usage=False,
                          identity=identity_of(body, header_session_id, keys=("session_id", "metadata.user_id")),
                          cache_salt=name_field(body.get("cache_salt"), "cache_salt"), messages=messages,
                          tools=tools, tool_choice=choice,
                          parallel_tool_calls=not (body.get("tool_choice") or {}).get("disable_parallel_tool_use"))
-
-
-def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
-        raise invalid(f"{key} must be a number between {lo:g} and {hi:g}", key)
-    return float(value)
-
-
-def _stops(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or len(value) > MAX_STOPS or not all(isinstance(s, str) and s for s in value):
-        raise invalid(f"stop_sequences must be an array of at most {MAX_STOPS} non-empty strings", "stop_sequences")
-    return tuple(value)
 
 
 def _system(value: Any) -> tuple[dict, ...]:
@@ -138,30 +124,29 @@ def _assistant(blocks: list, where: str) -> dict:
     return assistant_message("\n".join(texts), calls, "\n".join(thinking) or None)
 
 
-def _tools(value: Any) -> tuple[dict, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise invalid("tools must be an array of {name, description, input_schema} objects", "tools")
-    out = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
-            raise invalid(f"{where} must be a custom tool {{name, description, input_schema}}: memrad serves "
-                          "no server tools", where)
-        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where))
-    return tuple(out) or None
+def messages_tools(value: Any) -> tuple[dict, ...] | None:
+    """Custom tools, as Anthropic sends them: {"name", "description", "input_schema"}."""
+    return function_tools(value, "{name, description, input_schema} objects", _tool)
 
 
-def _tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
+def _tool(tool: Any, where: str) -> ToolParts:
+    if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+        raise invalid(f"{where} must be a custom tool {{name, description, input_schema}}: memrad serves "
+                      "no server tools", where)
+    return tool.get("name"), tool.get("description"), tool.get("input_schema")
+
+
+CHOICE_MODES: dict[str, ToolMode] = {"auto": "auto", "any": "required", "none": "none", "tool": "function"}
+
+
+def messages_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
     """auto | any (a call is required) | tool (named) | none."""
-    if value is None:
-        return ToolChoice()
-    kind = value.get("type") if isinstance(value, dict) else None
-    modes = {"auto": "auto", "any": "required", "none": "none", "tool": "function"}
-    if kind not in modes:
-        raise invalid('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
-    return check_choice(ToolChoice(modes[kind], value.get("name")), tools)  # type: ignore[arg-type]
+    return tool_choice_of(value, tools, _named_choice, '{"type": "auto" | "any" | "tool" | "none"}')
+
+
+def _named_choice(value: dict) -> tuple[ToolMode, Any] | None:
+    kind = value.get("type")
+    return (CHOICE_MODES[kind], value.get("name")) if kind in CHOICE_MODES else None
 
 
 def stop_reason(reply: Reply, c: Completion) -> str:

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (`POST /v1/responses`): body -> internal request, reply -> response.
 
-Pure (no aiohttp, no engine). Input items map onto the internal chat messages:
+Pure (no I/O, no engine). Input items map onto the internal chat messages:
 
     message (user/system/developer)   -> that role's message
     reasoning + message(assistant)    -> one assistant message with reasoning_content,
@@ -24,10 +24,10 @@ from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, Identity
 from memrad.server.errors import invalid
 from memrad.server.response_store import StoredResponse
-from memrad.server.tools import (ToolChoice, assistant_message, check_choice, function_tool, tool_call,
-                                 tool_result)
-from memrad.server.validate import ParsedRequest, common, name_field, object_body
-from memrad.server.wire import Event, decision_field
+from memrad.server.serving import Event, decision_field
+from memrad.server.tools import (OPENAI_MODES, ToolChoice, ToolMode, ToolParts, assistant_message, function_tools,
+                                 tool_call, tool_choice_of, tool_result)
+from memrad.server.validate import ParsedRequest, boolean, common, name_field, object_body
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 
@@ -79,12 +79,8 @@ def parse_responses(body: Any, header_session_id: str | None,
         # The conversation a previous response ran under names this one, unless the body names one.
         if stored is not None and stored.identity is not None:
             fields["identity"] = Identity(stored.identity.name, "previous_response_id")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise invalid("parallel_tool_calls must be true or false", "parallel_tool_calls")
-    store = body.get("store")
-    if store is not None and not isinstance(store, bool):
-        raise invalid("store must be true or false", "store")
+    parallel = boolean(body, "parallel_tool_calls")
+    store = boolean(body, "store")
     parsed = ParsedRequest(messages=messages, tools=tools, tool_choice=responses_tool_choice(body.get("tool_choice"),
                                                                                                tools),
                            parallel_tool_calls=parallel is not False, **fields)
@@ -95,34 +91,6 @@ def parse_responses(body: Any, header_session_id: str | None,
             "metadata": body.get("metadata") or {}, "store": store is not False,
             "text": {"format": {"type": "text"}}, "truncation": "disabled"}
     return ResponsesRequest(parsed, history, instructions, previous, store is not False, echo)
-
-
-def responses_tools(value: Any) -> tuple[dict, ...] | None:
-    """Function tools, flat as Responses sends them: {"type": "function", "name", "parameters"}."""
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise invalid("tools must be an array of function tools", "tools")
-    out = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise invalid(f"{where} has type {kind!r}: memrad serves function tools only "
-                          "(no built-in web_search, file_search, …)", where)
-        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where))
-    return tuple(out) or None
-
-
-def responses_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
-    if value is None:
-        return ToolChoice()
-    if value in ("auto", "none", "required"):
-        return check_choice(ToolChoice(value), tools)
-    if isinstance(value, dict) and value.get("type") == "function":
-        return check_choice(ToolChoice("function", value.get("name")), tools)
-    raise invalid('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
-                  "tool_choice")
 
 
 def input_messages(value: Any) -> list[dict]:
@@ -206,6 +174,29 @@ def _reasoning_text(item: dict, where: str) -> str:
                 raise invalid(f"{where}.{key} must be an array of text parts", f"{where}.{key}")
             return "\n".join(p["text"] for p in parts)
     return ""
+
+
+def responses_tools(value: Any) -> tuple[dict, ...] | None:
+    """Function tools, flat as Responses sends them: {"type": "function", "name", "parameters"}."""
+    return function_tools(value, "function tools", _tool)
+
+
+def _tool(tool: Any, where: str) -> ToolParts:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise invalid(f"{where} has type {kind!r}: memrad serves function tools only "
+                      "(no built-in web_search, file_search, …)", where)
+    return tool.get("name"), tool.get("description"), tool.get("parameters")
+
+
+def responses_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
+    """"auto" | "none" | "required" | {"type": "function", "name"}."""
+    return tool_choice_of(value, tools, _named_choice, '"auto", "none", "required" or {"type": "function", '
+                          '"name": ...}', OPENAI_MODES)
+
+
+def _named_choice(value: dict) -> tuple[ToolMode, Any] | None:
+    return ("function", value.get("name")) if value.get("type") == "function" else None
 
 
 def usage(c: Completion) -> dict:

@@ -16,14 +16,14 @@ from aiohttp import web
 from memrad import __version__
 from memrad.chat.reply import Reply
 from memrad.request import Completion
+from memrad.server.chat_api import Envelope, OpenAIShape, new_request_id, parse_chat, parse_completion
 from memrad.server.context import CONTEXT, ServerContext
 from memrad.server.errors import APIError, invalid
 from memrad.server.limits import LIMITS, check_body, parse_body
 from memrad.server.messages_api import MessagesShape, new_message_id, parse_messages
 from memrad.server.responses_api import ResponsesShape, new_response_id, parse_responses, remembered
 from memrad.server.serving import serve
-from memrad.server.validate import ParsedRequest, parse_chat, parse_completion
-from memrad.server.wire import Envelope, OpenAIShape, new_request_id
+from memrad.server.validate import ParsedRequest
 
 
 async def json_body(request: web.Request) -> object:

@@ -3,13 +3,17 @@
     route -> serve(parsed, text, ids, shape) -> scheduler job -> text deltas
           -> ReplyParser (the engine's) -> ReplyDeltas -> shape events (stream) | shape.whole
 
-The job yields its reuse Decision first (before any prefill), then text; a client that goes
-away cancels the job within one engine step.
+Every API's output is a Shape (chat_api, responses_api, messages_api): events to open a
+stream, events per reply delta, events to close it, and the whole object; this module
+drives any Shape the same way and writes its events as server-sent events. The job yields
+its reuse Decision first (before any prefill), then text; a client that goes away cancels
+the job within one engine step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,9 +29,21 @@ from memrad.scheduler import Job, QueueFull, ShuttingDown
 from memrad.server.context import ServerContext
 from memrad.server.errors import APIError, ErrorStyle, error_style, invalid, server_error, unavailable
 from memrad.server.validate import ParsedRequest
-from memrad.server.wire import Event, Shape, sse
 
 log = logging.getLogger("memrad.server")
+
+# One server-sent event: (event name or None, data object or a bare string like "[DONE]").
+Event = tuple[str | None, dict | str]
+
+
+class Shape(Protocol):
+    """One API's rendering of a generation (pure; mutates only its own counters)."""
+
+    def opening(self, decision: Decision | None) -> list[Event]: ...
+    def deltas(self, delta: ReplyDelta) -> list[Event]: ...
+    def closing(self, reply: Reply, c: Completion) -> list[Event]: ...
+    def whole(self, reply: Reply, c: Completion, decision: Decision | None) -> dict: ...
+    def stream_error(self, body: dict) -> list[Event]: ...
 
 
 class ReplyParserLike(Protocol):
@@ -83,6 +99,11 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
     finally:
         if not job.result.done():
             job.cancel()  # the handler is leaving early (error or cancellation)
+
+
+def decision_field(decision: Decision | None) -> dict:
+    """The `memra` field every API's object carries: the reuse decision's one rendering."""
+    return {"memra": {"decision": decision.render()}} if decision is not None else {}
 
 
 DECISION_HEADER = "x-memra-decision"
@@ -173,6 +194,12 @@ async def _whole(run: _Run, job: Job, watch: _ClientWatch) -> web.Response:
         raise unavailable("the request was cancelled because memrad is shutting down")
     _, reply = run.finish(completion)
     return web.json_response(run.shape.whole(reply, completion, decision), headers=decision_header(decision))
+
+
+def sse(payload: dict | str, event: str | None = None) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data}\n\n".encode()
 
 
 async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch) -> web.StreamResponse:

@@ -13,6 +13,7 @@ so the chat template sees the same conversation whichever API it came through (t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,21 +47,21 @@ def function_tool(name: Any, description: Any, parameters: Any, where: str) -> d
     return {"type": "function", "function": function}
 
 
-def chat_tools(value: Any) -> tuple[dict, ...] | None:
-    """Chat Completions `tools`: function tools only."""
+ToolParts = tuple[Any, Any, Any]  # one tool's name, description and parameters, as sent
+
+
+def function_tools(value: Any, array_of: str, parts: Callable[[Any, str], ToolParts]) -> tuple[dict, ...] | None:
+    """Any API's `tools` array -> internal tools (None when absent or empty).
+
+    `parts(tool, where)` reads one tool in the API's shape, or raises the API's 400 for a
+    tool memrad does not serve; `array_of` says what the array holds, for the 400 when
+    `tools` is not an array.
+    """
     if value is None:
         return None
     if not isinstance(value, list):
-        raise invalid("tools must be an array of {\"type\": \"function\", \"function\": {...}} objects", "tools")
-    out = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise invalid(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}: "
-                          "memrad serves function tools only", where)
-        fn = tool["function"]
-        out.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), where))
-    return tuple(out) or None
+        raise invalid(f"tools must be an array of {array_of}", "tools")
+    return tuple(function_tool(*parts(tool, f"tools[{i}]"), f"tools[{i}]") for i, tool in enumerate(value)) or None
 
 
 def tool_names(tools: tuple[dict, ...] | None) -> list[str]:
@@ -77,16 +78,25 @@ def check_choice(choice: ToolChoice, tools: tuple[dict, ...] | None, param: str 
     return choice
 
 
-def chat_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
-    """Chat `tool_choice`: "auto" | "none" | "required" | {"type": "function", "function": {"name"}}."""
+OPENAI_MODES = ("auto", "none", "required")  # the bare-string tool choices of Chat and Responses
+
+
+def tool_choice_of(value: Any, tools: tuple[dict, ...] | None, named: Callable[[dict], tuple[ToolMode, Any] | None],
+                   expected: str, words: tuple[str, ...] = ()) -> ToolChoice:
+    """Any API's `tool_choice` -> ToolChoice, checked against the tools (default: auto).
+
+    `words` are the bare strings the API takes as modes; `named(value)` reads an object as
+    (mode, function name), None for one the API does not define; `expected` finishes the
+    400's "tool_choice must be ...".
+    """
     if value is None:
         return ToolChoice()
-    if value in ("auto", "none", "required"):
+    if value in words:
         return check_choice(ToolChoice(value), tools)
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
-        return check_choice(ToolChoice("function", value["function"].get("name")), tools)
-    raise invalid('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
-                  '{"name": ...}}', "tool_choice")
+    read = named(value) if isinstance(value, dict) else None
+    if read is None:
+        raise invalid(f"tool_choice must be {expected}", "tool_choice")
+    return check_choice(ToolChoice(*read), tools)
 
 
 def tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
@@ -106,20 +116,6 @@ def tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
         raise invalid(f"{where}'s arguments must be a JSON object", where)
     return {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": json.dumps(parsed, ensure_ascii=False)}}
-
-
-def chat_tool_calls(value: Any, where: str) -> list[dict]:
-    if not isinstance(value, list):
-        raise invalid(f"{where} must be an array of tool calls", where)
-    out = []
-    for j, call in enumerate(value):
-        here = f"{where}[{j}]"
-        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-            raise invalid(f"{here} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                          "\"arguments\"}}}}", here)
-        fn = call["function"]
-        out.append(tool_call(call.get("id"), fn.get("name"), fn.get("arguments", "{}"), here))
-    return out
 
 
 def assistant_message(content: str, tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:

@@ -1,6 +1,8 @@
-"""Request bodies -> validated records. Pure: no engine, no aiohttp.
+"""The one internal request (ParsedRequest) and the field validators the three APIs share.
 
-Every rejection names the field (`param`) and says what a valid value looks like.
+Each API's adapter (chat_api, responses_api, messages_api) parses its body into a
+ParsedRequest with these. Pure: no engine, no aiohttp. Every rejection names the field
+(`param`) and says what a valid value looks like.
 """
 
 from __future__ import annotations
@@ -10,11 +12,10 @@ from typing import Any
 
 from memrad.request import Identity, SamplingParams
 from memrad.server.errors import invalid
-from memrad.server.tools import ToolChoice, chat_tool_calls, chat_tool_choice, chat_tools
+from memrad.server.tools import ToolChoice
 
 MAX_NAME_CHARS = 256
 MAX_STOPS = 4
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,28 +44,6 @@ class ParsedRequest:
         return bool(self.tools) and self.tool_choice.mode != "none"
 
 
-def parse_chat(body: Any, header_session_id: str | None) -> ParsedRequest:
-    body = object_body(body)
-    tools = chat_tools(body.get("tools"))
-    parallel = _bool(body, "parallel_tool_calls")
-    return ParsedRequest(
-        messages=_messages(body.get("messages")),
-        tools=tools,
-        tool_choice=chat_tool_choice(body.get("tool_choice"), tools),
-        parallel_tool_calls=True if parallel is None else parallel,
-        **common(body, header_session_id, max_tokens_keys=("max_completion_tokens", "max_tokens")),
-    )
-
-
-def parse_completion(body: Any, header_session_id: str | None) -> ParsedRequest:
-    body = object_body(body)
-    _unsupported(body, "echo", (None, False), "echo is not supported")
-    _unsupported(body, "suffix", (None, ""), "suffix (fill-in-the-middle) is not supported")
-    _unsupported(body, "best_of", (None, 1), "best_of must be 1")
-    return ParsedRequest(prompt=_prompt(body.get("prompt")),
-                         **common(body, header_session_id, max_tokens_keys=("max_tokens",)))
-
-
 def object_body(body: Any) -> dict:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
@@ -73,43 +52,43 @@ def object_body(body: Any) -> dict:
 
 def common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str, ...]) -> dict:
     """The fields every OpenAI-shaped body shares (sampling, stream, identity, salt)."""
-    n = _int(body, "n", minimum=1)
+    n = integer(body, "n", minimum=1)
     if n not in (None, 1):
         raise invalid("n must be 1: memrad generates one choice per request", "n")
-    _unsupported(body, "logprobs", (None, False), "logprobs are not supported")
-    _unsupported(body, "top_logprobs", (None, 0), "top_logprobs are not supported")
+    unsupported(body, "logprobs", (None, False), "logprobs are not supported")
+    unsupported(body, "top_logprobs", (None, 0), "top_logprobs are not supported")
     for key in ("presence_penalty", "frequency_penalty"):
-        if _number(body, key, -2.0, 2.0) not in (None, 0, 0.0):
+        if number(body, key, -2.0, 2.0) not in (None, 0, 0.0):
             raise invalid(f"{key} is not supported; send 0 or leave it out", key)
     if body.get("logit_bias") not in (None, {}):
         raise invalid("logit_bias is not supported", "logit_bias")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise invalid('response_format is not supported except {"type": "text"}', "response_format")
-    stream = _bool(body, "stream") or False
+    stream = boolean(body, "stream") or False
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options must be an object like {\"include_usage\": true}", "stream_options")
-    include_usage = _bool(options or {}, "include_usage", "stream_options.include_usage") or False
+    include_usage = boolean(options or {}, "include_usage", "stream_options.include_usage") or False
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise invalid("model must be a non-empty string", "model")
     max_tokens = None
     for key in max_tokens_keys:
-        value = _int(body, key, minimum=1)
+        value = integer(body, key, minimum=1)
         if value is not None:
             max_tokens = value
             break
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
+    temperature = number(body, "temperature", 0.0, 2.0)
+    top_p = number(body, "top_p", 0.0, 1.0)
     if top_p == 0.0:
         raise invalid("top_p must be greater than 0 and at most 1", "top_p")
     sampling = SamplingParams(
         temperature=1.0 if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p),
-        seed=_int(body, "seed"),
+        seed=integer(body, "seed"),
         max_tokens=max_tokens,
-        stop=_stops(body.get("stop")),
+        stop=stops(body.get("stop")),
     )
     return dict(model=model, sampling=sampling, stream=stream, include_usage=include_usage,
                 identity=identity_of(body, header_session_id),
@@ -142,44 +121,6 @@ def name_field(value: Any, param: str) -> str | None:
     return value
 
 
-def _messages(value: Any) -> tuple[dict, ...]:
-    if value is None:
-        raise invalid("messages is required: a non-empty array of {role, content} objects", "messages")
-    if not isinstance(value, list) or not value:
-        raise invalid("messages must be a non-empty array of {role, content} objects", "messages")
-    return tuple(_message(m, i) for i, m in enumerate(value))
-
-
-def _message(message: Any, i: int) -> dict:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise invalid(f"{where} must be an object with role and content", where)
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise invalid(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{where}.role")
-    out: dict = {"role": "system" if role == "developer" else role}
-    content = message.get("content")
-    tool_calls = message.get("tool_calls")
-    if tool_calls is not None:
-        if role != "assistant":
-            raise invalid(f"{where}.tool_calls must be an array on an assistant message", f"{where}.tool_calls")
-    if content is None and not (role == "assistant" and tool_calls):
-        raise invalid(f"{where}.content is required", f"{where}.content")
-    out["content"] = joined_text(content, f"{where}.content") if content is not None else ""
-    if tool_calls:
-        out["tool_calls"] = chat_tool_calls(tool_calls, f"{where}.tool_calls")
-    keys = {"assistant": ("reasoning_content",), "tool": ("tool_call_id",)}.get(role, ("name",))
-    for key in keys:
-        if message.get(key) is not None:
-            if not isinstance(message[key], str):
-                raise invalid(f"{where}.{key} must be a string", f"{where}.{key}")
-            out[key] = message[key]
-    if role == "tool" and "tool_call_id" not in out:
-        raise invalid(f"{where}.tool_call_id is required: the id of the call this result answers",
-                      f"{where}.tool_call_id")
-    return out
-
-
 def joined_text(content: Any, where: str, noun: str = "part") -> str:
     """A string, or text parts (`noun`: "part" in OpenAI's APIs, "block" in Anthropic's)
     joined by newlines; anything else is a 400 naming `where`."""
@@ -196,44 +137,22 @@ def joined_text(content: Any, where: str, noun: str = "part") -> str:
     raise invalid(f"{where} must be a string or an array of text {noun}s", where)
 
 
-def _prompt(value: Any) -> str | tuple[int, ...]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise invalid("prompt must not be empty", "prompt")
-        return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return tuple(value)
-    if isinstance(value, list) and len(value) > 1:
-        raise invalid("prompt must be one string (batches of prompts are not supported)", "prompt")
-    raise invalid("prompt is required: a non-empty string or an array of token ids", "prompt")
+# Field validators, shared by the three APIs: each returns None (or ()) for an absent field
+# and raises a 400 naming the field, saying what a valid value looks like.
 
-
-def _stops(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if (not isinstance(value, list) or len(value) > MAX_STOPS
-            or not all(isinstance(s, str) and s for s in value)):
-        raise invalid(f"stop must be a non-empty string or an array of at most {MAX_STOPS} of them", "stop")
-    return tuple(value)
-
-
-def _unsupported(body: dict, key: str, allowed: tuple, message: str) -> None:
+def unsupported(body: dict, key: str, allowed: tuple, message: str) -> None:
     if body.get(key) not in allowed:
         raise invalid(message, key)
 
 
-def _bool(body: dict, key: str, param: str | None = None) -> bool | None:
+def boolean(body: dict, key: str, param: str | None = None) -> bool | None:
     value = body.get(key)
     if value is not None and not isinstance(value, bool):
         raise invalid(f"{param or key} must be true or false", param or key)
     return value
 
 
-def _int(body: dict, key: str, minimum: int | None = None) -> int | None:
+def integer(body: dict, key: str, minimum: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return None
@@ -244,12 +163,29 @@ def _int(body: dict, key: str, minimum: int | None = None) -> int | None:
     return value
 
 
-def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
+def number(body: dict, key: str, lo: float, hi: float, *, quote_value: bool = True) -> float | None:
+    """A number in [lo, hi]. `quote_value`: an out-of-range value is quoted back (the OpenAI
+    APIs); Anthropic's Messages answers a wrong type and a wrong range alike."""
     value = body.get(key)
     if value is None:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise invalid(f"{key} must be a number between {lo:g} and {hi:g}", key)
     if not lo <= value <= hi:
-        raise invalid(f"{key} must be between {lo:g} and {hi:g}; got {value}", key)
+        raise invalid(f"{key} must be between {lo:g} and {hi:g}; got {value}" if quote_value
+                      else f"{key} must be a number between {lo:g} and {hi:g}", key)
     return value
+
+
+def stops(value: Any, param: str = "stop", *, one_string: bool = True) -> tuple[str, ...]:
+    """At most MAX_STOPS non-empty stop strings. `one_string`: a bare string is one stop
+    (OpenAI's `stop`); Anthropic's `stop_sequences` takes an array only."""
+    if value is None:
+        return ()
+    if one_string and isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or len(value) > MAX_STOPS or not all(isinstance(s, str) and s for s in value):
+        shape = (f"a non-empty string or an array of at most {MAX_STOPS} of them" if one_string
+                 else f"an array of at most {MAX_STOPS} non-empty strings")
+        raise invalid(f"{param} must be {shape}", param)
+    return tuple(value)

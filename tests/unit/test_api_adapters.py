@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from memrad.request import Identity
+from memrad.server.chat_api import parse_chat
 from memrad.server.errors import APIError, error_style
 from memrad.server.messages_api import parse_messages
 from memrad.server.response_store import ResponseStore, StoredResponse
 from memrad.server.responses_api import parse_responses
-from memrad.server.validate import parse_chat
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -2,7 +2,7 @@ import pytest
 
 from memrad.request import Identity, SamplingParams
 from memrad.server.errors import APIError
-from memrad.server.validate import parse_chat, parse_completion
+from memrad.server.chat_api import parse_chat, parse_completion
 
 USER = [{"role": "user", "content": "hi"}]
 
