@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from memrad.config import Settings
-from memrad.engine.state.disk import DiskTier
+from memrad.engine.state.disk import DiskTier, state_format
 from memrad.engine.engine import Engine
 from memrad.engine.model.loader import default_pool_bytes, load_model, resolve_threads
 from memrad.paths import sessions_dir
@@ -41,13 +41,15 @@ def build_engine(settings: Settings) -> Engine:
                  settings.pool.max_sessions, max_bytes / 2**30)
     else:
         log.info("reuse pool disabled: every request runs cold")
-    engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
-                    settings.affinity.enabled, settings.affinity.longest_prefix, compile=settings.engine.compile)
-    if settings.engine.compile == "on":
-        engine.decoder.start()  # before serving; auto starts once the daemon listens (memrad.daemon)
-    log.info("decode: %s (%s)", engine.decoder.choice.value, engine.decoder.choice.reason)
+    disk = None
     if pool is not None and settings.disk.enabled and settings.disk.max_bytes > 0:
-        engine.disk = _disk_tier(settings, engine, pool)
+        disk = _disk_tier(settings, state_format(loaded, settings.engine.prefill_chunk, settings.reuse.mode), pool)
+    engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
+                    settings.affinity.enabled, settings.affinity.longest_prefix, disk,
+                    compile=settings.engine.compile)
+    if settings.engine.compile == "on":
+        engine.start_background()  # before serving; auto starts once the daemon listens (memrad.daemon)
+    log.info("decode: %s (%s)", engine.decoder.choice.value, engine.decoder.choice.reason)
     if pool is not None:
         openers = ", ".join(sorted(loaded.tokenizer.convert_ids_to_tokens(list(engine.openers))))
         log.info("affinity: %s; longest prefix: %s; message openers: %s",
@@ -57,10 +59,10 @@ def build_engine(settings: Settings) -> Engine:
     return engine
 
 
-def _disk_tier(settings: Settings, engine: Engine, pool: ReusePool) -> DiskTier:
+def _disk_tier(settings: Settings, compat: dict[str, str], pool: ReusePool) -> DiskTier:
     """Index the disk tier's files (headers only) and keep new session ids clear of theirs."""
     directory = Path(settings.disk.dir).expanduser() if settings.disk.dir else sessions_dir()
-    disk = DiskTier(directory, settings.disk.max_bytes, engine.state_format())
+    disk = DiskTier(directory, settings.disk.max_bytes, compat)
     found = disk.index()
     pool.skip_ids_up_to([s.session_id for s in found])
     log.info("disk tier: %d parked sessions (%.1f MiB) in %s, up to %.1f GiB", len(found),

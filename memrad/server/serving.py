@@ -1,7 +1,7 @@
 """Serving one generation for any API: queue it, parse the reply, answer in a Shape.
 
     route -> serve(parsed, text, ids, shape) -> scheduler job -> text deltas
-          -> ReplyParser (the engine's) -> ReplyDeltas -> shape events (stream) | shape.whole
+          -> ReplyParser (the engine's chat) -> ReplyDeltas -> shape events (stream) | shape.whole
 
 The job yields its reuse Decision first (before any prefill), then text; a client that goes
 away cancels the job within one engine step.
@@ -73,7 +73,7 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
                        headers={"Retry-After": str(full.retry_after_s)}) from None
     except ShuttingDown:
         raise unavailable("memrad is shutting down; start it again with `memrad start`") from None
-    parser = ctx.engine.reply_parser(text, parsed.parse_tools) if parse else None
+    parser = ctx.engine.chat.parser(text, parsed.parse_tools) if parse else None
     run = _Run(request_id, shape, parser, on_finished, error_style(request.path))
     watch = _ClientWatch(request, job)
     try:
