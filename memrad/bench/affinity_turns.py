@@ -124,7 +124,7 @@ def conversation(loaded, args, threads: int, identity: Identity | None, rep: int
                 continue
             engine = arms[flag]
             messages[flag].append({"role": "user", "content": f"Step {turn}. Tool result:\n{TOOL_OUTPUT}\nWhat next?"})
-            text, ids = engine.render_chat(messages[flag], None)
+            text, ids = engine.chat.render(messages[flag], None)
             request = GenerationRequest(f"{flag}-{turn}", engine.model_id, tuple(ids), text,
                                         SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
                                         identity=identity)

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.init_worker_thread()
             finished = []
             engine.on_finished = finished.append
-            text, ids = engine.render_chat([{"role": "system", "content": SHORT.system},
+            text, ids = engine.chat.render([{"role": "system", "content": SHORT.system},
                                             {"role": "user", "content": prompt}], None)
             request = GenerationRequest(f"p{p}-c{chunk}", engine.model_id, tuple(ids), text,
                                         SamplingParams(temperature=0.0, max_tokens=args.max_tokens))

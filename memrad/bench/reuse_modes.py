@@ -42,7 +42,7 @@ def run_mode(loaded, mode: str, turns: int, reps: int, chunk: int, threads: int,
         messages = [{"role": "system", "content": SYSTEM}]
         for t in range(turns):
             messages.append({"role": "user", "content": USER_TURNS[t % len(USER_TURNS)]})
-            text, ids = engine.render_chat(messages, None)
+            text, ids = engine.chat.render(messages, None)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
             warm = engine.generate(GenerationRequest(f"w{t}", engine.model_id, tuple(ids), text, params),
                                    lambda _: None, lambda: False)

@@ -29,7 +29,7 @@ LONG_SYSTEM = SYSTEM * 4  # ~1.1k tokens: a system prompt and tool list as agent
 
 
 def ask(engine: Engine, messages: list[dict], rid: str, max_tokens: int):
-    text, ids = engine.render_chat(messages, None)
+    text, ids = engine.chat.render(messages, None)
     request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
                                 SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return engine.generate(request, lambda _: None, lambda: False)

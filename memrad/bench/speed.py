@@ -122,7 +122,7 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
         loads[spec] = (time.perf_counter() - started, current_rss_bytes() - rss)
         arms.append(Arm(spec, loaded, args.chunk, threads, decode))
     rng = random.Random(0)
-    ids = [rng.randrange(3, arms[0].engine.vocab_size) for _ in range(longest + args.suffix)]
+    ids = [rng.randrange(3, arms[0].engine.chat.vocab_size) for _ in range(longest + args.suffix)]
     keys = ([f"prefill {m} tok/s" for m in marks] + [f"resume {args.suffix} after {longest} s"]
             + [f"decode at {at} tok/s" for at in sorted(args.decode_at)])
     cells: dict[str, dict[str, list[float]]] = {arm.name: {key: [] for key in keys} for arm in arms}
@@ -232,7 +232,7 @@ def _floor(args: argparse.Namespace, threads: int) -> int:
     engine = Engine(loaded, args.chunk, threads)
     engine.init_worker_thread()
     rng = random.Random(0)
-    turns = [Turn(engine, [rng.randrange(3, engine.vocab_size) for _ in range(c + s)], c) for c, s in args.floor]
+    turns = [Turn(engine, [rng.randrange(3, engine.chat.vocab_size) for _ in range(c + s)], c) for c, s in args.floor]
     times: list[list[float]] = [[] for _ in turns]
     for rep in range(args.reps):
         for i in range(len(turns)) if rep % 2 == 0 else reversed(range(len(turns))):
@@ -260,7 +260,7 @@ def _kv_layout(args: argparse.Namespace, threads: int) -> int:
     engine.init_worker_thread()
     n, suffix = max(args.prefill), args.suffix
     rng = random.Random(0)
-    ids = [rng.randrange(3, engine.vocab_size) for _ in range(n + suffix)]
+    ids = [rng.randrange(3, engine.chat.vocab_size) for _ in range(n + suffix)]
     print(f"model={loaded.model_id} dtype={loaded.dtype_name} weights={loaded.weights_name} reps={args.reps}\n")
     print(f"| KV layers | grouped SDPA | cold prefill {n} tok/s | resume {suffix} after {n} s | decode at {n} tok/s |")
     print("| --- | --- | ---: | ---: | ---: |")

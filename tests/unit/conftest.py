@@ -30,6 +30,23 @@ def tiny_loaded(tiny_llama_dir):
     return load_model(str(tiny_llama_dir), device="cpu", dtype="float32")
 
 
+class _ByKind(dict):
+    def __init__(self, tiny_dir) -> None:
+        super().__init__()
+        self.tiny_dir = tiny_dir
+
+    def __missing__(self, kind: str):
+        torch.set_num_threads(1)
+        self[kind] = load_model(str(self.tiny_dir(kind)), device="cpu", dtype="float32")
+        return self[kind]
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_dir):
+    """Tiny models by kind (loaded["llama"], loaded["qwen3_next"], ...), each loaded once."""
+    return _ByKind(tiny_dir)
+
+
 @pytest.fixture
 def tiny_engine(tiny_loaded):
     return Engine(tiny_loaded, prefill_chunk=16, threads=1)
