@@ -3,6 +3,7 @@ import torch
 
 from memrad.engine.engine import Engine
 from memrad.engine.model.loader import load_model
+from fake_engine import FakeEngine
 from tiny import save_tiny, write_q4_folder
 
 
@@ -45,6 +46,12 @@ class _ByKind(dict):
 def loaded(tiny_dir):
     """Tiny models by kind (loaded["llama"], loaded["qwen3_next"], ...), each loaded once."""
     return _ByKind(tiny_dir)
+
+
+@pytest.fixture
+def fake_engine():
+    """A torch-free engine for server tests where the model is not the point."""
+    return FakeEngine()
 
 
 @pytest.fixture
