@@ -226,10 +226,10 @@ def _llama_bench(args: argparse.Namespace, threads: int, marks: list[int]) -> di
 
 def _floor(args: argparse.Namespace, threads: int) -> int:
     """Interleaved floors of resumed turns: the bare forward of S tokens after C cached ones."""
-    from memrad.engine.engine import Engine
+    from memrad.engine.build import engine_for, in_process
 
     loaded = load_model(args.model, args.device, "auto", progress=lambda _: None)
-    engine = Engine(loaded, args.chunk, threads)
+    engine = engine_for(loaded, in_process(args.chunk), threads)
     engine.init_worker_thread()
     rng = random.Random(0)
     turns = [Turn(engine, [rng.randrange(3, engine.chat.vocab_size) for _ in range(c + s)], c) for c, s in args.floor]
@@ -252,11 +252,11 @@ def _kv_layout(args: argparse.Namespace, threads: int) -> int:
     """torch.cat layers vs in-place slabs, grouped SDPA off vs on: cold prefill, resume, decode."""
     import os
 
-    from memrad.engine.engine import Engine
+    from memrad.engine.build import engine_for, in_process
     from memrad.engine.forward import crop_to, decode_one_token, prefill
 
     loaded = load_model(args.model, args.device, "auto", progress=lambda _: None)
-    engine = Engine(loaded, args.chunk, threads)
+    engine = engine_for(loaded, in_process(args.chunk), threads)
     engine.init_worker_thread()
     n, suffix = max(args.prefill), args.suffix
     rng = random.Random(0)

@@ -1,4 +1,4 @@
-"""From Settings to a ready Engine: offline hub, fixed threads, model, reuse pool."""
+"""From Settings to a ready Engine: offline hub, fixed threads, model, reuse pool, disk tier."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import os
 import time
 from pathlib import Path
 
-from memrad.config import Settings
+from memrad.config import (AffinitySettings, DiskSettings, EngineSettings, PoolSettings, ReuseSettings,
+                           Settings)
 from memrad.engine.state.disk import DiskTier, state_format
-from memrad.engine.engine import Engine
-from memrad.engine.model.loader import default_pool_bytes, load_model, resolve_threads
+from memrad.engine.engine import Engine, FinishHook
+from memrad.engine.model.loader import LoadedModel, default_pool_bytes, load_model, resolve_threads
 from memrad.paths import sessions_dir
 from memrad.reuse.pool import ReusePool
 
@@ -33,30 +34,48 @@ def build_engine(settings: Settings) -> Engine:
     log.info("loaded %s in %.1f s on %s (%s, %s weights, %d threads, prefill chunk %d, context %d)",
              loaded.model_id, time.perf_counter() - started, loaded.device.type, loaded.dtype_name,
              loaded.weights_name, threads, settings.engine.prefill_chunk, loaded.context_len)
-    pool = None
-    if settings.pool.enabled:
-        max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)
-        pool = ReusePool(settings.pool.max_sessions, max_bytes)
-        log.info("reuse pool: %s mode, up to %d sessions and %.1f GiB", settings.reuse.mode,
-                 settings.pool.max_sessions, max_bytes / 2**30)
-    else:
-        log.info("reuse pool disabled: every request runs cold")
-    disk = None
-    if pool is not None and settings.disk.enabled and settings.disk.max_bytes > 0:
-        disk = _disk_tier(settings, state_format(loaded, settings.engine.prefill_chunk, settings.reuse.mode), pool)
-    engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
-                    settings.affinity.enabled, settings.affinity.longest_prefix, disk,
-                    compile=settings.engine.compile)
+    engine = engine_for(loaded, settings, threads)
     if settings.engine.compile == "on":
         engine.start_background()  # before serving; auto starts once the daemon listens (memrad.daemon)
     log.info("decode: %s (%s)", engine.decoder.choice.value, engine.decoder.choice.reason)
-    if pool is not None:
+    if settings.pool.enabled:
         openers = ", ".join(sorted(loaded.tokenizer.convert_ids_to_tokens(list(engine.openers))))
         log.info("affinity: %s; longest prefix: %s; message openers: %s",
                  "on" if settings.affinity.enabled else "off (MEMRA_AFFINITY=0)",
                  "on" if settings.affinity.longest_prefix else "off (MEMRA_LONGEST_PREFIX=0)",
                  openers or "none found in the chat template (implicit nomination never fires)")
     return engine
+
+
+def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
+               on_finished: FinishHook | None = None) -> Engine:
+    """The one way from a loaded model and Settings to an Engine: the pool, the disk tier
+    and the flags as configured (the daemon, and the benches that drive an engine in process)."""
+    pool = disk = None
+    if settings.pool.enabled:
+        max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)
+        pool = ReusePool(settings.pool.max_sessions, max_bytes)
+        log.info("reuse pool: %s mode, up to %d sessions and %.1f GiB", settings.reuse.mode,
+                 settings.pool.max_sessions, max_bytes / 2**30)
+        if settings.disk.enabled and settings.disk.max_bytes > 0:
+            disk = _disk_tier(settings, state_format(loaded, settings.engine.prefill_chunk, settings.reuse.mode),
+                              pool)
+    else:
+        log.info("reuse pool disabled: every request runs cold")
+    return Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
+                  settings.affinity.enabled, settings.affinity.longest_prefix, disk,
+                  compile=settings.engine.compile, on_finished=on_finished)
+
+
+def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None = None, affinity: bool = True,
+               longest_prefix: bool = True, max_bytes: int = 2**33) -> Settings:
+    """Settings for an engine a bench drives in process: no disk tier, eager decode;
+    `max_sessions` None: no reuse pool (every run cold)."""
+    return Settings(engine=EngineSettings(prefill_chunk=prefill_chunk, compile="off"),
+                    pool=PoolSettings(enabled=max_sessions is not None, max_sessions=max_sessions or 0,
+                                      max_bytes=max_bytes),
+                    reuse=ReuseSettings(mode=mode), affinity=AffinitySettings(affinity, longest_prefix),
+                    disk=DiskSettings(enabled=False))
 
 
 def _disk_tier(settings: Settings, compat: dict[str, str], pool: ReusePool) -> DiskTier:
