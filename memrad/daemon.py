@@ -156,7 +156,7 @@ def serve(settings: Settings) -> None:
     finally:
         clean_stale_files()
         lock.close()
-    if engine is not None and engine.decoder.compiling():
+    if engine is not None and engine.compiling:
         # Still compiling in this process (the torch.compile fallback; a package build runs in
         # a child, stopped by engine.close): interpreter teardown under a running compile
         # aborts in C++ ("terminate called without an active exception", exit 134).
@@ -204,7 +204,7 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     log.info("serving %s on %s (pid %d); control socket %s", model_id, url, info.pid, control.path)
     # compile = auto compiles now, in the background: not before, where its tracing would
     # hold the interpreter while the daemon is still getting ready to answer.
-    app[CONTEXT].engine.decoder.start()
+    app[CONTEXT].engine.start_background()
     await stop.wait()
     log.info("stopping: finishing or cancelling in-flight requests")
     await control.close()

@@ -24,13 +24,12 @@ import random
 import statistics
 import time
 
-from memrad.engine.engine import Engine
+from memrad.engine.build import engine_for, in_process
 from memrad.engine.forward import crop_to, prefill
 from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.grid import find_anchors
 from memrad.request import GenerationRequest, Identity, SamplingParams
 from memrad.reuse.planner import common_prefix_len
-from memrad.reuse.pool import ReusePool
 
 SYSTEM = ("You are a careful coding agent working in a Python repository. Read before you write, keep "
           "changes small, and run the tests after every change. Tools: read_file(path), write_file(path, "
@@ -111,7 +110,7 @@ def bootstrap_ratio(reps: list[list[float]], first: int, draws: int = 5000) -> t
 def conversation(loaded, args, threads: int, identity: Identity | None, rep: int) -> list[tuple]:
     """One conversation on fresh engines: per turn, (affinity-on, affinity-off) completions
     and the floor of the affinity-on turn in seconds (the off completion is None with --on-only)."""
-    arms = {flag: Engine(loaded, args.chunk, threads, ReusePool(64, 2**33), args.mode, affinity=flag)
+    arms = {flag: engine_for(loaded, in_process(args.chunk, args.mode, 64, affinity=flag), threads)
             for flag in ((True,) if args.on_only else (True, False))}
     arms[True].init_worker_thread()
     floor = Floor(arms[True])
@@ -124,7 +123,7 @@ def conversation(loaded, args, threads: int, identity: Identity | None, rep: int
                 continue
             engine = arms[flag]
             messages[flag].append({"role": "user", "content": f"Step {turn}. Tool result:\n{TOOL_OUTPUT}\nWhat next?"})
-            text, ids = engine.render_chat(messages[flag], None)
+            text, ids = engine.chat.render(messages[flag], None)
             request = GenerationRequest(f"{flag}-{turn}", engine.model_id, tuple(ids), text,
                                         SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
                                         identity=identity)

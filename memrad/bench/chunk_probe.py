@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from memrad.bench.scenarios import SHORT
-from memrad.engine.engine import Engine
+from memrad.engine.build import engine_for, in_process
 from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.request import GenerationRequest, SamplingParams
 
@@ -43,11 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     for p, prompt in enumerate(prompts, start=1):
         outputs = {}
         for chunk in chunks:
-            engine = Engine(loaded, chunk, threads)  # no pool: every run is cold
-            engine.init_worker_thread()
             finished = []
-            engine.on_finished = finished.append
-            text, ids = engine.render_chat([{"role": "system", "content": SHORT.system},
+            engine = engine_for(loaded, in_process(chunk), threads, finished.append)  # no pool: every run is cold
+            engine.init_worker_thread()
+            text, ids = engine.chat.render([{"role": "system", "content": SHORT.system},
                                             {"role": "user", "content": prompt}], None)
             request = GenerationRequest(f"p{p}-c{chunk}", engine.model_id, tuple(ids), text,
                                         SamplingParams(temperature=0.0, max_tokens=args.max_tokens))

@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from memrad.engine.engine import Engine
+from memrad.engine.build import engine_for, in_process
 from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.request import GenerationRequest, SamplingParams
-from memrad.reuse.pool import ReusePool
 
 SYSTEM = (
     "You are a careful coding agent working in a Python repository. Read before you write, keep "
@@ -35,14 +34,13 @@ USER_TURNS = [
 def run_mode(loaded, mode: str, turns: int, reps: int, chunk: int, threads: int, max_tokens: int) -> list[dict]:
     rows: list[dict] = [dict(turn=t + 1, warm=[], cold=[], cached=0, prompt=0, drift=0.0) for t in range(turns)]
     for rep in range(reps):
-        engine = Engine(loaded, chunk, threads, ReusePool(64, 2**33), mode)
-        engine.init_worker_thread()
         finished = []
-        engine.on_finished = finished.append
+        engine = engine_for(loaded, in_process(chunk, mode, 64), threads, finished.append)
+        engine.init_worker_thread()
         messages = [{"role": "system", "content": SYSTEM}]
         for t in range(turns):
             messages.append({"role": "user", "content": USER_TURNS[t % len(USER_TURNS)]})
-            text, ids = engine.render_chat(messages, None)
+            text, ids = engine.chat.render(messages, None)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
             warm = engine.generate(GenerationRequest(f"w{t}", engine.model_id, tuple(ids), text, params),
                                    lambda _: None, lambda: False)

@@ -19,17 +19,16 @@ import argparse
 import statistics
 
 from memrad.bench.affinity_turns import SYSTEM, TOOL_OUTPUT
-from memrad.engine.engine import Engine
+from memrad.engine.build import engine_for, in_process
 from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.request import GenerationRequest, SamplingParams
-from memrad.reuse.pool import ReusePool
 
 ARMS = {"both": (True, True), "affinity only": (True, False), "neither": (False, False)}
 LONG_SYSTEM = SYSTEM * 4  # ~1.1k tokens: a system prompt and tool list as agents send them
 
 
 def ask(engine: Engine, messages: list[dict], rid: str, max_tokens: int):
-    text, ids = engine.render_chat(messages, None)
+    text, ids = engine.chat.render(messages, None)
     request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
                                 SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return engine.generate(request, lambda _: None, lambda: False)
@@ -37,7 +36,7 @@ def ask(engine: Engine, messages: list[dict], rid: str, max_tokens: int):
 
 def turn_two(loaded, threads: int, chunk: int, arm: str, max_tokens: int):
     affinity, longest = ARMS[arm]
-    engine = Engine(loaded, chunk, threads, ReusePool(8, 2**33), "exact", affinity, longest)
+    engine = engine_for(loaded, in_process(chunk, "exact", 8, affinity, longest), threads)
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Step 1. Tool result:\n{TOOL_OUTPUT}\nWhat next?"}]
     first = ask(engine, messages, "t1", max_tokens)
@@ -48,7 +47,7 @@ def turn_two(loaded, threads: int, chunk: int, arm: str, max_tokens: int):
 
 def shared_system(loaded, threads: int, chunk: int, longest: bool, max_tokens: int):
     """(second conversation's completion, the first's next turn text) on one engine."""
-    engine = Engine(loaded, chunk, threads, ReusePool(8, 2**33), "exact", True, longest)
+    engine = engine_for(loaded, in_process(chunk, "exact", 8, True, longest), threads)
     a = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "List the files."}]
     a1 = ask(engine, a, "a1", max_tokens)
     b = ask(engine, [{"role": "system", "content": LONG_SYSTEM},

@@ -122,7 +122,7 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
         loads[spec] = (time.perf_counter() - started, current_rss_bytes() - rss)
         arms.append(Arm(spec, loaded, args.chunk, threads, decode))
     rng = random.Random(0)
-    ids = [rng.randrange(3, arms[0].engine.vocab_size) for _ in range(longest + args.suffix)]
+    ids = [rng.randrange(3, arms[0].engine.chat.vocab_size) for _ in range(longest + args.suffix)]
     keys = ([f"prefill {m} tok/s" for m in marks] + [f"resume {args.suffix} after {longest} s"]
             + [f"decode at {at} tok/s" for at in sorted(args.decode_at)])
     cells: dict[str, dict[str, list[float]]] = {arm.name: {key: [] for key in keys} for arm in arms}
@@ -226,13 +226,13 @@ def _llama_bench(args: argparse.Namespace, threads: int, marks: list[int]) -> di
 
 def _floor(args: argparse.Namespace, threads: int) -> int:
     """Interleaved floors of resumed turns: the bare forward of S tokens after C cached ones."""
-    from memrad.engine.engine import Engine
+    from memrad.engine.build import engine_for, in_process
 
     loaded = load_model(args.model, args.device, "auto", progress=lambda _: None)
-    engine = Engine(loaded, args.chunk, threads)
+    engine = engine_for(loaded, in_process(args.chunk), threads)
     engine.init_worker_thread()
     rng = random.Random(0)
-    turns = [Turn(engine, [rng.randrange(3, engine.vocab_size) for _ in range(c + s)], c) for c, s in args.floor]
+    turns = [Turn(engine, [rng.randrange(3, engine.chat.vocab_size) for _ in range(c + s)], c) for c, s in args.floor]
     times: list[list[float]] = [[] for _ in turns]
     for rep in range(args.reps):
         for i in range(len(turns)) if rep % 2 == 0 else reversed(range(len(turns))):
@@ -252,15 +252,15 @@ def _kv_layout(args: argparse.Namespace, threads: int) -> int:
     """torch.cat layers vs in-place slabs, grouped SDPA off vs on: cold prefill, resume, decode."""
     import os
 
-    from memrad.engine.engine import Engine
+    from memrad.engine.build import engine_for, in_process
     from memrad.engine.forward import crop_to, decode_one_token, prefill
 
     loaded = load_model(args.model, args.device, "auto", progress=lambda _: None)
-    engine = Engine(loaded, args.chunk, threads)
+    engine = engine_for(loaded, in_process(args.chunk), threads)
     engine.init_worker_thread()
     n, suffix = max(args.prefill), args.suffix
     rng = random.Random(0)
-    ids = [rng.randrange(3, engine.vocab_size) for _ in range(n + suffix)]
+    ids = [rng.randrange(3, engine.chat.vocab_size) for _ in range(n + suffix)]
     print(f"model={loaded.model_id} dtype={loaded.dtype_name} weights={loaded.weights_name} reps={args.reps}\n")
     print(f"| KV layers | grouped SDPA | cold prefill {n} tok/s | resume {suffix} after {n} s | decode at {n} tok/s |")
     print("| --- | --- | ---: | ---: | ---: |")

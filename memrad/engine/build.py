@@ -1,4 +1,4 @@
-"""From Settings to a ready Engine: offline hub, fixed threads, model, reuse pool."""
+"""From Settings to a ready Engine: offline hub, fixed threads, model, reuse pool, disk tier."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import os
 import time
 from pathlib import Path
 
-from memrad.config import Settings
-from memrad.engine.state.disk import DiskTier
-from memrad.engine.engine import Engine
-from memrad.engine.model.loader import default_pool_bytes, load_model, resolve_threads
+from memrad.config import (AffinitySettings, DiskSettings, EngineSettings, PoolSettings, ReuseSettings,
+                           Settings)
+from memrad.engine.state.disk import DiskTier, state_format
+from memrad.engine.engine import Engine, FinishHook
+from memrad.engine.model.loader import LoadedModel, default_pool_bytes, load_model, resolve_threads
 from memrad.paths import sessions_dir
 from memrad.reuse.pool import ReusePool
 
@@ -33,22 +34,11 @@ def build_engine(settings: Settings) -> Engine:
     log.info("loaded %s in %.1f s on %s (%s, %s weights, %d threads, prefill chunk %d, context %d)",
              loaded.model_id, time.perf_counter() - started, loaded.device.type, loaded.dtype_name,
              loaded.weights_name, threads, settings.engine.prefill_chunk, loaded.context_len)
-    pool = None
-    if settings.pool.enabled:
-        max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)
-        pool = ReusePool(settings.pool.max_sessions, max_bytes)
-        log.info("reuse pool: %s mode, up to %d sessions and %.1f GiB", settings.reuse.mode,
-                 settings.pool.max_sessions, max_bytes / 2**30)
-    else:
-        log.info("reuse pool disabled: every request runs cold")
-    engine = Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
-                    settings.affinity.enabled, settings.affinity.longest_prefix, compile=settings.engine.compile)
+    engine = engine_for(loaded, settings, threads)
     if settings.engine.compile == "on":
-        engine.decoder.start()  # before serving; auto starts once the daemon listens (memrad.daemon)
+        engine.start_background()  # before serving; auto starts once the daemon listens (memrad.daemon)
     log.info("decode: %s (%s)", engine.decoder.choice.value, engine.decoder.choice.reason)
-    if pool is not None and settings.disk.enabled and settings.disk.max_bytes > 0:
-        engine.disk = _disk_tier(settings, engine, pool)
-    if pool is not None:
+    if settings.pool.enabled:
         openers = ", ".join(sorted(loaded.tokenizer.convert_ids_to_tokens(list(engine.openers))))
         log.info("affinity: %s; longest prefix: %s; message openers: %s",
                  "on" if settings.affinity.enabled else "off (MEMRA_AFFINITY=0)",
@@ -57,10 +47,41 @@ def build_engine(settings: Settings) -> Engine:
     return engine
 
 
-def _disk_tier(settings: Settings, engine: Engine, pool: ReusePool) -> DiskTier:
+def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
+               on_finished: FinishHook | None = None) -> Engine:
+    """The one way from a loaded model and Settings to an Engine: the pool, the disk tier
+    and the flags as configured (the daemon, and the benches that drive an engine in process)."""
+    pool = disk = None
+    if settings.pool.enabled:
+        max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)
+        pool = ReusePool(settings.pool.max_sessions, max_bytes)
+        log.info("reuse pool: %s mode, up to %d sessions and %.1f GiB", settings.reuse.mode,
+                 settings.pool.max_sessions, max_bytes / 2**30)
+        if settings.disk.enabled and settings.disk.max_bytes > 0:
+            disk = _disk_tier(settings, state_format(loaded, settings.engine.prefill_chunk, settings.reuse.mode),
+                              pool)
+    else:
+        log.info("reuse pool disabled: every request runs cold")
+    return Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
+                  settings.affinity.enabled, settings.affinity.longest_prefix, disk,
+                  compile=settings.engine.compile, on_finished=on_finished)
+
+
+def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None = None, affinity: bool = True,
+               longest_prefix: bool = True, max_bytes: int = 2**33) -> Settings:
+    """Settings for an engine a bench drives in process: no disk tier, eager decode;
+    `max_sessions` None: no reuse pool (every run cold)."""
+    return Settings(engine=EngineSettings(prefill_chunk=prefill_chunk, compile="off"),
+                    pool=PoolSettings(enabled=max_sessions is not None, max_sessions=max_sessions or 0,
+                                      max_bytes=max_bytes),
+                    reuse=ReuseSettings(mode=mode), affinity=AffinitySettings(affinity, longest_prefix),
+                    disk=DiskSettings(enabled=False))
+
+
+def _disk_tier(settings: Settings, compat: dict[str, str], pool: ReusePool) -> DiskTier:
     """Index the disk tier's files (headers only) and keep new session ids clear of theirs."""
     directory = Path(settings.disk.dir).expanduser() if settings.disk.dir else sessions_dir()
-    disk = DiskTier(directory, settings.disk.max_bytes, engine.state_format())
+    disk = DiskTier(directory, settings.disk.max_bytes, compat)
     found = disk.index()
     pool.skip_ids_up_to([s.session_id for s in found])
     log.info("disk tier: %d parked sessions (%.1f MiB) in %s, up to %.1f GiB", len(found),

@@ -10,7 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from memrad.protocol import SegmentInfo, SessionInfo
+from memrad.protocol import Decision, DecisionEvent, SegmentInfo, SessionInfo
+from memrad.request import GenerationRequest
 from memrad.reuse.fingerprint import Segment, segments
 from memrad.reuse.pool import ParkedSession
 
@@ -69,3 +70,20 @@ def divergence_context(tokenizer: Any, prompt: Sequence[int], parked: Sequence[i
         return _readable(before, 80) + " ▸ " + _readable(after, 80)
 
     return show(prompt), show(parked)
+
+
+def decision_event(tokenizer: Any, openers: frozenset[int], request: GenerationRequest, decision: Decision,
+                   prompt_segments: Sequence[Segment], candidate: ParkedSession | None) -> DecisionEvent:
+    """The decision as the TUI shows it: the prompt's segments beside the candidate's, and
+    the text around a divergence. `candidate`: the nominated session, if still in memory."""
+    context, candidate_segments = None, ()
+    if candidate is not None:
+        parked_prompt = candidate.token_ids[: candidate.prompt_checkpoint]
+        candidate_segments = segment_infos(tokenizer, parked_prompt, segments(parked_prompt, openers))
+        if decision.divergence is not None:
+            context = divergence_context(tokenizer, request.prompt_ids, candidate.token_ids, decision.divergence)
+    return DecisionEvent(
+        at=time.time(), decision=decision, prompt_tokens=request.num_prompt_tokens,
+        identity=request.identity.name if request.identity else None,
+        segments=segment_infos(tokenizer, request.prompt_ids, prompt_segments),
+        divergence_context=context, candidate_segments=candidate_segments)

@@ -68,7 +68,7 @@ def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str)
     app[LIMITS] = Limits.from_settings(settings.limits)
     app[METRICS] = metrics = Metrics(lambda: _gauges(ctx))
     ctx.event_sinks.append(metrics.observe)
-    engine.events = ctx.publish
+    engine.events.subscribe(ctx.publish)
     security.install(app, settings.security, settings.server.host)
 
     async def finish_requests(app: web.Application) -> None:
@@ -85,12 +85,11 @@ def _gauges(ctx: ServerContext) -> dict:
     """What /metrics reads at scrape time (memrad.server.metrics.GAUGES names the keys)."""
     running = 1 if ctx.scheduler.running is not None else 0
     values: dict = {"queue_depth": ctx.scheduler.waiting, "running_requests": running}
-    pool = getattr(ctx.engine, "pool", None)
-    if pool is not None:
-        values.update(pool_sessions={"memory": len(pool.sessions())}, pool_bytes={"memory": pool.bytes_parked},
-                      pool_max_bytes=pool.max_bytes, pool_max_sessions=pool.max_sessions)
-        disk = getattr(ctx.engine, "disk", None)  # the disk tier, where the engine has one
-        if disk is not None:
-            values["pool_sessions"]["disk"] = len(disk.pool.sessions())
-            values["pool_bytes"]["disk"] = disk.pool.bytes_parked
+    stats = ctx.engine.stats()
+    if stats is not None:
+        values.update(pool_sessions={"memory": stats.sessions}, pool_bytes={"memory": stats.bytes_parked},
+                      pool_max_bytes=stats.max_bytes, pool_max_sessions=stats.max_sessions)
+        if stats.disk_sessions is not None:  # the disk tier, where the engine has one
+            values["pool_sessions"]["disk"] = stats.disk_sessions
+            values["pool_bytes"]["disk"] = stats.disk_bytes
     return values

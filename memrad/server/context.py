@@ -6,27 +6,48 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
 from memrad.config import Settings
-from memrad.protocol import PoolStats, StateSnapshot
+from memrad.protocol import PoolStats, SessionInfo, StateSnapshot
+from memrad.reuse.pool import ParkingStats
 from memrad.scheduler import EngineLike, Scheduler
 from memrad.server.response_store import ResponseStore
 
+if TYPE_CHECKING:  # serving imports this module
+    from memrad.server.serving import ReplyParserLike
+
+
+class ChatLike(Protocol):
+    """The model's chat text (memrad.chat.chat.Chat): render, tokenize, parse replies."""
+
+    vocab_size: int
+
+    def render(self, messages: list[dict], tools: list[dict] | None, require_call: bool = False,
+               call_name: str | None = None) -> tuple[str, list[int]]: ...
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def parser(self, prompt_text: str, parse_tools: bool) -> ReplyParserLike: ...
+
+
+class EventsLike(Protocol):
+    def subscribe(self, sink: Callable[[object], None]) -> None: ...
+
 
 class ServingEngine(EngineLike, Protocol):
-    """The engine as the server sees it: tokenization and metadata, no torch types."""
+    """Exactly what the server uses of the engine (memrad.engine.engine.Engine); no torch types."""
 
     model_id: str
     context_len: int
-    vocab_size: int
+    chat: ChatLike
+    events: EventsLike  # control events, on the engine thread
+    runtime_choices: dict[str, dict[str, str]]  # what the hardware choices picked, and why
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]: ...
-    def encode_prompt(self, text: str) -> list[int]: ...
-    def decode_prompt(self, ids: list[int]) -> str: ...
-    def reply_parser(self, prompt_text: str, parse_tools: bool) -> Any: ...  # -> serving.ReplyParserLike
+    def stats(self) -> ParkingStats | None: ...  # None: the pool is off
+    def infos(self) -> list[SessionInfo]: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -40,6 +61,7 @@ class ServerContext:
     # Where the engine's control events go (metrics, the control socket's bus); called on
     # the engine thread, so each sink must be thread-safe.
     event_sinks: list[Callable[[object], None]] = field(default_factory=list)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
 
     def publish(self, event: object) -> None:
         for sink in self.event_sinks:
@@ -47,7 +69,6 @@ class ServerContext:
                 sink(event)
             except Exception:  # a sink must never break serving
                 logging.getLogger("memrad.server").exception("event sink failed on %s", type(event).__name__)
-    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
 
 
 CONTEXT = web.AppKey("context", ServerContext)
@@ -55,17 +76,13 @@ CONTEXT = web.AppKey("context", ServerContext)
 
 def state_snapshot(ctx: ServerContext) -> StateSnapshot:
     """The control socket's `snapshot`: parked sessions, pool stats, the flags in force."""
-    engine, settings = ctx.engine, ctx.settings
-    pool = getattr(engine, "pool", None)
-    disk = getattr(engine, "disk", None)
-    on_disk = (len(disk.pool.sessions()), disk.pool.bytes_parked) if disk is not None else (0, 0)
-    stats = None if pool is None else PoolStats(len(pool.sessions()), pool.bytes_parked, pool.max_sessions,
-                                                pool.max_bytes, *on_disk)
+    settings, parked = ctx.settings, ctx.engine.stats()
+    stats = None if parked is None else PoolStats(parked.sessions, parked.bytes_parked, parked.max_sessions,
+                                                  parked.max_bytes, parked.disk_sessions or 0, parked.disk_bytes or 0)
     flags = (("reuse.mode", settings.reuse.mode), ("affinity", str(settings.affinity.enabled).lower()),
              ("longest_prefix", str(settings.affinity.longest_prefix).lower()),
              ("pool", str(settings.pool.enabled).lower()),
              ("prefill_chunk", str(settings.engine.prefill_chunk)), ("dtype", ctx.dtype))
-    sessions = tuple(engine.session_infos()) if hasattr(engine, "session_infos") else ()
-    return StateSnapshot(model=engine.model_id, device=ctx.device, uptime_s=round(time.time() - ctx.started_at, 3),
+    return StateSnapshot(model=ctx.engine.model_id, device=ctx.device, uptime_s=round(time.time() - ctx.started_at, 3),
                          requests_served=ctx.scheduler.requests_served, pool=stats, flags=flags,
-                         sessions=sessions)
+                         sessions=tuple(ctx.engine.infos()))

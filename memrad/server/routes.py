@@ -55,14 +55,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await json_body(request), request.headers.get("x-session-id"))
     check_model(ctx, parsed.model)
     if isinstance(parsed.prompt, str):
-        text, ids = parsed.prompt, ctx.engine.encode_prompt(parsed.prompt)
+        text, ids = parsed.prompt, ctx.engine.chat.encode(parsed.prompt)
     else:
         ids = list(parsed.prompt or ())
-        bad = [t for t in ids if not 0 <= t < ctx.engine.vocab_size]
+        vocab_size = ctx.engine.chat.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise invalid(f"prompt token id {bad[0]} is outside the vocabulary (0..{ctx.engine.vocab_size - 1})",
-                          "prompt")
-        text = ctx.engine.decode_prompt(ids)
+            raise invalid(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
+        text = ctx.engine.chat.decode(ids)
     request_id = new_request_id("completion")
     shape = OpenAIShape(Envelope.new("completion", request_id, ctx.engine.model_id), parsed.include_usage)
     return await serve(request, ctx, parsed, text, ids, shape, request_id, parse=False)
@@ -114,7 +114,7 @@ def render(ctx: ServerContext, parsed: ParsedRequest) -> tuple[str, list[int]]:
     messages = [dict(m) for m in parsed.messages or ()]
     tools = [dict(t) for t in parsed.tools] if parsed.tools else None
     choice = parsed.tool_choice
-    return ctx.engine.render_chat(messages, tools, require_call=choice.mode in ("required", "function"),
+    return ctx.engine.chat.render(messages, tools, require_call=choice.mode in ("required", "function"),
                                   call_name=choice.name if choice.mode == "function" else None)
 
 
@@ -136,7 +136,7 @@ async def health(request: web.Request) -> web.Response:
         "model": ctx.engine.model_id,
         "device": ctx.device,
         "dtype": ctx.dtype,
-        "choices": getattr(ctx.engine, "runtime_choices", {}),  # dtype / weights picked, and why
+        "choices": ctx.engine.runtime_choices,  # dtype / weights picked, and why
         "threads": ctx.settings.model.threads,
         "prefill_chunk": ctx.settings.engine.prefill_chunk,
         "context_len": ctx.engine.context_len,

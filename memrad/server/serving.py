@@ -1,7 +1,7 @@
 """Serving one generation for any API: queue it, parse the reply, answer in a Shape.
 
     route -> serve(parsed, text, ids, shape) -> scheduler job -> text deltas
-          -> ReplyParser (the engine's) -> ReplyDeltas -> shape events (stream) | shape.whole
+          -> ReplyParser (the engine's chat) -> ReplyDeltas -> shape events (stream) | shape.whole
 
 Every API's output is a Shape (chat_api, responses_api, messages_api): events to open a
 stream, events per reply delta, events to close it, and the whole object; this module
@@ -89,7 +89,7 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
                        headers={"Retry-After": str(full.retry_after_s)}) from None
     except ShuttingDown:
         raise unavailable("memrad is shutting down; start it again with `memrad start`") from None
-    parser = ctx.engine.reply_parser(text, parsed.parse_tools) if parse else None
+    parser = ctx.engine.chat.parser(text, parsed.parse_tools) if parse else None
     run = _Run(request_id, shape, parser, on_finished, error_style(request.path))
     watch = _ClientWatch(request, job)
     try:

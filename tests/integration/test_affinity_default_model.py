@@ -18,7 +18,7 @@ def run_conversation(engine, identity):
     messages, rows = [SYSTEM], []
     for turn, question in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": question})
-        text, ids = engine.render_chat(messages, None)
+        text, ids = engine.chat.render(messages, None)
         request = GenerationRequest(f"t{turn}", engine.model_id, tuple(ids), text,
                                     SamplingParams(temperature=0.0, max_tokens=24), identity=identity)
         completion = engine.generate(request, lambda _: None, lambda: False)

@@ -13,6 +13,7 @@ from memrad.engine.engine import Engine
 from memrad.engine.model.pull import is_converted, model_dir
 from memrad.reuse.pool import ReusePool
 from test_reuse_default_model import ask
+from stories import make_engine
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ def gemma_loaded():
 
 def test_gemma_has_non_croppable_state_and_memra_supplies_its_turn_template(gemma_loaded):
     engine = Engine(gemma_loaded, CHUNK, 2, ReusePool(8, 2**31), "exact")
-    text, _ = engine.render_chat([{"role": "system", "content": "Be brief."},
+    text, _ = engine.chat.render([{"role": "system", "content": "Be brief."},
                                   {"role": "user", "content": "Hi"}], None)
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     tokens = gemma_loaded.tokenizer.convert_ids_to_tokens
@@ -43,9 +44,7 @@ def test_gemma_has_non_croppable_state_and_memra_supplies_its_turn_template(gemm
 
 
 def test_a_rewrite_of_turn_3_of_8_resumes_from_the_boundary_before_it(gemma_loaded):
-    engine = Engine(gemma_loaded, CHUNK, 2, ReusePool(8, 2**31), "exact")
-    engine.finished = []
-    engine.on_finished = engine.finished.append
+    engine = make_engine(gemma_loaded, CHUNK, 2, max_sessions=8, max_bytes=2**31, mode="exact")
     messages = [{"role": "system", "content": "You are a terse coding assistant."}]
     anchors = []
     for turn in range(1, 9):

@@ -1,13 +1,12 @@
 """The reuse pool on the real default model, in process: exact resumes equal cold runs."""
 
+import functools
 import math
 
 import pytest
 import torch
 
-from memrad.engine.engine import Engine
-from memrad.request import GenerationRequest, SamplingParams
-from memrad.reuse.pool import ReusePool
+import stories
 
 pytestmark = pytest.mark.integration
 
@@ -35,17 +34,10 @@ FIRST_USER = {"role": "user", "content": "List the files in the repository root 
 
 
 def engine_for(smol, mode, **flags):
-    engine = Engine(smol, CHUNK, 2, ReusePool(8, 2**31), mode, **flags)
-    engine.finished = []
-    engine.on_finished = engine.finished.append
-    return engine
+    return stories.make_engine(smol, CHUNK, 2, max_sessions=8, max_bytes=2**31, mode=mode, **flags)
 
 
-def ask(engine, messages, rid, salt=None, max_tokens=24):
-    text, ids = engine.render_chat(messages, None)
-    request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
-                                SamplingParams(temperature=0.0, max_tokens=max_tokens), cache_salt=salt)
-    return engine.generate(request, lambda _: None, lambda: False), engine.finished[-1]
+ask = functools.partial(stories.ask, max_tokens=24)
 
 
 def second_turn(first_reply: str):

@@ -21,13 +21,13 @@ def test_a_new_conversation_reuses_a_parked_1k_system_prompt_and_the_source_stil
     a_first = [LONG_SYSTEM, {"role": "user", "content": "List the files in the repository root."}]
     a1, _ = ask(engine, a_first, "a1")
     ask(alone, a_first, "a1")
-    system_tokens = len(engine.render_chat([LONG_SYSTEM], None)[1])
+    system_tokens = len(engine.chat.render([LONG_SYSTEM], None)[1])
     assert system_tokens >= 1024, "a 1k-token system prompt"
 
     b_first = [LONG_SYSTEM, {"role": "user", "content": "Run the test suite and report failures."}]
     b1, b_state = ask(engine, b_first, "b1")
     b_cold, b_cold_state = ask(engine, b_first, "b1-cold", salt="cold")
-    shared = common_prefix_len(engine.render_chat(a_first, None)[1], engine.render_chat(b_first, None)[1])
+    shared = common_prefix_len(engine.chat.render(a_first, None)[1], engine.chat.render(b_first, None)[1])
     reused = shared - shared % CHUNK  # the last grid cut inside the shared system prompt
     assert b1.decision.render() == (f"prefix: resumed (longest prefix with s1, {reused:,} of {b1.prompt_tokens:,}; "
                                     "forked)")

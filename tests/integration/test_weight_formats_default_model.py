@@ -5,13 +5,12 @@ head) with the dtype the hardware is fast at."""
 import pytest
 import torch
 
-from memrad.engine.engine import Engine
 from memrad.engine.model.hardware import native_bf16
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.pull import pull_default
 from memrad.engine.model.quant import Int4Linear, Q8Linear
 from memrad.request import GenerationRequest, SamplingParams
-from memrad.reuse.pool import ReusePool
+from stories import make_engine
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +35,7 @@ def loaded():
 
 
 def _ask(engine, messages, rid, salt=None):
-    text, ids = engine.render_chat(messages, None)
+    text, ids = engine.chat.render(messages, None)
     request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
                                 SamplingParams(temperature=0.0, max_tokens=16), cache_salt=salt)
     return engine.generate(request, lambda _: None, lambda: False), engine.finished[-1]
@@ -54,9 +53,7 @@ def test_auto_runs_the_shipped_4_bit_blocks_in_the_dtype_the_cpu_is_fast_at(load
 
 
 def test_the_q8_0_head_answers_a_short_question_sensibly(loaded):
-    engine = Engine(loaded("auto", "auto"), CHUNK, 2, ReusePool(8, 2**31), "exact")
-    engine.finished = []
-    engine.on_finished = engine.finished.append
+    engine = make_engine(loaded("auto", "auto"), CHUNK, 2, max_sessions=8, max_bytes=2**31, mode="exact")
     reply, _ = _ask(engine, [{"role": "user", "content": "What is the capital of France?"}], "paris")
     assert "Paris" in reply.text
 
@@ -64,11 +61,10 @@ def test_the_q8_0_head_answers_a_short_question_sensibly(loaded):
 @pytest.mark.parametrize("weights,dtype,compile", [("int4", "bfloat16", "off"), ("int4", "bfloat16", "on"),
                                                    ("int4", "float32", "off"), ("float", "bfloat16", "off")])
 def test_a_resumed_turn_is_bit_identical_to_its_cold_run(loaded, weights, dtype, compile):
-    engine = Engine(loaded(weights, dtype), CHUNK, 2, ReusePool(8, 2**31), "exact", compile=compile)
+    engine = make_engine(loaded(weights, dtype), CHUNK, 2, max_sessions=8, max_bytes=2**31, mode="exact",
+                         compile=compile)
     engine.decoder.start()
     assert engine.decoder.choice.value == ("compiled" if compile == "on" else "eager")
-    engine.finished = []
-    engine.on_finished = engine.finished.append
     messages = [SYSTEM, {"role": "user", "content": "List the files in the repository root."}]
     first, _ = _ask(engine, messages, "t1")
     assert first.prompt_tokens > CHUNK

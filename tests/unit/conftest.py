@@ -3,6 +3,7 @@ import torch
 
 from memrad.engine.engine import Engine
 from memrad.engine.model.loader import load_model
+from fake_engine import FakeEngine
 from tiny import save_tiny, write_q4_folder
 
 
@@ -28,6 +29,29 @@ def tiny_llama_dir(tiny_dir):
 def tiny_loaded(tiny_llama_dir):
     torch.set_num_threads(1)
     return load_model(str(tiny_llama_dir), device="cpu", dtype="float32")
+
+
+class _ByKind(dict):
+    def __init__(self, tiny_dir) -> None:
+        super().__init__()
+        self.tiny_dir = tiny_dir
+
+    def __missing__(self, kind: str):
+        torch.set_num_threads(1)
+        self[kind] = load_model(str(self.tiny_dir(kind)), device="cpu", dtype="float32")
+        return self[kind]
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_dir):
+    """Tiny models by kind (loaded["llama"], loaded["qwen3_next"], ...), each loaded once."""
+    return _ByKind(tiny_dir)
+
+
+@pytest.fixture
+def fake_engine():
+    """A torch-free engine for server tests where the model is not the point."""
+    return FakeEngine()
 
 
 @pytest.fixture

@@ -16,14 +16,13 @@ from memrad.engine.engine import Engine
 
 class ScriptedEngine(Engine):
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, sampler=self._next_token, **kwargs)
         self.replies: deque[str] = deque()
         self.prompt_logits: list[str] = []  # sha256 of each request's first logits
         self.prompts: list[tuple[int, ...]] = []  # each request's prompt ids
         self._tokens: deque[int] = deque()
         self._first = False
         self._eos = min(self.loaded.eos_ids)
-        self.sampler = self._next_token
 
     def script(self, *replies: str) -> None:
         self.replies.extend(replies)

@@ -1,51 +1,15 @@
 """Session affinity on a tiny model: clients that rewrite their history, told as stories."""
 
-import pytest
-
-from memrad.engine.engine import Engine
-from memrad.engine.model.loader import load_model
-from memrad.request import GenerationRequest, Identity, SamplingParams
-from memrad.reuse.pool import ReusePool
+import stories
+from memrad.request import Identity
+from stories import Client
 
 CHUNK = 16
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_dir):
-    return {kind: load_model(str(tiny_dir(kind)), device="cpu", dtype="float32") for kind in ("llama", "qwen3_next")}
-
-
 def make_engine(loaded, kind="llama", mode="exact", affinity=True, longest_prefix=False):
     """Affinity's own stories: the longest-prefix tier is off unless a test turns it on."""
-    engine = Engine(loaded[kind], CHUNK, 1, ReusePool(16, 10**9), mode, affinity, longest_prefix)
-    engine.finished = []
-    engine.on_finished = engine.finished.append
-    return engine
-
-
-def strip_tail(reply: str) -> str:
-    """What a reasoning-stripping client sends back: the first half of the reply."""
-    return reply[: len(reply) // 2]
-
-
-class Client:
-    """A chat client that rewrites every earlier reply before sending the history again."""
-
-    def __init__(self, engine, system, rewrite=strip_tail, identity=None, salt=None):
-        self.engine, self.rewrite, self.identity, self.salt = engine, rewrite, identity, salt
-        self.messages = [{"role": "system", "content": system}]
-        self.turn = 0
-
-    def say(self, text, max_tokens=8):
-        self.turn += 1
-        self.messages.append({"role": "user", "content": text})
-        rendered, ids = self.engine.render_chat(self.messages, None)
-        request = GenerationRequest(f"{id(self)}-{self.turn}", self.engine.model_id, tuple(ids), rendered,
-                                    SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                                    identity=self.identity, cache_salt=self.salt)
-        completion = self.engine.generate(request, lambda _: None, lambda: False)
-        self.messages.append({"role": "assistant", "content": self.rewrite(completion.text)})
-        return completion
+    return stories.make_engine(loaded[kind], CHUNK, mode=mode, affinity=affinity, longest_prefix=longest_prefix)
 
 
 SYSTEM = "You are a helpful coding assistant. Read the file, then answer. " * 3
@@ -82,8 +46,8 @@ def test_a_rewriting_client_resumes_via_affinity_from_turn_three_and_cold_withou
             assert c.decision.tier == "affinity" and c.cached_tokens == resume
         previous = a
     assert off_grid >= 1  # resumed at a reply anchor, not at the grid point below it
-    assert len(on.engine.pool.sessions()) == 2  # turn 1 and the conversation that resumed since turn 3
-    assert len(both.engine.pool.sessions()) == 1  # one conversation, replaced every turn
+    assert len(on.engine.parking.pool.sessions()) == 2  # turn 1 and the conversation that resumed since turn 3
+    assert len(both.engine.parking.pool.sessions()) == 1  # one conversation, replaced every turn
 
 
 def test_a_named_client_resumes_from_turn_two(loaded):
@@ -147,7 +111,7 @@ def test_an_agent_and_its_sub_agent_interleaved_both_keep_resuming(loaded):
         if turn >= 3:
             assert a.decision.outcome == s.decision.outcome == "resumed", (a.decision, s.decision)
             assert a.decision.candidate != s.decision.candidate
-    assert len(engine.pool.sessions()) == 4
+    assert len(engine.parking.pool.sessions()) == 4
 
 
 def test_different_salts_never_share_even_when_named(loaded):

@@ -220,7 +220,7 @@ async def test_previous_response_id_resolves_the_conversation_and_its_session(se
     # name the first response had, so the session it parks keeps that name.
     assert "resumed" in follow.memra["decision"]
     assert follow.usage.input_tokens_details.cached_tokens == len(engine.prompts[0])
-    assert [s.identity.name for s in engine.pool.sessions()] == ["agent-7"]
+    assert [s.identity.name for s in engine.parking.pool.sessions()] == ["agent-7"]
     rendered_result_turn(engine)
     with pytest.raises(openai.BadRequestError) as err:
         await client.responses.create(model="default", previous_response_id="resp_gone", input="hi")
@@ -283,7 +283,7 @@ async def test_bad_tool_input_is_a_4xx_in_each_apis_error_shape(server, engine):
 
 
 async def test_a_model_without_a_tool_format_rejects_tools_with_a_400_on_each_api(server, engine):
-    engine.chat_format = dataclasses.replace(engine.chat_format, tools_supported=False, tool_template=None)
+    engine.chat.format = dataclasses.replace(engine.chat.format, tools_supported=False, tool_template=None)
     with pytest.raises(openai.BadRequestError) as chat:
         await oai(server).chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}],
                                                   tools=CHAT_TOOLS)

@@ -20,8 +20,8 @@ from memrad.engine.engine import Engine
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
 from memrad.engine.decode.package import PackagedStep
-from memrad.reuse.pool import ReusePool
 from test_reuse import conversation
+from stories import make_engine
 
 PROMPT = list(range(5, 45))  # 40 tokens of the tiny vocabulary
 
@@ -113,7 +113,7 @@ def test_a_compiled_engine_resumes_bit_identical_to_cold_without_recompiling(tin
     from torch._dynamo.utils import counters
 
     loaded = fresh(tiny_llama_dir, "bfloat16")
-    engine = Engine(loaded, 16, 1, ReusePool(16, 10**9), "exact", compile="auto")
+    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="auto")
     before = counters["stats"]["unique_graphs"]
     engine.decoder.start()  # auto: in the background
     engine.decoder.wait()
@@ -123,8 +123,6 @@ def test_a_compiled_engine_resumes_bit_identical_to_cold_without_recompiling(tin
     assert isinstance(step, PackagedStep) and list(step.runners) == ["kernel"]  # one graph, every length
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == before
-    engine.finished = []
-    engine.on_finished = engine.finished.append
     for turn, row in enumerate(conversation(engine, 3)):
         if turn:
             assert row["warm"].decision.outcome == "resumed", row["warm"].decision.render()

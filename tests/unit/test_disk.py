@@ -1,40 +1,25 @@
 """The disk tier on tiny dense and hybrid models: spill, index, load, and what is refused."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
-from memrad.engine.state.disk import DiskTier
-from memrad.engine.engine import Engine
-from memrad.engine.model.loader import load_model
-from memrad.request import GenerationRequest, SamplingParams
-from memrad.reuse.pool import ReusePool
+from memrad.engine.state.disk import DiskTier, state_format
+import stories
 
 CHUNK = 16
 SYSTEM = "You are a helpful coding assistant. Read the file, then answer. " * 3
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_dir):
-    return {kind: load_model(str(tiny_dir(kind)), device="cpu", dtype="float32") for kind in ("llama", "qwen3_next")}
-
-
 def make_engine(loaded, kind, directory, max_sessions=8, disk_bytes=10**9):
     """A fresh engine (a restarted daemon) whose disk tier indexes `directory`."""
-    engine = Engine(loaded[kind], CHUNK, 1, ReusePool(max_sessions, 10**9), "exact")
-    engine.disk = DiskTier(directory, disk_bytes, engine.state_format())
-    engine.pool.skip_ids_up_to([s.session_id for s in engine.disk.index()])
-    engine.finished = []
-    engine.on_finished = engine.finished.append
-    return engine
+    disk = DiskTier(directory, disk_bytes, state_format(loaded[kind], CHUNK, "exact"))
+    return stories.make_engine(loaded[kind], CHUNK, max_sessions=max_sessions, disk=disk, mode="exact")
 
 
-def ask(engine, messages, rid, salt=None):
-    text, ids = engine.render_chat(messages, None)
-    request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
-                                SamplingParams(temperature=0.0, max_tokens=5), cache_salt=salt)
-    return engine.generate(request, lambda _: None, lambda: False), engine.finished[-1]
+ask = functools.partial(stories.ask, max_tokens=5)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
@@ -45,7 +30,7 @@ def test_a_restart_resumes_from_disk_bit_identically(loaded, kind, tmp_path):
     before.close()
     assert [p.name for p in tmp_path.iterdir()] == ["s1.safetensors"]
     after = make_engine(loaded, kind, tmp_path)  # memrad start: index, load nothing
-    assert [s.session_id for s in after.disk.pool.sessions()] == ["s1"] and not after.pool.sessions()
+    assert [s.session_id for s in after.parking.disk.pool.sessions()] == ["s1"] and not after.parking.pool.sessions()
     second = first + [{"role": "assistant", "content": one.text}, {"role": "user", "content": "open README.md"}]
     (warm, warm_state), (cold, cold_state) = ask(after, second, "t2"), ask(after, second, "t2", salt="cold")
     assert warm.decision.outcome == "resumed" and warm.decision.candidate == "s1"
@@ -60,10 +45,10 @@ def test_eviction_spills_to_disk_and_both_caps_hold_under_a_64_conversation_chur
     engine = make_engine(loaded, "llama", tmp_path, max_sessions=2, disk_bytes=250_000)
     for i in range(64):
         ask(engine, [{"role": "user", "content": f"conversation {i}: " + "list files " * 8}], f"c{i}", salt=str(i))
-        assert len(engine.pool.sessions()) <= 2 and engine.disk.pool.bytes_parked <= 250_000
+        assert len(engine.parking.pool.sessions()) <= 2 and engine.parking.disk.pool.bytes_parked <= 250_000
         on_disk = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
-        assert on_disk == engine.disk.pool.bytes_parked
-    assert engine.disk.pool.sessions(), "evicted sessions were spilled"
+        assert on_disk == engine.parking.disk.pool.bytes_parked
+    assert engine.parking.disk.pool.sessions(), "evicted sessions were spilled"
 
 
 def test_a_foreign_or_truncated_file_is_skipped_and_deleted(loaded, tmp_path, caplog):
@@ -76,9 +61,9 @@ def test_a_foreign_or_truncated_file_is_skipped_and_deleted(loaded, tmp_path, ca
     (tmp_path / "s9.safetensors").write_bytes(b"not a safetensors file")
     (tmp_path / "s3.safetensors.123.tmp").write_bytes(b"half written")
     caplog.set_level("INFO", logger="memrad.disk")
-    other = Engine(loaded["llama"], CHUNK, 1, ReusePool(8, 10**9), "exact")
     # s1 was made under another dtype
-    assert DiskTier(tmp_path, 10**9, dict(other.state_format(), dtype="bfloat16")).index() == []
+    other = dict(state_format(loaded["llama"], CHUNK, "exact"), dtype="bfloat16")
+    assert DiskTier(tmp_path, 10**9, other).index() == []
     assert list(tmp_path.iterdir()) == []
     assert "deleted s1.safetensors: made under" in caplog.text
     assert "deleted s2.safetensors: unreadable" in caplog.text
@@ -110,4 +95,4 @@ def test_a_fork_from_disk_leaves_the_file_in_place(loaded, tmp_path):
     done, state = ask(after, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "B: run tests"}], "b")
     assert done.decision.tier == "prefix" and done.decision.render().endswith("; forked)")
     assert (tmp_path / "s1.safetensors").exists() and state.session.session_id == "s2"
-    assert dataclasses.replace(after.disk.pool.get("s1"), last_used_at=0.0).on_disk
+    assert dataclasses.replace(after.parking.disk.pool.get("s1"), last_used_at=0.0).on_disk

@@ -8,12 +8,13 @@ from memrad.engine.engine import Engine
 from memrad.engine.forward import cache_length, prefill
 from memrad.grid import canonical_chunks, find_anchors, grid_chunks
 from memrad.request import GenerationRequest, SamplingParams
+from stories import make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
 def request_for(engine, text="Read the file, then answer. def add(a, b): return a + b", **sampling):
-    rendered, ids = engine.render_chat([{"role": "user", "content": text}], None)
+    rendered, ids = engine.chat.render([{"role": "user", "content": text}], None)
     params = dataclasses.replace(GREEDY, **sampling)
     return GenerationRequest(request_id="r1", model=engine.model_id, prompt_ids=tuple(ids),
                              prompt_text=rendered, sampling=params)
@@ -37,7 +38,7 @@ def test_prefill_cuts_chunks_at_absolute_grid_positions(tiny_engine):
         lambda mod, args, kwargs: seen.append(tuple(kwargs["position_ids"][0, [0, -1]].tolist())),
         with_kwargs=True)
     try:
-        ids = prompt_ids(70, tiny_engine.vocab_size)
+        ids = prompt_ids(70, tiny_engine.chat.vocab_size)
         cache = tiny_engine.new_cache()
         prefill(model, cache, ids[:21], 0, 16)
         prefill(model, cache, ids[21:], 21, 16)
@@ -51,7 +52,7 @@ def test_prefill_cuts_chunks_at_absolute_grid_positions(tiny_engine):
 
 def test_grid_prefill_equals_a_whole_prompt_forward_split_at_the_same_positions(tiny_engine):
     model = tiny_engine.loaded.model
-    ids = prompt_ids(70, tiny_engine.vocab_size)
+    ids = prompt_ids(70, tiny_engine.chat.vocab_size)
     cache = tiny_engine.new_cache()
     grid_logits = prefill(model, cache, ids, 0, 16)
 
@@ -67,7 +68,7 @@ def test_grid_prefill_equals_a_whole_prompt_forward_split_at_the_same_positions(
 
 def test_a_resume_from_a_grid_point_reproduces_the_cold_logits_bit_for_bit(tiny_engine):
     model = tiny_engine.loaded.model
-    ids = prompt_ids(70, tiny_engine.vocab_size)
+    ids = prompt_ids(70, tiny_engine.chat.vocab_size)
     cold = prefill(model, tiny_engine.new_cache(), ids, 0, 16)
     cache = tiny_engine.new_cache()
     prefill(model, cache, ids[:32], 0, 16)
@@ -107,13 +108,13 @@ def test_a_stop_string_truncates_the_output_and_is_not_sent(tiny_engine):
     assert stopped.finish_reason == "stop"
 
 
-def test_eos_ends_generation_without_being_counted_or_sent(tiny_engine):
-    parked = []
-    tiny_engine.on_finished = parked.append
-    run(tiny_engine, request_for(tiny_engine))
+def test_eos_ends_generation_without_being_counted_or_sent(tiny_loaded):
+    engine = make_engine(tiny_loaded, 16, pool=False)
+    parked = engine.finished
+    run(engine, request_for(engine))
     third = parked[0].generated_ids[2]
     assert third not in parked[0].generated_ids[:2]
-    eos_engine = Engine(dataclasses.replace(tiny_engine.loaded, eos_ids=frozenset({third})), 16, 1)
+    eos_engine = Engine(dataclasses.replace(tiny_loaded, eos_ids=frozenset({third})), 16, 1)
     done, _ = run(eos_engine, request_for(eos_engine))
     assert (done.finish_reason, done.completion_tokens) == ("stop", 2)
 
@@ -138,11 +139,11 @@ def test_cancelled_during_prefill_generates_nothing(tiny_engine):
     assert (done.finish_reason, done.completion_tokens, done.text, deltas) == ("cancelled", 0, "", [])
 
 
-def test_the_finished_state_reaches_the_hook_with_the_prompt_checkpoint(tiny_engine):
-    parked = []
-    tiny_engine.on_finished = parked.append
-    req = request_for(tiny_engine, max_tokens=5)
-    done, _ = run(tiny_engine, req)
+def test_the_finished_state_reaches_the_hook_with_the_prompt_checkpoint(tiny_loaded):
+    engine = make_engine(tiny_loaded, 16, pool=False)
+    parked = engine.finished
+    req = request_for(engine, max_tokens=5)
+    done, _ = run(engine, req)
     (state,) = parked
     prompt_len = req.num_prompt_tokens
     assert state.prompt_checkpoint == prompt_len
@@ -154,17 +155,17 @@ def test_the_finished_state_reaches_the_hook_with_the_prompt_checkpoint(tiny_eng
     assert state.completion == done
 
 
-def test_one_token_reply_never_feeds_the_first_generated_token(tiny_engine):
-    parked = []
-    tiny_engine.on_finished = parked.append
-    req = request_for(tiny_engine, max_tokens=1)
-    run(tiny_engine, req)
+def test_one_token_reply_never_feeds_the_first_generated_token(tiny_loaded):
+    engine = make_engine(tiny_loaded, 16, pool=False)
+    parked = engine.finished
+    req = request_for(engine, max_tokens=1)
+    run(engine, req)
     assert cache_length(parked[0].cache) == req.num_prompt_tokens == parked[0].prompt_checkpoint
 
 
 def test_max_tokens_defaults_to_the_rest_of_the_context(tiny_engine):
     req = request_for(tiny_engine, max_tokens=None)
-    long_prompt = dataclasses.replace(req, prompt_ids=tuple(prompt_ids(1024 - 3, tiny_engine.vocab_size)))
+    long_prompt = dataclasses.replace(req, prompt_ids=tuple(prompt_ids(1024 - 3, tiny_engine.chat.vocab_size)))
     done, _ = run(tiny_engine, long_prompt)
     assert done.completion_tokens <= 3
     assert done.prompt_tokens + done.completion_tokens <= tiny_engine.context_len

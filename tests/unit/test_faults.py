@@ -67,4 +67,4 @@ async def test_churn_never_exceeds_the_byte_cap_seen_from_metrics(tiny_loaded, c
     out = capsys.readouterr().out
     assert ok, out
     assert "cap exceeded: False" in out and "scrapes where pool != ledger: 0" in out
-    assert engine.pool.bytes_parked <= 40_000 and "evictions 0," not in out
+    assert engine.parking.pool.bytes_parked <= 40_000 and "evictions 0," not in out

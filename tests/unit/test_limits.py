@@ -82,9 +82,9 @@ def test_a_lone_surrogate_is_a_400_and_a_surrogate_pair_is_text():
     assert parse_body(b'{"prompt": "\\ud83d\\ude00"}', LIMITS) == {"prompt": "\U0001f600"}
 
 
-async def test_the_served_limits_answer_before_the_model(tiny_engine):
+async def test_the_served_limits_answer_before_the_model(fake_engine):
     settings = Settings(limits=LimitSettings(max_body_bytes=4096, max_messages=2))
-    server = TestServer(make_app(settings, tiny_engine, "cpu", "float32"), host="127.0.0.1")
+    server = TestServer(make_app(settings, fake_engine, "cpu", "float32"), host="127.0.0.1")
     await server.start_server()
     url = server.make_url("/v1/chat/completions")
     try:

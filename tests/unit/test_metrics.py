@@ -84,7 +84,7 @@ async def test_metrics_are_scraped_with_real_values_after_real_requests(tiny_loa
                if name == "memra_decisions_total" and ("outcome", "resumed") in labels]
     assert resumed == [1]
     assert got[("memra_declines_total", (("reason_class", "nothing-parked"),))] == 1
-    (parked,) = engine.pool.sessions()
+    (parked,) = engine.parking.pool.sessions()
     assert got[("memra_pool_sessions", (("tier", "memory"),))] == 1
     assert got[("memra_pool_bytes", (("tier", "memory"),))] == parked.num_bytes == got[("memra_pool_bytes_ledger", ())]
     assert got[("memra_pool_max_bytes", ())] == 10**9

@@ -3,44 +3,22 @@
 import pytest
 import torch
 
-from memrad.engine.engine import Engine
 from memrad.engine.state.kv import SlabLayer
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.pull import ModelUnavailable
+from memrad.engine.parking import Publisher
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
+from stories import ask, make_engine
 
 CHUNK = 16
 SYSTEM = {"role": "system", "content": "You are a helpful coding assistant. Read the file, then answer."}
 KINDS = ["llama", "qwen3_next", "falcon_h1"]
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_dir):
-    cache = {}
-
-    def get(kind):
-        if kind not in cache:
-            torch.set_num_threads(1)
-            cache[kind] = load_model(str(tiny_dir(kind)), device="cpu", dtype="float32")
-        return cache[kind]
-
-    return get
-
-
-def engine_for(loaded, kind, mode="exact", pool=True, max_bytes=10**9, max_sessions=16):
-    engine = Engine(loaded(kind), CHUNK, 1, ReusePool(max_sessions, max_bytes) if pool else None, mode)
-    engine.finished = []
-    engine.on_finished = engine.finished.append
-    return engine
-
-
-def ask(engine, messages, rid, salt=None, max_tokens=6):
-    text, ids = engine.render_chat(messages, None)
-    request = GenerationRequest(rid, engine.model_id, tuple(ids), text,
-                                SamplingParams(temperature=0.0, max_tokens=max_tokens), cache_salt=salt)
-    completion = engine.generate(request, lambda _: None, lambda: False)
-    return completion, engine.finished[-1]
+def engine_for(loaded, kind, mode="exact", pool=True, max_bytes=10**9, max_sessions=16, **flags):
+    return make_engine(loaded[kind], CHUNK, pool=pool, max_bytes=max_bytes, max_sessions=max_sessions, mode=mode,
+                       **flags)
 
 
 def conversation(engine, turns, cold_reference=True):
@@ -89,7 +67,7 @@ def test_fast_mode_reuses_past_the_prompt_and_stays_close(loaded, kind):
 def test_a_resumed_conversation_keeps_one_parked_session(loaded):
     engine = engine_for(loaded, "llama")
     rows = conversation(engine, 4, cold_reference=False)
-    (session,) = engine.pool.sessions()
+    (session,) = engine.parking.pool.sessions()
     last = rows[-1]["warm_state"]
     assert session is last.session and session.hits == 3
     assert session.prompt_checkpoint == rows[-1]["warm"].prompt_tokens
@@ -145,11 +123,11 @@ def test_the_pool_never_exceeds_a_tiny_byte_cap(loaded):
     engine = engine_for(loaded, "llama", max_bytes=cap)
     for i in range(5):
         ask(engine, [SYSTEM, {"role": "user", "content": f"question {i}"}], f"r{i}")
-        assert engine.pool.bytes_parked <= cap
-        assert len(engine.pool.sessions()) == 1
+        assert engine.parking.pool.bytes_parked <= cap
+        assert len(engine.parking.pool.sessions()) == 1
     rows = conversation(engine, 3, cold_reference=False)  # grows past the cap: not parked
     assert rows[-1]["warm_state"].session is None
-    assert engine.pool.bytes_parked <= cap
+    assert engine.parking.pool.bytes_parked <= cap
 
 
 def test_different_salts_never_share_state(loaded):
@@ -165,11 +143,9 @@ def test_different_salts_never_share_state(loaded):
 
 def test_different_models_never_share_state(loaded):
     pool = ReusePool(8, 10**9)
-    llama = Engine(loaded("llama"), CHUNK, 1, pool)
-    hybrid = Engine(loaded("qwen3_next"), CHUNK, 1, pool)
+    llama = make_engine(loaded["llama"], CHUNK, pool=pool)
+    hybrid = make_engine(loaded["qwen3_next"], CHUNK, pool=pool)
     assert llama.model_id != hybrid.model_id
-    llama.finished, hybrid.finished = [], []
-    llama.on_finished, hybrid.on_finished = llama.finished.append, hybrid.finished.append
     messages = [SYSTEM, {"role": "user", "content": "hi"}]
     first, _ = ask(llama, messages, "a")
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
@@ -188,7 +164,7 @@ def test_with_the_pool_off_nothing_is_parked_and_every_turn_runs_cold(loaded):
 
 
 def ask_request(engine):
-    text, ids = engine.render_chat([SYSTEM, {"role": "user", "content": "x"}], None)
+    text, ids = engine.chat.render([SYSTEM, {"role": "user", "content": "x"}], None)
     return GenerationRequest("x", engine.model_id, tuple(ids), text, SamplingParams(temperature=0.0, max_tokens=50))
 
 
@@ -197,13 +173,13 @@ def test_a_cancelled_request_is_parked_and_replaces_its_parent(loaded):
     messages = [SYSTEM, {"role": "user", "content": "hi"}]
     first, _ = ask(engine, messages, "a")
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
-    text, ids = engine.render_chat(messages, None)
+    text, ids = engine.chat.render(messages, None)
     polls = []
     request = GenerationRequest("b", engine.model_id, tuple(ids), text,
                                 SamplingParams(temperature=0.0, max_tokens=50))
     done = engine.generate(request, lambda _: None, lambda: polls.append(1) or len(polls) > 6)
     assert done.finish_reason == "cancelled" and done.decision.outcome == "resumed"
-    (session,) = engine.pool.sessions()
+    (session,) = engine.parking.pool.sessions()
     assert session.prompt_checkpoint == len(ids) and session.hits == 1
 
 
@@ -213,32 +189,32 @@ def test_mamba_1_models_are_refused_at_load(tiny_dir):
 
 
 def test_a_resume_checks_its_parent_out_and_a_failed_resume_drops_it(loaded):
-    engine = engine_for(loaded, "llama")
     events = []
-    engine.events = events.append
+    engine = engine_for(loaded, "llama", events=Publisher(events.append))
     messages = [SYSTEM, {"role": "user", "content": "hi"}]
     first, first_state = ask(engine, messages, "a")
     parent = first_state.session
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
-    text, ids = engine.render_chat(messages, None)
+    text, ids = engine.chat.render(messages, None)
     request = GenerationRequest("b", engine.model_id, tuple(ids), text, SamplingParams(temperature=0.0, max_tokens=4))
     listed_while_running = []
-    engine.generate(request, lambda _: listed_while_running.append([s.session_id for s in engine.pool.sessions()]),
+    pool = engine.parking.pool
+    engine.generate(request, lambda _: listed_while_running.append([s.session_id for s in pool.sessions()]),
                     lambda: False)
     # The resumed request appends into the parent's buffers: the pool never lists the parent
     # while that happens, and the request's own state replaces it afterwards.
     assert listed_while_running and all(ids_now == [] for ids_now in listed_while_running)
-    (child,) = engine.pool.sessions()
+    (child,) = engine.parking.pool.sessions()
     assert child.session_id != parent.session_id and child.hits == 1
 
     def boom(_):
         raise RuntimeError("client callback failed")
 
     messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
-    text, ids = engine.render_chat(messages, None)
+    text, ids = engine.chat.render(messages, None)
     request = GenerationRequest("c", engine.model_id, tuple(ids), text, SamplingParams(temperature=0.0, max_tokens=4))
     with pytest.raises(RuntimeError, match="client callback failed"):
         engine.generate(request, boom, lambda: False)
-    assert engine.pool.sessions() == []
+    assert engine.parking.pool.sessions() == []
     dropped = [e for e in events if type(e).__name__ == "EvictEvent"]
     assert [e.session_id for e in dropped] == [child.session_id]

@@ -103,8 +103,8 @@ def request_for(route) -> dict:
     return {"json": route.example} if route.example is not None else {}
 
 
-async def test_the_key_guards_every_api_route_and_health_stays_open(tiny_engine):
-    server = await served(tiny_engine, api_key=KEY)
+async def test_the_key_guards_every_api_route_and_health_stays_open(fake_engine):
+    server = await served(fake_engine, api_key=KEY)
     try:
         async with aiohttp.ClientSession() as session:
             for route in ROUTES:
@@ -130,8 +130,8 @@ async def test_the_key_guards_every_api_route_and_health_stays_open(tiny_engine)
         await server.close()
 
 
-async def test_rebinding_and_a_text_plain_cross_origin_post_never_reach_the_model(tiny_engine):
-    server = await served(tiny_engine)
+async def test_rebinding_and_a_text_plain_cross_origin_post_never_reach_the_model(fake_engine):
+    server = await served(fake_engine)
     url = server.make_url("/v1/chat/completions")
     body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
     try:
@@ -161,9 +161,9 @@ async def test_rebinding_and_a_text_plain_cross_origin_post_never_reach_the_mode
         await server.close()
 
 
-async def test_a_configured_origin_gets_cors_on_preflight_and_on_streams(tiny_engine):
+async def test_a_configured_origin_gets_cors_on_preflight_and_on_streams(fake_engine):
     origin = "http://localhost:3000"
-    server = await served(tiny_engine, allowed_origins=origin)
+    server = await served(fake_engine, allowed_origins=origin)
     url = server.make_url("/v1/chat/completions")
     try:
         async with aiohttp.ClientSession() as session:

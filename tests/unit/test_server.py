@@ -66,7 +66,7 @@ async def test_chat_completion_whole_and_streamed_agree(server, tiny_engine):
     assert whole.object == "chat.completion" and whole.model == tiny_engine.model_id
     assert whole.choices[0].finish_reason == "length"
     usage = whole.usage
-    _, ids = tiny_engine.render_chat(USER, None)
+    _, ids = tiny_engine.chat.render(USER, None)
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(ids), 10, len(ids) + 10)
     assert usage.prompt_tokens_details.cached_tokens == 0
 
@@ -97,7 +97,7 @@ async def test_text_completions_and_models(server, tiny_engine):
     client = client_for(server)
     done = await client.completions.create(model="default", prompt="def add(a, b):", max_tokens=4, temperature=0)
     assert done.object == "text_completion" and done.usage.completion_tokens == 4
-    by_ids = await client.completions.create(model="default", prompt=tiny_engine.encode_prompt("def add(a, b):"),
+    by_ids = await client.completions.create(model="default", prompt=tiny_engine.chat.encode("def add(a, b):"),
                                              max_tokens=4, temperature=0)
     assert by_ids.choices[0].text == done.choices[0].text
     models = await client.models.list()
@@ -230,7 +230,7 @@ async def test_the_decision_reaches_the_client_in_a_header_and_the_body(tiny_loa
                 first = await resp.json()
                 assert resp.headers["x-memra-decision"] == "cold (nothing parked for this model and cache_salt)"
             assert first["memra"]["decision"] == resp.headers["x-memra-decision"]
-            (parked,) = engine.pool.sessions()
+            (parked,) = engine.parking.pool.sessions()
             assert (parked.identity.name, parked.identity.source) == ("body-name", "session_id")
 
             body["messages"] = USER + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},

@@ -1,28 +1,18 @@
 """Reuse beyond nomination on tiny models: the longest-prefix tier, forks, boundary
 checkpoints. Exact mode throughout: every resumed turn is compared with a cold run."""
 
-import pytest
 import torch
 
-from memrad.engine.engine import Engine
-from memrad.engine.model.loader import load_model
-from memrad.reuse.pool import ReusePool
-from test_reuse import ask
+import stories
+from stories import ask
 
 CHUNK = 16
 SYSTEM = "You are a helpful coding assistant. Read the file, then answer. " * 4
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_dir):
-    return {kind: load_model(str(tiny_dir(kind)), device="cpu", dtype="float32") for kind in ("llama", "qwen3_next")}
-
-
 def make_engine(loaded, kind="llama", max_bytes=10**9, max_sessions=64, affinity=True):
-    engine = Engine(loaded[kind], CHUNK, 1, ReusePool(max_sessions, max_bytes), "exact", affinity)
-    engine.finished = []
-    engine.on_finished = engine.finished.append
-    return engine
+    return stories.make_engine(loaded[kind], CHUNK, max_sessions=max_sessions, max_bytes=max_bytes, mode="exact",
+                               affinity=affinity)
 
 
 def cold(engine, messages, rid, max_tokens=6):
@@ -44,7 +34,7 @@ def test_a_new_conversation_forks_a_shared_system_prompt_and_the_source_resumes_
     first = chat(SYSTEM, ("conversation A: list files", None))
     a1, _ = ask(engine, first, "a1")
     ask(alone, first, "a1")
-    source = engine.pool.sessions()[0]
+    source = engine.parking.pool.sessions()[0]
     source_bytes = source.num_bytes
 
     b = chat(SYSTEM, ("conversation B: run the tests", None))
@@ -54,14 +44,14 @@ def test_a_new_conversation_forks_a_shared_system_prompt_and_the_source_resumes_
     assert d.outcome == "resumed" and d.tier == "prefix" and d.candidate == source.session_id
     assert d.render().startswith(f"prefix: resumed (longest prefix with {source.session_id}, ")
     assert d.render().endswith(f" of {b1.prompt_tokens:,}; forked)")
-    system_tokens = len(engine.render_chat(chat(SYSTEM), None)[1])
+    system_tokens = len(engine.chat.render(chat(SYSTEM), None)[1])
     assert system_tokens <= b1.cached_tokens == d.checkpoint
     assert torch.equal(b_state.prompt_logits, b_cold_state.prompt_logits) and b1.text == b_cold.text
     # the source is still parked, untouched, and counted once; the fork owns its own rows
-    parked = {s.session_id: s for s in engine.pool.sessions()}
+    parked = {s.session_id: s for s in engine.parking.pool.sessions()}
     assert parked[source.session_id].num_bytes == source_bytes
     assert b_state.session.session_id in parked
-    assert engine.pool.bytes_parked == sum(s.num_bytes for s in parked.values())
+    assert engine.parking.pool.bytes_parked == sum(s.num_bytes for s in parked.values())
     assert b_state.session.state.final.layers[0].slab is not source.state.final.layers[0].slab
 
     # conversation A continues: resumed from its own session, output as if B never ran
@@ -78,7 +68,7 @@ def test_the_longest_prefix_wins_over_a_shorter_one(loaded):
     ask(engine, chat(SYSTEM, ("short question", None)), "x")
     long_user = "a much longer shared opening question about the repository layout " * 3
     ask(engine, chat(SYSTEM, (long_user + "first", None)), "y")
-    longest = engine.pool.sessions()[-1]
+    longest = engine.parking.pool.sessions()[-1]
     done, state = ask(engine, chat(SYSTEM, (long_user + "second", None)), "z")
     assert done.decision.candidate == longest.session_id and done.decision.tier == "prefix"
     reference, ref_state = cold(engine, chat(SYSTEM, (long_user + "second", None)), "z")
@@ -102,7 +92,7 @@ def test_a_hybrid_model_rewritten_at_turn_3_of_8_resumes_from_the_boundary_befor
         messages.append({"role": "assistant", "content": done.text})
         assert done.decision.outcome == "resumed" or turn <= 2, done.decision.render()
     parked = state.session
-    assert len(engine.pool.sessions()) <= 2
+    assert len(engine.parking.pool.sessions()) <= 2
     assert anchors[2] in parked.checkpoints, "the boundary before turn 3's reply is kept"
     assert len(parked.checkpoints) < len(anchors) + 2  # bounded: thinned, not one per turn forever
     # the client compacts turn 3's reply and asks turn 9
@@ -121,5 +111,5 @@ def test_caps_hold_under_a_64_conversation_churn(loaded):
     engine = make_engine(loaded, max_bytes=3 * 10**6, max_sessions=8)
     for i in range(64):
         ask(engine, chat(SYSTEM, (f"conversation {i}: list files", None)), f"c{i}", max_tokens=2)
-        assert engine.pool.bytes_parked <= 3 * 10**6 and len(engine.pool.sessions()) <= 8
+        assert engine.parking.pool.bytes_parked <= 3 * 10**6 and len(engine.parking.pool.sessions()) <= 8
     assert engine.finished[-1].completion.decision.tier == "prefix"

@@ -13,6 +13,7 @@ import torch
 from tiny import build_llama, build_tokenizer, write_q4_folder, write_tiny_gguf
 
 from memrad.engine.engine import Engine
+from memrad.engine.state.disk import state_format
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.pull import ModelUnavailable
 from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
@@ -20,8 +21,7 @@ from memrad.engine.model.weights import (
     INT4_CACHE, Q8_CACHE, count_int4_cache, count_q8_cache, load_int4_cache, load_q8_cache, quantize_head_q8_0,
     quantize_layers_q4_1, save_block_caches, write_int4_cache, write_q8_cache,
 )
-from memrad.reuse.pool import ReusePool
-from test_reuse import ask
+from stories import ask, make_engine
 
 CONFIGS = [("float", "float32"), ("float", "bfloat16"), ("int4", "float32"), ("int4", "bfloat16"),
            ("int8", "bfloat16")]
@@ -113,8 +113,8 @@ def test_adding_the_head_blocks_later_packs_the_head_at_the_next_start(old_dir):
     after = _load(old_dir, "int4", "bfloat16")
     assert type(after.model.lm_head) is Q8Linear
     # parked state on disk made under the dense head is never loaded under the Q8_0 head
-    assert engine_before.state_format()["head"] == "float"
-    assert Engine(after, 16, 1).state_format() == dict(engine_before.state_format(), head="q8_0")
+    assert state_format(engine_before.loaded, 16, "exact")["head"] == "float"
+    assert state_format(after, 16, "exact") == dict(state_format(engine_before.loaded, 16, "exact"), head="q8_0")
 
 
 def test_a_head_the_gguf_ships_in_another_format_stays_dense_and_says_so(old_dir, caplog):
@@ -158,9 +158,7 @@ def test_int4_without_cached_blocks_says_what_to_do(tiny_llama_dir):
 def test_resumed_turns_equal_cold_turns_bit_for_bit(q4_dir, weights, dtype):
     loaded = _load(q4_dir, weights, dtype)
     assert loaded.head == {"float": "float", "int4": "q8_0", "int8": "int8"}[weights]
-    engine = Engine(loaded, 16, 1, ReusePool(16, 10**9), "exact")
-    engine.finished = []
-    engine.on_finished = engine.finished.append
+    engine = make_engine(loaded, 16, max_sessions=16, mode="exact")
     messages = [SYSTEM]
     for turn in range(3):
         messages.append({"role": "user", "content": f"turn {turn}: list files, then open README.md"})
@@ -175,11 +173,9 @@ def test_resumed_turns_equal_cold_turns_bit_for_bit(q4_dir, weights, dtype):
 
 
 def test_parked_bytes_count_bf16_kv_at_two_bytes_a_value(q4_dir):
-    engine = Engine(_load(q4_dir, "int4", "bfloat16"), 16, 1, ReusePool(16, 10**9), "exact")
-    engine.finished = []
-    engine.on_finished = engine.finished.append
+    engine = make_engine(_load(q4_dir, "int4", "bfloat16"), 16, max_sessions=16, mode="exact")
     _, state = ask(engine, [SYSTEM, {"role": "user", "content": "hi"}], "r")
     assert state.cache.layers[0].keys.dtype == torch.bfloat16
     # 2 layers x (keys + values) x 2 kv heads x 16 dims x 2 bytes
     assert state.session.num_bytes == state.session.num_tokens * 2 * 2 * 2 * 16 * 2
-    assert engine.pool.bytes_parked == state.session.num_bytes
+    assert engine.parking.pool.bytes_parked == state.session.num_bytes

@@ -12,7 +12,7 @@ the planner sees disk sessions beside memory ones; a chosen one is loaded then.
 
 Files are written to a temp name and renamed, so a crash leaves a whole file or none (a
 stray temp file is deleted at the next start). A file whose compatibility key (the model,
-tokenizer, dtype, device, chunk and mode it was made under: `Engine.state_format`) differs
+tokenizer, dtype, device, chunk and mode it was made under: `state_format`) differs
 from the running engine's, that cannot be parsed (truncated), or whose checksum fails on
 load is skipped with a log line and deleted, never loaded. The tier's records live in a
 ReusePool of their own (its byte cap is the disk's, LRU), so the same prefix index serves
@@ -58,6 +58,17 @@ def tokenizer_hash(tokenizer: Any) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     return xxhash.xxh64_hexdigest((text + str(getattr(tokenizer, "chat_template", ""))).encode())
+
+
+def state_format(loaded: Any, prefill_chunk: int, mode: str) -> dict[str, str]:
+    """What parked state depends on besides its tokens: the tier's compatibility key. A file
+    made under any other value is never loaded; a new setting that changes the state's bits
+    is one more line here. `loaded`: a memrad.engine.model.loader.LoadedModel."""
+    return {"model": loaded.model_id, "tokenizer": tokenizer_hash(loaded.tokenizer),
+            "dtype": loaded.dtype_name, "weights": loaded.weights_name,
+            "head": loaded.head,
+            "device": loaded.device.type,
+            "chunk": str(prefill_chunk), "mode": mode}
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:

@@ -1,0 +1,265 @@
+"""Reuse bookkeeping: what a request checks out of the pools, and what it parks back.
+
+    Plan -> load (a disk session's state) -> check_out -> (cache, Prefilled)
+         ... prefill and decode (memrad.engine.engine) ...
+         -> park: replace the parent (same conversation) or park beside it (a fork)
+                  -> the memory cap evicts LRU -> spill to the disk tier, else drop
+
+`Parking` owns the memory pool, the disk tier and the retention policy (which snapshots a
+session keeps, up to where it is exact). `NoParking` is the same interface when the pool is
+off (MEMRA_REUSE_POOL=0): every plan is cold and nothing is kept. Neither knows the Engine:
+they get values and callbacks (`new_cache`, `publish`), so the import graph stays acyclic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from memrad.engine.state.snapshot import ParkedState, Snapshot, is_croppable, thin_boundaries
+from memrad.grid import cut_floor, is_cut
+from memrad.protocol import Decision, EvictEvent, ParkEvent, SessionInfo
+from memrad.request import GenerationRequest
+from memrad.reuse.fingerprint import Segment, chain
+from memrad.reuse.planner import Mode, Plan, RequestView, plan
+from memrad.reuse.pool import Namespace, ParkedSession, ParkingStats, ReusePool
+from memrad.reuse.report import session_info
+
+log = logging.getLogger("memrad.engine")
+
+
+class Publisher:
+    """Control events (memrad.protocol records) to the subscribed sinks, on the engine thread.
+
+    It takes a thunk: with no sink nothing is built, since labels cost tokenizer work. A
+    failing sink is logged and never breaks serving.
+    """
+
+    def __init__(self, *sinks: Callable[[object], None]) -> None:
+        self._sinks = list(sinks)
+
+    def subscribe(self, sink: Callable[[object], None]) -> None:
+        self._sinks.append(sink)
+
+    def __call__(self, make: Callable[[], object]) -> None:
+        if not self._sinks:
+            return
+        event = make()
+        for sink in self._sinks:
+            try:
+                sink(event)
+            except Exception:  # an inspector must never break serving
+                log.exception("publishing %s failed", type(event).__name__)
+
+
+@dataclass
+class Prefilled:
+    """Bookkeeping of one request's prefill (mutated as prefill passes chunks)."""
+
+    start: int
+    primed_to: int
+    snapshots: dict[int, Snapshot]
+    anchors: tuple[int, ...] = ()  # reply anchors the prompt is cut at (exact mode; memrad.grid)
+
+
+def essential(prompt_len: int, chunk: int, anchors: tuple[int, ...], mode: Mode) -> set[int]:
+    """Snapshot positions every non-croppable session keeps: the exact checkpoint (the last
+    cut <= P) and, in fast mode, P itself."""
+    wanted = {cut_floor(prompt_len, chunk, anchors)}
+    if mode == "fast":
+        wanted.add(prompt_len)
+    return wanted
+
+
+class NoParking:
+    """The pool is off: plans are cold, nothing is checked out, parked or counted."""
+
+    def __init__(self, new_cache: Callable[[], Any]) -> None:
+        self.new_cache = new_cache
+
+    def plan(self, view: RequestView, affinity: bool, longest_prefix: bool) -> Plan:
+        return Plan(Decision(view.request_id, "cold", "reuse pool disabled", 0, len(view.prompt_ids)))
+
+    def load(self, decided: Plan, replan: Callable[[], Plan]) -> Plan:
+        return decided
+
+    def get(self, session_id: str | None) -> ParkedSession | None:
+        return None
+
+    def check_out(self, decided: Plan, anchors: tuple[int, ...]) -> tuple[Any, Prefilled]:
+        return self.new_cache(), Prefilled(0, 0, {}, anchors)
+
+    def resume_failed(self, decided: Plan) -> None:
+        pass
+
+    def park(self, request: GenerationRequest, namespace: Namespace, decided: Plan, cache: Any, pre: Prefilled,
+             fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...]) -> ParkedSession | None:
+        return None
+
+    def spill_all(self) -> None:
+        pass
+
+    def infos(self) -> list[SessionInfo]:
+        return []
+
+    def stats(self) -> ParkingStats | None:
+        return None
+
+
+class Parking(NoParking):
+    """The memory pool and (optionally) the disk tier behind it. Every method but `plan`,
+    `get`, `infos` and `stats` mutates the pools; call them from the engine thread."""
+
+    def __init__(self, pool: ReusePool, disk: Any, tokenizer: Any, openers: frozenset[int], model_config: Any,
+                 chunk: int, mode: Mode, new_cache: Callable[[], Any], publish: Publisher) -> None:
+        super().__init__(new_cache)
+        self.pool = pool
+        self.disk = disk  # memrad.engine.state.disk.DiskTier or None: evicted state is dropped
+        self.tokenizer, self.openers, self.model_config = tokenizer, openers, model_config
+        self.chunk, self.mode = chunk, mode
+        self.publish = publish
+
+    def plan(self, view: RequestView, affinity: bool, longest_prefix: bool) -> Plan:
+        """Decide reuse among the parked sessions of both tiers (pure; the pools are only read)."""
+        sessions, matches = self.pool.sessions(), self.pool.prefix_matches(view.namespace, view.prompt_ids)
+        if self.disk is not None:
+            sessions += self.disk.pool.sessions()
+            matches += self.disk.pool.prefix_matches(view.namespace, view.prompt_ids)
+        return plan(view, sessions, self.mode, self.chunk, affinity, longest_prefix, matches)
+
+    def load(self, decided: Plan, replan: Callable[[], Plan]) -> Plan:
+        """Load a chosen disk session's state; a file that fails its checks is deleted (by the
+        disk tier, with a log line) and the request is planned again without it."""
+        while decided.session is not None and decided.session.on_disk:
+            state = self.disk.load(decided.session, self.new_cache)
+            if state is not None:
+                return replace(decided, session=replace(decided.session, state=state))
+            self._evicted_from_disk(decided.session)
+            decided = replan()
+        return decided
+
+    def get(self, session_id: str | None) -> ParkedSession | None:
+        """A session parked in memory (does not mutate)."""
+        return self.pool.get(session_id) if session_id is not None else None
+
+    def check_out(self, decided: Plan, anchors: tuple[int, ...]) -> tuple[Any, Prefilled]:
+        """The cache a request prefills into: empty, a fork's copy, or its parent's own."""
+        if decided.session is None:
+            return self.new_cache(), Prefilled(0, 0, {}, anchors)
+        parent = decided.session
+        if decided.fork:
+            # Another conversation's state: copy its rows, leave it parked and unchanged.
+            (self.disk.pool if parent.on_disk else self.pool).touch(parent.session_id)
+            cache = parent.state.rebuild(self.model_config, decided.checkpoint, copy=not parent.on_disk)
+            return cache, Prefilled(decided.checkpoint, decided.checkpoint, {}, anchors)
+        # A resume that replaces its parent hands the parent's buffers on (the new rows
+        # overwrite the parent's rows past the checkpoint): check it out first, so the pool
+        # never lists a state that is being written. Its boundary snapshots below the
+        # checkpoint stay exact and pass to the successor.
+        self.pool.remove(parent.session_id)
+        if self.disk is not None:
+            self.disk.forget(parent.session_id)
+        cache = parent.state.rebuild(self.model_config, decided.checkpoint)
+        return cache, Prefilled(decided.checkpoint, decided.checkpoint, parent.state.below(decided.checkpoint),
+                                anchors)
+
+    def resume_failed(self, decided: Plan) -> None:
+        if decided.session is not None and not decided.fork:
+            self._drop_parent(decided.session, "its resume failed")
+
+    def _exact_limit(self, decided: Plan, primed_to: int) -> int:
+        """Cuts <= the result came from canonical prefill chunks (see DESIGN: Exactness)."""
+        start, parent = decided.checkpoint, decided.session
+        if parent is None or (start <= parent.exact_limit and is_cut(start, self.chunk, parent.anchors)):
+            return primed_to
+        return min(start, parent.exact_limit)
+
+    def park(self, request: GenerationRequest, namespace: Namespace, decided: Plan, cache: Any, pre: Prefilled,
+             fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...]) -> ParkedSession | None:
+        """Park what the request left: its prompt up to where prefill got, plus `fed`."""
+        if pre.primed_to == 0:
+            return None
+        token_ids = tuple(request.prompt_ids[: pre.primed_to]) + fed
+        whole_prompt = pre.primed_to == len(request.prompt_ids)  # else cancelled mid-prompt
+        croppable = is_croppable(cache)
+        keep = (essential(len(request.prompt_ids), self.chunk, pre.anchors, self.mode)
+                | thin_boundaries(pre.snapshots, pre.anchors))
+        snapshots = {pos: snap for pos, snap in pre.snapshots.items() if pos < len(token_ids) and pos in keep}
+        state = ParkedState(final=Snapshot.adopt(cache, len(token_ids)), snapshots=snapshots,
+                            croppable=croppable)
+        now = time.time()
+        parent = decided.session
+        succeeds = parent is not None and not decided.fork
+        session = ParkedSession(
+            session_id=self.pool.new_id(),
+            namespace=namespace,
+            identity=request.identity,
+            token_ids=token_ids,
+            text=request.prompt_text + text,
+            prompt_checkpoint=pre.primed_to,
+            checkpoints=() if croppable else tuple(sorted({*snapshots, len(token_ids)})),
+            croppable=croppable,
+            exact_limit=self._exact_limit(decided, pre.primed_to),
+            fingerprint=tuple(seg.hash for seg in prompt_segments) if whole_prompt
+            else chain(token_ids[: pre.primed_to], self.openers),
+            num_bytes=state.num_bytes,
+            created_at=parent.created_at if succeeds else now,
+            last_used_at=now,
+            hits=parent.hits + 1 if succeeds else 0,
+            anchors=tuple(a for a in pre.anchors if a <= pre.primed_to),
+            state=state,
+        )
+        if not self.pool.can_park(session.num_bytes):
+            log.info("%s not parked: %d bytes exceed the pool's cap of %d bytes", request.request_id,
+                     session.num_bytes, self.pool.max_bytes)
+            if succeeds:
+                self._drop_parent(parent, "its successor exceeds the pool's byte cap")
+            return None
+        replaced = parent.session_id if succeeds else None
+        for old in self.pool.park(session, replaces=replaced):
+            self._evicted(old)
+        self.publish(lambda: ParkEvent(now, session_info(self.tokenizer, session, self.openers,
+                                                         prompt_segments if whole_prompt else None), replaced))
+        return session
+
+    def _evicted(self, old: ParkedSession) -> None:
+        """The memory cap pushed `old` out: spill it to the disk tier (if any), else drop it."""
+        spilled = self.disk is not None and self.disk.spill(old, self._evicted_from_disk)
+        log.info("evicted %s (%d tokens, %d bytes)%s", old.session_id, old.num_tokens, old.num_bytes,
+                 "; spilled to disk" if spilled else "")
+        if not spilled:
+            self.publish(lambda: EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
+        else:  # the same session, now on disk
+            self.publish(lambda: ParkEvent(time.time(), session_info(
+                self.tokenizer, self.disk.pool.get(old.session_id), self.openers), old.session_id))
+
+    def _evicted_from_disk(self, old: ParkedSession) -> None:
+        self.publish(lambda: EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
+
+    def _drop_parent(self, parent: ParkedSession, why: str) -> None:
+        """A checked-out parent that nothing replaces is gone: say so (log, control socket)."""
+        log.info("dropped %s (%d tokens): %s", parent.session_id, parent.num_tokens, why)
+        self.publish(lambda: EvictEvent(time.time(), parent.session_id, parent.num_tokens, parent.num_bytes))
+
+    def spill_all(self) -> None:
+        """At `memrad stop`: write every parked session to the disk tier (most recent last, so
+        the disk's LRU keeps the freshest). Call once nothing runs on the engine."""
+        if self.disk is None:
+            return
+        sessions = self.pool.sessions()
+        written = sum(self.disk.spill(s, self._evicted_from_disk) for s in sessions)
+        log.info("wrote %d of %d parked sessions to %s", written, len(sessions), self.disk.directory)
+
+    def infos(self) -> list[SessionInfo]:
+        """Every parked session as a SessionInfo record (disk first, each least recently used first)."""
+        on_disk = self.disk.pool.sessions() if self.disk is not None else []
+        return [session_info(self.tokenizer, s, self.openers) for s in on_disk + self.pool.sessions()]
+
+    def stats(self) -> ParkingStats:
+        pool, disk = self.pool, self.disk
+        return ParkingStats(len(pool.sessions()), pool.bytes_parked, pool.max_sessions, pool.max_bytes,
+                            len(disk.pool.sessions()) if disk is not None else None,
+                            disk.pool.bytes_parked if disk is not None else None)
