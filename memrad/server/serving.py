@@ -101,9 +101,13 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
             job.cancel()  # the handler is leaving early (error or cancellation)
 
 
-def decision_field(decision: Decision | None) -> dict:
-    """The `memra` field every API's object carries: the reuse decision's one rendering."""
-    return {"memra": {"decision": decision.render()}} if decision is not None else {}
+def decision_field(decision: Decision | None, notes: tuple[str, ...] = ()) -> dict:
+    """The `memra` field every API's object carries: the reuse decision's one rendering, and
+    what memrad left out of or changed in the request (validate.Notes)."""
+    field: dict = {"decision": decision.render()} if decision is not None else {}
+    if notes:
+        field["notes"] = list(notes)
+    return {"memra": field} if field else {}
 
 
 DECISION_HEADER = "x-memra-decision"
