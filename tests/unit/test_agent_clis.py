@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import deque
 from pathlib import Path
 
 import aiohttp
@@ -22,12 +21,10 @@ from aiohttp.test_utils import TestServer
 from memrad.chat.chat import Chat
 from memrad.chat.render import fold_systems
 from memrad.config import ServerSettings, Settings
-from memrad.protocol import Decision
-from memrad.request import Completion
 from memrad.server.app import make_app
 from memrad.server.messages_api import signature
 from memrad.server.metrics import parse_samples
-from fake_engine import FakeEngine
+from scripted_chat import ScriptedChatEngine
 from tiny import build_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "agent_clis"
@@ -35,29 +32,6 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "agent_clis"
 
 def fixture(name: str) -> dict:
     return json.loads((FIXTURES / f"{name}.json").read_text())
-
-
-class ScriptedChatEngine(FakeEngine):
-    """FakeEngine with the real tiny tokenizer's Chat: each request's reply is the next script."""
-
-    model_id = "tiny-chatml"
-
-    def __init__(self, chat: Chat, context_len: int = 1_000_000) -> None:
-        super().__init__()
-        self.chat = chat
-        self.context_len = context_len
-        self.replies: deque[str] = deque()
-
-    def generate(self, request, emit, cancelled, on_decision=None):
-        self.requests.append(request)
-        decision = Decision(request.request_id, "cold", "scripted", 0, request.num_prompt_tokens)
-        if on_decision is not None:
-            on_decision(decision)
-        text = self.replies.popleft() if self.replies else "ok"
-        emit(text)
-        return Completion(text=text, finish_reason="stop", prompt_tokens=request.num_prompt_tokens,
-                          completion_tokens=len(self.chat.encode(text)), cached_tokens=0, ttft_s=0.0, total_s=0.0,
-                          decision=decision)
 
 
 @pytest.fixture(scope="module")
