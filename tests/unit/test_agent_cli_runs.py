@@ -1,4 +1,4 @@
-"""The real Claude Code and Codex binaries, pinned in tests/agent_clis/package.json, run a tool
+"""The real Claude Code, Codex, Qwen Code and opencode binaries, pinned in tests/agent_clis/package.json, run a tool
 task against memrad (issue 20, item 6).
 
 Each CLI runs non-interactively with only the base URL, the model and a dummy key set
@@ -43,7 +43,7 @@ def reply_for(shell_tool: str, arguments: str):
 
     def reply(request) -> str:
         text = request.prompt_text
-        if "<tool_response>" in text and "hello.py" in text:
+        if "<tool_response>" in text and "hello.py" in text.rsplit("<tool_response>", 1)[1]:
             return ANSWER
         if f'"name": "{shell_tool}"' in text:
             return f'<tool_call>\n{{"name": "{shell_tool}", "arguments": {arguments}}}\n</tool_call>'
@@ -129,3 +129,44 @@ async def test_codex_exec_runs_exec_command_and_answers(tmp_path):
     assert second.startswith(first[:-len("<|im_start|>assistant\n")])  # Codex re-sends output items verbatim
     assert "<tool_response>\n" in second and "hello.py" in second.split("<tool_response>")[-1]
     assert {r.identity.source for r in engine.requests} == {"prompt_cache_key"}
+
+
+async def test_qwen_code_lists_the_directory_and_answers(tmp_path):
+    needs("qwen")
+    work = sandbox(tmp_path)
+    engine = ScriptedChatEngine(Chat(build_tokenizer()),
+                                reply_for=reply_for("list_directory", f'{{"path": "{work}"}}'))
+    home = tmp_path / "home"
+    home.mkdir()
+    code, out, err, counts = await run_cli(
+        engine, ["sh", "-c", 'OPENAI_BASE_URL=http://127.0.0.1:$PORT/v1 exec qwen -p "list the files here"'],
+        {"HOME": str(home), "OPENAI_API_KEY": "dummy", "OPENAI_MODEL": "default"}, work)
+    assert code == 0, err
+    assert ANSWER in out
+    assert counts and all(status.startswith("2") for _, status in counts), counts
+    main = [r for r in engine.requests if '"name": "list_directory"' in r.prompt_text]
+    assert len(main) >= 2 and "<tool_response>" in main[1].prompt_text
+    assert main[1].prompt_text.startswith(main[0].prompt_text[:-len("<|im_start|>assistant\n")])
+    assert main[0].sampling.max_tokens == 8000 and main[0].identity is None  # Qwen Code names no session
+
+
+async def test_opencode_reads_the_directory_and_answers(tmp_path):
+    needs("opencode")
+    work = sandbox(tmp_path)
+    engine = ScriptedChatEngine(Chat(build_tokenizer()), reply_for=reply_for("read", f'{{"filePath": "{work}"}}'))
+    home = tmp_path / "home"
+    home.mkdir()
+    config = ('{"$schema": "https://opencode.ai/config.json", "provider": {"memra": {"npm": '
+              '"@ai-sdk/openai-compatible", "name": "memra", "options": {"baseURL": "http://127.0.0.1:PORT/v1", '
+              '"apiKey": "dummy"}, "models": {"default": {"name": "default"}}}}, "model": "memra/default"}')
+    (home / "opencode.json").write_text(config)
+    xdg = {f"XDG_{kind}_HOME": str(home / kind.lower()) for kind in ("CONFIG", "DATA", "CACHE", "STATE")}
+    code, out, err, counts = await run_cli(
+        engine, ["sh", "-c", 'sed -i "s/PORT/$PORT/" "$OPENCODE_CONFIG" && exec opencode run "list the files here"'],
+        {"HOME": str(home), "OPENCODE_CONFIG": str(home / "opencode.json"), **xdg}, work)
+    assert code == 0, err
+    assert ANSWER in out
+    assert counts and all(status.startswith("2") for _, status in counts), counts
+    main = [r for r in engine.requests if '"name": "read"' in r.prompt_text]
+    assert len(main) == 2 and "<tool_response>" in main[1].prompt_text
+    assert {r.identity.source for r in engine.requests} == {"x-session-id"}
