@@ -10,6 +10,7 @@ parser, so rendering is the real path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -44,17 +45,20 @@ def engine(chat):
     return ScriptedChatEngine(chat)
 
 
-async def started(engine, settings: Settings | None = None) -> TestServer:
+@contextlib.asynccontextmanager
+async def serving(engine, settings: Settings | None = None):
     server = TestServer(make_app(settings or Settings(), engine, "cpu", "float32"), host="127.0.0.1")
     await server.start_server()
-    return server
+    try:
+        yield server
+    finally:
+        await server.close()
 
 
 @pytest.fixture
 async def server(engine):
-    server = await started(engine)
-    yield server
-    await server.close()
+    async with serving(engine) as server:
+        yield server
 
 
 async def post(server, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict | list]:
@@ -253,11 +257,8 @@ async def test_claude_moves_cache_control_and_the_rendered_bytes_stay_a_prefix(s
 
 async def test_claude_max_tokens_beyond_the_context_is_lowered_and_said(chat):
     engine = ScriptedChatEngine(chat, context_len=30_000)
-    server = await started(engine)
-    try:
+    async with serving(engine) as server:
         status, events = await replay(server, "claude_tool_003")
-    finally:
-        await server.close()
     assert status == 200
     num_prompt = len(engine.requests[-1].prompt_ids)
     room = 30_000 - num_prompt
@@ -339,11 +340,8 @@ async def test_qwen_tool_result_as_text_parts_after_a_null_content_call(server, 
 
 async def test_qwen_compression_request_max_tokens_is_lowered_not_refused(chat):
     engine = ScriptedChatEngine(chat, context_len=4_000)
-    server = await started(engine)
-    try:
+    async with serving(engine) as server:
         status, whole = await replay(server, "qwen_too_long_002")
-    finally:
-        await server.close()
     assert status == 200 and whole["object"] == "chat.completion"
     num_prompt = len(engine.requests[-1].prompt_ids)
     assert engine.requests[-1].sampling.max_tokens == 4_000 - num_prompt
@@ -402,12 +400,9 @@ async def test_unknown_model_names_are_served_by_the_loaded_model_logged_once(se
 
 
 async def test_strict_model_names_restores_the_404(engine):
-    server = await started(engine, Settings(server=ServerSettings(strict_model_names=True)))
-    try:
+    async with serving(engine, Settings(server=ServerSettings(strict_model_names=True))) as server:
         status, error = await post(server, "/v1/chat/completions",
                                    {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})
-    finally:
-        await server.close()
     assert (status, error["error"]["code"], error["error"]["param"]) == (404, "model_not_found", "model")
 
 
@@ -418,11 +413,8 @@ async def test_strict_model_names_restores_the_404(engine):
 ])
 async def test_a_prompt_that_alone_overflows_is_context_length_exceeded_naming_the_prompt(chat, path, body, param):
     engine = ScriptedChatEngine(chat, context_len=200)
-    server = await started(engine)
-    try:
+    async with serving(engine) as server:
         status, error = await post(server, path, body)
-    finally:
-        await server.close()
     assert status == 400 and (error["error"]["code"], error["error"]["param"]) == ("context_length_exceeded", param)
     assert error["error"]["message"].startswith("This model's maximum context length is 200 tokens. However, your "
                                                 "messages resulted in ")
@@ -430,13 +422,10 @@ async def test_a_prompt_that_alone_overflows_is_context_length_exceeded_naming_t
 
 async def test_a_messages_prompt_that_overflows_is_worded_as_anthropic_words_it(chat):
     engine = ScriptedChatEngine(chat, context_len=200)
-    server = await started(engine)
     body = {"model": "default", "max_tokens": 10, "messages": [{"role": "user", "content": "word " * 300}]}
-    try:
+    async with serving(engine) as server:
         status, error = await post(server, "/v1/messages", body)
         _, count = await post(server, "/v1/messages/count_tokens", body)
-    finally:
-        await server.close()
     assert status == 400 and error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["message"] == f"prompt is too long: {count['input_tokens']} tokens > 199 maximum"
 
