@@ -14,6 +14,7 @@ Skipped when `npm install --prefix tests/agent_clis` has not been run (.ci/run r
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -36,6 +37,10 @@ ANSWER = "The sandbox holds README.md and hello.py."
 def needs(cli: str) -> None:
     if not (BIN / cli).exists():
         pytest.skip(f"{BIN / cli} is missing: run `npm install --prefix tests/agent_clis --no-audit --no-fund`")
+
+
+def all_2xx(counts: dict) -> bool:
+    return bool(counts) and all(status.startswith("2") for _, status in counts)
 
 
 def reply_for(shell_tool: str, arguments: str):
@@ -61,15 +66,45 @@ def sandbox(root: Path) -> Path:
     return work
 
 
-async def run_cli(engine, argv: list[str], env: dict, cwd: Path) -> tuple[int, str, str, dict]:
-    """Run the CLI against a fresh server; (exit code, stdout, stderr, request counts by
-    (route, status))."""
+def invocation(cli: str, home: Path) -> tuple[list[str], dict]:
+    """The tested configuration of each CLI (docs/SERVING.md): (argv, environment). The port
+    is known once the server runs, so the shell writes it in from $PORT."""
+    home.mkdir()
+    prompt = '"list the files here"'
+    if cli == "claude":
+        return (["sh", "-c", f"ANTHROPIC_BASE_URL=http://127.0.0.1:$PORT exec claude -p {prompt}"],
+                {"HOME": str(home), "CLAUDE_CONFIG_DIR": str(home / ".claude"), "ANTHROPIC_API_KEY": "dummy",
+                 "ANTHROPIC_MODEL": "default", "CLAUDE_CODE_ATTRIBUTION_HEADER": "0"})
+    if cli == "codex":
+        (home / "config.toml").write_text(
+            'model = "default"\nmodel_provider = "memra"\n\n[model_providers.memra]\nname = "memra"\n'
+            'base_url = "http://127.0.0.1:PORT/v1"\nenv_key = "MEMRA_API_KEY"\nwire_api = "responses"\n')
+        return (["sh", "-c", f'sed -i "s/PORT/$PORT/" "$CODEX_HOME/config.toml" && exec codex exec {prompt}'],
+                {"HOME": str(home), "CODEX_HOME": str(home), "MEMRA_API_KEY": "dummy"})
+    if cli == "qwen":
+        return (["sh", "-c", f"OPENAI_BASE_URL=http://127.0.0.1:$PORT/v1 exec qwen -p {prompt}"],
+                {"HOME": str(home), "OPENAI_API_KEY": "dummy", "OPENAI_MODEL": "default"})
+    (home / "opencode.json").write_text(
+        '{"$schema": "https://opencode.ai/config.json", "provider": {"memra": {"npm": '
+        '"@ai-sdk/openai-compatible", "name": "memra", "options": {"baseURL": "http://127.0.0.1:PORT/v1", '
+        '"apiKey": "dummy"}, "models": {"default": {"name": "default"}}}}, "model": "memra/default"}')
+    xdg = {f"XDG_{kind}_HOME": str(home / kind.lower()) for kind in ("CONFIG", "DATA", "CACHE", "STATE")}
+    return (["sh", "-c", f'sed -i "s/PORT/$PORT/" "$OPENCODE_CONFIG" && exec opencode run {prompt}'],
+            {"HOME": str(home), "OPENCODE_CONFIG": str(home / "opencode.json"), **xdg})
+
+
+async def run_cli(engine, cli: str, tmp_path: Path) -> tuple[int, str, str, dict]:
+    """Run `cli` in a fresh sandbox against a fresh server; (exit code, stdout, stderr,
+    request counts by (route, status))."""
+    needs(cli)
+    work = sandbox(tmp_path)
+    argv, env = invocation(cli, tmp_path / "home")
     server = TestServer(make_app(Settings(), engine, "cpu", "float32"), host="127.0.0.1")
     await server.start_server()
     try:
         env = {"PATH": f"{BIN}:{os.environ['PATH']}", "PORT": str(server.port), **env}
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            *argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), 180)
         except TimeoutError:
@@ -85,88 +120,67 @@ async def run_cli(engine, argv: list[str], env: dict, cwd: Path) -> tuple[int, s
     return proc.returncode, out.decode(), err.decode(), counts
 
 
-async def test_claude_code_runs_bash_and_answers(tmp_path):
-    needs("claude")
-    engine = ScriptedChatEngine(Chat(build_tokenizer()),
-                                reply_for=reply_for("Bash", '{"command": "ls", "description": "List files"}'))
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {"HOME": str(home), "CLAUDE_CONFIG_DIR": str(home / ".claude"), "ANTHROPIC_API_KEY": "dummy",
-           "ANTHROPIC_MODEL": "default", "CLAUDE_CODE_ATTRIBUTION_HEADER": "0"}
-    work = sandbox(tmp_path)
-    # The port is known once the server runs: the shell sets the base URL from $PORT.
-    code, out, err, counts = await run_cli(
-        engine, ["sh", "-c", 'ANTHROPIC_BASE_URL=http://127.0.0.1:$PORT exec claude -p "list the files here"'], env, work)
+async def run_task(cli: str, tmp_path: Path, tool: str, arguments: dict, context_len: int = 1_000_000) -> tuple:
+    """The tool task: the CLI exits 0, prints the answer, and every request was 2xx; (engine,
+    the requests whose prompt offers `tool`, request counts)."""
+    engine = ScriptedChatEngine(Chat(build_tokenizer()), context_len=context_len,
+                                reply_for=reply_for(tool, json.dumps(arguments)))
+    code, out, err, counts = await run_cli(engine, cli, tmp_path)
     assert code == 0, err
-    assert ANSWER in out
-    assert all(status.startswith("2") for _, status in counts), counts
-    assert counts[("/", "200")] >= 1  # the HEAD preflight
-    main = [r for r in engine.requests if '"name": "Bash"' in r.prompt_text]
-    assert len(main) == 2  # the call, then the answer after the result
-    # Turn 2 renders turn 1 as an exact prefix (cache_control moved, the bytes did not).
+    assert ANSWER in out and all_2xx(counts), counts
+    main = [r for r in engine.requests if f'"name": "{tool}"' in r.prompt_text]
+    assert len(main) >= 2 and "<tool_response>" in main[1].prompt_text
+    # Turn 2 renders turn 1 as an exact prefix.
     assert main[1].prompt_text.startswith(main[0].prompt_text[:-len("<|im_start|>assistant\n")])
+    return engine, main, counts
+
+
+async def test_claude_code_runs_bash_and_answers(tmp_path):
+    # 100k tokens of context: its ~70k-token prompt fits, its max_tokens 32000 does not.
+    engine, main, counts = await run_task("claude", tmp_path, "Bash", {"command": "ls", "description": "List"},
+                                          context_len=100_000)
+    assert counts[("/", "200")] >= 1  # the HEAD preflight
+    assert len(main) == 2  # the call, then the answer after the result (cache_control moved, bytes did not)
     assert "<tool_response>\nREADME.md\nhello.py" in main[1].prompt_text
     assert {r.identity.source for r in main} == {"metadata.user_id"}
+    assert [r.sampling.max_tokens for r in main] == [100_000 - len(r.prompt_ids) for r in main]
 
 
 async def test_codex_exec_runs_exec_command_and_answers(tmp_path):
-    needs("codex")
-    engine = ScriptedChatEngine(Chat(build_tokenizer()), reply_for=reply_for("exec_command", '{"cmd": "ls"}'))
-    home = tmp_path / "codex"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        'model = "default"\nmodel_provider = "memra"\n\n[model_providers.memra]\nname = "memra"\n'
-        'base_url = "http://127.0.0.1:PORT/v1"\nenv_key = "MEMRA_API_KEY"\nwire_api = "responses"\n')
-    work = sandbox(tmp_path)
-    code, out, err, counts = await run_cli(
-        engine, ["sh", "-c", 'sed -i "s/PORT/$PORT/" "$CODEX_HOME/config.toml" && exec codex exec "list the files here"'],
-        {"HOME": str(tmp_path), "CODEX_HOME": str(home), "MEMRA_API_KEY": "dummy"}, work)
-    assert code == 0, err
-    assert ANSWER in out
-    assert counts and all(status.startswith("2") for _, status in counts), counts
-    assert len(engine.requests) == 2
-    first, second = (r.prompt_text for r in engine.requests)
-    assert second.startswith(first[:-len("<|im_start|>assistant\n")])  # Codex re-sends output items verbatim
-    assert "<tool_response>\n" in second and "hello.py" in second.split("<tool_response>")[-1]
-    assert {r.identity.source for r in engine.requests} == {"prompt_cache_key"}
+    engine, main, _ = await run_task("codex", tmp_path, "exec_command", {"cmd": "ls"})
+    assert len(engine.requests) == len(main) == 2  # Codex re-sends its output items verbatim
+    assert "hello.py" in main[1].prompt_text.split("<tool_response>")[-1]
+    assert {r.identity.source for r in main} == {"prompt_cache_key"}
 
 
 async def test_qwen_code_lists_the_directory_and_answers(tmp_path):
-    needs("qwen")
-    work = sandbox(tmp_path)
-    engine = ScriptedChatEngine(Chat(build_tokenizer()),
-                                reply_for=reply_for("list_directory", f'{{"path": "{work}"}}'))
-    home = tmp_path / "home"
-    home.mkdir()
-    code, out, err, counts = await run_cli(
-        engine, ["sh", "-c", 'OPENAI_BASE_URL=http://127.0.0.1:$PORT/v1 exec qwen -p "list the files here"'],
-        {"HOME": str(home), "OPENAI_API_KEY": "dummy", "OPENAI_MODEL": "default"}, work)
-    assert code == 0, err
-    assert ANSWER in out
-    assert counts and all(status.startswith("2") for _, status in counts), counts
-    main = [r for r in engine.requests if '"name": "list_directory"' in r.prompt_text]
-    assert len(main) >= 2 and "<tool_response>" in main[1].prompt_text
-    assert main[1].prompt_text.startswith(main[0].prompt_text[:-len("<|im_start|>assistant\n")])
-    assert main[0].sampling.max_tokens == 8000 and main[0].identity is None  # Qwen Code names no session
+    # Its ~53k-token prompt fits in 60k, its max_tokens 8000 does not.
+    _, main, _ = await run_task("qwen", tmp_path, "list_directory", {"path": str(tmp_path / "sandbox")},
+                                context_len=60_000)
+    assert main[0].sampling.max_tokens == 60_000 - len(main[0].prompt_ids)
+    assert main[0].identity is None  # Qwen Code names no session
 
 
 async def test_opencode_reads_the_directory_and_answers(tmp_path):
-    needs("opencode")
-    work = sandbox(tmp_path)
-    engine = ScriptedChatEngine(Chat(build_tokenizer()), reply_for=reply_for("read", f'{{"filePath": "{work}"}}'))
-    home = tmp_path / "home"
-    home.mkdir()
-    config = ('{"$schema": "https://opencode.ai/config.json", "provider": {"memra": {"npm": '
-              '"@ai-sdk/openai-compatible", "name": "memra", "options": {"baseURL": "http://127.0.0.1:PORT/v1", '
-              '"apiKey": "dummy"}, "models": {"default": {"name": "default"}}}}, "model": "memra/default"}')
-    (home / "opencode.json").write_text(config)
-    xdg = {f"XDG_{kind}_HOME": str(home / kind.lower()) for kind in ("CONFIG", "DATA", "CACHE", "STATE")}
-    code, out, err, counts = await run_cli(
-        engine, ["sh", "-c", 'sed -i "s/PORT/$PORT/" "$OPENCODE_CONFIG" && exec opencode run "list the files here"'],
-        {"HOME": str(home), "OPENCODE_CONFIG": str(home / "opencode.json"), **xdg}, work)
-    assert code == 0, err
-    assert ANSWER in out
-    assert counts and all(status.startswith("2") for _, status in counts), counts
-    main = [r for r in engine.requests if '"name": "read"' in r.prompt_text]
-    assert len(main) == 2 and "<tool_response>" in main[1].prompt_text
+    # Its ~24k-token prompt fits in 40k, its max_tokens 32000 does not: refusing that made it loop.
+    engine, main, _ = await run_task("opencode", tmp_path, "read", {"filePath": str(tmp_path / "sandbox")},
+                                     context_len=40_000)
+    assert len(main) == 2
     assert {r.identity.source for r in engine.requests} == {"x-session-id"}
+    assert [r.sampling.max_tokens for r in main] == [40_000 - len(r.prompt_ids) for r in main]
+
+
+@pytest.mark.parametrize("cli, said, counts", [
+    # Claude Code reads "prompt is too long: N tokens > M maximum" and says why it cannot compact.
+    ("claude", "Prompt is too long", {("/", "200"): 1, ("/v1/messages", "200"): 1, ("/v1/messages", "400"): 1}),
+    # Codex reads context_length_exceeded as final.
+    ("codex", "ran out of room in the model's context window", {("/v1/responses", "400"): 1}),
+    # Qwen Code compresses the history once (served), retries once, and stops.
+    ("qwen", "maximum context length is 10000 tokens", {("/v1/chat/completions", "400"): 2,
+                                                        ("/v1/chat/completions", "200"): 1}),
+])
+async def test_a_prompt_that_alone_overflows_stops_the_cli_without_a_loop(tmp_path, cli, said, counts):
+    engine = ScriptedChatEngine(Chat(build_tokenizer()), context_len=10_000, reply_for=lambda request: "Summary.")
+    code, out, err, got = await run_cli(engine, cli, tmp_path)
+    assert code == 1 and said in out + err
+    assert got == counts

@@ -334,7 +334,8 @@ async def test_qwen_tool_result_as_text_parts_after_a_null_content_call(server, 
     status, events = await replay(server, "qwen_tool_002")
     assert status == 200
     assert ('<tool_call>\n{"name": "list_directory", "arguments": {"path": "/work/capture/sandbox"}}\n</tool_call>'
-            '<|im_end|>\n<|im_start|>user\n<tool_response>\nListed 2 item(s) in /work/capture/sandbox:') in prompt(engine)
+            '<|im_end|>\n<|im_start|>user\n<tool_response>\nListed 2 item(s) in /work/capture/sandbox:'
+            ) in prompt(engine)
     assert events[-1] == (None, "[DONE]")
 
 
@@ -366,7 +367,8 @@ async def test_opencode_schemas_with_dollar_schema_and_huge_bounds_and_empty_cal
 
 async def test_chat_tool_results_without_ids_pair_by_order_and_odd_arguments_render_as_sent(server, engine):
     body = {"model": "default", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "look"},
+                                     {"type": "image_url", "image_url": {"url": "x"}}]},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "a", "type": "function", "function": {"name": "sh", "arguments": "ls -la"}},
             {"id": "b", "type": "function", "function": {"name": "sh", "arguments": "[1, 2]"}}]},
