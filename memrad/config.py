@@ -32,6 +32,7 @@ class ServerSettings:
     port: int = _key(8765, "MEMRA_PORT")
     max_queue: int = _key(16, "MEMRA_MAX_QUEUE")
     shutdown_grace_s: float = _key(10.0, "MEMRA_SHUTDOWN_GRACE_S")
+    strict_model_names: bool = _key(False, "MEMRA_STRICT_MODEL_NAMES")
 
 
 @dataclass(frozen=True, slots=True)

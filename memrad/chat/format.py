@@ -131,6 +131,9 @@ class ChatFormat:
     tools_supported: bool
     tool_template: str | None = None
     markup_ids: frozenset[int] = frozenset()  # special tokens that are markup: the detokenizer keeps them
+    # Whether the model's own template writes a system turn after the first user turn
+    # (ChatML does; Gemma and Mistral raise): where not, memrad.chat.render folds them.
+    system_anywhere: bool = True
 
 
 def family_of(template_text: str) -> str | None:
@@ -154,6 +157,17 @@ def renders_tools(tokenizer: Any) -> bool:
     return "memra_probe_tool" in text
 
 
+def renders_mid_system(tokenizer: Any) -> bool:
+    """Whether the template writes a system message that comes after other turns (probe render)."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                {"role": "system", "content": "memra_probe_system"}, {"role": "user", "content": "go"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception:
+        return False
+    return "memra_probe_system" in text
+
+
 def chat_format(tokenizer: Any) -> ChatFormat:
     """Detect the family, the reply parser and the tool rendering for `tokenizer`."""
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -164,11 +178,12 @@ def chat_format(tokenizer: Any) -> ChatFormat:
     response = own if own is not None else RESPONSE_TEMPLATES.get(family or "")
     markup = MARKUP.get(family or "", ())
     ids = skipped_markup(tokenizer, markup)
+    anywhere = bool(template) and renders_mid_system(tokenizer)
     if template and renders_tools(tokenizer):
-        return ChatFormat(family, response, markup, True, markup_ids=ids)
+        return ChatFormat(family, response, markup, True, markup_ids=ids, system_anywhere=anywhere)
     if family == "hermes" and "<|im_start|>" in template:
-        return ChatFormat(family, response, markup, True, HERMES_CHATML_TEMPLATE, ids)
-    return ChatFormat(family, response, markup, False, markup_ids=ids)
+        return ChatFormat(family, response, markup, True, HERMES_CHATML_TEMPLATE, ids, anywhere)
+    return ChatFormat(family, response, markup, False, markup_ids=ids, system_anywhere=anywhere)
 
 
 def skipped_markup(tokenizer: Any, markup: tuple[str, ...]) -> frozenset[int]:

@@ -101,9 +101,13 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
             job.cancel()  # the handler is leaving early (error or cancellation)
 
 
-def decision_field(decision: Decision | None) -> dict:
-    """The `memra` field every API's object carries: the reuse decision's one rendering."""
-    return {"memra": {"decision": decision.render()}} if decision is not None else {}
+def decision_field(decision: Decision | None, notes: tuple[str, ...] = ()) -> dict:
+    """The `memra` field every API's object carries: the reuse decision's one rendering, and
+    what memrad left out of or changed in the request (validate.Notes)."""
+    field: dict = {"decision": decision.render()} if decision is not None else {}
+    if notes:
+        field["notes"] = list(notes)
+    return {"memra": field} if field else {}
 
 
 DECISION_HEADER = "x-memra-decision"
@@ -234,13 +238,17 @@ async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch
     try:
         completion = await job.result
     except Exception as exc:
-        log.exception("request %s failed while streaming", run.request_id)
+        # The status line already left as 200: the failure is the stream's error event.
+        log.exception("%s failed %s %s while streaming: 500 generation failed: %s", run.request_id,
+                      request.method, request.path, exc)
         await send(shape.stream_error(server_error(f"generation failed: {exc}").body(run.style)))
         return response
     _log_request(run.request_id, job, completion, stream=True, gone=watch.gone)
     if completion is None or completion.finish_reason == "cancelled":
-        await send(shape.stream_error(
-            unavailable("the request was cancelled because memrad is shutting down").body(run.style)))
+        cancelled = unavailable("the request was cancelled because memrad is shutting down")
+        log.warning("%s failed %s %s while streaming: %d %s", run.request_id, request.method, request.path,
+                    cancelled.status, cancelled.message)
+        await send(shape.stream_error(cancelled.body(run.style)))
         return response
     deltas, reply = run.finish(completion)
     await send_deltas(deltas)

@@ -20,6 +20,7 @@ class ScriptedEngine(Engine):
         self.replies: deque[str] = deque()
         self.prompt_logits: list[str] = []  # sha256 of each request's first logits
         self.prompts: list[tuple[int, ...]] = []  # each request's prompt ids
+        self.requests: list = []  # each GenerationRequest, as the server queued it
         self._tokens: deque[int] = deque()
         self._first = False
         self._eos = min(self.loaded.eos_ids)
@@ -32,6 +33,7 @@ class ScriptedEngine(Engine):
         self._tokens = deque(self.loaded.tokenizer(reply, add_special_tokens=False)["input_ids"])
         self._first = True
         self.prompts.append(request.prompt_ids)
+        self.requests.append(request)
         return super().generate(request, emit, cancelled, on_decision)
 
     def _next_token(self, logits, params, generator) -> int:

@@ -264,22 +264,14 @@ async def test_bad_tool_input_is_a_4xx_in_each_apis_error_shape(server, engine):
                                                   tool_choice={"type": "function", "function": {"name": "rm"}})
     assert "'rm', which is not among the tools (read_file)" in named.value.message
     with pytest.raises(openai.BadRequestError) as responses:
-        await oai(server).responses.create(model="default", input="x", tools=[{"type": "web_search"}])
-    assert "function tools only" in responses.value.message
-    with pytest.raises(openai.BadRequestError) as args:
-        await oai(server).responses.create(model="default", input=[
-            {"type": "function_call", "call_id": "c1", "name": "read_file", "arguments": "{oops"}])
-    assert "not valid JSON" in args.value.message
+        await oai(server).responses.create(model="default", input="x", tools=[{"name": "untyped"}])
+    assert responses.value.body["param"] == "tools[0]" and "must be a tool object with a type" in responses.value.message
     with pytest.raises(anthropic.BadRequestError) as messages:
         await claude(server).messages.create(model="default", max_tokens=5, messages=[
             {"role": "user", "content": [{"type": "tool_result", "content": "x"}]}])
     assert messages.value.body["type"] == "error"
     assert messages.value.body["error"]["type"] == "invalid_request_error"
     assert "the id of the tool call it answers" in messages.value.body["error"]["message"]
-    with pytest.raises(anthropic.NotFoundError) as model:
-        await claude(server).messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user",
-                                                                                       "content": "x"}])
-    assert model.value.body["error"]["type"] == "not_found_error"
 
 
 async def test_a_model_without_a_tool_format_rejects_tools_with_a_400_on_each_api(server, engine):
@@ -341,10 +333,7 @@ async def test_messages_max_tokens_beyond_the_context_is_lowered_to_what_is_left
     message = await claude(server).messages.create(model="default", max_tokens=4096,
                                                    messages=[{"role": "user", "content": "x"}])
     assert message.content[0].text == "Fine." and message.stop_reason == "end_turn"
-    with pytest.raises(openai.BadRequestError) as chat:
-        await oai(server).chat.completions.create(model="default", max_tokens=32000,
-                                                  messages=[{"role": "user", "content": "x"}])
-    assert chat.value.body["code"] == "context_length_exceeded"
+    assert engine.requests[-1].sampling.max_tokens == 1024 - len(engine.prompts[-1])
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])

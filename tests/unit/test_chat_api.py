@@ -22,7 +22,7 @@ def rejected(body, header=None, parse=parse_chat):
     ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]}, "messages[0].content[0]"),
     ({"messages": USER, "n": 2}, "n"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens"),
     ({"messages": USER, "max_tokens": -5}, "max_tokens"),
