@@ -32,6 +32,10 @@ class ServerSettings:
     port: int = _key(8765, "MEMRA_PORT")
     max_queue: int = _key(16, "MEMRA_MAX_QUEUE")
     shutdown_grace_s: float = _key(10.0, "MEMRA_SHUTDOWN_GRACE_S")
+    max_connections: int = _key(256, "MEMRA_MAX_CONNECTIONS")
+    header_timeout_s: float = _key(10.0, "MEMRA_HEADER_TIMEOUT_S")
+    idle_timeout_s: float = _key(75.0, "MEMRA_IDLE_TIMEOUT_S")
+    body_timeout_s: float = _key(60.0, "MEMRA_BODY_TIMEOUT_S")
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,19 +185,22 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    from memrad.server.app import connection_limits
+    from memrad.server.connections import Listener, limit_accept_errors
+
+    limit_accept_errors(loop)
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
                            shutdown_timeout=settings.server.shutdown_grace_s + 5)
     await runner.setup()
-    site = web.TCPSite(runner, settings.server.host, settings.server.port)
+    listener = Listener(runner, connection_limits(settings))
     try:
-        await site.start()
+        await listener.start(settings.server.host, settings.server.port)
     except OSError as exc:
         await runner.cleanup()
         raise StartupError(
             f"cannot listen on {settings.server.host}:{settings.server.port} ({exc.strerror}); "
             "another program uses that port: pick another with --port or MEMRA_PORT") from None
-    host, port = runner.addresses[0][:2]
-    url = f"http://{settings.server.host}:{port}"
+    url = f"http://{settings.server.host}:{listener.port}"
     control = await _start_control(app, settings, loop)
     DaemonInfo(pid=info.pid, started_at=info.started_at, log=info.log, url=url, model=model_id,
                device=device, socket=str(control.path)).write(pidfile_path())
@@ -208,6 +211,7 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     await stop.wait()
     log.info("stopping: finishing or cancelling in-flight requests")
     await control.close()
+    await listener.close()
     await runner.cleanup()  # closes the scheduler: nothing runs on the engine any more
     await asyncio.to_thread(app[CONTEXT].engine.close)
     log.info("stopped")

@@ -1,8 +1,8 @@
 """The aiohttp app factory, shared by the daemon and the tests.
 
-Middlewares, outermost first: request metrics (they see the status the client got),
-errors as API error bodies, then the access guard (Host, Origin, API key) before any
-handler reads a body.
+Middlewares, outermost first: the connection's request tracking (memrad.server.connections),
+request metrics (they see the status the client got), errors as API error bodies, then the
+access guard (Host, Origin, API key) before any handler reads a body.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from aiohttp import web
 from memrad.config import Settings
 from memrad.chat.render import PromptError
 from memrad.scheduler import Scheduler
-from memrad.server import security
+from memrad.server import connections, security
 from memrad.server.context import CONTEXT, ServerContext, ServingEngine
 from memrad.server.errors import APIError, error_style, invalid, server_error
 from memrad.server.limits import LIMITS, Limits, too_large
@@ -60,7 +60,7 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
 
 def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str) -> web.Application:
     """Build the app around a loaded engine. The scheduler is closed on shutdown."""
-    app = web.Application(middlewares=[count_requests, openai_errors, security.guard],
+    app = web.Application(middlewares=[connections.track, count_requests, openai_errors, security.guard],
                           client_max_size=settings.limits.max_body_bytes)
     scheduler = Scheduler(engine, settings.server.max_queue)
     ctx = ServerContext(settings=settings, engine=engine, scheduler=scheduler, device=device, dtype=dtype)
@@ -79,6 +79,12 @@ def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str)
     app.router.add_get("/metrics", scrape)
     app.router.add_get("/openapi.json", openapi)
     return app
+
+
+def connection_limits(settings: Settings) -> connections.ConnectionLimits:
+    server = settings.server
+    return connections.ConnectionLimits(server.max_connections, server.header_timeout_s, server.idle_timeout_s,
+                                        server.body_timeout_s)
 
 
 def _gauges(ctx: ServerContext) -> dict:
