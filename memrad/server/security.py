@@ -103,9 +103,18 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return headers.get("x-api-key") or None
 
 
-def key_matches(presented: str | None, expected: str) -> bool:
-    """Constant-time in the key's content (hmac.compare_digest), whatever was presented."""
-    return hmac.compare_digest((presented or "").encode(), expected.encode())
+def as_bytes(value: str | bytes | None) -> bytes:
+    """A header value's bytes as they came. aiohttp decodes headers as UTF-8 with
+    surrogateescape, so a non-UTF-8 byte comes back as itself, never as an encode error."""
+    if isinstance(value, bytes):
+        return value
+    return (value or "").encode("utf-8", "surrogateescape")
+
+
+def key_matches(presented: str | bytes | None, expected: str) -> bool:
+    """Compared as bytes, in constant time in the key's content (hmac.compare_digest),
+    whatever was presented (a malformed key is just a wrong one: 401)."""
+    return hmac.compare_digest(as_bytes(presented), expected.encode("utf-8"))
 
 
 def refusal(method: str, path: str, headers: Mapping[str, str], policy: AccessPolicy) -> APIError | None:
