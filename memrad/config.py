@@ -87,6 +87,8 @@ class ControlSettings:
 @dataclass(frozen=True, slots=True)
 class LogSettings:
     level: str = _key("info", "MEMRA_LOG_LEVEL")
+    max_bytes: int = _key(10 * 1024 * 1024, "MEMRA_LOG_MAX_BYTES")
+    backups: int = _key(3, "MEMRA_LOG_BACKUPS")
 
 
 @dataclass(frozen=True, slots=True)

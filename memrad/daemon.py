@@ -7,6 +7,7 @@ import asyncio
 import fcntl
 import json
 import logging
+import logging.handlers
 import os
 import signal
 import sys
@@ -15,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memrad.config import Settings
+from memrad.loglines import SafeFormatter
+from memrad.private import open_private
 from memrad.paths import lockfile_path, log_path, pidfile_path, socket_path
 
 log = logging.getLogger("memrad")
@@ -119,13 +122,26 @@ def _take_lock(handle, wait_s: float = 2.0) -> bool:
             time.sleep(0.05)
 
 
-def configure_logging(level: str, detached: bool) -> None:
-    """Detached, stderr already is the log file; attached, log to the terminal and the file."""
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+class PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """The log file, size-capped, and 0600 however it is (re)created: it holds prompts' names
+    and errors another local user must not read (memrad.private)."""
+
+    def _open(self):
+        return open_private(Path(self.baseFilename), "a", tighten_dir=True)
+
+
+def configure_logging(level: str, detached: bool, max_bytes: int = 10 * 2**20, backups: int = 3) -> None:
+    """Log to the rotated file, and attached also to the terminal. Detached, stderr is the
+    file the parent opened (for what escapes logging); records go through the handler only.
+    Every line is escaped to one line (memrad.loglines.SafeFormatter)."""
+    handlers: list[logging.Handler] = [PrivateRotatingFileHandler(log_path(), maxBytes=max_bytes,
+                                                                  backupCount=backups)]
     if not detached:
-        handlers.append(logging.FileHandler(log_path()))
-    logging.basicConfig(level=level.upper(), handlers=handlers, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        handlers.append(logging.StreamHandler(sys.stderr))
+    formatter = SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in handlers:
+        handler.setFormatter(formatter)
+    logging.basicConfig(level=level.upper(), handlers=handlers, force=True)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 

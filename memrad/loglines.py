@@ -17,24 +17,38 @@ MAX_CHARS = 200
 
 
 def clean(value: Any, max_chars: int = MAX_CHARS) -> str:
-    """`value` as one printable line: control and non-printable characters backslash-escaped
-    (\\n, \\x1b, \\u2028), cut to `max_chars` with the full length said."""
+    """`value` as one printable line: backslashes, control and non-printable characters
+    backslash-escaped (\\n, \\x1b, \\u2028), cut to `max_chars` with the full length said."""
     text = value if isinstance(value, str) else str(value)
     cut = len(text) > max_chars
-    head = text[:max_chars] if cut else text
-    safe = "".join(c if c.isprintable() and c != "\\" else _escape(c) for c in head)
+    safe = one_line(text[:max_chars] if cut else text, escape_backslash=True)
     return f"{safe}...({len(text)} chars)" if cut else safe
 
 
-def _escape(c: str) -> str:
-    if c == "\\":
-        return "\\\\"
-    return c.encode("unicode_escape").decode("ascii")
+def one_line(text: str, escape_backslash: bool = False) -> str:
+    """`text` with every non-printable character (newline, escape, U+2028...) escaped."""
+    if text.isprintable() and not (escape_backslash and "\\" in text):
+        return text
+    return "".join(c if c.isprintable() and not (escape_backslash and c == "\\")
+                   else "\\\\" if c == "\\" else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def quoted(value: Any, max_chars: int = MAX_CHARS) -> str:
     """`clean` in double quotes, for names inside a sentence."""
     return f'"{clean(value, max_chars)}"'
+
+
+class SafeFormatter(logging.Formatter):
+    """The daemon's log format, made injection-proof at the last step: a record's message is
+    escaped to one line whatever its arguments hold, and the lines a traceback adds are
+    indented, so a line at column 0 is always the start of a real record."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = one_line(record.message)
+        return super().formatMessage(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).replace("\n", "\n    ")
 
 
 class RateLimitedLog:

@@ -27,6 +27,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from memrad.private import open_private
 from memrad.protocol import Dropped, ProtocolError, StateSnapshot, to_line
 
 log = logging.getLogger("memrad.control")
@@ -48,7 +49,8 @@ class EventBus:
         self._loop = loop
         self._queue_size = queue_size
         self._subscribers: set[_Subscriber] = set()
-        self._record = open(record_path, "ab") if record_path is not None else None
+        # A recording holds prompt text: 0600, in a folder created 0700 (memrad.private).
+        self._record = open_private(record_path, "ab") if record_path is not None else None
         self.published = 0
 
     def publish_threadsafe(self, event: object) -> None:

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from memrad import __version__
 from memrad.chat.reply import Reply
+from memrad.loglines import quoted
 from memrad.request import Completion
 from memrad.server.chat_api import Envelope, OpenAIShape, new_request_id, parse_chat, parse_completion
 from memrad.server.context import CONTEXT, ServerContext
@@ -35,7 +36,7 @@ async def json_body(request: web.Request) -> object:
 
 def check_model(ctx: ServerContext, requested: str | None) -> None:
     if requested is not None and requested not in (ctx.engine.model_id, "default"):
-        raise APIError(404, f"the model {requested!r} does not exist on this server; it serves "
+        raise APIError(404, f"the model {quoted(requested)} does not exist on this server; it serves "
                        f"{ctx.engine.model_id!r} (GET /v1/models lists it)",
                        param="model", code="model_not_found")
 
