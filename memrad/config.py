@@ -106,6 +106,7 @@ class LimitSettings:
     max_tokens: int = _key(0, "MEMRA_MAX_TOKENS")
     max_stop_chars: int = _key(256, "MEMRA_MAX_STOP_CHARS")
     max_schema_depth: int = _key(32, "MEMRA_MAX_SCHEMA_DEPTH")
+    max_preparing_bytes: int = _key(64 * 1024 * 1024, "MEMRA_MAX_PREPARING_BYTES")
 
 
 @dataclass(frozen=True, slots=True)

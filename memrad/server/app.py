@@ -20,6 +20,7 @@ from memrad.server.errors import APIError, error_style, invalid, server_error
 from memrad.server.limits import LIMITS, Limits, too_large
 from memrad.server.metrics import CLIENT_GONE, METRICS, Metrics, count_requests, scrape
 from memrad.server.openapi import openapi
+from memrad.server.prepare import PREPARER, Preparer
 from memrad.server.routes import add_routes
 
 log = logging.getLogger("memrad.server")
@@ -66,6 +67,7 @@ def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str)
     ctx = ServerContext(settings=settings, engine=engine, scheduler=scheduler, device=device, dtype=dtype)
     app[CONTEXT] = ctx
     app[LIMITS] = Limits.from_settings(settings.limits)
+    app[PREPARER] = preparer = Preparer(settings.limits.max_preparing_bytes, settings.server.body_timeout_s)
     app[METRICS] = metrics = Metrics(lambda: _gauges(ctx))
     ctx.event_sinks.append(metrics.observe)
     engine.events.subscribe(ctx.publish)
@@ -73,6 +75,7 @@ def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str)
 
     async def finish_requests(app: web.Application) -> None:
         await scheduler.close(settings.server.shutdown_grace_s)
+        preparer.close()
 
     app.on_shutdown.append(finish_requests)
     add_routes(app)

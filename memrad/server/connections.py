@@ -211,14 +211,15 @@ def connection_of(request: web.BaseRequest) -> Connection | None:
 @web.middleware
 async def track(request: web.Request, handler) -> web.StreamResponse:
     """Outermost middleware: the connection knows a request is in flight (no idle timeout, not
-    evictable); after a half-close the connection ends once the answer is written."""
+    evictable). After a half-close, or an answer given before the body was read whole (a
+    408), the connection ends once the answer is written."""
     conn = connection_of(request)
     if conn is None:
         return await handler(request)
     conn.begin(request)
     try:
         response = await handler(request)
-        if conn.peer_eof:
+        if conn.peer_eof or not request.content.is_eof():
             response.force_close()
         return response
     finally:

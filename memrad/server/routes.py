@@ -20,7 +20,7 @@ from memrad.request import Completion
 from memrad.server.chat_api import Envelope, OpenAIShape, new_request_id, parse_chat, parse_completion
 from memrad.server.context import CONTEXT, ServerContext
 from memrad.server.errors import APIError, invalid
-from memrad.server.limits import LIMITS, check_body, parse_body
+from memrad.server.prepare import prepared, read_json
 from memrad.server.messages_api import MessagesShape, new_message_id, parse_messages
 from memrad.server.responses_api import ResponsesShape, new_response_id, parse_responses, remembered
 from memrad.server.serving import serve
@@ -28,10 +28,8 @@ from memrad.server.validate import ParsedRequest
 
 
 async def json_body(request: web.Request) -> object:
-    limits = request.app[LIMITS]
-    body = parse_body(await request.read(), limits)
-    check_body(body, limits)
-    return body
+    """Read within the body timeout, parsed and limit-checked off the event loop (memrad.server.prepare)."""
+    return await read_json(request)
 
 
 def check_model(ctx: ServerContext, requested: str | None) -> None:
@@ -45,7 +43,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     parsed = parse_chat(await json_body(request), request.headers.get("x-session-id"))
     check_model(ctx, parsed.model)
-    text, ids = render(ctx, parsed)
+    text, ids = await prepared(request, render, ctx, parsed)
     request_id = new_request_id("chat")
     shape = OpenAIShape(Envelope.new("chat", request_id, ctx.engine.model_id), parsed.include_usage)
     return await serve(request, ctx, parsed, text, ids, shape, request_id)
@@ -56,7 +54,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await json_body(request), request.headers.get("x-session-id"))
     check_model(ctx, parsed.model)
     if isinstance(parsed.prompt, str):
-        text, ids = parsed.prompt, ctx.engine.chat.encode(parsed.prompt)
+        text, ids = parsed.prompt, await prepared(request, ctx.engine.chat.encode, parsed.prompt)
     else:
         ids = list(parsed.prompt or ())
         vocab_size = ctx.engine.chat.vocab_size
@@ -74,7 +72,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     req = parse_responses(await json_body(request), request.headers.get("x-session-id"), ctx.responses.get)
     check_model(ctx, req.parsed.model)
-    text, ids = render(ctx, req.parsed)
+    text, ids = await prepared(request, render, ctx, req.parsed)
     response_id = new_response_id()
     shape = ResponsesShape(req, response_id, ctx.engine.model_id)
 
@@ -90,7 +88,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     parsed = parse_messages(await json_body(request), request.headers.get("x-session-id"))
     check_model(ctx, parsed.model)
-    text, ids = render(ctx, parsed)
+    text, ids = await prepared(request, render, ctx, parsed)
     room = ctx.engine.context_len - len(ids)
     if 1 <= room < (parsed.sampling.max_tokens or 0):
         # Anthropic clients ask for more than a small local model's context holds (32k is
@@ -106,7 +104,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     parsed = parse_messages(await json_body(request), request.headers.get("x-session-id"), count_only=True)
     check_model(ctx, parsed.model)
-    _, ids = render(ctx, parsed)
+    _, ids = await prepared(request, render, ctx, parsed)
     return web.json_response({"input_tokens": len(ids)})
 
 
