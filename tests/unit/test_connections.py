@@ -113,3 +113,93 @@ async def test_a_half_closed_request_is_answered(stream):
         assert answer.count(b'"content": "ok "') == 5 and answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     else:
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["choices"][0]["message"]["content"] == "ok " * 5
+
+
+def raw_socket(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return sock
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True if the server closes `sock` within `seconds` (reads until EOF, dropping data)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def limited(**server) -> Settings:
+    return Settings(server=ServerSettings(**{"shutdown_grace_s": 1.0, **server}))
+
+
+async def test_idle_and_half_sent_connections_are_closed_after_the_header_timeout():
+    async with listening(SlowEngine(), limited(header_timeout_s=0.3)) as (url, listener):
+        idle, slow = raw_socket(listener.port), raw_socket(listener.port)
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")  # slowloris
+        started = time.monotonic()
+        assert await asyncio.to_thread(closed_within, idle, 2) and await asyncio.to_thread(closed_within, slow, 2)
+        assert 0.25 < time.monotonic() - started < 1.5
+        idle.close(), slow.close()
+
+
+async def test_a_keep_alive_connection_idle_past_the_idle_timeout_is_closed():
+    async with listening(SlowEngine(), limited(idle_timeout_s=0.3)) as (url, listener):
+        sock = raw_socket(listener.port)
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{listener.port}\r\n\r\n".encode())
+        assert (await asyncio.to_thread(sock.recv, 65536)).startswith(b"HTTP/1.1 200 OK")
+        assert not await asyncio.to_thread(closed_within, sock, 0.1)  # kept alive at first
+        assert await asyncio.to_thread(closed_within, sock, 1.0)
+        sock.close()
+
+
+async def test_an_idle_flood_cannot_lock_a_client_out():
+    async with listening(SlowEngine(), limited(max_connections=8)) as (url, listener):
+        flood = [raw_socket(listener.port) for _ in range(20)]
+        await asyncio.sleep(0.1)
+        assert len(listener.connections.open) == 8
+        started = time.monotonic()
+        async with aiohttp.ClientSession() as http, http.get(url + "/health") as resp:
+            assert resp.status == 200
+        assert time.monotonic() - started < 0.5
+        assert listener.connections.closed_idle >= 13 and listener.connections.refused == 0
+        for sock in flood:
+            sock.close()
+
+
+async def test_when_every_connection_is_busy_a_new_one_gets_a_clear_503():
+    engine = SlowEngine(step_s=0.05)
+    async with listening(engine, limited(max_connections=3)) as (url, listener):
+        async with aiohttp.ClientSession() as http:
+            body = {"prompt": "x", "max_tokens": 40}
+            busy = [asyncio.ensure_future(http.post(url + "/v1/completions", json=body)) for _ in range(3)]
+            await asyncio.sleep(0.3)
+            refused = raw_socket(listener.port)
+            answer = await asyncio.to_thread(refused.recv, 65536)  # answered before anything is sent
+            refused.close()
+            for task in busy:
+                (await task).close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 Service Unavailable") and b"Retry-After: 1" in head
+    assert json.loads(payload)["error"]["code"] == "too_many_connections"
+    assert listener.connections.refused == 1
+
+
+def test_accept_errors_are_logged_once_per_interval(caplog):
+    from memrad.server.connections import limit_accept_errors
+
+    loop = asyncio.new_event_loop()
+    try:
+        limit_accept_errors(loop, every_s=60)
+        with caplog.at_level("WARNING"):
+            for _ in range(500):
+                loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                             "exception": OSError(24, "Too many open files")})
+        assert len(caplog.records) == 1
+        assert "the open-file limit (ulimit -n) is reached" in caplog.records[0].getMessage()
+    finally:
+        loop.close()
