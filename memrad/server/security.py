@@ -21,6 +21,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -78,12 +79,20 @@ def bind_refusal(security: SecuritySettings, host: str) -> str | None:
             "pass --allow-remote-without-key")
 
 
-def host_name(host_header: str) -> str:
-    """`Host` without its port: "127.0.0.1:8765" -> "127.0.0.1", "[::1]:80" -> "[::1]"."""
-    host = host_header.strip().lower()
-    if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+HOST_PORT = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[^\[\]:\s]+)(?::(?P<port>[0-9]{1,5}))?")
+
+
+def host_name(host_header: str) -> str | None:
+    """`Host` without its port: "127.0.0.1:8765" -> "127.0.0.1", "[::1]:80" -> "[::1]". None
+    for anything malformed: a port that is not a number in 1..65535 (`127.0.0.1:abc`),
+    text after an IPv6 literal's bracket (`[::1]evil`), an empty name."""
+    match = HOST_PORT.fullmatch(host_header.strip().lower())
+    if match is None:
+        return None
+    port = match.group("port")
+    if port is not None and not 0 < int(port) <= 65535:
+        return None
+    return match.group("name")
 
 
 def origin_allowed(origin: str, host_header: str, policy: AccessPolicy) -> bool:

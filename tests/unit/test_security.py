@@ -24,6 +24,15 @@ def test_host_names_lose_their_port():
     assert host_name("LOCALHOST") == "localhost"
     assert host_name("[::1]:80") == "[::1]"
     assert host_name("evil.example:8765") == "evil.example"
+    assert host_name("[::1]") == "[::1]" and host_name("localhost:1") == "localhost"
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1:abc", "127.0.0.1:", "127.0.0.1:99999", "127.0.0.1:+80",
+                                 "[::1]evil", "[::1]:80x", "[::1", "localhost:80:80", "127.0.0.1 :80", ""])
+def test_a_malformed_host_is_no_name_and_is_refused(bad):
+    assert host_name(bad) is None
+    refused = refusal("GET", "/v1/models", {"Host": bad}, policy())
+    assert refused is not None and (refused.status, refused.code) == (403, "host_not_allowed")
 
 
 def test_loopback_means_this_machine_only():
