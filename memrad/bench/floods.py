@@ -4,8 +4,8 @@
           (`--slow` sockets that send one header byte a second) held for `--hold-s`,
           while a normal client asks /health and a short chat: both must be served within
           their usual time, and the daemon's log must not grow by more than 1 MB.
-  big     four `--mb` MB count_tokens requests at once while a stream decodes: /health p99
-          and the stream's longest gap between events, before and during.
+  big     four `--mb` MB count_tokens requests arrive while a stream decodes: /health p99
+          and the stream's longest gap between events, without and with them.
 
 Everything here opens connections to 127.0.0.1 only, a bounded number for a bounded time.
 """
@@ -107,7 +107,9 @@ async def _health_p99(url: str, stop: asyncio.Event) -> list[float]:
     return latencies
 
 
-async def _stream_gaps(session: aiohttp.ClientSession, url: str, max_tokens: int) -> list[float]:
+async def _stream_gaps(session: aiohttp.ClientSession, url: str, max_tokens: int,
+                       started: asyncio.Event) -> list[float]:
+    """Gaps between a stream's events; `started` is set at its first event (it is live)."""
     body = {"messages": [{"role": "user", "content": "Count from one to one hundred."}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
     gaps, last = [], None
@@ -118,6 +120,7 @@ async def _stream_gaps(session: aiohttp.ClientSession, url: str, max_tokens: int
                 if last is not None:
                     gaps.append(now - last)
                 last = now
+                started.set()
     return gaps
 
 
@@ -134,13 +137,15 @@ async def big(url: str, mb: int = 15, max_tokens: int = 120) -> bool:
         for phase in ("before", "during"):
             stop = asyncio.Event()
             prober = asyncio.ensure_future(_health_p99(url, stop))
+            live = asyncio.Event()
+            stream = asyncio.ensure_future(_stream_gaps(session, url, max_tokens, live))
+            await live.wait()  # a live stream, then the big requests arrive
             bigs = []
             if phase == "during":
                 bigs = [asyncio.ensure_future(session.post(url + "/v1/messages/count_tokens", data=payload,
                                                            headers={"Content-Type": "application/json"}))
                         for _ in range(4)]
-                await asyncio.sleep(1.0)  # the bodies are in and being prepared
-            gaps = await _stream_gaps(session, url, max_tokens)
+            gaps = await stream
             statuses = []
             for task in bigs:
                 async with await task as resp:

@@ -2,9 +2,11 @@
 
 A 15 MB body takes seconds to parse, render and tokenize; on the event loop that froze
 /health and every running stream for as long (four at once stalled a stream for 11.9 s).
-Here the work runs on one worker thread, and is admitted before it starts: the body bytes
-in preparation (running or waiting for the worker) are capped at
-`limits.max_preparing_bytes`, and a request past the cap is a 429 before any work is done.
+Here the work runs on worker threads, in two lanes so that an agent's ordinary request
+never waits behind a huge one: bodies under LARGE_BYTES on one worker, larger ones on
+another. Work is admitted before it starts: the body bytes in preparation (running or
+waiting) are capped at `limits.max_preparing_bytes`, and a request past the cap is a 429
+before any work is done.
 The body itself must arrive within `server.body_timeout_s` (a slow upload is a 408).
 """
 
@@ -23,14 +25,19 @@ from memrad.server.limits import LIMITS, Limits, check_body, parse_body
 T = TypeVar("T")
 
 
+# A 20k-token agent prompt is ~100 KB; a body past this is prepared in the large lane.
+LARGE_BYTES = 1024 * 1024
+
+
 class Preparer:
-    """One worker thread for request preparation, with byte-counted admission."""
+    """Worker threads for request preparation (a small and a large lane), with byte-counted admission."""
 
     def __init__(self, max_pending_bytes: int, body_timeout_s: float) -> None:
         self.max_pending_bytes = max_pending_bytes
         self.body_timeout_s = body_timeout_s
         self.pending_bytes = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memrad-prepare")
+        self._small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memrad-prepare")
+        self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memrad-prepare-large")
 
     def admit(self, num_bytes: int) -> None:
         """Count `num_bytes` in, or raise a 429 (one request alone is always admitted)."""
@@ -44,12 +51,14 @@ class Preparer:
         """Run `fn(*args)` on the worker once `num_bytes` are admitted."""
         self.admit(num_bytes)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            lane = self._large if num_bytes >= LARGE_BYTES else self._small
+            return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)
         finally:
             self.pending_bytes -= num_bytes
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for lane in (self._small, self._large):
+            lane.shutdown(wait=False, cancel_futures=True)
 
 
 PREPARER = web.AppKey("preparer", Preparer)

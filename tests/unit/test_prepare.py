@@ -20,14 +20,14 @@ from tests.unit.listening import listening
 class HeavyChat:
     """FakeChat's rendering, made CPU-heavy the way a real template and tokenizer are."""
 
-    def __init__(self, chat, gate: threading.Event | None = None):
-        self.chat, self.gate = chat, gate
+    def __init__(self, chat, gate: threading.Event | None = None, gated_from: int = 0):
+        self.chat, self.gate, self.gated_from = chat, gate, gated_from
 
     def __getattr__(self, name):
         return getattr(self.chat, name)
 
     def render(self, messages, tools, require_call=False, call_name=None):
-        if self.gate is not None:
+        if self.gate is not None and len(messages[0]["content"]) >= self.gated_from:
             self.gate.wait(10)
         text, ids = self.chat.render(messages, tools)
         for _ in range(8):  # ~a real tokenizer's cost per character: ~1 s a request here
@@ -93,6 +93,26 @@ async def test_preparation_is_admitted_by_bytes_before_any_work():
             assert resp.status == 200  # released once done
     assert refused["error"]["type"] == "rate_limit_error"
     assert "limits.max_preparing_bytes = 150000" in refused["error"]["message"]
+
+
+async def test_an_ordinary_request_is_not_queued_behind_a_huge_one():
+    from memrad.server.prepare import LARGE_BYTES
+
+    gate = threading.Event()
+    engine = FakeEngine()
+    engine.chat = HeavyChat(engine.chat, gate, gated_from=LARGE_BYTES)
+    huge = {"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "w" * LARGE_BYTES}]}
+    small = {"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    async with listening(engine) as (url, _), aiohttp.ClientSession() as http:
+        held = asyncio.ensure_future(http.post(url + "/v1/messages/count_tokens", json=huge))
+        await asyncio.sleep(0.3)  # the huge one is on the large lane, held by the gate
+        started = time.monotonic()
+        async with http.post(url + "/v1/messages", json=small) as resp:
+            assert resp.status == 200
+        assert time.monotonic() - started < 1.0 and not held.done()
+        gate.set()
+        async with await held as resp:
+            assert resp.status == 200
 
 
 def slow_upload(port: int) -> bytes:
