@@ -110,10 +110,10 @@ async def _health_p99(url: str, stop: asyncio.Event) -> list[float]:
 async def _stream_gaps(session: aiohttp.ClientSession, url: str, max_tokens: int,
                        started: asyncio.Event) -> list[float]:
     """Gaps between a stream's events; `started` is set at its first event (it is live)."""
-    body = {"messages": [{"role": "user", "content": "Count from one to one hundred."}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+    # A raw completion of a counting prompt: the small model keeps counting (a chat reply ends early).
+    body = {"prompt": "Numbers: 1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": max_tokens, "temperature": 0, "stream": True}
     gaps, last = [], None
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+    async with session.post(url + "/v1/completions", json=body) as resp:
         async for line in resp.content:
             if line.startswith(b"data: "):
                 now = time.perf_counter()
