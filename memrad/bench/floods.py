@@ -125,7 +125,7 @@ async def _stream_gaps(session: aiohttp.ClientSession, url: str, max_tokens: int
 
 
 def _p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else max(values, default=0.0)
+    return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) >= 2 else max(values, default=0.0)
 
 
 async def big(url: str, mb: int = 15, max_tokens: int = 120) -> bool:

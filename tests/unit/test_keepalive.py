@@ -56,7 +56,7 @@ async def test_a_slow_prefill_streams_its_first_event_at_once_then_keepalives(pa
             headers_at = time.monotonic() - started
             lines = await timed_lines(resp, started)
     at, event = first_event(lines)
-    assert headers_at < 0.3 and at < 0.3 and is_first(event), (headers_at, lines[:3])
+    assert headers_at < 0.5 and at < 0.5 and is_first(event), (headers_at, lines[:3])
     pings = [t for t, line in lines if line == KEEPALIVE[path]]
     assert 3 <= len(pings) <= 5, lines  # 0.8 s of prefill / 0.2 s
     assert all(b - a < 0.35 for a, b in zip([0.0, *pings], pings)), pings
