@@ -1,4 +1,4 @@
-"""Fault harnesses: `memrad bench faults soak|overload|kill9|churn [--url URL]`.
+"""Fault harnesses: `memrad bench faults soak|overload|kill9|churn|floods|big [--url URL]`.
 
 Each runs against a fresh daemon (or `--url`), prints its figures and exits 1 if anything
 was lost. Parked state is checked the way a client sees it: a conversation parked before
