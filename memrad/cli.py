@@ -18,6 +18,7 @@ from memrad import __version__
 from memrad.config import Settings, SettingsError, known_keys, load_settings
 from memrad.daemon import DETACHED_ENV, AlreadyRunning, DaemonInfo, StartupError, find_running, pid_alive
 from memrad.paths import log_path, pidfile_path
+from memrad.private import open_private
 
 START_TIMEOUT_S = 900.0
 
@@ -135,7 +136,8 @@ def _run_foreground(settings: Settings) -> int:
     from memrad.daemon import configure_logging, serve
     from memrad.engine.model.pull import ModelUnavailable
 
-    configure_logging(settings.log.level, detached=os.environ.get(DETACHED_ENV) == "1")
+    configure_logging(settings.log.level, detached=os.environ.get(DETACHED_ENV) == "1",
+                      max_bytes=settings.log.max_bytes, backups=settings.log.backups)
     try:
         serve(settings)
     except ModelUnavailable as exc:
@@ -176,7 +178,7 @@ def _start_detached(args: argparse.Namespace, settings: Settings) -> int:
                 return 1
     log_file = log_path()
     start_offset = log_file.stat().st_size if log_file.exists() else 0
-    with open(log_file, "ab") as out:
+    with open_private(log_file, "ab", tighten_dir=True) as out:
         child = subprocess.Popen(
             [sys.executable, "-m", "memrad", "start", "--foreground"],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=_child_env(args),
@@ -308,21 +310,33 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if not path.exists():
         print(f"no log yet at {path} (`memrad start` writes it)", file=sys.stderr)
         return 1
-    with open(path, "rb") as handle:
-        lines = handle.read().decode(errors="replace").splitlines()
-        shown = lines if args.lines == 0 else deque(lines, maxlen=args.lines)
-        for line in shown:
-            print(line)
-        if not args.follow:
-            return 0
-        sys.stdout.flush()
-        while True:
-            chunk = handle.read()
-            if chunk:
-                sys.stdout.write(chunk.decode(errors="replace"))
-                sys.stdout.flush()
-            else:
-                time.sleep(0.25)
+    handle = open(path, "rb")
+    lines = handle.read().decode(errors="replace").splitlines()
+    rotated = path.with_name(path.name + ".1")  # the log is rotated by size (memrad.daemon)
+    if (args.lines == 0 or len(lines) < args.lines) and rotated.exists():
+        lines = rotated.read_bytes().decode(errors="replace").splitlines() + lines
+    shown = lines if args.lines == 0 else deque(lines, maxlen=args.lines)
+    for line in shown:
+        print(line)
+    if not args.follow:
+        handle.close()
+        return 0
+    sys.stdout.flush()
+    while True:
+        chunk = handle.read()
+        if chunk:
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+            continue
+        try:
+            renewed = os.stat(path).st_ino != os.fstat(handle.fileno()).st_ino
+        except OSError:
+            renewed = False
+        if renewed:  # rotated: what is left of the old file was read above; follow the new one
+            handle.close()
+            handle = open(path, "rb")
+        else:
+            time.sleep(0.25)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

@@ -33,6 +33,10 @@ class ServerSettings:
     max_queue: int = _key(16, "MEMRA_MAX_QUEUE")
     shutdown_grace_s: float = _key(10.0, "MEMRA_SHUTDOWN_GRACE_S")
     strict_model_names: bool = _key(False, "MEMRA_STRICT_MODEL_NAMES")
+    max_connections: int = _key(256, "MEMRA_MAX_CONNECTIONS")
+    header_timeout_s: float = _key(10.0, "MEMRA_HEADER_TIMEOUT_S")
+    idle_timeout_s: float = _key(75.0, "MEMRA_IDLE_TIMEOUT_S")
+    body_timeout_s: float = _key(60.0, "MEMRA_BODY_TIMEOUT_S")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,8 @@ class ControlSettings:
 @dataclass(frozen=True, slots=True)
 class LogSettings:
     level: str = _key("info", "MEMRA_LOG_LEVEL")
+    max_bytes: int = _key(10 * 1024 * 1024, "MEMRA_LOG_MAX_BYTES")
+    backups: int = _key(3, "MEMRA_LOG_BACKUPS")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +107,7 @@ class LimitSettings:
     max_tokens: int = _key(0, "MEMRA_MAX_TOKENS")
     max_stop_chars: int = _key(256, "MEMRA_MAX_STOP_CHARS")
     max_schema_depth: int = _key(32, "MEMRA_MAX_SCHEMA_DEPTH")
+    max_preparing_bytes: int = _key(64 * 1024 * 1024, "MEMRA_MAX_PREPARING_BYTES")
 
 
 @dataclass(frozen=True, slots=True)

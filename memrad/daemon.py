@@ -7,6 +7,7 @@ import asyncio
 import fcntl
 import json
 import logging
+import logging.handlers
 import os
 import signal
 import sys
@@ -15,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memrad.config import Settings
+from memrad.loglines import SafeFormatter
+from memrad.private import open_private
 from memrad.paths import lockfile_path, log_path, pidfile_path, socket_path
 
 log = logging.getLogger("memrad")
@@ -119,13 +122,26 @@ def _take_lock(handle, wait_s: float = 2.0) -> bool:
             time.sleep(0.05)
 
 
-def configure_logging(level: str, detached: bool) -> None:
-    """Detached, stderr already is the log file; attached, log to the terminal and the file."""
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+class PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """The log file, size-capped, and 0600 however it is (re)created: it holds prompts' names
+    and errors another local user must not read (memrad.private)."""
+
+    def _open(self):
+        return open_private(Path(self.baseFilename), "a", tighten_dir=True)
+
+
+def configure_logging(level: str, detached: bool, max_bytes: int = 10 * 2**20, backups: int = 3) -> None:
+    """Log to the rotated file, and attached also to the terminal. Detached, stderr is the
+    file the parent opened (for what escapes logging); records go through the handler only.
+    Every line is escaped to one line (memrad.loglines.SafeFormatter)."""
+    handlers: list[logging.Handler] = [PrivateRotatingFileHandler(log_path(), maxBytes=max_bytes,
+                                                                  backupCount=backups)]
     if not detached:
-        handlers.append(logging.FileHandler(log_path()))
-    logging.basicConfig(level=level.upper(), handlers=handlers, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        handlers.append(logging.StreamHandler(sys.stderr))
+    formatter = SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in handlers:
+        handler.setFormatter(formatter)
+    logging.basicConfig(level=level.upper(), handlers=handlers, force=True)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
@@ -185,19 +201,22 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    from memrad.server.app import connection_limits
+    from memrad.server.connections import Listener, limit_accept_errors
+
+    limit_accept_errors(loop)
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
                            shutdown_timeout=settings.server.shutdown_grace_s + 5)
     await runner.setup()
-    site = web.TCPSite(runner, settings.server.host, settings.server.port)
+    listener = Listener(runner, connection_limits(settings))
     try:
-        await site.start()
+        await listener.start(settings.server.host, settings.server.port)
     except OSError as exc:
         await runner.cleanup()
         raise StartupError(
             f"cannot listen on {settings.server.host}:{settings.server.port} ({exc.strerror}); "
             "another program uses that port: pick another with --port or MEMRA_PORT") from None
-    host, port = runner.addresses[0][:2]
-    url = f"http://{settings.server.host}:{port}"
+    url = f"http://{settings.server.host}:{listener.port}"
     control = await _start_control(app, settings, loop)
     DaemonInfo(pid=info.pid, started_at=info.started_at, log=info.log, url=url, model=model_id,
                device=device, socket=str(control.path)).write(pidfile_path())
@@ -208,6 +227,7 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     await stop.wait()
     log.info("stopping: finishing or cancelling in-flight requests")
     await control.close()
+    await listener.close()
     await runner.cleanup()  # closes the scheduler: nothing runs on the engine any more
     await asyncio.to_thread(app[CONTEXT].engine.close)
     log.info("stopped")

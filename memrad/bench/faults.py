@@ -1,4 +1,4 @@
-"""Fault harnesses: `memrad bench faults soak|overload|kill9|churn [--url URL]`.
+"""Fault harnesses: `memrad bench faults soak|overload|kill9|churn|floods|big [--url URL]`.
 
 Each runs against a fresh daemon (or `--url`), prints its figures and exits 1 if anything
 was lost. Parked state is checked the way a client sees it: a conversation parked before
@@ -10,6 +10,9 @@ cold run of the same prompt answers (greedy, exact mode). Pool and RSS figures c
   overload  16 concurrent clients against a queue of 4: 429 + Retry-After, FIFO, all served
   kill9     SIGKILL during decode, then `memrad start`: start time, stale files, parked state
   churn     64 conversations x 3 turns under a small byte cap: the cap is never exceeded
+  floods    idle and slowloris floods: a normal client is still served in its usual time
+  big       four 15 MB requests at once: /health p99 and a running stream's gaps
+            (floods and big: memrad.bench.floods, loopback only)
 """
 
 from __future__ import annotations
@@ -326,10 +329,22 @@ def _alive(pid: int) -> bool:
 HARNESSES = {"soak": soak, "overload": overload, "churn": churn}
 DAEMON_ENV = {"soak": {}, "overload": {"MEMRA_MAX_QUEUE": "4"},
               "churn": {"MEMRA_POOL_MAX_BYTES": str(48 * MB), "MEMRA_POOL_MAX_SESSIONS": "64"},
-              "kill9": {"MEMRA_POOL_MAX_SESSIONS": "1"}}
+              "kill9": {"MEMRA_POOL_MAX_SESSIONS": "1"},
+              # What floods and big measure does not depend on the decode step: serve eager at once.
+              "floods": {"MEMRA_COMPILE": "off"}, "big": {"MEMRA_COMPILE": "off"}}
 
 
-async def _against(url: str, name: str, args) -> bool:
+async def _against(url: str, name: str, args, log_path: Path | None = None) -> bool:
+    from memrad.bench import floods
+
+    if name == "floods":
+        from memrad.paths import log_path as own_log
+
+        path = log_path or own_log()
+        return await floods.floods(url, lambda: path.stat().st_size if path.exists() else 0,
+                                   args.idle, args.slow, args.hold_s)
+    if name == "big":
+        return await floods.big(url, args.mb)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         api = Api(url, session)
         if name == "soak":
@@ -339,11 +354,15 @@ async def _against(url: str, name: str, args) -> bool:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="memrad bench faults", description=__doc__.split("\n\n")[0])
-    parser.add_argument("harness", choices=("soak", "overload", "kill9", "churn"))
+    parser.add_argument("harness", choices=("soak", "overload", "kill9", "churn", "floods", "big"))
     parser.add_argument("--url", help="run against this daemon (not kill9)")
     parser.add_argument("--cuts", type=int, default=200, help="soak: streams to cut")
     parser.add_argument("--long-lines", type=int, default=24, help="soak: lines in the long prompt (~20 tokens each)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--idle", type=int, default=1100, help="floods: idle connections")
+    parser.add_argument("--slow", type=int, default=200, help="floods: slowloris connections")
+    parser.add_argument("--hold-s", type=float, default=30.0, help="floods: how long the flood is held")
+    parser.add_argument("--mb", type=int, default=15, help="big: megabytes per request")
     args = parser.parse_args(argv)
     started = time.monotonic()
     if args.url and args.harness != "kill9":
@@ -355,7 +374,7 @@ def main(argv: list[str]) -> int:
         first_start_s = time.monotonic() - t0
         try:
             ok = asyncio.run(kill9(daemon, first_start_s) if args.harness == "kill9"
-                             else _against(daemon.url, args.harness, args))
+                             else _against(daemon.url, args.harness, args, daemon.log_path))
         finally:
             daemon.stop()
     print(f"{args.harness}: {'PASS' if ok else 'FAIL'} in {time.monotonic() - started:.0f} s")

@@ -14,6 +14,7 @@ from memrad.engine.engine import Engine, FinishHook
 from memrad.engine.model.loader import LoadedModel, default_pool_bytes, load_model, resolve_threads
 from memrad.paths import sessions_dir
 from memrad.reuse.pool import ReusePool
+from memrad.private import private_dir
 
 log = logging.getLogger("memrad")
 
@@ -81,6 +82,9 @@ def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None
 def _disk_tier(settings: Settings, compat: dict[str, str], pool: ReusePool) -> DiskTier:
     """Index the disk tier's files (headers only) and keep new session ids clear of theirs."""
     directory = Path(settings.disk.dir).expanduser() if settings.disk.dir else sessions_dir()
+    # Parked state holds prompts: its folder is the owner's only (memrad.private); a folder
+    # the user named is created 0700 but not narrowed.
+    private_dir(directory, tighten=not settings.disk.dir)
     disk = DiskTier(directory, settings.disk.max_bytes, compat)
     found = disk.index()
     pool.skip_ids_up_to([s.session_id for s in found])

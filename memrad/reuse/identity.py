@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from memrad.loglines import quoted
 from memrad.request import Identity, IdentitySource
 from memrad.reuse.fingerprint import shared_segments
 from memrad.reuse.pool import ParkedSession
@@ -32,7 +33,7 @@ class Nomination:
 
     def describe(self) -> str:
         if self.kind == "explicit":
-            return f'explicit, {self.source} "{self.session.identity.name}", {self.shared_segments} shared segments'
+            return f"explicit, {self.source} {quoted(self.session.identity.name)}, {self.shared_segments} shared segments"
         return f"implicit, {self.shared_segments} shared segments"
 
 
@@ -61,8 +62,8 @@ def _best(chain: tuple[int, ...], sessions: list[ParkedSession]) -> tuple[Parked
 
 
 def _describe_parked(session: ParkedSession) -> str:
-    name = _name(session.identity)
-    return "unnamed parked session" if name is None else f'parked session named "{name}"'
+    # Never the other conversation's name: a decision reaches the client that asked.
+    return "unnamed parked session" if session.identity is None else "another named session"
 
 
 def nominate(identity: Identity | None, chain: tuple[int, ...],
@@ -81,8 +82,8 @@ def nominate(identity: Identity | None, chain: tuple[int, ...],
         return Nomination(session, "implicit", None, shared)
     blocked, blocked_shared = _best(chain, others)
     if blocked is not None and blocked_shared >= MIN_SHARED_SEGMENTS:
-        asked = "unnamed request" if name is None else f'named "{name}"'
+        asked = "unnamed request" if name is None else f"named {quoted(name)}"
         return Refusal(f"{asked} vs {_describe_parked(blocked)}", blocked_shared, blocked, "named-vs-unnamed")
     if name is not None:
-        return Refusal(f'no parked session named "{name}"', shared, reason_class="no-such-name")
+        return Refusal(f"no parked session named {quoted(name)}", shared, reason_class="no-such-name")
     return Refusal(f"{shared} shared segments < {MIN_SHARED_SEGMENTS}", shared)

@@ -1,8 +1,8 @@
 """The aiohttp app factory, shared by the daemon and the tests.
 
-Middlewares, outermost first: request metrics (they see the status the client got),
-errors as API error bodies, then the access guard (Host, Origin, API key) before any
-handler reads a body.
+Middlewares, outermost first: the connection's request tracking (memrad.server.connections),
+request metrics (they see the status the client got), errors as API error bodies, then the
+access guard (Host, Origin, API key) before any handler reads a body.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from aiohttp import web
 from memrad.config import Settings
 from memrad.chat.render import PromptError
 from memrad.scheduler import Scheduler
-from memrad.server import security
+from memrad.server import connections, security
 from memrad.server.context import CONTEXT, ServerContext, ServingEngine
 from memrad.server.errors import APIError, ErrorStyle, error_style, invalid, server_error
 from memrad.server.limits import LIMITS, Limits, too_large
 from memrad.server.metrics import CLIENT_GONE, METRICS, Metrics, count_requests, scrape
 from memrad.server.openapi import openapi
+from memrad.server.prepare import PREPARER, Preparer
 from memrad.server.routes import add_routes
 
 log = logging.getLogger("memrad.server")
@@ -73,12 +74,13 @@ def refused(request: web.Request, err: APIError, style: ErrorStyle) -> web.Respo
 
 def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str) -> web.Application:
     """Build the app around a loaded engine. The scheduler is closed on shutdown."""
-    app = web.Application(middlewares=[count_requests, openai_errors, security.guard],
+    app = web.Application(middlewares=[connections.track, count_requests, openai_errors, security.guard],
                           client_max_size=settings.limits.max_body_bytes)
     scheduler = Scheduler(engine, settings.server.max_queue)
     ctx = ServerContext(settings=settings, engine=engine, scheduler=scheduler, device=device, dtype=dtype)
     app[CONTEXT] = ctx
     app[LIMITS] = Limits.from_settings(settings.limits)
+    app[PREPARER] = preparer = Preparer(settings.limits.max_preparing_bytes, settings.server.body_timeout_s)
     app[METRICS] = metrics = Metrics(lambda: _gauges(ctx))
     ctx.event_sinks.append(metrics.observe)
     engine.events.subscribe(ctx.publish)
@@ -86,12 +88,19 @@ def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str)
 
     async def finish_requests(app: web.Application) -> None:
         await scheduler.close(settings.server.shutdown_grace_s)
+        preparer.close()
 
     app.on_shutdown.append(finish_requests)
     add_routes(app)
     app.router.add_get("/metrics", scrape)
     app.router.add_get("/openapi.json", openapi)
     return app
+
+
+def connection_limits(settings: Settings) -> connections.ConnectionLimits:
+    server = settings.server
+    return connections.ConnectionLimits(server.max_connections, server.header_timeout_s, server.idle_timeout_s,
+                                        server.body_timeout_s)
 
 
 def _gauges(ctx: ServerContext) -> dict:

@@ -30,6 +30,8 @@ from memrad.protocol import DecisionEvent, EvictEvent, ParkEvent, TurnEvent
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKENS_PER_S = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 50000)
 CLIENT_GONE = "499"  # nginx's code for "the client closed the connection first"
+# Set on a request whose client left (memrad.server.serving).
+CLIENT_GONE_KEY = web.RequestKey("memra_client_gone", bool) if hasattr(web, "RequestKey") else "memra_client_gone"
 
 
 class Metrics:
@@ -155,7 +157,8 @@ async def count_requests(request: web.Request, handler) -> web.StreamResponse:
     status: int | str = CLIENT_GONE
     try:
         response = await handler(request)
-        status = response.status
+        # A stream's status left as 200 before its client went: count what happened.
+        status = CLIENT_GONE if request.get(CLIENT_GONE_KEY) else response.status
         return response
     except web.HTTPException as exc:
         status = exc.status

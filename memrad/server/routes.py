@@ -15,11 +15,12 @@ from aiohttp import web
 
 from memrad import __version__
 from memrad.chat.reply import Reply
+from memrad.loglines import quoted
 from memrad.request import Completion
 from memrad.server.chat_api import Envelope, OpenAIShape, new_request_id, parse_chat, parse_completion
 from memrad.server.context import CONTEXT, ServerContext
 from memrad.server.errors import APIError, error_style, invalid
-from memrad.server.limits import LIMITS, check_body, parse_body
+from memrad.server.prepare import prepared, read_json
 from memrad.server.messages_api import MessagesShape, new_message_id, parse_messages
 from memrad.server.overflow import fit
 from memrad.server.responses_api import ResponsesShape, new_response_id, parse_responses, remembered
@@ -32,10 +33,8 @@ SERVED_ALIASES = web.AppKey("served_aliases", set)
 
 
 async def json_body(request: web.Request) -> object:
-    limits = request.app[LIMITS]
-    body = parse_body(await request.read(), limits)
-    check_body(body, limits)
-    return body
+    """Read within the body timeout, parsed and limit-checked off the event loop (memrad.server.prepare)."""
+    return await read_json(request)
 
 
 def check_model(request: web.Request, requested: str | None) -> None:
@@ -46,21 +45,22 @@ def check_model(request: web.Request, requested: str | None) -> None:
     if requested is None or requested in (ctx.engine.model_id, "default"):
         return
     if ctx.settings.server.strict_model_names:
-        raise APIError(404, f"the model {requested!r} does not exist on this server; it serves "
+        raise APIError(404, f"the model {quoted(requested)} does not exist on this server; it serves "
                        f"{ctx.engine.model_id!r} (GET /v1/models lists it; server.strict_model_names = false "
                        "serves any name with it)", param="model", code="model_not_found")
     seen = request.app[SERVED_ALIASES]
     if requested not in seen:
         seen.add(requested)
-        log.info("model %r is not served here; %r answers it (and every later request naming it)",
-                 requested, ctx.engine.model_id)
+        log.info("model %s is not served here; %r answers it (and every later request naming it)",
+                 quoted(requested), ctx.engine.model_id)
 
 
-def prepared(request: web.Request, parsed: ParsedRequest, param: str) -> tuple[ParsedRequest, str, list[int]]:
-    """Render a chat-shaped request and fit it to the context: (request, prompt text, ids)."""
+async def fitted(request: web.Request, parsed: ParsedRequest, param: str) -> tuple[ParsedRequest, str, list[int]]:
+    """Render a chat-shaped request off the event loop and fit it to the context:
+    (request, prompt text, ids)."""
     ctx = request.app[CONTEXT]
     check_model(request, parsed.model)
-    text, ids = render(ctx, parsed)
+    text, ids = await prepared(request, render, ctx, parsed)
     for note in parsed.notes:
         log.info("%s %s: %s", request.method, request.path, note)
     return fit(parsed, len(ids), ctx.engine.context_len, error_style(request.path), param), text, ids
@@ -68,8 +68,8 @@ def prepared(request: web.Request, parsed: ParsedRequest, param: str) -> tuple[P
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
-    parsed, text, ids = prepared(request, parse_chat(await json_body(request), request.headers.get("x-session-id")),
-                                 "messages")
+    parsed, text, ids = await fitted(request, parse_chat(await json_body(request), request.headers.get("x-session-id")),
+                                     "messages")
     request_id = new_request_id("chat")
     shape = OpenAIShape(Envelope.new("chat", request_id, ctx.engine.model_id), parsed.include_usage, parsed.notes)
     return await serve(request, ctx, parsed, text, ids, shape, request_id)
@@ -80,7 +80,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(await json_body(request), request.headers.get("x-session-id"))
     check_model(request, parsed.model)
     if isinstance(parsed.prompt, str):
-        text, ids = parsed.prompt, ctx.engine.chat.encode(parsed.prompt)
+        text, ids = parsed.prompt, await prepared(request, ctx.engine.chat.encode, parsed.prompt)
     else:
         ids = list(parsed.prompt or ())
         vocab_size = ctx.engine.chat.vocab_size
@@ -99,7 +99,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI Responses API; a stored response can be continued by previous_response_id."""
     ctx = request.app[CONTEXT]
     req = parse_responses(await json_body(request), request.headers.get("x-session-id"), ctx.responses.get)
-    parsed, text, ids = prepared(request, req.parsed, "input")
+    parsed, text, ids = await fitted(request, req.parsed, "input")
     response_id = new_response_id()
     shape = ResponsesShape(req, response_id, ctx.engine.model_id, notes=parsed.notes)
 
@@ -113,8 +113,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic Messages API (x-api-key and anthropic-version are accepted and not checked)."""
     ctx = request.app[CONTEXT]
-    parsed, text, ids = prepared(request, parse_messages(await json_body(request), session_header(request)),
-                                 "messages")
+    parsed, text, ids = await fitted(request, parse_messages(await json_body(request), session_header(request)),
+                                     "messages")
     message_id = new_message_id()
     shape = MessagesShape(message_id, ctx.engine.model_id, len(ids), parsed.notes)
     return await serve(request, ctx, parsed, text, ids, shape, message_id)
@@ -131,7 +131,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     parsed = parse_messages(await json_body(request), session_header(request), count_only=True)
     check_model(request, parsed.model)
-    _, ids = render(ctx, parsed)
+    _, ids = await prepared(request, render, ctx, parsed)
     return web.json_response({"input_tokens": len(ids)})
 
 

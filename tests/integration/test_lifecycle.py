@@ -88,6 +88,8 @@ def test_logs_prints_the_last_lines(daemon):
     everything = daemon.cli("logs", "-n", "0").stdout.splitlines()
     assert everything == daemon.log_text().splitlines()
     assert any(f"serving {MODEL_ID} on {daemon.url}" in line for line in everything)
+    # Prompts' names and errors are in it: the owner's only.
+    assert (daemon.log_file.stat().st_mode & 0o777, daemon.log_file.parent.stat().st_mode & 0o777) == (0o600, 0o700)
 
 
 def test_stop_then_status_says_not_running(daemon):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -208,3 +210,37 @@ def test_client_disconnect_cancels_generation(daemon, client):
     health = daemon.get_json("/health")
     assert health["running"] is None
     assert health["requests_served"] == served_before + 2
+
+
+def test_a_non_streaming_client_that_hangs_up_stops_its_generation(daemon, client):
+    # Issue 26: tokens arrive faster than the old 50 ms gap check, so a gone non-streaming
+    # client used to decode to max_tokens (1500 tokens, 17 s) for nobody.
+    body = {"model": "default", "max_tokens": 400, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    time.sleep(1.5)  # prefill done, decoding
+    conn.sock.close()
+    conn.close()
+    pattern = re.compile(r"(chatcmpl-\w+) client disconnected prompt=\d+ cached=\d+ completion=(\d+) .*stream=no")
+    assert wait_until(lambda: pattern.search(daemon.log_text()) is not None, 15.0), daemon.log_text()[-2000:]
+    assert int(pattern.search(daemon.log_text()).group(2)) < 100
+    metrics = urllib.request.urlopen(daemon.url + "/metrics", timeout=10).read().decode()
+    assert 'memra_http_requests_total{method="POST",route="/v1/chat/completions",status="499"}' in metrics
+
+
+def test_a_half_closed_request_is_answered(daemon):
+    body = json.dumps({"model": "default", "max_tokens": 3, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Say hi."}]}).encode()
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=60) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{daemon.port}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        sock.shutdown(socket.SHUT_WR)  # done sending, as some clients do
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    while answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):  # the probes that tell it from a hang-up
+        answer = answer[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK"), head
+    assert json.loads(payload)["usage"]["completion_tokens"] >= 1

@@ -118,15 +118,25 @@ def test_named_and_unnamed_never_cross():
     assert d.render() == 'affinity: declined (named "a1" vs unnamed parked session)'
     named = dataclasses.replace(unnamed, identity=Identity("b2", "user"))
     d = plan(ask(turn4), [named], "fast", C, longest_prefix=False).decision
-    assert d.render() == 'affinity: declined (unnamed request vs parked session named "b2")'
+    # Another conversation's name never reaches a client that did not send it.
+    assert d.render() == 'affinity: declined (unnamed request vs another named session)'
     d = plan(ask(turn4, Identity("a1", "user")), [named], "fast", C, longest_prefix=False).decision
-    assert d.render() == 'affinity: declined (named "a1" vs parked session named "b2")'
+    assert d.render() == 'affinity: declined (named "a1" vs another named session)'
     # the bytes alone may still share: a fork, never a replacement, across names
     forked = plan(ask(turn4, Identity("a1", "user")), [named], "fast", C)
     shared = len(TURN3) + 20
     assert forked.fork and forked.decision.render() == (
         f'prefix: resumed (longest prefix with s1, {shared} of {len(TURN4)}; forked; '
-        f'affinity: declined (named "a1" vs parked session named "b2"))')
+        f'affinity: declined (named "a1" vs another named session))')
+
+
+def test_a_name_in_a_decision_is_one_printable_line_of_bounded_length():
+    unnamed = park(TURN3, REPLY3)
+    head = "x\nERROR memrad.security: SECURITY: FAKE LINE\x1b[2J"
+    forged = head + "y" * 1000
+    d = plan(ask(TURN4, Identity(forged, "session_id")), [unnamed], "fast", C, longest_prefix=False).decision
+    assert d.render() == ('affinity: declined (named "x\\nERROR memrad.security: SECURITY: FAKE LINE\\x1b[2J'
+                          + "y" * (200 - len(head)) + '...(1048 chars)" vs unnamed parked session)')
 
 
 def test_named_requests_ignore_prefix_matches_of_other_names():

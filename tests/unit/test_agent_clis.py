@@ -397,7 +397,7 @@ async def test_unknown_model_names_are_served_by_the_loaded_model_logged_once(se
         status, message = await post(server, "/v1/messages", body)
         assert (status, message["model"]) == (200, "tiny-chatml")
     lines = [r.getMessage() for r in caplog.records if "claude-haiku-4-5" in r.getMessage()]
-    assert lines == ["model 'claude-haiku-4-5' is not served here; 'tiny-chatml' answers it (and every later "
+    assert lines == ['model "claude-haiku-4-5" is not served here; \'tiny-chatml\' answers it (and every later '
                      "request naming it)"]
 
 
