@@ -16,8 +16,9 @@ from pathlib import Path
 
 from memrad import __version__
 from memrad.config import Settings, SettingsError, known_keys, load_settings
-from memrad.daemon import DETACHED_ENV, AlreadyRunning, DaemonInfo, StartupError, find_running, pid_alive
-from memrad.paths import log_path, pidfile_path
+from memrad.daemon import (DETACHED_ENV, AlreadyRunning, DaemonInfo, StartupError, StopReport, find_running,
+                            pid_alive)
+from memrad.paths import log_path, pidfile_path, stop_report_path
 
 START_TIMEOUT_S = 900.0
 
@@ -137,7 +138,7 @@ def _run_foreground(settings: Settings) -> int:
 
     configure_logging(settings.log.level, detached=os.environ.get(DETACHED_ENV) == "1")
     try:
-        serve(settings)
+        unsaved = serve(settings)
     except ModelUnavailable as exc:
         import logging
 
@@ -148,7 +149,7 @@ def _run_foreground(settings: Settings) -> int:
 
         logging.getLogger("memrad").error("%s", exc)
         return 1
-    return 0
+    return 1 if unsaved else 0
 
 
 def _child_env(args: argparse.Namespace) -> dict[str, str]:
@@ -253,6 +254,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         if not pid_alive(info.pid) or find_running() is None:
+            report = StopReport.take(stop_report_path(), info.pid)
+            if report is not None and report.unsaved:
+                print(f"memrad stopped (pid {info.pid}), but {len(report.unsaved)} parked sessions were not "
+                      "saved to the disk tier and are lost:", file=sys.stderr)
+                for line in report.unsaved:
+                    print(f"  {line}", file=sys.stderr)
+                return 1
             print(f"memrad stopped (pid {info.pid})")
             return 0
         time.sleep(0.1)

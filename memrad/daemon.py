@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memrad.config import Settings
-from memrad.paths import lockfile_path, log_path, pidfile_path, socket_path
+from memrad.paths import lockfile_path, log_path, pidfile_path, socket_path, stop_report_path
 
 log = logging.getLogger("memrad")
 
@@ -53,6 +53,29 @@ class DaemonInfo:
             return cls(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             return None
+
+
+@dataclass(frozen=True, slots=True)
+class StopReport:
+    """Written by a daemon whose stop lost parked sessions, read by `memrad stop`."""
+
+    pid: int
+    unsaved: list[str]  # one line per session: "s3 (812 tokens): why"
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(path)
+
+    @classmethod
+    def take(cls, path: Path, pid: int) -> "StopReport | None":
+        """The report of daemon `pid` (removed once read), or None."""
+        try:
+            report = cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+        path.unlink(missing_ok=True)
+        return report if report.pid == pid else None
 
 
 def pid_alive(pid: int) -> bool:
@@ -129,8 +152,9 @@ def configure_logging(level: str, detached: bool) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def serve(settings: Settings) -> None:
-    """Run the daemon in this process until SIGTERM/SIGINT. Blocks."""
+def serve(settings: Settings) -> list[str]:
+    """Run the daemon in this process until SIGTERM/SIGINT. Blocks. Returns the parked
+    sessions the stop could not save (one line each; empty when all were written)."""
     from memrad.server.security import bind_refusal
 
     refused = bind_refusal(settings.security, settings.server.host)
@@ -144,15 +168,16 @@ def serve(settings: Settings) -> None:
         raise AlreadyRunning(f"memrad is already running{where}; `memrad stop` stops it") from None
     for path in clean_stale_files():
         log.info("removed stale %s left by a daemon that did not stop cleanly", path)
+    stop_report_path().unlink(missing_ok=True)
     info = DaemonInfo(pid=os.getpid(), started_at=time.time(), log=str(log_path()))
     info.write(pidfile_path())
-    engine = None
+    engine, unsaved = None, []
     try:
         engine, device, dtype = _load(settings)
         from memrad.server.app import make_app
 
         app = make_app(settings, engine, device, dtype)
-        asyncio.run(_run(app, settings, info, engine.model_id, device))
+        unsaved = asyncio.run(_run(app, settings, info, engine.model_id, device))
     finally:
         clean_stale_files()
         lock.close()
@@ -162,7 +187,8 @@ def serve(settings: Settings) -> None:
         # aborts in C++ ("terminate called without an active exception", exit 134).
         # Everything is written and logged by now, so the process just ends.
         logging.shutdown()
-        os._exit(0)
+        os._exit(1 if unsaved else 0)
+    return unsaved
 
 
 def _load(settings: Settings):
@@ -176,7 +202,7 @@ def _load(settings: Settings):
     return engine, engine.loaded.device.type, engine.loaded.dtype_name
 
 
-async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device: str) -> None:
+async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device: str) -> list[str]:
     from aiohttp import web
 
     from memrad.server.context import CONTEXT
@@ -209,8 +235,14 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     log.info("stopping: finishing or cancelling in-flight requests")
     await control.close()
     await runner.cleanup()  # closes the scheduler: nothing runs on the engine any more
-    await asyncio.to_thread(app[CONTEXT].engine.close)
-    log.info("stopped")
+    unsaved = await asyncio.to_thread(app[CONTEXT].engine.close)
+    if unsaved:
+        log.error("stopped, but %d parked sessions were not saved to the disk tier and are lost: %s",
+                  len(unsaved), "; ".join(unsaved))
+        StopReport(info.pid, unsaved).write(stop_report_path())
+    else:
+        log.info("stopped")
+    return unsaved
 
 
 async def _start_control(app, settings: Settings, loop):

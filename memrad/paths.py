@@ -66,5 +66,10 @@ def socket_path() -> Path:
     return runtime_dir() / "memrad.sock"
 
 
+def stop_report_path() -> Path:
+    """What a stopping daemon could not save, for the `memrad stop` that stopped it."""
+    return runtime_dir() / "memrad.stopped"
+
+
 def log_path() -> Path:
     return log_dir() / "memrad.log"

@@ -149,6 +149,7 @@ class EvictEvent:
     session_id: str
     num_tokens: int
     num_bytes: int
+    spill_failed: str | None = None  # why its write to the disk tier failed; None: dropped by policy
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,8 @@ def make_engine(loaded, chunk, threads=1, *, pool=True, max_sessions=16, max_byt
     tier, indexed here so new session ids stay clear of its files (as memrad.engine.build)."""
     pool = ReusePool(max_sessions, max_bytes) if pool is True else pool or None
     if disk is not None:
-        pool.skip_ids_up_to([s.session_id for s in disk.index()])
+        disk.index()
+        pool.skip_ids_up_to(disk.session_ids())
     finished = []
     engine = Engine(loaded, chunk, threads, pool, disk=disk, on_finished=finished.append, **flags)
     engine.finished = finished

@@ -76,4 +76,4 @@ class FakeEngine:
         return []
 
     def close(self):
-        pass
+        return []

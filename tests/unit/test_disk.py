@@ -22,7 +22,7 @@ def make_engine(loaded, kind, directory, max_sessions=8, disk_bytes=10**9):
 ask = functools.partial(stories.ask, max_tokens=5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next", "falcon_h1"])
 def test_a_restart_resumes_from_disk_bit_identically(loaded, kind, tmp_path):
     before = make_engine(loaded, kind, tmp_path)
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "list files"}]
@@ -51,7 +51,7 @@ def test_eviction_spills_to_disk_and_both_caps_hold_under_a_64_conversation_chur
     assert engine.parking.disk.pool.sessions(), "evicted sessions were spilled"
 
 
-def test_a_foreign_or_truncated_file_is_skipped_and_deleted(loaded, tmp_path, caplog):
+def test_a_foreign_file_is_kept_and_a_truncated_or_garbled_one_deleted(loaded, tmp_path, caplog):
     before = make_engine(loaded, "llama", tmp_path)
     ask(before, [{"role": "user", "content": "one " * 20}], "a")
     ask(before, [{"role": "user", "content": "two " * 20}], "b", salt="x")
@@ -63,10 +63,15 @@ def test_a_foreign_or_truncated_file_is_skipped_and_deleted(loaded, tmp_path, ca
     caplog.set_level("INFO", logger="memrad.disk")
     # s1 was made under another dtype
     other = dict(state_format(loaded["llama"], CHUNK, "exact"), dtype="bfloat16")
-    assert DiskTier(tmp_path, 10**9, other).index() == []
-    assert list(tmp_path.iterdir()) == []
-    assert "deleted s1.safetensors: made under" in caplog.text
-    assert "deleted s2.safetensors: unreadable" in caplog.text
+    tier = DiskTier(tmp_path, 10**9, other)
+    assert tier.index() == []
+    assert [p.name for p in tmp_path.iterdir()] == ["s1.safetensors"]  # kept, not loaded
+    assert list(tier.foreign) == ["s1"] and tier.bytes_used == s1.stat().st_size
+    assert tier.session_ids() == ["s1"]
+    assert "deleted s2.safetensors: truncated (" in caplog.text
+    assert "deleted s9.safetensors: truncated or not safetensors" in caplog.text
+    assert "deleted s3.safetensors.123.tmp: a spill that did not finish" in caplog.text
+    assert "kept 1 sessions of other models or settings (tiny-llama" in caplog.text
 
 
 def test_a_corrupt_file_fails_its_checksum_on_load_and_the_request_runs_cold(loaded, tmp_path, caplog):
@@ -96,3 +101,110 @@ def test_a_fork_from_disk_leaves_the_file_in_place(loaded, tmp_path):
     assert done.decision.tier == "prefix" and done.decision.render().endswith("; forked)")
     assert (tmp_path / "s1.safetensors").exists() and state.session.session_id == "s2"
     assert dataclasses.replace(after.parking.disk.pool.get("s1"), last_used_at=0.0).on_disk
+
+
+def _layer_contents(layer):
+    """Everything a cache layer holds, comparable: tensors by name (with dtype and shape), and
+    its plain attributes. A SlabLayer is its visible rows and length."""
+    from memrad.engine.state.kv import SlabLayer
+
+    if isinstance(layer, SlabLayer):
+        return ({"keys": layer.keys, "values": layer.values} if layer.is_initialized else {}), {"length": layer.length}
+    tensors, plain = {}, {}
+    for name, value in vars(layer).items():
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                (tensors if isinstance(v, torch.Tensor) else plain)[f"{name}.{k}"] = v
+        elif value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+            plain[name] = value
+    return tensors, plain
+
+
+def assert_same_state(loaded_state, parked_state):
+    snaps = lambda s: {"final": s.final, **{f"at{p}": v for p, v in s.snapshots.items()}}
+    got, want = snaps(loaded_state), snaps(parked_state)
+    assert got.keys() == want.keys() and loaded_state.croppable == parked_state.croppable
+    for tag in want:
+        assert got[tag].num_tokens == want[tag].num_tokens
+        assert [type(x).__name__ for x in got[tag].layers] == [type(x).__name__ for x in want[tag].layers]
+        for i, (g, w) in enumerate(zip(got[tag].layers, want[tag].layers)):
+            (gt, gp), (wt, wp) = _layer_contents(g), _layer_contents(w)
+            assert gp == wp, (tag, i)
+            assert gt.keys() == wt.keys(), (tag, i)
+            for name in wt:
+                assert gt[name].dtype == wt[name].dtype and gt[name].shape == wt[name].shape, (tag, i, name)
+                assert torch.equal(gt[name], wt[name]), (tag, i, name)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next", "falcon_h1"])
+def test_every_cache_layer_kind_spills_at_stop_and_reloads_bit_exact(loaded, kind, tmp_path):
+    """Dense (SlabLayer), sliding window (DynamicSlidingWindowLayer: a 0-dim int64 window
+    tensor), hybrid (linear-attention conv/recurrent dicts; Mamba-2 beside attention), with
+    the boundary snapshots a second turn keeps."""
+    engine = make_engine(loaded, kind, tmp_path)
+    client = stories.Client(engine, SYSTEM)
+    client.say("list files")
+    client.say("open README.md and summarise it")
+    parked = engine.parking.pool.sessions()
+    assert parked and (kind == "llama" or any(s.state.snapshots for s in parked))
+    assert engine.parking.spill_all() == []  # nothing left unsaved
+    after = make_engine(loaded, kind, tmp_path)
+    assert sorted(s.session_id for s in after.parking.disk.pool.sessions()) == sorted(s.session_id for s in parked)
+    for session in parked:
+        state = after.parking.disk.load(after.parking.disk.pool.get(session.session_id), after.new_cache)
+        assert state is not None, session.session_id
+        assert_same_state(state, session.state)
+
+
+class _Odd:
+    """A cache layer holding every tensor form a layer may have."""
+
+
+def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path):
+    from memrad.reuse.pool import Namespace, ParkedSession
+    from memrad.engine.state.snapshot import ParkedState, Snapshot
+
+    layer = _Odd()
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    layer.zero_dim = torch.tensor(7, dtype=torch.int64)
+    layer.empty = torch.empty(0, 3, dtype=torch.float16)
+    layer.bf16 = torch.randn(3, 5).to(torch.bfloat16)
+    layer.flags = torch.tensor([True, False, True])
+    layer.strided = base.t()  # not contiguous
+    layer.view_a, layer.view_b = base[:2], base[1:]  # two views of one storage
+    layer.states = {0: torch.tensor(1.5, dtype=torch.float64), 1: None}
+    layer.ready, layer.width = True, 3
+    session = ParkedSession("s1", Namespace("m", None), None, (1, 2, 3), "abc", 3, (3,), False, 3, (), 0,
+                            1.0, 1.0, state=ParkedState(Snapshot(3, (layer,)), {}, False))
+    compat = {"model": "m", "device": "cpu"}
+    assert DiskTier(tmp_path, 10**9, compat).spill(session, lambda _: None) is None
+    tier = DiskTier(tmp_path, 10**9, compat)
+    tier.index()
+    state = tier.load(tier.pool.get("s1"), lambda: type("Cache", (), {"layers": [_Odd()]})())
+    assert_same_state(state, session.state)
+
+
+def test_a_spill_that_fails_at_eviction_is_logged_and_counted_and_at_stop_reported(loaded, tmp_path, caplog):
+    from memrad.protocol import EvictEvent
+    from memrad.server.metrics import Metrics, parse_samples
+
+    engine = make_engine(loaded, "llama", tmp_path, max_sessions=1)
+    metrics, events = Metrics(), []
+    engine.events.subscribe(metrics.observe)
+    engine.events.subscribe(events.append)
+
+    def broken(session):
+        raise RuntimeError("no file form for this state")
+
+    engine.parking.disk._encode = broken
+    caplog.set_level("INFO", logger="memrad")
+    ask(engine, [{"role": "user", "content": "one " * 20}], "a")
+    ask(engine, [{"role": "user", "content": "two " * 20}], "b", salt="x")  # evicts s1: its spill fails
+    evicted = [e for e in events if isinstance(e, EvictEvent)]
+    assert [(e.session_id, e.spill_failed) for e in evicted] == [("s1", "RuntimeError: no file form for this state")]
+    assert "could not write s1 to the disk tier (RuntimeError: no file form for this state)" in caplog.text
+    assert parse_samples(metrics.exposition().decode())[("memra_spill_failures_total", ())] == 1
+    assert engine.close() == ["s2 (75 tokens): RuntimeError: no file form for this state"]
+    assert list(tmp_path.iterdir()) == []
