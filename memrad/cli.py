@@ -81,8 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds before it is killed")
 
-    status = sub.add_parser("status", help="is it running, where, on what")
+    status = sub.add_parser("status", help="is it running, where, on what; parked sessions on disk per model")
     status.add_argument("--json", action="store_true")
+
+    cache = sub.add_parser("cache", help="the disk tier of parked sessions")
+    cache_sub = cache.add_subparsers(dest="action", required=True)
+    clear = cache_sub.add_parser("clear", help="delete the parked sessions on disk (of every model, or one)")
+    clear.add_argument("--model", help="only this model's sessions (its name as `memrad status` shows it)")
 
     logs = sub.add_parser("logs", help="print the daemon's log")
     logs.add_argument("-f", "--follow", action="store_true")
@@ -101,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"start": cmd_start, "stop": cmd_stop, "status": cmd_status,
+        return {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "cache": cmd_cache,
                 "logs": cmd_logs, "pull": cmd_pull, "smoke": cmd_smoke,
                 "bench": cmd_bench}[args.command](args)
     except (SettingsError, AlreadyRunning, StartupError) as exc:
@@ -283,9 +288,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             report.update({k: health[k] for k in ("model", "device", "dtype", "uptime_s",
                                                    "requests_served", "waiting", "version")})
             report["choices"] = health.get("choices", {})
+    directory, by_model = _disk_by_model()
+    report["disk"] = {"dir": str(directory), "models": by_model}
     if args.json:
         print(json.dumps(report, indent=2))
-    elif not report["running"]:
+        return 0 if report["running"] else 3
+    if not report["running"]:
         print("memrad is not running (`memrad start` starts it)")
     elif not health:
         print(f"memrad is starting (pid {info.pid}); `memrad logs -f` shows progress")
@@ -301,7 +309,53 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  requests  {report['requests_served']} served, {report['waiting']} waiting")
         print(f"  log       {report['log']}")
         print(f"  socket    {report['socket']}")
+    print(f"  on disk   {directory}" + ("" if by_model else " (no parked sessions)"))
+    for model, figures in by_model.items():
+        print(f"    {figures['sessions']:>4} sessions  {figures['bytes'] / 2**20:8.1f} MiB  {model}")
     return 0 if report["running"] else 3
+
+
+def _sessions_dir() -> Path:
+    from memrad.paths import sessions_dir
+
+    settings = load_settings({})
+    return Path(settings.disk.dir).expanduser() if settings.disk.dir else sessions_dir()
+
+
+def _disk_by_model() -> tuple[Path, dict[str, dict[str, int]]]:
+    """The disk tier's parked sessions and bytes per model, from the files' headers alone
+    (unusable files under "(unusable)": the next start deletes them)."""
+    from memrad.engine.state.sessionfile import scan
+
+    directory = _sessions_dir()
+    by_model: dict[str, dict[str, int]] = {}
+    for f in scan(directory):
+        figures = by_model.setdefault(f.model or "(unusable)", {"sessions": 0, "bytes": 0})
+        figures["sessions"] += 1
+        figures["bytes"] += f.num_bytes
+    return directory, dict(sorted(by_model.items()))
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """`memrad cache clear [--model NAME]`: refused while a daemon runs (its stop writes its
+    parked sessions back, and it may be loading one now)."""
+    from memrad.engine.state.sessionfile import clear
+
+    running = find_running()
+    if running is not None:
+        print(f"memrad: a daemon is running (pid {running.pid}); `memrad stop` it first, since it writes "
+              "its parked sessions to disk when it stops", file=sys.stderr)
+        return 1
+    directory = _sessions_dir()
+    gone = clear(directory, args.model)
+    if not gone:
+        _, by_model = _disk_by_model()
+        others = f" (on disk: {', '.join(by_model)})" if by_model else ""
+        print(f"no parked sessions{f' of {args.model}' if args.model else ''} in {directory}{others}")
+        return 0
+    print(f"deleted {len(gone)} parked sessions ({sum(f.num_bytes for f in gone) / 2**20:.1f} MiB)"
+          f"{f' of {args.model}' if args.model else ''} from {directory}")
+    return 0
 
 
 def _duration(seconds: float) -> str:

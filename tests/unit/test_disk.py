@@ -208,3 +208,84 @@ def test_a_spill_that_fails_at_eviction_is_logged_and_counted_and_at_stop_report
     assert parse_samples(metrics.exposition().decode())[("memra_spill_failures_total", ())] == 1
     assert engine.close() == ["s2 (75 tokens): RuntimeError: no file form for this state"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_switching_models_back_and_forth_keeps_both_models_sessions(loaded, tmp_path):
+    """One disk tier, two models: each start loads its own files and keeps the other's."""
+    dense = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "list files"}]
+    windowed = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "run the tests"}]
+    a = make_engine(loaded, "llama", tmp_path)
+    a_one, _ = ask(a, dense, "a1")
+    a.close()
+    b = make_engine(loaded, "gemma3", tmp_path)
+    assert b.parking.disk.pool.sessions() == [] and list(b.parking.disk.foreign) == ["s1"]
+    b_one, _ = ask(b, windowed, "b1")
+    b.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s1.safetensors", "s2.safetensors"]
+    a = make_engine(loaded, "llama", tmp_path)  # back to the first model: its session resumes
+    assert [s.session_id for s in a.parking.disk.pool.sessions()] == ["s1"] and list(a.parking.disk.foreign) == ["s2"]
+    done, state = ask(a, dense + [{"role": "assistant", "content": a_one.text}, {"role": "user", "content": "more"}], "a2")
+    assert done.decision.outcome == "resumed" and done.decision.candidate == "s1"
+    assert done.cached_tokens == a_one.prompt_tokens
+    a.close()
+    b = make_engine(loaded, "gemma3", tmp_path)  # and to the second: its session is still there
+    done, _ = ask(b, windowed + [{"role": "assistant", "content": b_one.text}, {"role": "user", "content": "more"}], "b2")
+    assert done.decision.outcome == "resumed" and done.decision.candidate == "s2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{state.session.session_id}.safetensors"]
+    b.close()  # b's successor is written beside a's
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_one_byte_cap_with_lru_across_models(loaded, tmp_path, caplog):
+    caplog.set_level("INFO", logger="memrad.disk")
+    b = make_engine(loaded, "gemma3", tmp_path)
+    ask(b, [{"role": "user", "content": "the oldest, of another model " * 3}], "b1")
+    b.close()
+    a = make_engine(loaded, "llama", tmp_path)
+    ask(a, [{"role": "user", "content": "newer " * 12}], "a1")
+    a.close()
+    sizes = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+    assert sorted(sizes) == ["s1.safetensors", "s2.safetensors"]
+    s1, s2 = sizes["s1.safetensors"], sizes["s2.safetensors"]
+    cap = 2 * s2 + s1 // 2  # room for s1 and s2, or for s2 and one as large as s2: not for all three
+    assert s1 + s2 <= cap < s1 + 2 * s2
+    a = make_engine(loaded, "llama", tmp_path, disk_bytes=cap)
+    assert a.parking.disk.bytes_used == sum(sizes.values())
+    ask(a, [{"role": "user", "content": "newer " * 12}], "a2", salt="x")  # as large as s2, another namespace
+    a.close()
+    # the least recently used file goes, whichever model made it: the other model's s1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s2.safetensors", "s3.safetensors"]
+    assert "deleted s1.safetensors: least recently used (a tiny-gemma3" in caplog.text
+    assert a.parking.disk.bytes_used <= cap
+
+
+def test_memrad_cache_clear_and_status_per_model(loaded, tmp_path, monkeypatch, capsys):
+    import json
+
+    from memrad import cli
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    sessions = tmp_path / "sessions"
+    monkeypatch.setenv("MEMRA_DISK_DIR", str(sessions))
+    for kind, salts in (("llama", ["1", "2"]), ("gemma3", ["3"])):
+        engine = make_engine(loaded, kind, sessions)
+        for salt in salts:
+            ask(engine, [{"role": "user", "content": f"conversation {salt}"}], salt, salt=salt)
+        engine.close()
+    (sessions / "notes.txt").write_text("not memra's")
+    sizes = {p.name: p.stat().st_size for p in sessions.glob("*.safetensors")}
+    llama, gemma = loaded["llama"].model_id, loaded["gemma3"].model_id
+    assert cli.main(["status", "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["disk"]["models"] == {
+        gemma: {"sessions": 1, "bytes": sizes["s3.safetensors"]},
+        llama: {"sessions": 2, "bytes": sizes["s1.safetensors"] + sizes["s2.safetensors"]}}
+    assert cli.main(["cache", "clear", "--model", gemma]) == 0
+    assert "deleted 1 parked sessions" in capsys.readouterr().out
+    assert sorted(p.name for p in sessions.iterdir()) == ["notes.txt", "s1.safetensors", "s2.safetensors"]
+    assert cli.main(["cache", "clear", "--model", "no-such-model"]) == 0
+    assert f"no parked sessions of no-such-model in {sessions} (on disk: {llama})" in capsys.readouterr().out
+    assert cli.main(["cache", "clear"]) == 0
+    assert sorted(p.name for p in sessions.iterdir()) == ["notes.txt"]  # what is not memra's stays

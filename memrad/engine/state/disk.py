@@ -37,8 +37,8 @@ import torch
 import xxhash
 
 from memrad.engine.state.kv import SlabLayer
-from memrad.engine.state.sessionfile import (FORMAT, FileInfo, Header, Unusable, file_name, header_checksum, inside,
-                                             is_stray_temp, read_header, read_int64s, scan, session_id_of)
+from memrad.engine.state.sessionfile import (FORMAT, Header, Unusable, file_name, header_checksum, is_stray_temp,
+                                             read_header, read_int64s, session_id_of, unlink_inside)
 from memrad.engine.state.snapshot import ParkedState, Snapshot
 from memrad.request import Identity
 from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
@@ -320,24 +320,12 @@ class DiskTier:
         if self.pool.remove(session_id) is not None or self._path(session_id).exists():
             self._unlink(file_name(session_id), why)
 
-    def clear(self, model: str | None = None) -> list[FileInfo]:
-        """`memrad cache clear`: delete every session file (of `model` only, if given),
-        unusable ones included when no model is named; returns what was deleted."""
-        gone = [f for f in scan(self.directory, self.max_bytes) if model is None or f.model == model]
-        for f in gone:
-            self.pool.remove(f.session_id)
-            self.foreign.pop(f.session_id, None)
-            self._unlink(file_name(f.session_id), "cleared (memrad cache clear)")
-        return gone
-
     def _unlink(self, name: str, why: str) -> None:
-        """Delete one entry of the directory: by a name memra made, never through a link."""
-        path = self.directory / name
-        if not inside(self.directory, path):
-            log.warning("not deleting %s: not inside %s", name[:80], self.directory)
-            return
-        path.unlink(missing_ok=True)  # a link is removed itself, never its target
-        log.info("deleted %s: %s", name, why)
+        left = unlink_inside(self.directory, name)
+        if left is None:
+            log.info("deleted %s: %s", name, why)
+        else:
+            log.warning("skipped %s (%s), not deleted: %s", name[:80], why, left)
 
 
 def _session(header: Header, token_ids: tuple[int, ...], model: str) -> ParkedSession:

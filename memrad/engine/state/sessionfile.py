@@ -26,8 +26,6 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
 import xxhash
 
 FORMAT = 2  # 1: checksum over tensors only, session id in the header
@@ -66,6 +64,23 @@ def is_stray_temp(name: str) -> bool:
 def inside(directory: Path, path: Path) -> bool:
     """Whether `path` names an entry directly inside `directory` (resolved, links not followed)."""
     return path.parent.resolve() == directory.resolve() and path.name not in ("", ".", "..")
+
+
+def unlink_inside(directory: Path, name: str) -> str | None:
+    """Delete the file or link `name` directly inside `directory` (a link itself, never its
+    target). None once it is gone, else why it was left (outside, a directory, no permission)."""
+    path = directory / name
+    if "/" in name or not inside(directory, path):
+        return f"not inside {directory}"
+    try:
+        if stat.S_ISDIR(path.lstat().st_mode):
+            return "a directory"
+        path.unlink()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return exc.strerror
+    return None
 
 
 def header_checksum(meta: dict) -> str:
@@ -187,7 +202,14 @@ def scan(directory: Path, max_bytes: int = 2**62) -> list[FileInfo]:
     return found
 
 
-def describe(meta: dict[str, Any]) -> str:
-    """The compatibility key as one short line, for log lines."""
-    compat = meta.get("compat", {})
-    return ", ".join(f"{k}={v}" for k, v in sorted(compat.items())) if isinstance(compat, dict) else "?"
+def clear(directory: Path, model: str | None = None) -> list[FileInfo]:
+    """`memrad cache clear`: delete the session files of `model` (None: every one, unusable
+    ones and stray temp files too); returns what was deleted. Other entries are left alone."""
+    gone = [f for f in scan(directory) if model is None or f.model == model]
+    for f in gone:
+        unlink_inside(directory, file_name(f.session_id))
+    if model is None:
+        for entry in os.scandir(directory) if directory.is_dir() else ():
+            if is_stray_temp(entry.name):
+                unlink_inside(directory, entry.name)
+    return gone
