@@ -17,8 +17,8 @@ from pathlib import Path
 from memrad import __version__
 from memrad.config import Settings, SettingsError, known_keys, load_settings
 from memrad.daemon import (DETACHED_ENV, AlreadyRunning, DaemonInfo, StartupError, StopReport, find_running,
-                            pid_alive)
-from memrad.paths import log_path, pidfile_path, stop_report_path
+                            is_memrad, lock_holder, pid_alive)
+from memrad.paths import UnsafeRuntimeDir, log_path, pidfile_path, runtime_dir_note, stop_report_path
 
 START_TIMEOUT_S = 900.0
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "cache": cmd_cache,
                 "logs": cmd_logs, "pull": cmd_pull, "smoke": cmd_smoke,
                 "bench": cmd_bench}[args.command](args)
-    except (SettingsError, AlreadyRunning, StartupError) as exc:
+    except (SettingsError, AlreadyRunning, StartupError, UnsafeRuntimeDir) as exc:
         print(f"memrad: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SettingsError) else 1
     except KeyboardInterrupt:
@@ -132,6 +132,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         where = running.url or "still loading its model"
         print(f"memrad is already running (pid {running.pid}, {where}); `memrad stop` stops it")
         return 0
+    note = runtime_dir_note()
+    if note is not None:
+        print(f"memrad: {note}", file=sys.stderr)
     if args.foreground:
         return _run_foreground(settings)
     return _start_detached(args, settings)
@@ -255,7 +258,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if info.pid <= 0:
         print("memrad is starting up; try `memrad stop` again in a moment", file=sys.stderr)
         return 1
-    os.kill(info.pid, signal.SIGTERM)
+    if not is_memrad(info.pid):
+        holder = lock_holder()
+        print(f"memrad: the pidfile names pid {info.pid}, which is not the memrad daemon"
+              f"{f' (pid {holder} holds the lock)' if holder else ''}; not signalling it. "
+              f"If no memrad runs, remove {pidfile_path()}", file=sys.stderr)
+        return 1
+    _signal(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         if not pid_alive(info.pid) or find_running() is None:
@@ -269,11 +278,20 @@ def cmd_stop(args: argparse.Namespace) -> int:
             print(f"memrad stopped (pid {info.pid})")
             return 0
         time.sleep(0.1)
-    os.kill(info.pid, signal.SIGKILL)
+    if is_memrad(info.pid):  # still the daemon, not a new process that got its pid
+        _signal(info.pid, signal.SIGKILL)
     time.sleep(0.2)
     find_running()  # cleans the files the killed process left
     print(f"memrad did not stop within {args.timeout:.0f} s and was killed (pid {info.pid})", file=sys.stderr)
     return 1
+
+
+def _signal(pid: int, sig: int) -> None:
+    """A daemon that exits between the check and the signal is simply gone."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -9,13 +9,14 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memrad.config import Settings
-from memrad.paths import lockfile_path, log_path, pidfile_path, socket_path, stop_report_path
+from memrad.paths import lockfile_path, log_path, pidfile_path, runtime_dir_note, socket_path, stop_report_path
 
 log = logging.getLogger("memrad")
 
@@ -93,18 +94,58 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def lock_holder() -> int | None:
+    """The pid holding the daemon lock, from the kernel's lock table (None: free, or no
+    /proc/locks here). The lock, not the pidfile, says which process the daemon is."""
+    try:
+        st = os.stat(lockfile_path())
+        key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as table:
+            for line in table:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == key:
+                    return int(fields[4])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def is_memrad(pid: int) -> bool:
+    """Whether `pid` is the memrad daemon: the holder of the lock where the kernel says, else
+    a process whose command line is `... memrad start ...`. Checked before any signal."""
+    holder = lock_holder()
+    if holder is not None:
+        return holder == pid
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"start" in argv and any(Path(os.fsdecode(a)).name == "memrad" for a in argv)
+
+
 def clean_stale_files() -> list[Path]:
-    """Remove the pidfile and socket a killed daemon left; return what was removed.
+    """Remove the pidfile and the default socket a killed daemon left; return what was removed.
 
     Call only while holding the lock, so a daemon that is starting cannot lose its pidfile.
+    Only what memrad made is removed: the pidfile if it is a file, the socket only if it is a
+    socket nobody answers on. A path named inside the pidfile is never deleted, and anything
+    else at the socket path is left for the start to refuse with its reason.
     """
+    from memrad.server.control import ControlSocketError, remove_stale_socket
+
     removed = []
-    info = DaemonInfo.read(pidfile_path())
-    custom = [Path(info.socket)] if info is not None and info.socket else []
-    for path in (pidfile_path(), socket_path(), *custom):
-        if path.exists() or path.is_symlink():
-            path.unlink(missing_ok=True)
-            removed.append(path)
+    pidfile = pidfile_path()
+    try:
+        if not stat.S_ISDIR(pidfile.lstat().st_mode):
+            pidfile.unlink()
+            removed.append(pidfile)
+    except FileNotFoundError:
+        pass
+    try:
+        if remove_stale_socket(socket_path()):
+            removed.append(socket_path())
+    except (ControlSocketError, OSError):
+        pass  # not a dead socket of ours: the control server's start says why it cannot start
     return removed
 
 
@@ -168,6 +209,12 @@ def serve(settings: Settings) -> list[str]:
         raise AlreadyRunning(f"memrad is already running{where}; `memrad stop` stops it") from None
     for path in clean_stale_files():
         log.info("removed stale %s left by a daemon that did not stop cleanly", path)
+    note = runtime_dir_note()
+    if note is not None:
+        log.warning("%s", note)
+    if pidfile_path().is_dir():
+        lock.close()
+        raise StartupError(f"{pidfile_path()} is a directory; memrad will not remove it: remove it yourself")
     stop_report_path().unlink(missing_ok=True)
     info = DaemonInfo(pid=os.getpid(), started_at=time.time(), log=str(log_path()))
     info.write(pidfile_path())
