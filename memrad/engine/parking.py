@@ -238,16 +238,23 @@ class Parking(NoParking):
         return session
 
     def _evicted(self, old: ParkedSession) -> None:
-        """The memory cap pushed `old` out: spill it to the disk tier (if any), else drop it."""
-        failed = self.disk.spill(old, self._evicted_from_disk) if self.disk is not None else None
-        spilled = self.disk is not None and failed is None
+        """The memory cap pushed `old` out: spill it to the disk tier (if any; on its writer
+        thread, so the request that evicted it does not wait for the write), else drop it."""
         log.info("evicted %s (%d tokens, %d bytes)%s", old.session_id, old.num_tokens, old.num_bytes,
-                 "; spilled to disk" if spilled else f"; not spilled: {failed}" if failed else "")
-        if not spilled:
+                 "; spilling to disk" if self.disk is not None else "")
+        if self.disk is None:
+            self.publish(lambda: EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
+        else:
+            self.disk.spill_later(old, self._evicted_from_disk, self._spilled)
+
+    def _spilled(self, old: ParkedSession, failed: str | None) -> None:
+        """A spill finished (on the disk tier's writer thread): say where the session went."""
+        on_disk = self.disk.pool.get(old.session_id) if failed is None else None
+        if on_disk is not None:  # the same session, now on disk
+            self.publish(lambda: ParkEvent(time.time(), session_info(self.tokenizer, on_disk, self.openers),
+                                           old.session_id))
+        else:  # not written (the disk tier logged why), or already pushed out by the cap
             self.publish(lambda: EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes, failed))
-        else:  # the same session, now on disk
-            self.publish(lambda: ParkEvent(time.time(), session_info(
-                self.tokenizer, self.disk.pool.get(old.session_id), self.openers), old.session_id))
 
     def _evicted_from_disk(self, old: ParkedSession) -> None:
         self.publish(lambda: EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
@@ -263,6 +270,7 @@ class Parking(NoParking):
         Call once nothing runs on the engine."""
         if self.disk is None:
             return []
+        evicted = [Unsaved(s.session_id, s.num_tokens, why) for s, why in self.disk.drain()]
         sessions = self.pool.sessions()
         unsaved = []
         for s in sessions:
@@ -271,7 +279,7 @@ class Parking(NoParking):
                 unsaved.append(Unsaved(s.session_id, s.num_tokens, why))
         log.info("wrote %d of %d parked sessions to %s", len(sessions) - len(unsaved), len(sessions),
                  self.disk.directory)
-        return unsaved
+        return evicted + unsaved
 
     def infos(self) -> list[SessionInfo]:
         """Every parked session as a SessionInfo record (disk first, each least recently used first)."""

@@ -48,7 +48,8 @@ def test_after_kill_9_what_was_spilled_resumes(make_daemon):
     started(daemon)
     first = chat(daemon, [SYSTEM, FIRST_USER])
     chat(daemon, [{"role": "user", "content": "An unrelated question: what is 2 + 2?"}])  # evicts s1: spilled
-    assert (daemon.sessions_dir / "s1.safetensors").exists()
+    # on the disk tier's writer thread, just after the request that evicted it
+    assert wait_until(lambda: (daemon.sessions_dir / "s1.safetensors").exists(), 20.0)
     pid = daemon.status()["pid"]
     os.kill(pid, signal.SIGKILL)
     assert wait_until(lambda: daemon.status().get("running") is False, 20.0)

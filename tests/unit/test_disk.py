@@ -45,6 +45,7 @@ def test_eviction_spills_to_disk_and_both_caps_hold_under_a_64_conversation_chur
     engine = make_engine(loaded, "llama", tmp_path, max_sessions=2, disk_bytes=250_000)
     for i in range(64):
         ask(engine, [{"role": "user", "content": f"conversation {i}: " + "list files " * 8}], f"c{i}", salt=str(i))
+        assert engine.parking.disk.drain() == []  # spills run on the tier's writer thread
         assert len(engine.parking.pool.sessions()) <= 2 and engine.parking.disk.pool.bytes_parked <= 250_000
         on_disk = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
         assert on_disk == engine.parking.disk.pool.bytes_parked
@@ -103,41 +104,6 @@ def test_a_fork_from_disk_leaves_the_file_in_place(loaded, tmp_path):
     assert dataclasses.replace(after.parking.disk.pool.get("s1"), last_used_at=0.0).on_disk
 
 
-def _layer_contents(layer):
-    """Everything a cache layer holds, comparable: tensors by name (with dtype and shape), and
-    its plain attributes. A SlabLayer is its visible rows and length."""
-    from memrad.engine.state.kv import SlabLayer
-
-    if isinstance(layer, SlabLayer):
-        return ({"keys": layer.keys, "values": layer.values} if layer.is_initialized else {}), {"length": layer.length}
-    tensors, plain = {}, {}
-    for name, value in vars(layer).items():
-        if isinstance(value, torch.Tensor):
-            tensors[name] = value
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                (tensors if isinstance(v, torch.Tensor) else plain)[f"{name}.{k}"] = v
-        elif value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
-            plain[name] = value
-    return tensors, plain
-
-
-def assert_same_state(loaded_state, parked_state):
-    snaps = lambda s: {"final": s.final, **{f"at{p}": v for p, v in s.snapshots.items()}}
-    got, want = snaps(loaded_state), snaps(parked_state)
-    assert got.keys() == want.keys() and loaded_state.croppable == parked_state.croppable
-    for tag in want:
-        assert got[tag].num_tokens == want[tag].num_tokens
-        assert [type(x).__name__ for x in got[tag].layers] == [type(x).__name__ for x in want[tag].layers]
-        for i, (g, w) in enumerate(zip(got[tag].layers, want[tag].layers)):
-            (gt, gp), (wt, wp) = _layer_contents(g), _layer_contents(w)
-            assert gp == wp, (tag, i)
-            assert gt.keys() == wt.keys(), (tag, i)
-            for name in wt:
-                assert gt[name].dtype == wt[name].dtype and gt[name].shape == wt[name].shape, (tag, i, name)
-                assert torch.equal(gt[name], wt[name]), (tag, i, name)
-
-
 @pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next", "falcon_h1"])
 def test_every_cache_layer_kind_spills_at_stop_and_reloads_bit_exact(loaded, kind, tmp_path):
     """Dense (SlabLayer), sliding window (DynamicSlidingWindowLayer: a 0-dim int64 window
@@ -155,7 +121,7 @@ def test_every_cache_layer_kind_spills_at_stop_and_reloads_bit_exact(loaded, kin
     for session in parked:
         state = after.parking.disk.load(after.parking.disk.pool.get(session.session_id), after.new_cache)
         assert state is not None, session.session_id
-        assert_same_state(state, session.state)
+        stories.assert_same_state(state, session.state)
 
 
 class _Odd:
@@ -183,7 +149,7 @@ def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path):
     tier = DiskTier(tmp_path, 10**9, compat)
     tier.index()
     state = tier.load(tier.pool.get("s1"), lambda: type("Cache", (), {"layers": [_Odd()]})())
-    assert_same_state(state, session.state)
+    stories.assert_same_state(state, session.state)
 
 
 def test_a_spill_that_fails_at_eviction_is_logged_and_counted_and_at_stop_reported(loaded, tmp_path, caplog):
@@ -202,6 +168,8 @@ def test_a_spill_that_fails_at_eviction_is_logged_and_counted_and_at_stop_report
     caplog.set_level("INFO", logger="memrad")
     ask(engine, [{"role": "user", "content": "one " * 20}], "a")
     ask(engine, [{"role": "user", "content": "two " * 20}], "b", salt="x")  # evicts s1: its spill fails
+    assert [(s.session_id, why) for s, why in engine.parking.disk.drain()] == [
+        ("s1", "RuntimeError: no file form for this state")]
     evicted = [e for e in events if isinstance(e, EvictEvent)]
     assert [(e.session_id, e.spill_failed) for e in evicted] == [("s1", "RuntimeError: no file form for this state")]
     assert "could not write s1 to the disk tier (RuntimeError: no file form for this state)" in caplog.text
@@ -289,3 +257,28 @@ def test_memrad_cache_clear_and_status_per_model(loaded, tmp_path, monkeypatch, 
     assert f"no parked sessions of no-such-model in {sessions} (on disk: {llama})" in capsys.readouterr().out
     assert cli.main(["cache", "clear"]) == 0
     assert sorted(p.name for p in sessions.iterdir()) == ["notes.txt"]  # what is not memra's stays
+
+
+def test_an_eviction_spill_runs_off_the_engine_thread(loaded, tmp_path):
+    import threading
+    import time
+
+    engine = make_engine(loaded, "llama", tmp_path, max_sessions=1)
+    disk, release, writers = engine.parking.disk, threading.Event(), []
+    encode = disk._encode
+
+    def slow(session):  # a write that takes as long as the test wants
+        writers.append(threading.current_thread().name)
+        release.wait(10)
+        return encode(session)
+
+    disk._encode = slow
+    ask(engine, [{"role": "user", "content": "one " * 20}], "a")
+    started = time.perf_counter()
+    ask(engine, [{"role": "user", "content": "two " * 20}], "b", salt="x")  # evicts s1
+    assert time.perf_counter() - started < 5  # the request did not wait for the write
+    assert disk.pool.sessions() == [] and not (tmp_path / "s1.safetensors").exists()  # not visible half-written
+    release.set()
+    assert disk.drain() == []
+    assert writers and writers[0].startswith("memrad-spill")
+    assert [s.session_id for s in disk.pool.sessions()] == ["s1"] and (tmp_path / "s1.safetensors").exists()

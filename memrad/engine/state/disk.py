@@ -27,8 +27,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -156,7 +158,11 @@ class ForeignFile:
 class DiskTier:
     """One directory shared by every model's engines; this one loads only its own files.
     `pool` holds the files of this engine's compatibility key (the planner reads it),
-    `foreign` the rest; both count against `max_bytes`, least recently used out first."""
+    `foreign` the rest; both count against `max_bytes`, least recently used out first.
+
+    Evicted sessions are written on one writer thread (`spill_later`), off the engine
+    thread's critical path; a session becomes visible to the planner once its file is whole.
+    `_lock` guards the pool, `foreign` and the cap between that thread and the engine's."""
 
     def __init__(self, directory: Path, max_bytes: int, compat: dict[str, str]) -> None:
         self.directory = directory
@@ -164,6 +170,9 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.pool = ReusePool(max_sessions=1 << 30, max_bytes=max_bytes)
         self.foreign: dict[str, ForeignFile] = {}
+        self._lock = threading.RLock()
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future] = {}
 
     def _path(self, session_id: str) -> Path:
         return self.directory / file_name(session_id)
@@ -174,7 +183,8 @@ class DiskTier:
 
     def session_ids(self) -> list[str]:
         """Every session id with a file here, this engine's and the others' (new ids skip them)."""
-        return [s.session_id for s in self.pool.sessions()] + list(self.foreign)
+        with self._lock:
+            return [s.session_id for s in self.pool.sessions()] + list(self.foreign)
 
     # --- start: index without loading ------------------------------------------------------
 
@@ -215,7 +225,8 @@ class DiskTier:
         return _session(header, token_ids, self.compat["model"])
 
     def _make_room(self, num_bytes: int, on_evicted: Callable[[ParkedSession], None]) -> None:
-        """Delete least recently used files, of any model, until `num_bytes` more fit the cap."""
+        """Delete least recently used files, of any model, until `num_bytes` more fit the cap.
+        The caller holds `_lock` (or runs alone, at start)."""
         while self.bytes_used + num_bytes > self.max_bytes:
             own = self.pool.sessions()[:1]
             other = min(self.foreign.values(), key=lambda f: f.last_used_at, default=None)
@@ -231,12 +242,40 @@ class DiskTier:
 
     # --- spill, load, forget ----------------------------------------------------------------
 
+    def spill_later(self, session: ParkedSession, on_evicted: Callable[[ParkedSession], None],
+                    on_done: Callable[[ParkedSession, str | None], None]) -> None:
+        """`spill` on the writer thread; `on_done(session, why)` is called there once it is on
+        disk (why None) or lost. The memory pool has let go of `session`, so nothing else
+        touches its buffers meanwhile."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="memrad-spill")
+
+        def write() -> tuple[ParkedSession, str | None]:
+            try:
+                why = self.spill(session, on_evicted)
+                on_done(session, why)
+                return session, why
+            finally:
+                with self._lock:
+                    self._pending.pop(session.session_id, None)
+
+        with self._lock:
+            self._pending[session.session_id] = self._writer.submit(write)
+
+    def drain(self) -> list[tuple[ParkedSession, str]]:
+        """Wait for every pending write; the sessions among them that could not be written."""
+        with self._lock:
+            futures = list(self._pending.values())
+        done = [f.result() for f in futures]
+        return [(session, why) for session, why in done if why is not None]
+
     def spill(self, session: ParkedSession, on_evicted: Callable[[ParkedSession], None]) -> str | None:
         """Write `session` (a memory session) unless it is already on disk. None once it is on
         disk, else why it is not (logged here; the caller reports it). Never raises: a state
         the file format cannot hold must cost that one session, not the stop or the request."""
-        if self.pool.get(session.session_id) is not None:
-            return None
+        with self._lock:
+            if self.pool.get(session.session_id) is not None:
+                return None
         if session.state is None:
             return "it holds no state"
         from safetensors.torch import save_file
@@ -259,8 +298,9 @@ class DiskTier:
         if record.num_bytes > self.max_bytes:
             self._unlink(path.name, "larger than the disk tier's byte cap")
             return f"its {record.num_bytes} bytes exceed the disk tier's cap of {self.max_bytes}"
-        self._make_room(record.num_bytes, on_evicted)
-        self.pool.park(record)
+        with self._lock:
+            self._make_room(record.num_bytes, on_evicted)
+            self.pool.park(record)
         return None
 
     def _encode(self, session: ParkedSession) -> tuple[dict[str, torch.Tensor], dict]:
@@ -317,8 +357,9 @@ class DiskTier:
 
     def forget(self, session_id: str, why: str = "replaced by its successor") -> None:
         """Drop one of this engine's sessions and delete its file (no-op if not on disk)."""
-        if self.pool.remove(session_id) is not None or self._path(session_id).exists():
-            self._unlink(file_name(session_id), why)
+        with self._lock:
+            if self.pool.remove(session_id) is not None or self._path(session_id).exists():
+                self._unlink(file_name(session_id), why)
 
     def _unlink(self, name: str, why: str) -> None:
         left = unlink_inside(self.directory, name)
