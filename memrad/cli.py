@@ -259,6 +259,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print("memrad is starting up; try `memrad stop` again in a moment", file=sys.stderr)
         return 1
     if not is_memrad(info.pid):
+        if find_running() is None:  # it exited between the two looks
+            print("memrad is not running")
+            return 0
         holder = lock_holder()
         print(f"memrad: the pidfile names pid {info.pid}, which is not the memrad daemon"
               f"{f' (pid {holder} holds the lock)' if holder else ''}; not signalling it. "

@@ -25,7 +25,9 @@ def runtime_dir() -> Path:
     path = base / APP
     for directory in (base, path):
         directory.mkdir(exist_ok=True, mode=0o700)
-        st = directory.lstat()
+        # The base may be a link to a directory of ours (some systems link XDG_RUNTIME_DIR);
+        # memra's own folder inside it may not.
+        st = directory.stat() if directory == base else directory.lstat()
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
             raise UnsafeRuntimeDir(
                 f"{directory} is not a directory of yours, so memrad has no private place for its lock, "

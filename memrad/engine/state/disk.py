@@ -39,6 +39,7 @@ import torch
 import xxhash
 
 from memrad.engine.state.kv import SlabLayer
+from memrad.faultpoint import kill_point
 from memrad.engine.state.sessionfile import (FORMAT, Header, Unusable, file_name, header_checksum, is_stray_temp,
                                              read_header, read_int64s, session_id_of, unlink_inside)
 from memrad.engine.state.snapshot import ParkedState, Snapshot
@@ -286,9 +287,12 @@ class DiskTier:
             tensors, meta = self._encode(session)
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             save_file(tensors, str(tmp), metadata={"memra": json.dumps(meta)})
+            kill_point("spill-tmp")
             with open(tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
+            kill_point("spill-rename")
             tmp.replace(path)
+            kill_point("spill-renamed")
         except Exception as exc:  # Unusable, OSError (disk full), or a state this code cannot encode
             tmp.unlink(missing_ok=True)
             why = f"{type(exc).__name__}: {exc}"

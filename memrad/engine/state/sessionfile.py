@@ -125,10 +125,13 @@ def read_header(directory: Path, name: str, max_bytes: int) -> Header:
         raise Unusable("not inside the sessions directory")
     if st.st_size > max_bytes:
         raise Unusable(f"{st.st_size} bytes: larger than the disk tier's byte cap of {max_bytes}")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # O_NONBLOCK: a FIFO swapped in after the lstat must not hang the start
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise Unusable(f"cannot open ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Unusable("not a regular file")
     with os.fdopen(fd, "rb") as handle:
         head = handle.read(8)
         if len(head) < 8:
@@ -197,7 +200,10 @@ def scan(directory: Path, max_bytes: int = 2**62) -> list[FileInfo]:
             header = read_header(directory, name, max_bytes)
             found.append(FileInfo(session_id, header.model, header.num_bytes))
         except Unusable as exc:
-            size = (directory / name).lstat().st_size
+            try:
+                size = (directory / name).lstat().st_size
+            except OSError:
+                continue  # gone meanwhile
             found.append(FileInfo(session_id, None, size, str(exc)))
     return found
 
