@@ -343,7 +343,7 @@ async def kill9_at(daemon: Daemon, point: str) -> bool:
         intact, decision = await parked.resumes_exactly(api)
         _, text = await api.chat(conversation(2))
     after = sorted(p.name for p in sessions.iterdir()) if sessions.is_dir() else []
-    corrupt = "checksum mismatch" in daemon.log_path().read_text(errors="replace")
+    corrupt = "checksum mismatch" in daemon.log_path.read_text(errors="replace")
     print(f"killed at {point}: files left {left}; after the restart {after[:4]}")
     print(f"memrad start after the kill: serving in {restart_s:.1f} s; answers: {bool(text)}; "
           f"anything corrupt loaded: {corrupt}")

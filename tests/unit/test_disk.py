@@ -282,3 +282,11 @@ def test_an_eviction_spill_runs_off_the_engine_thread(loaded, tmp_path):
     assert disk.drain() == []
     assert writers and writers[0].startswith("memrad-spill")
     assert [s.session_id for s in disk.pool.sessions()] == ["s1"] and (tmp_path / "s1.safetensors").exists()
+
+
+def test_the_spill_ttft_bench_measures_both_arms(loaded):
+    from memrad.bench.spill_ttft import run
+
+    for sync in (True, False):
+        b_ttft, b_tail, c_ttft, gap, prompt_tokens = run(loaded["llama"], 1, sync, 0, lines=6)
+        assert prompt_tokens > 100 and 0 < b_ttft and 0 <= b_tail < gap and 0 < c_ttft <= gap
