@@ -149,6 +149,7 @@ class EvictEvent:
     session_id: str
     num_tokens: int
     num_bytes: int
+    spill_failed: str | None = None  # why its write to the disk tier failed; None: dropped by policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,25 +205,44 @@ def from_line(line: bytes | str):
         raise ValueError(f"malformed {data.get('type')}: {exc}") from None
 
 
-def default_socket_path() -> str:
-    """Where the daemon puts its socket by default, found with the standard library alone
-    (the TUI imports nothing else of memrad). Mirrors platformdirs' user_runtime_dir on
-    Linux: $XDG_RUNTIME_DIR if it is an owner-only directory we own, else /run/user/UID if
-    it is, else $TMPDIR/runtime-UID; then memra/memrad.sock inside it."""
+def runtime_base() -> tuple[str, str | None]:
+    """The one decision of where memrad's runtime files (lock, pidfile, socket) go, with the
+    standard library alone (the TUI imports nothing else of memrad): $XDG_RUNTIME_DIR if it
+    is an owner-only (0700) directory we own, else /run/user/UID if it is, else
+    $TMPDIR/runtime-UID (platformdirs' fallback). Returns (that directory, why
+    $XDG_RUNTIME_DIR was passed over, or None). memra's files go in its `memra` folder."""
     import os
     import stat
     import tempfile
 
-    def usable(path: str | None) -> bool:
+    def unsafe(path: str) -> str | None:
         try:
-            st = os.stat(path) if path else None
-        except OSError:
-            return False
-        return st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() \
-            and stat.S_IMODE(st.st_mode) == 0o700
+            st = os.stat(path)
+        except OSError as exc:
+            return exc.strerror or "cannot stat"
+        if not stat.S_ISDIR(st.st_mode):
+            return "not a directory"
+        if st.st_uid != os.geteuid():
+            return f"owned by uid {st.st_uid}, not you"
+        mode = stat.S_IMODE(st.st_mode)
+        return None if mode == 0o700 else f"mode {mode:o}, not 700"
 
     uid = os.geteuid()
-    for base in (os.environ.get("XDG_RUNTIME_DIR"), f"/run/user/{uid}"):
-        if usable(base):
-            return os.path.join(base, "memra", "memrad.sock")
-    return os.path.join(tempfile.gettempdir(), f"runtime-{uid}", "memra", "memrad.sock")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    why = None
+    if xdg:
+        why = unsafe(xdg)
+        if why is None:
+            return xdg, None
+        why = f"XDG_RUNTIME_DIR={xdg} is unsafe ({why})"
+    if unsafe(f"/run/user/{uid}") is None:
+        return f"/run/user/{uid}", why
+    return os.path.join(tempfile.gettempdir(), f"runtime-{uid}"), why
+
+
+def default_socket_path() -> str:
+    """Where the daemon puts its socket by default (memrad.paths.socket_path, decided by
+    runtime_base)."""
+    import os
+
+    return os.path.join(runtime_base()[0], "memra", "memrad.sock")

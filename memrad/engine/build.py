@@ -87,7 +87,7 @@ def _disk_tier(settings: Settings, compat: dict[str, str], pool: ReusePool) -> D
     private_dir(directory, tighten=not settings.disk.dir)
     disk = DiskTier(directory, settings.disk.max_bytes, compat)
     found = disk.index()
-    pool.skip_ids_up_to([s.session_id for s in found])
+    pool.skip_ids_up_to(disk.session_ids())  # every model's files: new ids never name an existing file
     log.info("disk tier: %d parked sessions (%.1f MiB) in %s, up to %.1f GiB", len(found),
              disk.pool.bytes_parked / 2**20, directory, settings.disk.max_bytes / 2**30)
     return disk

@@ -304,11 +304,12 @@ class Engine:
 
         return after_chunk
 
-    def close(self) -> None:
+    def close(self) -> list[str]:
         """At `memrad stop`: stop the decode step's compile and write every parked session to
-        the disk tier. Call once nothing runs on the engine."""
+        the disk tier. Returns one line per session that could not be written (lost), saying
+        why. Call once nothing runs on the engine."""
         self.decoder.close()
-        self.parking.spill_all()
+        return [unsaved.render() for unsaved in self.parking.spill_all()]
 
     def _hand_on(self, state: FinishedState) -> None:
         if self.on_finished is None:

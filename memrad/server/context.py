@@ -47,7 +47,7 @@ class ServingEngine(EngineLike, Protocol):
 
     def stats(self) -> ParkingStats | None: ...  # None: the pool is off
     def infos(self) -> list[SessionInfo]: ...
-    def close(self) -> None: ...
+    def close(self) -> list[str]: ...  # one line per parked session not saved to disk
 
 
 @dataclass

@@ -62,6 +62,8 @@ class Metrics:
         self.spills = Counter("memra_spills", "Sessions the memory cap moved to the disk tier", registry=r)
         self.evictions = Counter("memra_evictions", "Parked sessions dropped (from memory without a disk copy, "
                                  "or from disk)", registry=r)
+        self.spill_failures = Counter("memra_spill_failures", "Evicted sessions whose write to the disk tier "
+                                      "failed: lost (the log says why)", registry=r)
         self._ledger: dict[str, int] = {}
         self._lock = threading.Lock()
         ProcessCollector(registry=r)
@@ -86,6 +88,8 @@ class Metrics:
                     self._ledger[event.session.session_id] = event.session.num_bytes
         elif isinstance(event, EvictEvent):
             self.evictions.inc()
+            if event.spill_failed is not None:
+                self.spill_failures.inc()
             with self._lock:
                 self._ledger.pop(event.session_id, None)
 

@@ -102,7 +102,10 @@ def test_stop_then_status_says_not_running(daemon):
     status = daemon.cli("status")
     assert status.returncode == 3
     assert "memrad is not running" in status.stdout
-    assert json.loads(daemon.cli("status", "--json").stdout) == {"running": False}
+    report = json.loads(daemon.cli("status", "--json").stdout)
+    files = list(daemon.sessions_dir.glob("*.safetensors"))  # what the stop wrote to the disk tier
+    on_disk = {"SmolLM2-135M-Instruct": {"sessions": len(files), "bytes": sum(f.stat().st_size for f in files)}}
+    assert report == {"running": False, "disk": {"dir": str(daemon.sessions_dir), "models": on_disk if files else {}}}
     assert not daemon.pidfile.exists()
     assert daemon.log_text().splitlines()[-1].endswith("memrad: stopped")
     # Stopping what is not running is fine.

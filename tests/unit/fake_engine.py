@@ -76,7 +76,7 @@ class FakeEngine:
         return []
 
     def close(self):
-        pass
+        return []
 
 
 class SlowEngine(FakeEngine):

@@ -123,8 +123,21 @@ def build_falcon_h1(vocab_size: int, seed: int = 0):
     return model
 
 
+def build_gemma3(vocab_size: int, seed: int = 0):
+    """Sliding-window attention layers (DynamicSlidingWindowLayer) beside full attention, as gemma3-270m."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=1024, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    return Gemma3ForCausalLM(config).eval()
+
+
 def save_tiny(folder: Path, kind: str) -> Path:
-    """A loadable folder for `kind` in llama | qwen3_next | falcon_h1 | mamba."""
+    """A loadable folder for `kind` in llama | qwen3_next | falcon_h1 | gemma3 | mamba."""
     tokenizer = build_tokenizer()
     if kind == "llama":
         model = build_llama(len(tokenizer))
@@ -132,6 +145,8 @@ def save_tiny(folder: Path, kind: str) -> Path:
         model = build_qwen3_next(len(tokenizer))
     elif kind == "falcon_h1":
         model = build_falcon_h1(len(tokenizer))
+    elif kind == "gemma3":
+        model = build_gemma3(len(tokenizer))
     elif kind == "mamba":
         from transformers import MambaConfig, MambaForCausalLM
 
