@@ -124,6 +124,22 @@ def test_every_cache_layer_kind_spills_at_stop_and_reloads_bit_exact(loaded, kin
         stories.assert_same_state(state, session.state)
 
 
+
+def test_a_spilled_session_file_is_the_owners_only(loaded, tmp_path):
+    # Parked state holds the prompt's tokens: its file is 0600 whatever the umask.
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        engine = make_engine(loaded, "llama", tmp_path)
+        stories.Client(engine, SYSTEM).say("list files")
+        assert engine.parking.spill_all() == []
+    finally:
+        os.umask(old)
+    files = list(engine.parking.disk.directory.glob("*.safetensors"))
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+
 class _Odd:
     """A cache layer holding every tensor form a layer may have."""
 

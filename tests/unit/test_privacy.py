@@ -137,3 +137,4 @@ async def test_a_megabyte_model_name_is_not_echoed_back_whole(fake_engine):
         assert got["error"]["message"].startswith('the model "' + "m" * 200 + '...(1048577 chars)" does not exist')
     finally:
         await server.close()
+

@@ -40,6 +40,7 @@ import xxhash
 
 from memrad.engine.state.kv import SlabLayer
 from memrad.faultpoint import kill_point
+from memrad.private import FILE_MODE
 from memrad.engine.state.sessionfile import (FORMAT, Header, Unusable, file_name, header_checksum, is_stray_temp,
                                              read_header, read_int64s, session_id_of, unlink_inside)
 from memrad.engine.state.snapshot import ParkedState, Snapshot
@@ -289,6 +290,7 @@ class DiskTier:
             save_file(tensors, str(tmp), metadata={"memra": json.dumps(meta)})
             kill_point("spill-tmp")
             with open(tmp, "rb+") as handle:
+                os.fchmod(handle.fileno(), FILE_MODE)  # parked state holds prompt text: the owner's only
                 os.fsync(handle.fileno())
             kill_point("spill-rename")
             tmp.replace(path)
