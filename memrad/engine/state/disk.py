@@ -290,7 +290,7 @@ class DiskTier:
             save_file(tensors, str(tmp), metadata={"memra": json.dumps(meta)})
             kill_point("spill-tmp")
             with open(tmp, "rb+") as handle:
-                os.fchmod(handle.fileno(), FILE_MODE)  # parked state holds prompt text: the owner's only
+                os.fchmod(handle.fileno(), FILE_MODE)  # prompt tokens: the owner's only (safetensors makes 0600 today; not its promise)
                 os.fsync(handle.fileno())
             kill_point("spill-rename")
             tmp.replace(path)
