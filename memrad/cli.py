@@ -30,6 +30,7 @@ FLAGS = {
     "dtype": "model.dtype",
     "threads": "model.threads",
     "weights": "model.weights",
+    "context": "model.context",
     "prefill_chunk": "engine.prefill_chunk",
     "compile": "engine.compile",
     "reuse_mode": "reuse.mode",
@@ -63,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--threads", type=int, help="torch intra-op threads (0: all available cores)")
     start.add_argument("--weights", choices=("auto", "float", "int4", "int8"),
                        help="decode weights: int4 runs a GGUF's 4-bit blocks as shipped (auto where present)")
+    start.add_argument("--context", type=int,
+                       help="tokens served (prompt + reply); past the model's native length RoPE scaling "
+                            "(YaRN) extends it (0: the model's default; the default model serves 32768)")
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
     start.add_argument("--compile", choices=("auto", "on", "off"),
                        help="decode step: auto compiles it in the background, on before serving, off stays eager")

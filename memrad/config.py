@@ -41,6 +41,7 @@ class ModelSettings:
     dtype: str = _key("auto", "MEMRA_DTYPE")
     threads: int = _key(0, "MEMRA_THREADS")
     weights: str = _key("auto", "MEMRA_WEIGHTS")
+    context: int = _key(0, "MEMRA_CONTEXT")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +131,7 @@ _MINIMUM = {
     "server.max_queue": 0,
     "server.shutdown_grace_s": 0,
     "model.threads": 0,
+    "model.context": 0,
     "engine.prefill_chunk": 1,
     "pool.max_sessions": 0,
     "pool.max_bytes": 0,
