@@ -69,6 +69,11 @@ class AffinitySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolSettings:
+    fallback: bool = _key(True, "MEMRA_TOOL_FALLBACK")
+
+
+@dataclass(frozen=True, slots=True)
 class DiskSettings:
     enabled: bool = _key(True, "MEMRA_DISK")
     max_bytes: int = _key(4 * 2**30, "MEMRA_DISK_MAX_BYTES")
@@ -112,6 +117,7 @@ class Settings:
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
     affinity: AffinitySettings = field(default_factory=AffinitySettings)
     disk: DiskSettings = field(default_factory=DiskSettings)
+    tools: ToolSettings = field(default_factory=ToolSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
     log: LogSettings = field(default_factory=LogSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
