@@ -11,7 +11,30 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 
+import anthropic
+import openai
+
 from memrad.engine.engine import Engine
+
+# The tool round trip the agent tests script: one function tool as each API spells it, and
+# a reply with reasoning, content and a call in memra's Hermes markup.
+PARAMS = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                                "parameters": PARAMS}}]
+RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file", "parameters": PARAMS}]
+MESSAGES_TOOLS = [{"name": "read_file", "description": "Read a file", "input_schema": PARAMS}]
+CALL_REPLY = ('<think>\nI should look at the file.\n</think>\n\nLet me read it.\n<tool_call>\n'
+              '{"name": "read_file", "arguments": {"path": "src/a.py"}}\n</tool_call>')
+
+
+def oai(server) -> openai.AsyncOpenAI:
+    """The real OpenAI client against an aiohttp TestServer."""
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
+
+
+def claude(server) -> anthropic.AsyncAnthropic:
+    """The real Anthropic client against an aiohttp TestServer."""
+    return anthropic.AsyncAnthropic(base_url=str(server.make_url("")), api_key="unused", max_retries=0)
 
 
 class ScriptedEngine(Engine):

@@ -42,7 +42,8 @@ class Convention:
     def rewrite(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
         """The conversation as plain turns (no `tools`, `tool_calls`, `reasoning_content` or,
         without a tool turn, `tool` roles) carrying the convention's text. Does not mutate
-        `messages`."""
+        `messages`, which come as render.template_messages leaves them (a call's arguments
+        as an object)."""
         out: list[dict] = []
         results_open = False  # out[-1] is a user turn of results that the next result joins
         for message in messages:
@@ -116,15 +117,10 @@ def _reply_text(message: dict) -> str:
     head = f"<think>\n{reasoning}\n</think>\n\n" if reasoning else ""
     parts = [content] if content else []
     for call in message.get("tool_calls") or ():
-        function = call.get("function") or {}
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass  # validated by the API adapters; rendered as sent
+        function = call.get("function") or {}  # arguments as an object (render.template_messages)
         parts.append('<tool_call>\n{"name": ' + json.dumps(function.get("name"), ensure_ascii=False)
-                     + ', "arguments": ' + json.dumps(arguments, ensure_ascii=False) + "}\n</tool_call>")
+                     + ', "arguments": ' + json.dumps(function.get("arguments"), ensure_ascii=False)
+                     + "}\n</tool_call>")
     return head + "\n".join(parts)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
@@ -21,18 +20,11 @@ from memrad.engine.engine import Engine
 from memrad.reuse.fingerprint import segment_spans
 from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
-from scripted import ScriptedEngine
+from scripted import CALL_REPLY, CHAT_TOOLS, MESSAGES_TOOLS, RESPONSES_TOOLS, ScriptedEngine, claude, oai
 from test_gemma_boundaries import gemma_loaded  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.integration
 
-PARAMS = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
-CHAT_TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
-                                                "parameters": PARAMS}}]
-RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file", "parameters": PARAMS}]
-MESSAGES_TOOLS = [{"name": "read_file", "description": "Read a file", "input_schema": PARAMS}]
-CALL_REPLY = ('<think>\nI should look at the file.\n</think>\n\nLet me read it.\n<tool_call>\n'
-              '{"name": "read_file", "arguments": {"path": "src/a.py"}}\n</tool_call>')
 RESULT = "def add(a, b):\n    return a + b"
 QUESTION = "What does src/a.py do?"
 SYSTEM = "You are a coding agent."
@@ -45,14 +37,6 @@ async def served(gemma_loaded):  # noqa: F811
     await server.start_server()
     yield engine, server
     await server.close()
-
-
-def oai(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
-
-
-def claude(server) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=str(server.make_url("")), api_key="unused", max_retries=0)
 
 
 def prompt_text(engine, index=-1) -> str:

@@ -15,15 +15,8 @@ from aiohttp.test_utils import TestServer
 from memrad.config import Settings
 from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
-from scripted import ScriptedEngine
+from scripted import CALL_REPLY, CHAT_TOOLS, MESSAGES_TOOLS, RESPONSES_TOOLS, ScriptedEngine, claude, oai
 
-PARAMS = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
-CHAT_TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
-                                                "parameters": PARAMS}}]
-RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file", "parameters": PARAMS}]
-MESSAGES_TOOLS = [{"name": "read_file", "description": "Read a file", "input_schema": PARAMS}]
-CALL_REPLY = ('<think>\nI should look at the file.\n</think>\n\nLet me read it.\n<tool_call>\n'
-              '{"name": "read_file", "arguments": {"path": "src/a.py"}}\n</tool_call>')
 RESULT = "def add(a, b):\n    return a + b\n"
 
 
@@ -38,14 +31,6 @@ async def server(engine):
     await server.start_server()
     yield server
     await server.close()
-
-
-def oai(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
-
-
-def claude(server) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=str(server.make_url("")), api_key="unused", max_retries=0)
 
 
 def last_prompt(engine) -> str:
