@@ -121,7 +121,7 @@ BAD_INPUTS = [
     ("max-tokens-string", "/v1/chat/completions", {**GOOD_CHAT, "max_tokens": "ten"}, 400, "max_tokens", None),
     ("max-tokens-zero", "/v1/chat/completions", {**GOOD_CHAT, "max_tokens": 0}, 400, "max_tokens", None),
     ("n-2", "/v1/chat/completions", {**GOOD_CHAT, "n": 2}, 400, "n", None),
-    ("context-exceeded", "/v1/chat/completions", {**GOOD_CHAT, "max_tokens": 9000},
+    ("context-exceeded", "/v1/chat/completions", {**GOOD_CHAT, "max_tokens": 33000},
      400, "max_tokens", "context_length_exceeded"),
     ("unknown-model", "/v1/chat/completions", {**GOOD_CHAT, "model": "gpt-9"}, 404, "model", "model_not_found"),
     ("session-id-too-long", "/v1/chat/completions", {**GOOD_CHAT, "session_id": LONG}, 400, "session_id", None),
@@ -130,7 +130,7 @@ BAD_INPUTS = [
     ("completion-missing-prompt", "/v1/completions", {"max_tokens": 1}, 400, "prompt", None),
     ("completion-token-out-of-vocab", "/v1/completions", {"prompt": [1, 10**9], "max_tokens": 1},
      400, "prompt", None),
-    ("completion-context-exceeded", "/v1/completions", {"prompt": "Hi", "max_tokens": 9000},
+    ("completion-context-exceeded", "/v1/completions", {"prompt": "Hi", "max_tokens": 33000},
      400, "max_tokens", "context_length_exceeded"),
     ("completion-unknown-model", "/v1/completions", {"prompt": "Hi", "model": "nope"}, 404, "model",
      "model_not_found"),
@@ -163,10 +163,10 @@ def test_openai_client_raises_status_errors(client):
     assert missing.value.param == "model"
 
     with pytest.raises(openai.BadRequestError) as too_long:
-        client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=9000)
+        client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=33000)
     assert too_long.value.status_code == 400
     assert too_long.value.code == "context_length_exceeded"
-    assert "8192" in too_long.value.message
+    assert "32768" in too_long.value.message  # the default model is served at 32k (yarn x4)
 
     ok = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=1)
     assert ok.usage.completion_tokens == 1
