@@ -27,6 +27,27 @@ CALL_REPLY = ('<think>\nI should look at the file.\n</think>\n\nLet me read it.\
               '{"name": "read_file", "arguments": {"path": "src/a.py"}}\n</tool_call>')
 
 
+def chat_stream_parts(chunks: list) -> tuple[str, str, list, str]:
+    """A Chat Completions stream folded: (reasoning, content, tool-call deltas, last finish reason)."""
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    return reasoning, content, calls, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+
+def messages_answer(messages: list[dict], message, result: str) -> list[dict]:
+    """Check that an Anthropic `message` is CALL_REPLY parsed (thinking, text, one tool_use);
+    return the conversation after it with the call answered by `result`."""
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    thinking, text, use = message.content
+    assert (thinking.thinking, text.text) == ("I should look at the file.", "Let me read it.")
+    assert (use.name, use.input, message.stop_reason) == ("read_file", {"path": "src/a.py"}, "tool_use")
+    return messages + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}]}]
+
+
 def oai(server) -> openai.AsyncOpenAI:
     """The real OpenAI client against an aiohttp TestServer."""
     return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)

@@ -20,7 +20,8 @@ from memrad.engine.engine import Engine
 from memrad.reuse.fingerprint import segment_spans
 from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
-from scripted import CALL_REPLY, CHAT_TOOLS, MESSAGES_TOOLS, RESPONSES_TOOLS, ScriptedEngine, claude, oai
+from scripted import (CALL_REPLY, CHAT_TOOLS, MESSAGES_TOOLS, RESPONSES_TOOLS, ScriptedEngine, chat_stream_parts,
+                      claude, messages_answer, oai)
 from test_gemma_boundaries import gemma_loaded  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.integration
@@ -66,13 +67,9 @@ async def test_chat_completions_tool_round_trip_on_gemma_streamed(served):
     engine.script(CALL_REPLY, "It adds two numbers.")
     chunks = [c async for c in await client.chat.completions.create(
         model="gemma3-270m", messages=messages, tools=CHAT_TOOLS, temperature=0, stream=True)]
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
-    content = "".join(d.content or "" for d in deltas)
-    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    reasoning, content, calls, finish = chat_stream_parts(chunks)
     call_id, name = calls[0].id, calls[0].function.name
     arguments = "".join(tc.function.arguments or "" for tc in calls)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
     assert (reasoning, content, name, json.loads(arguments), finish) == (
         "I should look at the file.", "Let me read it.", "read_file", {"path": "src/a.py"}, "tool_calls")
     first = prompt_text(engine)
@@ -120,12 +117,7 @@ async def test_messages_tool_round_trip_on_gemma(served):
         types = [e.type async for e in events]
         message = await events.get_final_message()
     assert types[0] == "message_start" and types[-1] == "message_stop"
-    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
-    thinking, text, use = message.content
-    assert (thinking.thinking, text.text) == ("I should look at the file.", "Let me read it.")
-    assert (use.name, use.input, message.stop_reason) == ("read_file", {"path": "src/a.py"}, "tool_use")
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
+    messages = messages_answer(messages, message, RESULT)
     final = await client.messages.create(messages=messages, **kwargs)
     assert [b.text for b in final.content] == ["It adds two numbers."] and final.stop_reason == "end_turn"
     assert final.usage.cache_read_input_tokens == len(engine.prompts[0])
