@@ -32,6 +32,7 @@ FLAGS = {
     "dtype": "model.dtype",
     "threads": "model.threads",
     "weights": "model.weights",
+    "context": "model.context",
     "prefill_chunk": "engine.prefill_chunk",
     "compile": "engine.compile",
     "reuse_mode": "reuse.mode",
@@ -65,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--threads", type=int, help="torch intra-op threads (0: all available cores)")
     start.add_argument("--weights", choices=("auto", "float", "int4", "int8"),
                        help="decode weights: int4 runs a GGUF's 4-bit blocks as shipped (auto where present)")
+    start.add_argument("--context", type=int,
+                       help="tokens served (prompt + reply); past the model's native length RoPE scaling "
+                            "(YaRN) extends it (0: the model's default; the default model serves 32768)")
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
     start.add_argument("--compile", choices=("auto", "on", "off"),
                        help="decode step: auto compiles it in the background, on before serving, off stays eager")
@@ -97,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="fetch and convert a model into the cache")
     pull.add_argument("model", nargs="?", default="default", help="`default`, `gemma3-270m` or a .gguf file")
 
+    models = sub.add_parser("models", help="the named models: which are pulled, their size on disk, their context")
+    models.add_argument("--json", action="store_true")
+
     sub.add_parser("smoke", help="prove reuse fires end to end and resumes reproducibly (two fresh daemons)")
     bench = sub.add_parser("bench", help="benchmark harnesses (see docs/BENCHMARKS.md)")
     bench.add_argument("harness", choices=tuple(BENCH_HARNESSES))
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "cache": cmd_cache,
-                "logs": cmd_logs, "pull": cmd_pull, "smoke": cmd_smoke,
+                "logs": cmd_logs, "pull": cmd_pull, "models": cmd_models, "smoke": cmd_smoke,
                 "bench": cmd_bench}[args.command](args)
     except (SettingsError, AlreadyRunning, StartupError, UnsafeRuntimeDir) as exc:
         print(f"memrad: {exc}", file=sys.stderr)
@@ -442,6 +449,32 @@ def cmd_pull(args: argparse.Namespace) -> int:
         return 1
     print(f"ready: {folder}")
     _build_attention_kernel()
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """The catalog against the cache: what is pulled (and its size), what `memrad pull NAME` fetches."""
+    from memrad.engine.model import catalog
+    from memrad.engine.model.pull import bytes_on_disk, is_converted, model_dir
+
+    rows = []
+    for entry in catalog.CATALOG.values():
+        folder = model_dir(entry)
+        pulled = is_converted(folder)
+        rows.append({"name": entry.name, "model_id": entry.model_id, "pulled": pulled,
+                     "bytes_on_disk": bytes_on_disk(folder) if pulled else 0, "folder": str(folder),
+                     "download": entry.download_size, "native_context": entry.native_context,
+                     "served_context": entry.served_context, "summary": entry.summary})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'name':<13} {'pulled':<16} {'context':<26} model")
+    for row in rows:
+        state = f"yes, {row['bytes_on_disk'] / 2**20:,.0f} MiB" if row["pulled"] else f"no ({row['download']})"
+        native, served = row["native_context"], row["served_context"]
+        context = f"{served:,}" + (f" (native {native:,})" if served != native else " (native)")
+        print(f"{row['name']:<13} {state:<16} {context:<26} {row['summary']}")
+    print("`memrad pull NAME` fetches one; `memrad start --model NAME` serves it")
     return 0
 
 

@@ -46,6 +46,7 @@ class ModelSettings:
     dtype: str = _key("auto", "MEMRA_DTYPE")
     threads: int = _key(0, "MEMRA_THREADS")
     weights: str = _key("auto", "MEMRA_WEIGHTS")
+    context: int = _key(0, "MEMRA_CONTEXT")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,11 @@ class ReuseSettings:
 class AffinitySettings:
     enabled: bool = _key(True, "MEMRA_AFFINITY")
     longest_prefix: bool = _key(True, "MEMRA_LONGEST_PREFIX")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSettings:
+    fallback: bool = _key(True, "MEMRA_TOOL_FALLBACK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,7 @@ class Settings:
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
     affinity: AffinitySettings = field(default_factory=AffinitySettings)
     disk: DiskSettings = field(default_factory=DiskSettings)
+    tools: ToolSettings = field(default_factory=ToolSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
     log: LogSettings = field(default_factory=LogSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
@@ -138,6 +145,7 @@ _MINIMUM = {
     "server.max_queue": 0,
     "server.shutdown_grace_s": 0,
     "model.threads": 0,
+    "model.context": 0,
     "engine.prefill_chunk": 1,
     "pool.max_sessions": 0,
     "pool.max_bytes": 0,

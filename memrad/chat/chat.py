@@ -14,10 +14,11 @@ from memrad.chat.render import decode_ids, encode_text, render_chat
 
 
 class Chat:
-    def __init__(self, tokenizer: Any, fmt: ChatFormat | None = None) -> None:
+    def __init__(self, tokenizer: Any, fmt: ChatFormat | None = None, tool_fallback: bool = True) -> None:
         self.tokenizer = tokenizer
-        # How chat turns carry tools and reasoning, and how replies parse.
-        self.format = fmt if fmt is not None else chat_format(tokenizer)
+        # How chat turns carry tools and reasoning, and how replies parse (`tool_fallback`:
+        # memra's tool convention for a template without one, the `tools.fallback` setting).
+        self.format = fmt if fmt is not None else chat_format(tokenizer, tool_fallback)
 
     @property
     def vocab_size(self) -> int:

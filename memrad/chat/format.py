@@ -9,7 +9,9 @@ most do not yet. memra then supplies one per template family:
 
 A ChatML model whose own template ignores `tools` (SmolLM2, the default) gets memra's
 Hermes-style template, so an agent can use tools with the default model; any other model
-whose template has no tool format rejects `tools` (ChatFormat.tools_supported is False).
+whose template has no tool format (Gemma 3's, a local folder's) gets the same convention
+written into its own turns (memrad.chat.convention), unless `tools.fallback` is off: then it
+rejects `tools` (ChatFormat.tools_supported is False).
 
 Tool-call bodies parse as JSON with `allow_non_json`: malformed JSON comes back as text, and
 memrad.engine.reply turns it into content with a warning instead of failing the request.
@@ -20,6 +22,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from memrad.chat.convention import TOOLS_INTRO, TOOLS_OUTRO, Convention, probe, response_template
 
 # The whole reasoning block, shared by every family (a plain `<think>` in a reply is reasoning).
 _REASONING = {"open": "<think>", "close": "</think>", "content": "text", "content_args": {"strip": False}}
@@ -67,6 +71,11 @@ MARKUP: dict[str, tuple[str, ...]] = {
     "mistral": ("<think>", "</think>", "[TOOL_CALLS]"),
 }
 
+def _literal(text: str) -> str:
+    """`text` as a jinja string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
 # memra's tool template for ChatML models whose own template has no tool format. Tools go
 # into the system turn inside <tools></tools>; calls are <tool_call> JSON; results are
 # <tool_response> blocks in a user turn (consecutive results share one turn), as Qwen2.5 does.
@@ -75,12 +84,9 @@ HERMES_CHATML_TEMPLATE = (
     "{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}"
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}{%- if system %}{{- system + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
-    " 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{{- " + _literal(TOOLS_INTRO) + " }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments'"
-    " ' within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
-    " '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{{- " + _literal(TOOLS_OUTRO + "<|im_end|>\n") + " }}"
     "{%- elif system %}{{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}{%- endif %}"
     "{%- for m in rest %}"
     "{%- if m.role == 'tool' %}"
@@ -134,6 +140,9 @@ class ChatFormat:
     # Whether the model's own template writes a system turn after the first user turn
     # (ChatML does; Gemma and Mistral raise): where not, memrad.chat.render folds them.
     system_anywhere: bool = True
+    # Set where a template without a tool format gets memra's convention (memrad.chat.convention):
+    # tool conversations are rewritten into plain turns that the model's own template renders.
+    convention: Convention | None = None
 
 
 def family_of(template_text: str) -> str | None:
@@ -168,8 +177,12 @@ def renders_mid_system(tokenizer: Any) -> bool:
     return "memra_probe_system" in text
 
 
-def chat_format(tokenizer: Any) -> ChatFormat:
-    """Detect the family, the reply parser and the tool rendering for `tokenizer`."""
+def chat_format(tokenizer: Any, tool_fallback: bool = True) -> ChatFormat:
+    """Detect the family, the reply parser and the tool rendering for `tokenizer`.
+
+    A template with no tool format of its own gets memra's: the ChatML tool template for
+    ChatML, the convention over the model's own turns for any other (`tool_fallback`, the
+    `tools.fallback` setting; False: such a model rejects tools)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default") or ""
@@ -183,7 +196,14 @@ def chat_format(tokenizer: Any) -> ChatFormat:
         return ChatFormat(family, response, markup, True, markup_ids=ids, system_anywhere=anywhere)
     if family == "hermes" and "<|im_start|>" in template:
         return ChatFormat(family, response, markup, True, HERMES_CHATML_TEMPLATE, ids, anywhere)
-    return ChatFormat(family, response, markup, False, markup_ids=ids, system_anywhere=anywhere)
+    convention = probe(tokenizer) if template and tool_fallback else None
+    if convention is None:
+        return ChatFormat(family, response, markup, False, markup_ids=ids, system_anywhere=anywhere)
+    # Replies then carry Hermes markup whatever the turns look like: parse them as Hermes.
+    hermes = MARKUP["hermes"]
+    return ChatFormat("hermes", response_template(RESPONSE_TEMPLATES["hermes"], convention.reply_anchor), hermes,
+                      True, markup_ids=skipped_markup(tokenizer, hermes), system_anywhere=anywhere,
+                      convention=convention)
 
 
 def skipped_markup(tokenizer: Any, markup: tuple[str, ...]) -> frozenset[int]:

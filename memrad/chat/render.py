@@ -22,7 +22,8 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None =
     start of a required tool call, memrad.chat.format.call_opening); return (text, ids).
 
     A conversation with tools uses memra's tool template where the model's own has no tool
-    format (`fmt.tool_template`); a model with neither rejects `tools`. The text is tokenized
+    format (`fmt.tool_template`), or memra's convention in the model's own turns
+    (`fmt.convention`); a model with neither rejects `tools`. The text is tokenized
     with add_special_tokens=False: the template already wrote every control token it wants,
     and adding a BOS twice would shift every position.
     """
@@ -34,11 +35,14 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None =
     template = None
     if fmt is not None and tools and not fmt.tools_supported:
         raise PromptError("this model's chat template has no tool format, so it cannot be given tools; "
-                          "leave out tools or serve a model whose template supports them", "tools")
+                          "leave out tools, serve a model whose template supports them, or turn "
+                          "memra's tool convention back on (tools.fallback = true)", "tools")
     if fmt is not None and fmt.tool_template is not None and uses_tools(messages, tools):
         template = fmt.tool_template  # memra's own: writes a system turn anywhere
     if fmt is not None and template is None and not fmt.system_anywhere:
         messages = fold_systems(messages)
+    if fmt is not None and template is None and fmt.convention is not None and uses_tools(messages, tools):
+        messages, tools = fmt.convention.rewrite(template_messages(messages), tools), None
     try:
         text = tokenizer.apply_chat_template(
             template_messages(messages), tools=tools or None, add_generation_prompt=True, tokenize=False,

@@ -31,10 +31,12 @@ def build_engine(settings: Settings) -> Engine:
     torch.set_num_threads(threads)
     started = time.perf_counter()
     loaded = load_model(settings.model.name, settings.model.device, settings.model.dtype,
-                        progress=lambda msg: log.info("%s", msg), weights=settings.model.weights)
-    log.info("loaded %s in %.1f s on %s (%s, %s weights, %d threads, prefill chunk %d, context %d)",
+                        progress=lambda msg: log.info("%s", msg), weights=settings.model.weights,
+                        context=settings.model.context)
+    log.info("loaded %s in %.1f s on %s (%s, %s weights, %d threads, prefill chunk %d, context %d %s)",
              loaded.model_id, time.perf_counter() - started, loaded.device.type, loaded.dtype_name,
-             loaded.weights_name, threads, settings.engine.prefill_chunk, loaded.context_len)
+             loaded.weights_name, threads, settings.engine.prefill_chunk, loaded.context_len,
+             loaded.context.describe())
     engine = engine_for(loaded, settings, threads)
     if settings.engine.compile == "on":
         engine.start_background()  # before serving; auto starts once the daemon listens (memrad.daemon)
@@ -65,7 +67,7 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
         log.info("reuse pool disabled: every request runs cold")
     return Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
                   settings.affinity.enabled, settings.affinity.longest_prefix, disk,
-                  compile=settings.engine.compile, on_finished=on_finished)
+                  compile=settings.engine.compile, on_finished=on_finished, tool_fallback=settings.tools.fallback)
 
 
 def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None = None, affinity: bool = True,

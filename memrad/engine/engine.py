@@ -94,7 +94,7 @@ class Engine:
                  pool: ReusePool | None = None, mode: Mode = "exact", affinity: bool = True,
                  longest_prefix: bool = True, disk: Any = None, compile: str = "off", *,
                  events: Publisher | None = None, on_finished: FinishHook | None = None,
-                 sampler: Sampler = sample) -> None:
+                 sampler: Sampler = sample, tool_fallback: bool = True) -> None:
         self.loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.threads = threads
@@ -106,7 +106,7 @@ class Engine:
         # Exact mode also cuts prefill right after each reply header (memrad.grid).
         self.reply_header = derive_reply_header(loaded.tokenizer) if mode == "exact" else ()
         self.on_finished = on_finished
-        self.chat = Chat(loaded.tokenizer)
+        self.chat = Chat(loaded.tokenizer, tool_fallback=tool_fallback)
         # Next-token choice; a test engine passes a token script (prefill, reuse stay real).
         self.sampler = sampler
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
@@ -133,7 +133,8 @@ class Engine:
         loaded = self.loaded
         return {"dtype": {"value": loaded.dtype_name, "reason": loaded.dtype_choice.reason},
                 "weights": {"value": loaded.weights_name, "reason": loaded.weights.reason},
-                "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason}}
+                "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason},
+                "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()}}
 
     @property
     def compiling(self) -> bool:

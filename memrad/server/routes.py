@@ -148,7 +148,11 @@ async def models(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     return web.json_response({"object": "list", "data": [{
         "id": ctx.engine.model_id, "object": "model", "created": int(ctx.started_at), "owned_by": "memra",
-        "context_length": ctx.engine.context_len,
+        # One number under each name a client reads it from: context_length (OpenRouter, LM
+        # Studio), max_model_len (vLLM), context_window (opencode, LiteLLM-style catalogs).
+        "context_length": ctx.engine.context_len, "max_model_len": ctx.engine.context_len,
+        "context_window": ctx.engine.context_len,
+        "context_scaling": ctx.engine.runtime_choices["context"]["value"],  # "native", "yarn x4"
     }]})
 
 

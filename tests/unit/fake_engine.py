@@ -48,7 +48,8 @@ class FakeEngine:
 
     model_id = "fake-model"
     context_len = 4096
-    runtime_choices = {"dtype": {"value": "none", "reason": "a fake engine"}}
+    runtime_choices = {"dtype": {"value": "none", "reason": "a fake engine"},
+                       "context": {"value": "native", "reason": "4,096 tokens, within the model's native 4,096"}}
 
     def __init__(self):
         self.chat = FakeChat()

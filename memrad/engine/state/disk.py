@@ -12,7 +12,7 @@ the planner sees disk sessions beside memory ones; a chosen one is loaded then.
 
 Files are written to a temp name and renamed, so a crash leaves a whole file or none (a
 stray temp file is deleted at the next start). A file whose compatibility key (the model,
-tokenizer, dtype, device, chunk and mode it was made under: `state_format`) differs
+tokenizer, dtype, rope, device, chunk and mode it was made under: `state_format`) differs
 from the running engine's, that cannot be parsed (truncated), or whose checksum fails on
 load is skipped with a log line and deleted, never loaded. The tier's records live in a
 ReusePool of their own (its byte cap is the disk's, LRU), so the same prefix index serves
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import xxhash
 
+from memrad.engine.model.context import rope_key
 from memrad.engine.state.kv import SlabLayer
 from memrad.faultpoint import kill_point
 from memrad.private import FILE_MODE
@@ -67,6 +68,7 @@ def state_format(loaded: Any, prefill_chunk: int, mode: str) -> dict[str, str]:
     return {"model": loaded.model_id, "tokenizer": tokenizer_hash(loaded.tokenizer),
             "dtype": loaded.dtype_name, "weights": loaded.weights_name,
             "head": loaded.head,
+            "rope": rope_key(loaded.model.config),  # a scaled context rotates every row differently
             "device": loaded.device.type,
             "chunk": str(prefill_chunk), "mode": mode}
 
