@@ -203,3 +203,26 @@ def test_claude_code_main_agent_three_sub_agents_and_side_queries_under_one_sess
     # sub-agents 2 and 3 forked sub-agent 1's system prompt on their first turn
     first_sub2 = decisions[2]
     assert first_sub2.outcome == "resumed" and "forked" in first_sub2.render(), first_sub2.render()
+
+
+def test_an_agent_and_its_sub_agent_interleaved_affinity_on_never_reuses_less_than_off(loaded):
+    """The most reuse wins: with affinity on (every tier) no turn reuses fewer tokens than
+    with affinity off (the prefix tiers alone), named or not, and the texts are the same."""
+    for identity in (None, Identity("agent-7", "session_id")):
+        arms = {flag: make_engine(loaded, affinity=flag, longest_prefix=True) for flag in (True, False)}
+        clients = {flag: (Client(engine, MAIN_SYSTEM, identity=identity),
+                          Client(engine, MAIN_SYSTEM, identity=identity)) for flag, engine in arms.items()}
+        reused = {True: [], False: []}
+        for turn in range(1, 5):
+            for who, text in ((0, f"agent step {turn}: list files"), (1, f"sub-agent step {turn}: run the tests")):
+                done = {flag: clients[flag][who].say(text) for flag in arms}
+                assert done[True].text == done[False].text
+                for flag in arms:
+                    reused[flag].append(done[flag].cached_tokens)
+                if turn >= 2:  # each resumes its own previous turn, whole prompt, in both arms
+                    previous = clients[True][who].messages[:-3]  # the previous prompt
+                    own = len(arms[True].chat.render(previous, None)[1])
+                    assert done[True].cached_tokens == done[False].cached_tokens == own, done[True].decision.render()
+        assert all(on >= off for on, off in zip(reused[True], reused[False])), reused
+        # the sub-agent's first turn forks the agent's shared system prompt, in both arms
+        assert reused[True][1] == reused[False][1] > 0
