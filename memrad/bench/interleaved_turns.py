@@ -1,7 +1,7 @@
 """Affinity on vs off over two interleaved conversations: an agent and its sub-agent.
 
-    python -m memrad.bench.interleaved_turns --turns 6 [--named]
-    memrad bench interleaved -- --turns 6 --named
+    python -m memrad.bench.interleaved_turns --turns 6 [--named] [--reps 3]
+    memrad bench interleaved --turns 6 --named
 
 affinity_turns' rewriting client, twice over: an agent and a sub-agent with the same
 system prompt (the same tools), their requests alternating (agent turn 1, sub-agent turn 1,
@@ -9,11 +9,14 @@ agent turn 2, ...), every earlier reply sent back with its second half cut. --na
 both under one session_id (as Claude Code and opencode do). The affinity-on engine (every
 tier) and the affinity-off engine (the prefix tiers and the longest prefix) run the same
 requests, alternating which arm goes first. TTFT is engine-side (plan + rebuild + prefill +
-first token). The last line sums TTFT per arm and counts the requests where on reused fewer
-tokens than off (the planner's promise: never).
+first token); with --reps, each rep runs on fresh engines and the table holds per-request
+medians. The last line sums TTFT and primed tokens per arm and counts the requests where
+on reused fewer tokens than off (the planner's promise: never).
 """
 
 from __future__ import annotations
+
+import statistics
 
 from memrad.bench.affinity_turns import SYSTEM, TOOL_OUTPUT, client_arguments, client_setup
 from memrad.engine.build import engine_for, in_process
@@ -24,8 +27,9 @@ TASKS = ("Step {turn}. Tool result:\n{tool}\nWhat next?",
 
 
 def run(loaded, args, threads: int, identity: Identity | None, system: str = SYSTEM,
-        tool: str = TOOL_OUTPUT) -> list[dict]:
-    """Both arms over the interleaved requests: one row per request."""
+        tool: str = TOOL_OUTPUT, rep: int = 0) -> list[dict]:
+    """Both arms over the interleaved requests on fresh engines: one row per request. Which
+    arm goes first alternates per request and flips with `rep`."""
     arms = {flag: engine_for(loaded, in_process(args.chunk, args.mode, 64, affinity=flag), threads)
             for flag in (True, False)}
     arms[True].init_worker_thread()
@@ -34,7 +38,7 @@ def run(loaded, args, threads: int, identity: Identity | None, system: str = SYS
     for turn in range(1, args.turns + 1):
         for who in (0, 1):
             done = {}
-            for flag in ((True, False) if (turn + who) % 2 else (False, True)):
+            for flag in ((True, False) if (turn + who + rep) % 2 else (False, True)):
                 messages = histories[flag, who]
                 messages.append({"role": "user", "content": TASKS[who].format(turn=turn, tool=tool)})
                 engine = arms[flag]
@@ -50,22 +54,32 @@ def run(loaded, args, threads: int, identity: Identity | None, system: str = SYS
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = client_arguments(__doc__.splitlines()[0], turns=6, max_tokens=32).parse_args(argv)
+    parser = client_arguments(__doc__.splitlines()[0], turns=6, max_tokens=32)
+    parser.add_argument("--reps", type=int, default=1, help="whole runs on fresh engines; per-request medians")
+    args = parser.parse_args(argv)
     loaded, threads, identity, header = client_setup(args)
-    print(f"{header}\n")
+    print(f"{header} reps={args.reps} (per-request median TTFT)\n")
+    runs = [run(loaded, args, threads, identity, rep=rep) for rep in range(args.reps)]
     print("| conversation | turn | prompt tokens | on: cached | off: cached | on TTFT s | off TTFT s | same text "
-          "| on decision |")
+          "| on decision (rep 0) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
-    rows = run(loaded, args, threads, identity)
-    for r in rows:
+    sums = {"on": 0.0, "off": 0.0}
+    for rows in zip(*runs):
+        r = rows[0]
         on, off = r["on"], r["off"]
+        ttft = {arm: statistics.median(x[arm].ttft_s for x in rows) for arm in sums}
+        for arm in sums:
+            sums[arm] += ttft[arm]
+        same = all(x["on"].text == x["off"].text == on.text for x in rows)
         print(f"| {r['who']} | {r['turn']} | {on.prompt_tokens:,} | {on.cached_tokens:,} | {off.cached_tokens:,} | "
-              f"{on.ttft_s:.3f} | {off.ttft_s:.3f} | {'yes' if on.text == off.text else 'no'} | "
-              f"{on.decision.render()} |", flush=True)
-    on_s, off_s = (sum(r[arm].ttft_s for r in rows) for arm in ("on", "off"))
+              f"{ttft['on']:.3f} | {ttft['off']:.3f} | {'yes' if same else 'no'} | {on.decision.render()} |",
+              flush=True)
+    rows = runs[0]
+    primed = {arm: sum(r[arm].prompt_tokens - r[arm].cached_tokens for r in rows) for arm in sums}
     fewer = sum(r["on"].cached_tokens < r["off"].cached_tokens for r in rows)
-    print(f"\nsummed TTFT over {len(rows)} requests: affinity on {on_s:.2f} s, off {off_s:.2f} s "
-          f"(off/on {off_s / on_s:.2f}x); requests where on reused fewer tokens than off: {fewer}")
+    print(f"\nsummed TTFT over {len(rows)} requests (medians): affinity on {sums['on']:.2f} s, off {sums['off']:.2f} s "
+          f"(off/on {sums['off'] / sums['on']:.2f}x); tokens primed: on {primed['on']:,}, off {primed['off']:,}; "
+          f"requests where on reused fewer tokens than off: {fewer}")
     return 0
 
 
