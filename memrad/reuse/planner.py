@@ -1,20 +1,23 @@
 """Which parked session a request resumes from, and at which checkpoint. Pure policy.
 
-Tiers nominate, in order: token-prefix (the prompt's token ids extend a session's
-committed tokens), text-prefix (the prompt's text extends its committed text), then
-affinity (identity: a name, or the structural fingerprint; see identity.py). Only sessions
-of the request's namespace and with the same name (or both unnamed) are ever nominated.
-Verification decides: the request resumes only from a checkpoint its own tokens reproduce
+Every tier offers a candidate: token-prefix (the prompt's token ids extend a session's
+committed tokens), text-prefix (the prompt's text extends its committed text), affinity
+(identity: a name, or the structural fingerprint; see identity.py), and longest prefix
+(needs no identity: among every parked session of the namespace, the one whose highest
+usable checkpoint at or below the common token prefix is highest). The first three only
+ever offer sessions of the request's namespace and with the same name (or both unnamed).
+Each offer is verified: the request resumes only from a checkpoint its own tokens reproduce
 exactly, with at least one token left to prime; below a divergence it falls back to the
 highest checkpoint that still matches.
 
-Then the longest-prefix tier (needs no identity): among every parked session of the
-namespace, the one whose highest usable checkpoint at or below the common token prefix
-is highest. It wins when it reuses more than the nominated session would. Its reused
-tokens are the request's own, so it cannot poison; it **forks** (the source stays parked,
-the request gets a copy of its rows) unless the request continues that conversation: same
-name (or both unnamed) and the session's whole prompt is part of the shared prefix, in
-which case it replaces the session as the nominating tiers do.
+The most reuse wins: of the verified offers, the one at the highest checkpoint (ties: the
+request's own conversation, then the most recently used, then the tier order above). A
+nomination is one candidate among the tiers, never a veto on a longer exact match.
+Reused tokens are always the request's own, so no winner can poison. The winner is
+**replaced** only when the request continues its conversation (same name or both unnamed,
+and the session's whole prompt is part of the shared prefix); otherwise the request
+**forks** (the source stays parked, the request gets a copy of its rows): under one name
+(a set of conversations) a sub-agent or a side query never replaces its siblings.
 
 Usable checkpoints of a session, by mode (C = prefill chunk, P = prompt checkpoint):
 
@@ -126,8 +129,10 @@ def _same_name(a: Identity | None, b: Identity | None) -> bool:
 
 def _continues(view: RequestView, session: ParkedSession, shared_tokens: int) -> bool:
     """The request continues `session`'s conversation: same name (or both unnamed) and its
-    tokens contain the session's whole prompt. Only then does it replace the session; a
-    sibling under the same name (a sub-agent, a side query) forks and leaves it parked."""
+    tokens contain the session's whole prompt. Only then does it replace the session: its
+    successor offers everything the session could (its whole prompt), so replacing loses
+    nothing. A sibling under the same name (a sub-agent, a side query) or a client that
+    compacted earlier history forks, and the session stays parked for whoever sends it."""
     return _same_name(session.identity, view.identity) and shared_tokens >= session.prompt_checkpoint
 
 
