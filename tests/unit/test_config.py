@@ -71,3 +71,14 @@ def test_start_flags_beat_the_environment_and_every_flag_names_a_known_key(monke
     args = _parser().parse_args(["start", "--reuse-mode", "fast", "--prefill-chunk", "128"])
     s = load_settings(_flag_overrides(args), config_file=None)
     assert (s.reuse.mode, s.engine.prefill_chunk) == ("fast", 128)
+
+
+def test_the_per_name_cap_reaches_the_daemons_pool(loaded):
+    from memrad.config import DiskSettings, PoolSettings, Settings
+    from memrad.engine.build import engine_for
+
+    assert Settings().pool.sessions_per_name == 16
+    settings = Settings(pool=PoolSettings(max_sessions=32, max_bytes=10**8, sessions_per_name=3),
+                        disk=DiskSettings(enabled=False))
+    engine = engine_for(loaded["llama"], settings, 1)
+    assert (engine.parking.pool.max_sessions, engine.parking.pool.sessions_per_name) == (32, 3)
