@@ -59,6 +59,7 @@ class EngineSettings:
 class PoolSettings:
     enabled: bool = _key(True, "MEMRA_REUSE_POOL")
     max_sessions: int = _key(32, "MEMRA_POOL_MAX_SESSIONS")
+    sessions_per_name: int = _key(16, "MEMRA_POOL_SESSIONS_PER_NAME")
     max_bytes: int = _key(0, "MEMRA_POOL_MAX_BYTES")
 
 
@@ -148,6 +149,7 @@ _MINIMUM = {
     "model.context": 0,
     "engine.prefill_chunk": 1,
     "pool.max_sessions": 0,
+    "pool.sessions_per_name": 1,
     "pool.max_bytes": 0,
     "limits.max_body_bytes": 1024,
     "limits.max_messages": 1,

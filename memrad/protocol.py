@@ -17,6 +17,16 @@ REASON_CLASSES = ("nothing-parked", "no-prefix", "no-control-tokens", "below-bar
 
 
 @dataclass(frozen=True, slots=True)
+class Alternative:
+    """One candidate the planner weighed: the tier that offered it, and the tokens it would
+    reuse at an exact checkpoint (None: verification declined it)."""
+
+    tier: Tier
+    candidate: str
+    reused_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """What the reuse tiers decided for one request, and why.
 
@@ -27,6 +37,9 @@ class Decision:
     prompt's tokens differ from the candidate's (None when they never do);
     `reused_tokens` + `primed_tokens` always equal the prompt length; `reason_class` names
     why nothing was reused (None when resumed): one of REASON_CLASSES, for counting.
+    `weighed` lists every candidate the tiers offered (the winner among them) and `won_by`
+    says why the winner won ("most reuse", "tie: own conversation", "tie: most recent");
+    both are empty when at most one distinct session was offered.
     """
 
     request_id: str
@@ -43,6 +56,8 @@ class Decision:
     divergence: int | None = None
     ttft_s: float | None = None
     reason_class: str | None = None
+    weighed: tuple[Alternative, ...] = ()
+    won_by: str | None = None
 
     def render(self) -> str:
         head = f"{self.tier}: {self.outcome}" if self.tier else self.outcome
@@ -165,7 +180,7 @@ class ProtocolError:
 
 
 RECORDS = {cls.__name__: cls for cls in (
-    Decision, SegmentInfo, SessionInfo, PoolStats, StateSnapshot, DecisionEvent, TurnEvent,
+    Alternative, Decision, SegmentInfo, SessionInfo, PoolStats, StateSnapshot, DecisionEvent, TurnEvent,
     ParkEvent, EvictEvent, Dropped, ProtocolError)}
 
 

@@ -11,11 +11,12 @@ from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 
 
-def make_engine(loaded, chunk, threads=1, *, pool=True, max_sessions=16, max_bytes=10**9, disk=None, **flags):
+def make_engine(loaded, chunk, threads=1, *, pool=True, max_sessions=16, max_bytes=10**9, sessions_per_name=16,
+                disk=None, **flags):
     """An Engine whose finished states land in `engine.finished`. `pool`: True for a fresh
-    ReusePool(max_sessions, max_bytes), False for none, or a pool to share; `disk`: a disk
+    ReusePool(max_sessions, max_bytes, sessions_per_name), False for none, or a pool to share; `disk`: a disk
     tier, indexed here so new session ids stay clear of its files (as memrad.engine.build)."""
-    pool = ReusePool(max_sessions, max_bytes) if pool is True else pool or None
+    pool = ReusePool(max_sessions, max_bytes, sessions_per_name) if pool is True else pool or None
     if disk is not None:
         disk.index()
         pool.skip_ids_up_to(disk.session_ids())

@@ -57,7 +57,7 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
     pool = disk = None
     if settings.pool.enabled:
         max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)
-        pool = ReusePool(settings.pool.max_sessions, max_bytes)
+        pool = ReusePool(settings.pool.max_sessions, max_bytes, settings.pool.sessions_per_name)
         log.info("reuse pool: %s mode, up to %d sessions and %.1f GiB", settings.reuse.mode,
                  settings.pool.max_sessions, max_bytes / 2**30)
         if settings.disk.enabled and settings.disk.max_bytes > 0:

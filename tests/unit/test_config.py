@@ -83,3 +83,14 @@ def test_the_served_context_comes_from_the_flag_else_memra_context_else_the_mode
     assert load_settings(_flag_overrides(args), config_file=None).model.context == 8192
     with pytest.raises(SettingsError, match="environment variable MEMRA_CONTEXT: model.context must be >= 0"):
         load_settings(env={"MEMRA_CONTEXT": "-1"})
+
+
+def test_the_per_name_cap_reaches_the_daemons_pool(loaded):
+    from memrad.config import DiskSettings, PoolSettings, Settings
+    from memrad.engine.build import engine_for
+
+    assert Settings().pool.sessions_per_name == 16
+    settings = Settings(pool=PoolSettings(max_sessions=32, max_bytes=10**8, sessions_per_name=3),
+                        disk=DiskSettings(enabled=False))
+    engine = engine_for(loaded["llama"], settings, 1)
+    assert (engine.parking.pool.max_sessions, engine.parking.pool.sessions_per_name) == (32, 3)
