@@ -21,13 +21,42 @@ class Identity:
     source: IdentitySource
 
 
+ConstraintKind = Literal["json_object", "json_schema", "tool_call"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A grammar the reply must match, built by memrad.chat.grammar: llguidance's lark text,
+    what it constrains, and the request field it came from (a grammar that does not compile
+    is a 400 naming that field)."""
+
+    grammar: str
+    kind: ConstraintKind
+    param: str
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How the next token is chosen (memrad.engine.sampling; docs/SERVING.md, sampling).
+
+    Penalties follow OpenAI (frequency / presence: over the generated tokens) and vLLM
+    (repetition: over prompt and generated tokens, dividing positive logits); `logit_bias`
+    is (token id, bias) pairs; top_k 0 and min_p 0 are off; `constraint`: the grammar the reply
+    must match (structured outputs, forced tool calls), applied as a mask after all of these.
+    """
+
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from memrad.chat.format import ChatFormat, call_opening, chat_format
+from memrad.chat.grammar import Grammars
 from memrad.chat.parse import ReplyParser
 from memrad.chat.render import decode_ids, encode_text, render_chat
 
@@ -18,6 +19,8 @@ class Chat:
         self.tokenizer = tokenizer
         # How chat turns carry tools and reasoning, and how replies parse.
         self.format = fmt if fmt is not None else chat_format(tokenizer)
+        # Grammars the reply must match (structured outputs, forced tool calls), compiled once each.
+        self.grammars = Grammars(tokenizer)
 
     @property
     def vocab_size(self) -> int:

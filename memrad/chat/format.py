@@ -113,6 +113,14 @@ CALL_OPENINGS: dict[str, tuple[str, str]] = {
 }
 
 
+# What closes a call, per family: a forced call's grammar ends with it (memrad.chat.grammar).
+CALL_CLOSINGS: dict[str, str] = {"hermes": "}\n</tool_call>", "llama3": "}", "mistral": "}]"}
+
+# The markup that starts a call inside free text, for families whose calls open with a tag:
+# in `auto` mode the reply is free until the model writes it, and a constrained call after.
+CALL_TRIGGERS: dict[str, str] = {"hermes": "<tool_call>"}
+
+
 PROBE_TOOL = {"type": "function", "function": {
     "name": "memra_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
 

@@ -34,7 +34,7 @@ from memrad.engine.decode.decoder import Decoder
 from memrad.engine.forward import cache_length, prefill
 from memrad.engine.model.loader import LoadedModel
 from memrad.engine.parking import NoParking, Parking, Prefilled, Publisher, essential
-from memrad.engine.sampling import make_generator, sample
+from memrad.engine.sampling import Shaper, make_generator, sample, shapes
 from memrad.engine.state.kv import install as install_slabs
 from memrad.engine.state.snapshot import Snapshot, is_croppable
 from memrad.grid import find_anchors
@@ -257,14 +257,17 @@ class Engine:
         detok = IncrementalDetokenizer(tokenizer, self.chat.format.markup_ids)
         stops = StopMatcher(params.stop)
         sent: list[str] = []
+        shaper = self._shaper(request, logits)  # penalties, bias, the grammar's mask; None: none asked
         while True:
-            token = self.sampler(logits, params, generator)
+            token = self.sampler(logits if shaper is None else shaper(logits), params, generator)
             if out.ttft_s is None:
                 out.ttft_s = time.perf_counter() - started
             if token in self.loaded.eos_ids:
                 out.finish = "stop"
                 break
             out.generated.append(token)
+            if shaper is not None:
+                shaper.accept(token)
             text = stops.feed(detok.push(token))
             if text:
                 sent.append(text)
@@ -287,6 +290,15 @@ class Engine:
                 emit(tail)
         out.text = "".join(sent)
         return out
+
+    def _shaper(self, request: GenerationRequest, logits: torch.Tensor) -> Shaper | None:
+        """The request's logits shaping, from its own tokens and its grammar's fresh matcher:
+        the same in a cold and a resumed run, and after the step on every decode path."""
+        params = request.sampling
+        if not shapes(params):
+            return None
+        matcher = self.chat.grammars.matcher(params.constraint) if params.constraint is not None else None
+        return Shaper(params, request.prompt_ids, logits.numel(), self.loaded.eos_ids, matcher)
 
     def _snapshotter(self, cache: Any, pre: Prefilled, prompt_len: int) -> Callable[[int], None]:
         """Clone non-croppable state at the essential positions and at each reply anchor below

@@ -1,16 +1,27 @@
-"""Next-token choice: greedy at temperature 0, else temperature + nucleus (top_p) sampling.
+"""Next-token choice: shape the step's logits, then greedy at temperature 0, else sample.
 
-Sampling runs on the CPU with a per-request generator so a given seed reproduces the same
-tokens on any device.
+    logits -> Shaper: repetition penalty (prompt + reply), frequency / presence penalties
+              (reply), logit_bias, the grammar's mask (memrad.chat.grammar), in that order
+           -> sample: argmax, or temperature -> top_k -> min_p -> top_p -> multinomial
+
+Everything runs on the CPU in float32 from the step's logits and the request's own tokens,
+so it is the same arithmetic in a cold and a resumed run (resumed == cold holds with any of
+it), and a per-request generator makes a seed reproduce the same tokens on any device.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
+from collections.abc import Iterable, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from memrad.request import SamplingParams
+
+log = logging.getLogger("memrad.engine.sampling")
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -28,7 +39,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         # A temperature so small (1e-300 passes validation) that logits / T overflowed: the
         # distribution it asks for is the argmax (found by the fuzzer: multinomial raised).
         return int(torch.argmax(logits))
+    if 0 < params.top_k < probs.numel():
+        kth = torch.topk(probs, params.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if params.min_p > 0.0:
+        probs = torch.where(probs >= params.min_p * probs.max(), probs, torch.zeros_like(probs))
     if params.top_p < 1.0:
+        probs = probs / probs.sum()  # top_p is a share of what top_k and min_p left
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
@@ -37,3 +54,65 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice])
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def shapes(params: SamplingParams) -> bool:
+    """Whether `params` ask for anything a Shaper does (else the logits are sampled as they are)."""
+    return (params.constraint is not None or params.logit_bias != () or params.repetition_penalty != 1.0
+            or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
+
+
+class Shaper:
+    """One request's logits shaping. Call it on each step's logits [V] (a shaped copy comes
+    back; the step's tensor is not touched), then `accept` the token chosen from them.
+
+    `matcher` is an llguidance matcher (memrad.chat.grammar.Grammars.matcher) or None. The
+    end-of-sequence tokens are allowed exactly when the grammar accepts what was written, so a
+    constrained reply finishes only where it parses; where the grammar allows nothing more
+    (or has failed) only they are left.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
+                 eos_ids: Iterable[int], matcher: Any = None) -> None:
+        self.params = params
+        self.matcher = matcher
+        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32)  # generated tokens, by id
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # prompt and generated tokens
+        if params.repetition_penalty != 1.0 and prompt_ids:
+            self.seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
+        self.bias = torch.zeros(vocab_size, dtype=torch.float32)
+        for token_id, bias in params.logit_bias:
+            if 0 <= token_id < vocab_size:
+                self.bias[token_id] += bias
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        params = self.params
+        out = logits.detach().to("cpu", torch.float32).clone()
+        if params.repetition_penalty != 1.0:
+            seen = out[self.seen]
+            out[self.seen] = torch.where(seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty)
+        if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+            out -= params.frequency_penalty * self.counts + params.presence_penalty * (self.counts > 0).float()
+        if params.logit_bias:
+            out += self.bias
+        if self.matcher is not None:
+            out.masked_fill_(~self._allowed(out.numel()), float("-inf"))
+        return out
+
+    def _allowed(self, size: int) -> torch.Tensor:
+        allowed = torch.zeros(size, dtype=torch.bool)
+        if not self.matcher.is_stopped() and not self.matcher.is_error():
+            bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            n = min(size, bits.size)
+            allowed[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
+        done = self.matcher.is_stopped() or self.matcher.is_error() or not bool(allowed.any())
+        allowed[self.eos] = done or self.matcher.is_accepting()
+        return allowed
+
+    def accept(self, token: int) -> None:
+        """`token` was chosen from the shaped logits (and is not end-of-sequence)."""
+        self.counts[token] += 1.0
+        self.seen[token] = True
+        if self.matcher is not None and not self.matcher.consume_token(token):
+            log.warning("the grammar refused token %d it had allowed: %s", token, self.matcher.get_error()[:200])
