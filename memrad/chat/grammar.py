@@ -40,8 +40,34 @@ def _json(schema: dict) -> str:
 
 def json_constraint(schema: dict | None, param: str) -> Constraint:
     """The reply is one JSON value valid against `schema` (None: any JSON object)."""
-    return Constraint(f"start: %json {_json(ANY_OBJECT if schema is None else schema)}\n",
+    return Constraint(f"start: %json {_json(ANY_OBJECT if schema is None else closed(schema))}\n",
                       "json_object" if schema is None else "json_schema", param)
+
+
+SUBSCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` wherever an object names its properties and
+    says nothing of others (OpenAI's and Anthropic's strict mode require it). Still valid
+    against the schema as sent, and a small model cannot add keys until max_tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    for key in SUBSCHEMAS:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    return out
 
 
 def _string(text: str) -> str:
@@ -159,7 +185,7 @@ class Grammars:
         schema = function.get("parameters") or ANY_OBJECT
         reason = self.error(json_constraint(schema, "tools"))
         if reason is None:
-            return schema
+            return closed(schema)
         log.warning("tool %r: its parameters schema does not compile (%s); its calls take any JSON object",
                     function["name"], reason.splitlines()[0])
         return ANY_OBJECT

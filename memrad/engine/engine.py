@@ -275,6 +275,9 @@ class Engine:
             if stops.stopped:
                 out.finish, out.stop_sequence = "stop", stops.matched
                 break
+            if shaper is not None and shaper.complete:  # the grammar allows nothing more: the reply is whole
+                out.finish = "stop"
+                break
             if len(out.generated) >= max_tokens:
                 out.finish = "length"
                 break

@@ -110,6 +110,11 @@ class Shaper:
         allowed[self.eos] = done or self.matcher.is_accepting()
         return allowed
 
+    @property
+    def complete(self) -> bool:
+        """The grammar is matched and allows nothing more (only end-of-sequence would follow)."""
+        return self.matcher is not None and self.matcher.is_stopped() and not self.matcher.is_error()
+
     def accept(self, token: int) -> None:
         """`token` was chosen from the shaped logits (and is not end-of-sequence)."""
         self.counts[token] += 1.0

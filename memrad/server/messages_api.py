@@ -23,6 +23,7 @@ from typing import Any
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, SamplingParams
+from memrad.server.decoding import messages_output_format, top_k_of
 from memrad.server.errors import invalid
 from memrad.server.serving import Event, decision_field
 from memrad.server.tools import (ToolChoice, ToolMode, ToolParts, assistant_message, function_tools, tool_call,
@@ -53,7 +54,8 @@ def parse_messages(body: Any, header_session_id: str | None, count_only: bool = 
     sampling = SamplingParams(temperature=1.0 if temperature is None else float(temperature),
                               top_p=float(top_p) if top_p else 1.0,
                               max_tokens=max_tokens if not count_only else None,
-                              stop=stops(body.get("stop_sequences"), "stop_sequences", one_string=False))
+                              stop=stops(body.get("stop_sequences"), "stop_sequences", one_string=False),
+                              top_k=top_k_of(body), constraint=messages_output_format(body))
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata must be an object like {\"user_id\": ...}", "metadata")

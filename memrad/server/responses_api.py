@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, Identity
+from memrad.server.decoding import responses_text_format
 from memrad.server.errors import invalid
 from memrad.server.response_store import StoredResponse
 from memrad.server.serving import Event, decision_field
@@ -72,9 +73,8 @@ def parse_responses(body: Any, header_session_id: str | None,
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise invalid(f"{key} must be an object", key)
     text_format = (body.get("text") or {}).get("format")
-    if text_format is not None and not (isinstance(text_format, dict) and text_format.get("type") == "text"):
-        raise invalid('text.format is not supported except {"type": "text"}', "text.format")
     fields = common({**body, "stream_options": None}, header_session_id, max_tokens_keys=("max_output_tokens",))
+    fields["sampling"] = replace(fields["sampling"], constraint=responses_text_format(text_format))
     if fields["identity"] is None or fields["identity"].source == "x-session-id":
         # The conversation a previous response ran under names this one, unless the body names one.
         if stored is not None and stored.identity is not None:
@@ -89,7 +89,7 @@ def parse_responses(body: Any, header_session_id: str | None,
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": previous,
             "metadata": body.get("metadata") or {}, "store": store is not False,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled"}
+            "text": {"format": text_format or {"type": "text"}}, "truncation": "disabled"}
     return ResponsesRequest(parsed, history, instructions, previous, store is not False, echo)
 
 

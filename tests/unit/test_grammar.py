@@ -151,3 +151,19 @@ def test_a_constrained_reply_parses_and_resumed_equals_cold(loaded, kind):
     assert warm.decision.outcome == "resumed" and cold.decision.outcome == "cold"
     assert warm.text == cold.text and json.loads(warm.text) in ({"answer": "yes"}, {"answer": "no"})
     assert engine.finished[-2].generated_ids == engine.finished[-1].generated_ids
+
+
+def test_objects_that_name_their_properties_get_no_others(grammars, tokenizer):
+    from memrad.chat.grammar import closed
+
+    nested = {"type": "object", "properties": {"inner": {"type": "object", "properties": {"x": {"type": "integer"}}},
+                                               "free": {"type": "object"}},
+              "$defs": {"d": {"type": "object", "properties": {}}}}
+    assert closed(nested) == {"type": "object", "additionalProperties": False, "properties": {
+        "inner": {"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False},
+        "free": {"type": "object"}}, "$defs": {"d": {"type": "object", "properties": {}, "additionalProperties": False}}}
+    open_one = {"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": True}
+    assert closed(open_one) == open_one  # what the schema says is kept
+    constraint = json_constraint(nested, "response_format")
+    assert accepts(grammars, tokenizer, constraint, '{"inner": {"x": 1}, "free": {"y": 2}}')
+    assert not accepts(grammars, tokenizer, constraint, '{"inner": {"x": 1, "z": 2}}')

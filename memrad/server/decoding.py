@@ -1,0 +1,154 @@
+"""The request fields that steer decoding, for all three APIs: sampling parameters and the
+output format the reply must have. Pure: no engine, no aiohttp.
+
+    Chat        response_format {"type": "json_object" | "json_schema", "json_schema": {"schema", "strict"}}
+    Responses   text.format     {"type": "json_object" | "json_schema", "schema", "strict", "name"}
+    Messages    output_config.format (and the beta's output_format) {"type": "json_schema", "schema"}
+
+Each becomes a Constraint (memrad.chat.grammar); `reply_sampling` then picks the reply's one
+grammar (a forced tool call beats an output format; `auto` tools constrain a call once it
+opens) and turns one that does not compile into a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from memrad.chat.grammar import json_constraint
+from memrad.request import Constraint, SamplingParams
+from memrad.server.errors import invalid
+
+MAX_LOGIT_BIAS = 300  # entries: bounds the work one body can ask of every step
+
+
+def _number(body: dict, key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    where = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not (lo < value if lo_open else lo <= value)
+            or value > hi):
+        raise invalid(f"{key} must be a number {where} and at most {hi:g}; got {value!r}", key)
+    return float(value)
+
+
+def top_k_of(body: dict) -> int:
+    """`top_k`: 0 (or vLLM's -1) keeps every token."""
+    value = body.get("top_k")
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+        raise invalid(f"top_k must be an integer of at least 0 (0 or -1: off); got {value!r}", "top_k")
+    return max(value, 0)
+
+
+def sampling_fields(body: dict) -> dict:
+    """The OpenAI-shaped bodies' sampling fields beyond temperature and top_p, as
+    SamplingParams keywords; out of range is a 400 naming the field."""
+    fields: dict[str, Any] = {"top_k": top_k_of(body)}
+    for key, lo, hi, lo_open in (("frequency_penalty", -2.0, 2.0, False), ("presence_penalty", -2.0, 2.0, False),
+                                 ("repetition_penalty", 0.0, 2.0, True), ("min_p", 0.0, 1.0, False)):
+        value = _number(body, key, lo, hi, lo_open=lo_open)
+        if value is not None:
+            fields[key] = value
+    fields["logit_bias"] = logit_bias_of(body.get("logit_bias"))
+    return fields
+
+
+def logit_bias_of(value: Any) -> tuple[tuple[int, float], ...]:
+    """`logit_bias`: {"token id": bias in [-100, 100]} -> sorted (id, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) "
+                      "mapped to biases between -100 and 100", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise invalid(f"logit_bias keys must be token ids; got {key!r}", "logit_bias")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
+            raise invalid(f"logit_bias[{key}] must be a number between -100 and 100; got {bias!r}", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
+
+
+def _json_format(fmt: dict, param: str, schema: Any) -> Constraint:
+    if not isinstance(schema, dict):
+        raise invalid(f"{param}.schema must be a JSON schema object", f"{param}.schema")
+    strict = fmt.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid(f"{param}.strict must be true or false", f"{param}.strict")
+    return json_constraint(schema, f"{param}.schema")
+
+
+def chat_response_format(value: Any) -> Constraint | None:
+    """Chat's `response_format` (None: free text)."""
+    param = "response_format"
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_constraint(None, param)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid('response_format.json_schema must be an object like {"name": ..., "schema": {...}}',
+                          "response_format.json_schema")
+        return _json_format(spec, "response_format.json_schema", spec.get("schema"))
+    raise invalid('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                  '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}', param)
+
+
+def responses_text_format(value: Any) -> Constraint | None:
+    """Responses' `text.format` (None: free text)."""
+    param = "text.format"
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_constraint(None, param)
+    if kind == "json_schema":
+        return _json_format(value, param, value.get("schema"))
+    raise invalid('text.format must be {"type": "text"}, {"type": "json_object"} or '
+                  '{"type": "json_schema", "name": ..., "schema": {...}}', param)
+
+
+def messages_output_format(body: dict) -> Constraint | None:
+    """Messages' `output_config.format` (Claude Code's title query sends it), or the
+    structured-outputs beta's top-level `output_format` (None: free text)."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise invalid("output_config must be an object", "output_config")
+    value, param = ((config or {}).get("format"), "output_config.format")
+    if value is None:
+        value, param = body.get("output_format"), "output_format"
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "json_schema":
+        raise invalid(f'{param} must be {{"type": "json_schema", "schema": {{...}}}}', param)
+    return _json_format(value, param, value.get("schema"))
+
+
+def reply_sampling(chat: Any, sampling: SamplingParams, tools: tuple[dict, ...] | None, mode: str,
+                   name: str | None, parallel: bool) -> SamplingParams:
+    """`sampling` with the reply's grammar, checked: a forced call's (tool_choice required or
+    a named function), else the output format's, else, with tools in `auto`, a call's once it
+    opens. A grammar that does not compile, or a bias on a token the vocabulary lacks, is a 400."""
+    for token_id, _ in sampling.logit_bias:
+        if token_id >= chat.vocab_size:
+            raise invalid(f"logit_bias names token {token_id}, outside the vocabulary (0..{chat.vocab_size - 1})",
+                          "logit_bias")
+    constraint = sampling.constraint
+    if tools and (mode in ("required", "function") or (mode == "auto" and constraint is None)):
+        constraint = chat.tool_constraint(list(tools), mode, name, parallel) or constraint
+    if constraint is None:
+        return sampling
+    reason = chat.grammar_error(constraint)
+    if reason is not None:
+        raise invalid(f"{constraint.param} cannot be used to constrain the reply: {reason.strip()}", constraint.param)
+    return replace(sampling, constraint=constraint)
