@@ -6,6 +6,7 @@
     memrad bench speed --kv-layout                       # torch.cat vs in-place KV, grouped SDPA
     memrad bench speed --random-like default --out DIR [--shape-only]   # a random-weight model
     memrad bench speed --startup                         # daemon start: ready and compiled times
+    memrad bench speed --grammar                         # decode with a JSON-schema / tool grammar
 
 Per arm, in one process: cold prefill tok/s at each --prefill length (one grid prefill of the
 longest, timed at each mark), a resumed --suffix after the longest (its TTFT minus HTTP),
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup", action="store_true",
                         help="time `memrad start` until /health answers and until decode is compiled")
+    parser.add_argument("--grammar", action="store_true",
+                        help="decode tok/s with a JSON-schema and a tool-call grammar against unconstrained "
+                             "(the first --arms arm, default the eager step of what auto picks)")
     args = parser.parse_args(argv)
     if args.random_like:
         return _random_model(args)
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         return _floor(args, threads)
     if args.kv_layout:
         return _kv_layout(args, threads)
+    if args.grammar:
+        return _grammar(args, threads)
     return _speed(args, threads)
 
 
@@ -144,6 +150,17 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
                 peer_cells.setdefault(key, []).append(value)
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
     _report(args, threads, arms, cells, peer_cells, loads)
+    return 0
+
+
+def _grammar(args: argparse.Namespace, threads: int) -> int:
+    from memrad.bench import grammar_cost
+
+    spec = (args.arms or [default_arms()[1]])[0]
+    weights, dtype, decode = arm_spec(spec)
+    loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights)
+    print(f"model={args.model} arm={spec} threads={threads} cpu={_cpu_name()}", flush=True)
+    grammar_cost.run(Arm(spec, loaded, args.chunk, threads, decode), args.decode_at, args.decode_steps, args.reps)
     return 0
 
 
