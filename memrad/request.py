@@ -57,6 +57,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     constraint: Constraint | None = None
+    logprobs: int | None = None  # None: none returned; k: each token's and its k likeliest alternatives'
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +82,18 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log probability under the distribution it was sampled from (after
+    penalties, bias and the grammar's mask, before temperature), with its exact bytes, and
+    the likeliest alternatives at that step (`top`, each with `top` empty)."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """The outcome of one generation; `text` is exactly what the client was sent."""
 
@@ -93,6 +106,7 @@ class Completion:
     total_s: float
     decision: Decision | None = None  # what the reuse tiers decided (None: not planned)
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per generated token, when the request asked
 
     @property
     def total_tokens(self) -> int:

@@ -161,6 +161,10 @@ class Grammars:
         """A fresh llguidance matcher at the reply's start (the compiled one stays pristine)."""
         return self._compile(constraint.grammar).deep_copy()
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's exact bytes (a byte-level piece of a character is not valid UTF-8 alone)."""
+        return self._llg_tokenizer().decode_bytes([token_id])
+
     def markup_tokens(self, fmt: ChatFormat) -> dict[str, int]:
         """The family's markup that is one special token here (Qwen's `<tool_call>`)."""
         out = {}

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from memrad.request import SamplingParams
+from memrad.request import SamplingParams, TokenLogprob
 
 log = logging.getLogger("memrad.engine.sampling")
 
@@ -54,6 +54,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice])
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprob(scores: torch.Tensor, token: int, top: int, token_bytes: Callable[[int], bytes]) -> TokenLogprob:
+    """`token`'s log probability under softmax(`scores`) and the `top` likeliest tokens'."""
+    logprobs = torch.log_softmax(scores.detach().to("cpu", torch.float32), dim=-1)
+
+    def record(token_id: int, alternatives: tuple[TokenLogprob, ...] = ()) -> TokenLogprob:
+        raw = token_bytes(token_id)
+        return TokenLogprob(raw.decode("utf-8", errors="replace"), float(logprobs[token_id]), tuple(raw), alternatives)
+
+    best = torch.topk(logprobs, top) if top else None
+    return record(token, tuple(record(int(i)) for i in best.indices) if best is not None else ())
 
 
 def shapes(params: SamplingParams) -> bool:

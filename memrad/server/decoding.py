@@ -16,10 +16,12 @@ from dataclasses import replace
 from typing import Any
 
 from memrad.chat.grammar import json_constraint
-from memrad.request import Constraint, SamplingParams
+from memrad.request import Constraint, SamplingParams, TokenLogprob
 from memrad.server.errors import invalid
 
 MAX_LOGIT_BIAS = 300  # entries: bounds the work one body can ask of every step
+MAX_TOP_LOGPROBS = 20  # OpenAI's range for top_logprobs
+RESPONSES_LOGPROBS = "message.output_text.logprobs"  # the Responses `include` entry that asks for them
 
 
 def _number(body: dict, key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
@@ -71,6 +73,47 @@ def logit_bias_of(value: Any) -> tuple[tuple[int, float], ...]:
             raise invalid(f"logit_bias[{key}] must be a number between -100 and 100; got {bias!r}", "logit_bias")
         out.append((int(key), float(bias)))
     return tuple(sorted(out))
+
+
+def _top_logprobs(body: dict) -> int:
+    value = body.get("top_logprobs")
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise invalid(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}; got {value!r}", "top_logprobs")
+    return value
+
+
+def _whole_only(logprobs: int | None, body: dict, param: str) -> int | None:
+    if logprobs is not None and body.get("stream") is True:
+        raise invalid("logprobs are returned on whole replies only: send stream: false to get them", param)
+    return logprobs
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (true: each token's) and `top_logprobs` (how many alternatives)."""
+    value = body.get("logprobs")
+    if value is not None and not isinstance(value, bool):
+        raise invalid("logprobs must be true or false", "logprobs")
+    top = _top_logprobs(body)
+    return _whole_only(top if value else None, body, "logprobs")
+
+
+def responses_logprobs(body: dict) -> int | None:
+    """Responses' spelling: `include: ["message.output_text.logprobs"]` and/or `top_logprobs`."""
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
+        raise invalid("include must be an array of strings", "include")
+    top = _top_logprobs(body)
+    asked = RESPONSES_LOGPROBS in (include or ()) or top > 0
+    return _whole_only(top if asked else None, body, "top_logprobs")
+
+
+def logprob_entries(logprobs: tuple[TokenLogprob, ...]) -> list[dict]:
+    """The wire form Chat's `logprobs.content` and Responses' `output_text.logprobs` share."""
+    return [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+             "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in t.top]}
+            for t in logprobs]
 
 
 def _json_format(fmt: dict, param: str, schema: Any) -> Constraint:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, Identity
-from memrad.server.decoding import responses_text_format
+from memrad.server.decoding import logprob_entries, responses_logprobs, responses_text_format
 from memrad.server.errors import invalid
 from memrad.server.response_store import StoredResponse
 from memrad.server.serving import Event, decision_field
@@ -74,7 +74,8 @@ def parse_responses(body: Any, header_session_id: str | None,
             raise invalid(f"{key} must be an object", key)
     text_format = (body.get("text") or {}).get("format")
     fields = common({**body, "stream_options": None}, header_session_id, max_tokens_keys=("max_output_tokens",))
-    fields["sampling"] = replace(fields["sampling"], constraint=responses_text_format(text_format))
+    fields["sampling"] = replace(fields["sampling"], constraint=responses_text_format(text_format),
+                                 logprobs=responses_logprobs(body))
     if fields["identity"] is None or fields["identity"].source == "x-session-id":
         # The conversation a previous response ran under names this one, unless the body names one.
         if stored is not None and stored.identity is not None:
@@ -326,7 +327,11 @@ class ResponsesShape:
         self._close()
         for index, call in enumerate(reply.tool_calls):
             self.deltas(ReplyDelta("tool_call", call=call, index=index))
-        return self.response("completed", c)
+        response = self.response("completed", c)
+        if c.logprobs is not None:  # every generated token's, on the reply's text part
+            for part in (p for item in response["output"] if item["type"] == "message" for p in item["content"]):
+                part["logprobs"] = logprob_entries(c.logprobs)
+        return response
 
     def stream_error(self, body: dict) -> list[Event]:
         error = body.get("error", {})

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memrad.request import Identity, SamplingParams
-from memrad.server.decoding import chat_response_format, sampling_fields
+from memrad.server.decoding import chat_logprobs, chat_response_format, sampling_fields
 from memrad.server.errors import invalid
 from memrad.server.tools import ToolChoice
 
@@ -56,8 +56,6 @@ def common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str
     n = integer(body, "n", minimum=1)
     if n not in (None, 1):
         raise invalid("n must be 1: memrad generates one choice per request", "n")
-    unsupported(body, "logprobs", (None, False), "logprobs are not supported")
-    unsupported(body, "top_logprobs", (None, 0), "top_logprobs are not supported")
     stream = boolean(body, "stream") or False
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -83,6 +81,7 @@ def common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str
         max_tokens=max_tokens,
         stop=stops(body.get("stop")),
         constraint=chat_response_format(body.get("response_format")),
+        logprobs=chat_logprobs(body),
         **sampling_fields(body),
     )
     return dict(model=model, sampling=sampling, stream=stream, include_usage=include_usage,

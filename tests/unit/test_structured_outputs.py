@@ -180,3 +180,24 @@ async def test_sampling_fields_reach_the_engine_and_a_ban_holds(server, engine, 
     assert tokenizer.encode(banned.choices[0].message.content, add_special_tokens=False)[0] != first
     message = await claude(server).messages.create(model="default", max_tokens=4, messages=ASK, extra_body={"top_k": 3})
     assert engine.requests[-1].sampling.top_k == 3 and message.stop_reason in ("end_turn", "max_tokens")
+
+
+async def test_logprobs_come_back_per_token_on_chat_and_responses_and_agree_with_greedy(server, engine):
+    chat = await oai(server).chat.completions.create(model="default", messages=ASK, max_tokens=5, temperature=0,
+                                                     logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    assert bytes(b for t in content for b in t.bytes).decode() == chat.choices[0].message.content
+    for token in content:
+        assert len(token.top_logprobs) == 3 and token.logprob <= 0
+        assert token.top_logprobs[0].logprob == token.logprob  # greedy: the chosen token is the likeliest
+    responses = await oai(server).responses.create(model="default", input="Read the file, then answer.",
+                                                   max_output_tokens=5, temperature=0, top_logprobs=2,
+                                                   include=["message.output_text.logprobs"])
+    part = responses.output[-1].content[0]
+    assert len(part.logprobs) == 5 and all(len(t.top_logprobs) == 2 for t in part.logprobs)
+    plain = await oai(server).chat.completions.create(model="default", messages=ASK, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as streamed:
+        await oai(server).responses.create(model="default", input="hi", top_logprobs=2, stream=True)
+    assert streamed.value.body["param"] == "top_logprobs"
