@@ -125,9 +125,9 @@ def _json_format(fmt: dict, param: str, schema: Any) -> Constraint:
     return json_constraint(schema, f"{param}.schema")
 
 
-def chat_response_format(value: Any) -> Constraint | None:
-    """Chat's `response_format` (None: free text)."""
-    param = "response_format"
+def _output_format(value: Any, param: str, nested: str | None) -> Constraint | None:
+    """An OpenAI output format: text (None), json_object, or json_schema, whose name, schema
+    and strict sit in `value[nested]` (Chat) or in `value` itself (Responses)."""
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
@@ -135,30 +135,25 @@ def chat_response_format(value: Any) -> Constraint | None:
         return None
     if kind == "json_object":
         return json_constraint(None, param)
+    spec_shape = '{"name": ..., "schema": {...}}'
     if kind == "json_schema":
-        spec = value.get("json_schema")
+        spec, where = (value, param) if nested is None else (value.get(nested), f"{param}.{nested}")
         if not isinstance(spec, dict):
-            raise invalid('response_format.json_schema must be an object like {"name": ..., "schema": {...}}',
-                          "response_format.json_schema")
-        return _json_format(spec, "response_format.json_schema", spec.get("schema"))
-    raise invalid('response_format must be {"type": "text"}, {"type": "json_object"} or '
-                  '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}', param)
+            raise invalid(f"{where} must be an object like {spec_shape}", where)
+        return _json_format(spec, where, spec.get("schema"))
+    json_schema = (f'{{"type": "json_schema", "{nested}": {spec_shape}}}' if nested
+                   else f'{{"type": "json_schema", {spec_shape[1:-1]}}}')
+    raise invalid(f'{param} must be {{"type": "text"}}, {{"type": "json_object"}} or {json_schema}', param)
+
+
+def chat_response_format(value: Any) -> Constraint | None:
+    """Chat's `response_format` (None: free text)."""
+    return _output_format(value, "response_format", "json_schema")
 
 
 def responses_text_format(value: Any) -> Constraint | None:
     """Responses' `text.format` (None: free text)."""
-    param = "text.format"
-    if value is None:
-        return None
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return json_constraint(None, param)
-    if kind == "json_schema":
-        return _json_format(value, param, value.get("schema"))
-    raise invalid('text.format must be {"type": "text"}, {"type": "json_object"} or '
-                  '{"type": "json_schema", "name": ..., "schema": {...}}', param)
+    return _output_format(value, "text.format", None)
 
 
 def messages_output_format(body: dict) -> Constraint | None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import openai
 import pydantic
 import pytest
+
+from test_agent_apis_default_model import claude, oai  # noqa: F401 (the module-scoped client fixtures)
 
 pytestmark = pytest.mark.integration
 
@@ -35,18 +35,6 @@ class CityFacts(pydantic.BaseModel):
     city: str
     country: str
     coastal: bool
-
-
-@pytest.fixture(scope="module")
-def oai(daemon):
-    with openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def claude(daemon):
-    with anthropic.Anthropic(base_url=daemon.url, api_key="x", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def question(city: str) -> str:

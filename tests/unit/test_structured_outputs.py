@@ -11,13 +11,12 @@ import anthropic
 import openai
 import pydantic
 import pytest
-from aiohttp.test_utils import TestServer
 
-from memrad.config import Settings
 from memrad.engine.engine import Engine
 from memrad.reuse.pool import ReusePool
-from memrad.server.app import make_app
 from scripted import ScriptedEngine
+from test_agent_apis import claude, oai
+from test_server import serve as started
 
 PARAMS = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "ok": {"type": "boolean"}},
           "required": ["unit", "ok"], "additionalProperties": False}
@@ -53,25 +52,11 @@ def engine(tiny_loaded):
     return Engines(tiny_loaded, prefill_chunk=16, threads=1, pool=ReusePool(8, 1 << 30))
 
 
-async def started(engine):
-    server = TestServer(make_app(Settings(), engine, "cpu", "float32"), host="127.0.0.1")
-    await server.start_server()
-    return server
-
-
 @pytest.fixture
 async def server(engine):
     server = await started(engine)
     yield server
     await server.close()
-
-
-def oai(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
-
-
-def claude(server) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=str(server.make_url("")), api_key="unused", max_retries=0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
