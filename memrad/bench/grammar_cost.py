@@ -67,6 +67,7 @@ def run(arm: Arm, decode_at: Sequence[int], steps: int, reps: int) -> None:
                 if rep:
                     cells[name][at].append(rate)
                     shaping[name].append(shaping_ms)
+        print(f"rep {rep}/{reps} done" + (" (warm-up)" if rep == 0 else ""), flush=True)
     print(f"\n| decode tok/s ({steps} steps, median of {reps}) | " + " | ".join(f"at {at}" for at in sorted(decode_at))
           + " | mask + accept ms/step |\n| --- |" + " --- |" * (len(decode_at) + 1))
     base = {at: statistics.median(cells["unconstrained"][at]) for at in decode_at}
