@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -125,6 +126,8 @@ class Grammars:
         self.tokenizer = tokenizer
         self._lltok: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        # The server checks grammars on its loop while the engine thread takes matchers.
+        self._lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
@@ -140,20 +143,22 @@ class Grammars:
     def _compile(self, grammar: str) -> Any:
         from llguidance import LLMatcher
 
-        matcher = self._compiled.get(grammar)
-        if matcher is None:
-            matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-            self._compiled[grammar] = matcher
-            while len(self._compiled) > CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(grammar)
-        return matcher
+        with self._lock:
+            matcher = self._compiled.get(grammar)
+            if matcher is None:
+                matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+                self._compiled[grammar] = matcher
+                while len(self._compiled) > CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(grammar)
+            return matcher
 
     def error(self, constraint: Constraint) -> str | None:
         """Why `constraint` does not compile, or None when it does."""
         matcher = self._compile(constraint.grammar)
         if matcher.is_error():
-            self._compiled.pop(constraint.grammar, None)
+            with self._lock:
+                self._compiled.pop(constraint.grammar, None)
             return matcher.get_error()
         return None
 
