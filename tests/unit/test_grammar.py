@@ -8,7 +8,7 @@ import torch
 from memrad.chat.format import chat_format
 from memrad.chat.grammar import Grammars, call_grammar, json_constraint
 from memrad.engine.sampling import Shaper
-from memrad.request import GenerationRequest, SamplingParams
+from memrad.request import Constraint, GenerationRequest, SamplingParams
 from stories import make_engine
 from tiny import build_tokenizer
 
@@ -102,10 +102,14 @@ def test_a_tool_schema_llguidance_cannot_compile_still_gets_a_call_with_any_obje
     assert accepts(grammars, tokenizer, constraint, '{"anything": [1]}}\n</tool_call>')
 
 
-def test_markup_that_is_one_special_token_is_matched_as_that_token(tokenizer):
+def test_markup_that_is_one_special_token_is_matched_as_that_token(grammars, tokenizer):
     fmt = chat_format(tokenizer)
-    grammar = call_grammar(fmt, [("f", {"type": "object"})], "function", True, {"</tool_call>": 77})
-    assert grammar.splitlines()[0] == 'start: args_0 "}\\n" <[77]>'
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")  # standing in for Qwen's </tool_call> token
+    grammar = call_grammar(fmt, [("f", {"type": "object"})], "function", True, {"</tool_call>": special})
+    assert grammar.splitlines()[0] == f'start: args_0 "}}\\n" <[{special}]>'
+    matcher = grammars.matcher(Constraint(grammar, "tool_call", "tool_choice"))
+    assert matcher.consume_tokens(tokenizer.encode("{}}\n", add_special_tokens=False) + [special])
+    assert matcher.is_accepting()
     # auto mode cannot see a call open inside text when its tag is a special token: no grammar
     assert call_grammar(fmt, [("f", {"type": "object"})], "auto", True, {"<tool_call>": 76}) is None
 
