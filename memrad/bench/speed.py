@@ -8,6 +8,7 @@
     memrad bench speed --startup                         # daemon start: ready and compiled times
     memrad bench speed --arms int4:bfloat16:compiled --prefill 8192 16384 32768 \
         --resume-after 8192 20480 --decode-at 16384      # agent-sized contexts (yarn x4 past 8k)
+    memrad bench speed --grammar                         # decode with a JSON-schema / tool grammar
 
 Per arm, in one process: cold prefill tok/s at each --prefill length (one grid prefill of the
 longest, timed at each mark: its seconds are the cold TTFT minus one step and HTTP), a
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup", action="store_true",
                         help="time `memrad start` until /health answers and until decode is compiled")
+    parser.add_argument("--grammar", action="store_true",
+                        help="decode tok/s with a JSON-schema and a tool-call grammar against unconstrained "
+                             "(the first --arms arm, default the eager step of what auto picks)")
     args = parser.parse_args(argv)
     if args.random_like:
         return _random_model(args)
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return _floor(args, threads)
     if args.kv_layout:
         return _kv_layout(args, threads)
+    if args.grammar:
+        return _grammar(args, threads)
     return _speed(args, threads)
 
 
@@ -160,6 +166,17 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
                 peer_cells.setdefault(key, []).append(value)
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
     _report(args, threads, arms, cells, peer_cells, loads)
+    return 0
+
+
+def _grammar(args: argparse.Namespace, threads: int) -> int:
+    from memrad.bench import grammar_cost
+
+    spec = (args.arms or [default_arms()[1]])[0]
+    weights, dtype, decode = arm_spec(spec)
+    loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights)
+    print(f"model={args.model} arm={spec} threads={threads} cpu={_cpu_name()}", flush=True)
+    grammar_cost.run(Arm(spec, loaded, args.chunk, threads, decode), args.decode_at, args.decode_steps, args.reps)
     return 0
 
 

@@ -108,15 +108,23 @@ HERMES_CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# How a call opens, per family: (before the function name, after it). memrad does not
-# constrain decoding, so a client that requires a call (tool_choice `required`, or a named
-# function) gets the call's opening written at the start of the reply: the model continues
-# inside a call, and the parser, which read the opening as part of the prompt, parses it.
+# How a call opens, per family: (before the function name, after it). A client that requires
+# a call (tool_choice `required`, or a named function) gets the call's opening written at the
+# start of the reply: the model continues inside a call, constrained to finish it
+# (memrad.chat.grammar), and the parser, which read the opening as part of the prompt, parses it.
 CALL_OPENINGS: dict[str, tuple[str, str]] = {
     "hermes": ('<tool_call>\n{"name": "', '", "arguments": '),
     "llama3": ('{"name": "', '", "parameters": '),
     "mistral": ('[TOOL_CALLS][{"name": "', '", "arguments": '),
 }
+
+
+# What closes a call, per family: a forced call's grammar ends with it (memrad.chat.grammar).
+CALL_CLOSINGS: dict[str, str] = {"hermes": "}\n</tool_call>", "llama3": "}", "mistral": "}]"}
+
+# The markup that starts a call inside free text, for families whose calls open with a tag:
+# in `auto` mode the reply is free until the model writes it, and a constrained call after.
+CALL_TRIGGERS: dict[str, str] = {"hermes": "<tool_call>"}
 
 
 PROBE_TOOL = {"type": "function", "function": {

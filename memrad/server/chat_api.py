@@ -18,6 +18,7 @@ from typing import Any, Literal
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion
+from memrad.server.decoding import logprob_entries
 from memrad.server.errors import invalid
 from memrad.server.serving import Event, decision_field
 from memrad.server.tools import (OPENAI_MODES, ToolChoice, ToolMode, ToolParts, function_tools, tool_call,
@@ -52,6 +53,7 @@ def parse_completion(body: Any, header_session_id: str | None) -> ParsedRequest:
     unsupported(body, "echo", (None, False), "echo is not supported")
     unsupported(body, "suffix", (None, ""), "suffix (fill-in-the-middle) is not supported")
     unsupported(body, "best_of", (None, 1), "best_of must be 1")
+    unsupported(body, "logprobs", (None, False, 0), "logprobs are not supported on /v1/completions")
     return ParsedRequest(prompt=_prompt(body.get("prompt")),
                          **common(body, header_session_id, max_tokens_keys=("max_tokens",)))
 
@@ -209,8 +211,9 @@ class Envelope:
     def whole(self, c: Completion, reply: Reply | None = None) -> dict:
         if self.kind == "chat":
             reply = reply if reply is not None else Reply(c.text, None, ())
-            choice = {"index": 0, "message": chat_message(reply), "logprobs": None,
-                      "finish_reason": finish_reason(c, reply)}
+            choice = {"index": 0, "message": chat_message(reply), "finish_reason": finish_reason(c, reply),
+                      "logprobs": None if c.logprobs is None else {"content": logprob_entries(c.logprobs),
+                                                                   "refusal": None}}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage(c)}
         choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": finish_reason(c)}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage(c)}

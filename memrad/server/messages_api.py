@@ -32,6 +32,7 @@ from typing import Any
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, SamplingParams
+from memrad.server.decoding import messages_output_format, top_k_of
 from memrad.server.errors import invalid
 from memrad.server.serving import Event, decision_field
 from memrad.server.tools import (ToolChoice, ToolMode, ToolParts, assistant_message, function_tool, function_tools,
@@ -66,7 +67,8 @@ def parse_messages(body: Any, header_session_id: str | None, count_only: bool = 
                               top_p=float(top_p) if top_p else 1.0,
                               max_tokens=max_tokens if not count_only else None,
                               stop=stops(body.get("stop_sequences"), "stop_sequences", one_string=False,
-                                         limit=MAX_STOP_SEQUENCES))
+                                         limit=MAX_STOP_SEQUENCES),
+                              top_k=top_k_of(body), constraint=messages_output_format(body))
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata must be an object like {\"user_id\": ...}", "metadata")

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, Identity
+from memrad.server.decoding import logprob_entries, responses_logprobs, responses_text_format
 from memrad.server.errors import invalid
 from memrad.server.response_store import StoredResponse
 from memrad.server.serving import Event, decision_field
@@ -84,7 +85,10 @@ def parse_responses(body: Any, header_session_id: str | None,
     for key in ("text", "metadata"):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise invalid(f"{key} must be an object", key)
+    text_format = (body.get("text") or {}).get("format")
     fields = common({**body, "stream_options": None}, header_session_id, max_tokens_keys=("max_output_tokens",))
+    fields["sampling"] = replace(fields["sampling"], constraint=responses_text_format(text_format),
+                                 logprobs=responses_logprobs(body))
     if fields["identity"] is None or fields["identity"].source == "x-session-id":
         # The conversation a previous response ran under names this one, unless the body names one.
         if stored is not None and stored.identity is not None:
@@ -99,7 +103,7 @@ def parse_responses(body: Any, header_session_id: str | None,
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": previous,
             "metadata": body.get("metadata") or {}, "store": store is not False,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled"}
+            "text": {"format": text_format or {"type": "text"}}, "truncation": "disabled"}
     return ResponsesRequest(parsed, history, instructions, previous, store is not False, echo, kinds)
 
 
@@ -351,7 +355,11 @@ class ResponsesShape:
         self._close()
         self._calls = list(reply.tool_calls)
         self._call_events()
-        return self.response("completed", c)
+        response = self.response("completed", c)
+        if c.logprobs is not None:  # every generated token's, on the reply's text part
+            for part in (p for item in response["output"] if item["type"] == "message" for p in item["content"]):
+                part["logprobs"] = logprob_entries(c.logprobs)
+        return response
 
     def stream_error(self, body: dict) -> list[Event]:
         """An `error` event, then `response.failed`: Codex acts on the latter's error.code

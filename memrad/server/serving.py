@@ -28,8 +28,10 @@ from memrad.request import Completion, GenerationRequest
 from memrad.scheduler import Job, QueueFull, ShuttingDown
 from memrad.server.connections import connection_of
 from memrad.server.context import ServerContext
+from memrad.server.decoding import reply_sampling
 from memrad.server.errors import APIError, ErrorStyle, error_style, invalid, server_error, unavailable
 from memrad.server.metrics import CLIENT_GONE, CLIENT_GONE_KEY
+from memrad.server.tools import tool_names
 from memrad.server.validate import ParsedRequest
 
 log = logging.getLogger("memrad.server")
@@ -89,8 +91,11 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
     """Queue the generation and answer in `shape`, streamed or whole. `parse`: run the reply
     through the model's reply parser (chat APIs); `on_finished` hears the whole reply."""
     check_context(len(ids), parsed.sampling.max_tokens, ctx.engine.context_len)
+    choice = parsed.tool_choice
+    sampling = reply_sampling(ctx.engine.chat, parsed.sampling, parsed.tools if parsed.parse_tools else None,
+                              choice.mode, choice.name, parsed.parallel_tool_calls)
     gen = GenerationRequest(request_id=request_id, model=ctx.engine.model_id, prompt_ids=tuple(ids),
-                            prompt_text=text, sampling=parsed.sampling, identity=parsed.identity,
+                            prompt_text=text, sampling=sampling, identity=parsed.identity,
                             cache_salt=parsed.cache_salt)
     try:
         job = ctx.scheduler.submit(gen)
@@ -100,7 +105,7 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
                        headers={"Retry-After": str(full.retry_after_s)}) from None
     except ShuttingDown:
         raise unavailable("memrad is shutting down; start it again with `memrad start`") from None
-    parser = ctx.engine.chat.parser(text, parsed.parse_tools) if parse else None
+    parser = ctx.engine.chat.parser(text, parsed.parse_tools, frozenset(tool_names(parsed.tools))) if parse else None
     run = _Run(request_id, shape, parser, on_finished, error_style(request.path))
     watch = _ClientWatch(request, job)
     try:

@@ -25,8 +25,8 @@ ToolMode = Literal["auto", "none", "required", "function"]
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
     """What the client asked the model to do with its tools. `none` turns tool-call parsing
-    off; `required` and `function` open the reply as a call (of the named function), since
-    memrad does not constrain decoding (memrad.chat.format.call_opening)."""
+    off; `required` and `function` open the reply as a call (of the named function,
+    memrad.chat.format.call_opening) whose rest is constrained (memrad.chat.grammar)."""
 
     mode: ToolMode = "auto"
     name: str | None = None  # the function a `function` choice names

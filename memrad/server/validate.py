@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memrad.request import Identity, SamplingParams
+from memrad.server.decoding import chat_logprobs, chat_response_format, sampling_fields
 from memrad.server.errors import invalid
 from memrad.server.tools import ToolChoice
 
@@ -83,16 +84,6 @@ def common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str
     n = integer(body, "n", minimum=1)
     if n not in (None, 1):
         raise invalid("n must be 1: memrad generates one choice per request", "n")
-    unsupported(body, "logprobs", (None, False), "logprobs are not supported")
-    unsupported(body, "top_logprobs", (None, 0), "top_logprobs are not supported")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if number(body, key, -2.0, 2.0) not in (None, 0, 0.0):
-            raise invalid(f"{key} is not supported; send 0 or leave it out", key)
-    if body.get("logit_bias") not in (None, {}):
-        raise invalid("logit_bias is not supported", "logit_bias")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise invalid('response_format is not supported except {"type": "text"}', "response_format")
     stream = boolean(body, "stream") or False
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -117,6 +108,9 @@ def common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str
         seed=integer(body, "seed"),
         max_tokens=max_tokens,
         stop=stops(body.get("stop")),
+        constraint=chat_response_format(body.get("response_format")),
+        logprobs=chat_logprobs(body),
+        **sampling_fields(body),
     )
     return dict(model=model, sampling=sampling, stream=stream, include_usage=include_usage,
                 identity=identity_of(body, header_session_id),

@@ -23,8 +23,14 @@ class FakeChat:
     def decode(self, ids):
         return "".join(chr(i) for i in ids)
 
-    def parser(self, prompt_text, parse_tools):
+    def parser(self, prompt_text, parse_tools, tool_names=None):
         return FakeParser()
+
+    def tool_constraint(self, tools, mode, name, parallel):
+        return None  # no call syntax: replies stay free
+
+    def grammar_error(self, constraint):
+        return None
 
 
 class FakeParser:

@@ -315,8 +315,8 @@ async def test_messages_max_tokens_beyond_the_context_is_lowered_to_what_is_left
 
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])
 async def test_a_required_or_named_tool_choice_opens_the_reply_as_that_call(server, engine, api):
-    """memrad does not constrain decoding: a required call is opened in the prompt, so the
-    model's reply (scripted here as what follows the opening) is parsed as that call."""
+    """A required call is opened in the prompt (the rest is constrained: memrad.chat.grammar),
+    so the model's reply (scripted here as what follows the opening) is parsed as that call."""
     question = "What does src/a.py do?"
     engine.script('{"path": "src/a.py"}}\n</tool_call>', 'read_file", "arguments": {"path": "b.py"}}\n</tool_call>')
     if api == "chat":

@@ -41,10 +41,12 @@ def rejected(body, header=None, parse=parse_chat):
     ({"messages": USER, "session_id": "x" * 257}, "session_id"),
     ({"messages": USER, "user": 7}, "user"),
     ({"messages": USER, "cache_salt": ""}, "cache_salt"),
-    ({"messages": USER, "logprobs": True}, "logprobs"),
-    ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": USER, "logprobs": "yes"}, "logprobs"),
+    ({"messages": USER, "logprobs": True, "stream": True}, "logprobs"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
     ({"messages": USER, "model": 3}, "model"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_each_bad_chat_field_is_named(body, param):
     assert rejected(body).param == param
