@@ -2,9 +2,11 @@
 
 opencode's main prompt (7,733 tokens of SmolLM2's) fits the default model's context and its
 `max_tokens: 32000` does not: memrad lowers it to the room left instead of refusing (the
-refusal made opencode compact and retry forever). Claude Code (20k), Qwen Code (16k) and
-Codex (9k) open with prompts past today's 8,192-token context; they stop cleanly on the
-overflow error (tests/unit/test_agent_cli_runs.py) until the default model serves 32k.
+refusal made opencode compact and retry forever).
+
+The daemon here serves the model's native 8,192 (`MEMRA_CONTEXT=8192`): at the default
+32,768 the room left is ~25k tokens, which the 135M model fills rambling for many minutes
+(the run passed 600 s). 8,192 keeps the lowering visible (to ~459) and the run ~2 minutes.
 
 Measured on this machine (2-core Xeon, fp32/bf16 auto): ~105 s, two requests.
 """
@@ -16,9 +18,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from test_agent_cli_runs import BIN, invocation, needs, sandbox  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def daemon(make_daemon):
+    d = make_daemon()
+    d.env["MEMRA_CONTEXT"] = "8192"
+    result = d.start()
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{d.log_text()[-3000:]}"
+    return d
 
 
 def test_opencode_runs_on_the_default_model_and_every_request_is_served(daemon, tmp_path):
