@@ -16,7 +16,11 @@ CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Rome", "Delhi", "
           "Hanoi", "Dakar", "Seoul", "Riga", "Bern", "Doha", "Kyiv", "Baku", "Suva", "Male"]
 RUNS = len(CITIES)
 # The strings are bounded: greedy SmolLM2 loops inside an unbounded string for 1 city of 20
-# ("Suva" -> "Savai-Savai-…") until max_tokens; a bounded one is closed by the grammar.
+# ("Suva" -> "Savai-Savai-…") until max_tokens; a bounded one is closed by the grammar. The
+# forced calls' budget covers the longest call the schema allows (a 40-character city, ~40
+# tokens, and the call's ~25 fixed tokens): under yarn x4 (the default 32k) SmolLM2 fills
+# the city string to its bound more often, and 48 tokens cut such a call short.
+CALL_TOKENS = 96
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"]}
@@ -76,7 +80,7 @@ def test_a_forced_tool_choice_gives_a_valid_call_20_of_20(oai, claude, api, choi
         ask = f"What is the weather in {city}?"
         if api == "chat":
             reply = oai.chat.completions.create(
-                model="default", messages=[{"role": "user", "content": ask}], tools=CHAT_TOOLS, max_tokens=48,
+                model="default", messages=[{"role": "user", "content": ask}], tools=CHAT_TOOLS, max_tokens=CALL_TOKENS,
                 temperature=0, tool_choice="required" if choice == "required"
                 else {"type": "function", "function": {"name": "get_weather"}})
             assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message
@@ -84,14 +88,14 @@ def test_a_forced_tool_choice_gives_a_valid_call_20_of_20(oai, claude, api, choi
             name, arguments = call.name, json.loads(call.arguments)
         elif api == "responses":
             reply = oai.responses.create(
-                model="default", input=ask, tools=RESPONSES_TOOLS, max_output_tokens=48, temperature=0,
+                model="default", input=ask, tools=RESPONSES_TOOLS, max_output_tokens=CALL_TOKENS, temperature=0,
                 tool_choice="required" if choice == "required" else {"type": "function", "name": "get_weather"})
             call = reply.output[-1]
             assert call.type == "function_call", reply.output
             name, arguments = call.name, json.loads(call.arguments)
         else:
             reply = claude.messages.create(
-                model="default", max_tokens=48, messages=[{"role": "user", "content": ask}], tools=MESSAGES_TOOLS,
+                model="default", max_tokens=CALL_TOKENS, messages=[{"role": "user", "content": ask}], tools=MESSAGES_TOOLS,
                 tool_choice={"type": "any"} if choice == "required" else {"type": "tool", "name": "get_weather"},
                 extra_body={"temperature": 0})
             assert reply.stop_reason == "tool_use", reply.content
