@@ -22,7 +22,7 @@ def make_engine(loaded, kind, directory, max_sessions=8, disk_bytes=10**9):
 ask = functools.partial(stories.ask, max_tokens=5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next", "gemma3"])
 def test_a_restart_resumes_from_disk_bit_identically(loaded, kind, tmp_path):
     before = make_engine(loaded, kind, tmp_path)
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "list files"}]
