@@ -10,6 +10,7 @@ inductor compiles it into a shared library, and a later start only opens the lib
     compile/decode-step-{model}-{weights}-{dtype}-attn-{memra|torch}-torch{version}-{cpu}-{key}.pt2
         with memra's attention kernel (memrad.engine.decode.cpu_attention):
             graph "kernel" attended length in [2, capacity - 2]
+                           (Gemma 3: and the sliding layers' window rows in [2, W], a second size)
         with torch's attention:
             graph "short"  attended length in [2, SPLIT_ROWS - 1]
             graph "split"  attended length in [SPLIT_ROWS, capacity - 2]   (if the slabs reach it)
@@ -24,9 +25,9 @@ The weights are not in the package: a start hands the library the step's own ten
 reference (`user_managed`), so nothing is copied and resident memory does not grow. So the
 key names everything the compiled code was made for besides their values: the step's code,
 torch and transformers, the CPU, the model's config, each weight's name, dtype, shape and
-strides, the slab capacity, SPLIT_ROWS and the attention (with the kernel's source). Any
-change is another file, never a wrong graph; the directory keeps the 8 most recently used
-(`prune`).
+strides, the slab capacity (and the window buffers' rows), SPLIT_ROWS and the attention
+(with the kernel's source). Any change is another file, never a wrong graph; the directory
+keeps the 8 most recently used (`prune`).
 
 The attended length stays symbolic within each graph's range, every other size is static.
 Lengths outside the ranges (a one-token prompt's first step, the slab's last row, a slab that
@@ -55,6 +56,7 @@ from memrad.engine.decode import step as decode_step
 from memrad.engine.model import quant
 from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS
+from memrad.engine.state import window as window_state
 from memrad.engine.state.window import buffer_rows
 
 # What AOTInductor is asked for: the weights stay out of the library (supplied at load), and
@@ -342,7 +344,9 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool) -> str:
                  _cpu_flags(), capacity, decode_step.SPLIT_ROWS, kernel, config.to_json_string(use_diff=False)):
         digest.update(f"{part}\n".encode())
     kernel_source = [cpu_attention.__file__, cpu_attention.SOURCE] if kernel else []
-    for source in (decode_step.__file__, gemma_step.__file__, quant.__file__, __file__, *kernel_source):
+    # window_state: the window views' strides (buffer_rows) are compiled in.
+    for source in (decode_step.__file__, gemma_step.__file__, window_state.__file__, quant.__file__, __file__,
+                   *kernel_source):
         digest.update(Path(source).read_bytes())
     for name, module in step.named_modules():
         digest.update(f"{name} {type(module).__module__}.{type(module).__qualname__}\n".encode())
