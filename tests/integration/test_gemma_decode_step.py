@@ -14,23 +14,12 @@ from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode.decoder import Decoder
 from memrad.engine.engine import Engine
 from memrad.engine.forward import decode_one_token, prefill
-from memrad.engine.model.catalog import GEMMA3_270M
-from memrad.engine.model.pull import is_converted, model_dir
+from test_gemma_boundaries import gemma_loaded  # noqa: F401 (the fixture: float32, 2 threads)
 
 pytestmark = pytest.mark.integration
 
 CHUNK = 256
 STEPS = 32
-
-
-@pytest.fixture(scope="module")
-def gemma_loaded():
-    if not is_converted(model_dir(GEMMA3_270M)):
-        pytest.skip("gemma3-270m is not in the cache: run `memrad pull gemma3-270m`")
-    from memrad.engine.model.loader import load_model
-
-    torch.set_num_threads(2)
-    return load_model(GEMMA3_270M.name, device="cpu", dtype="float32", allow_pull=False)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memrad.engine.decode.step import attend, fuse, rope
+from memrad.engine.decode.step import _Layer, attend, rope
 
 _GEMMA = ("Gemma3ForCausalLM",)
 _LAYER_KINDS = ("sliding_attention", "full_attention")
@@ -63,22 +63,16 @@ def is_gemma(model: nn.Module) -> bool:
     return type(model).__name__ in _GEMMA
 
 
-class _GemmaLayer(nn.Module):
-    """One Gemma3DecoderLayer's decode-step view; `window` is W for a sliding layer."""
+class _GemmaLayer(_Layer):
+    """One Gemma3DecoderLayer's decode-step view; `window` is W for a sliding layer. The
+    llama layer's projections (fused alike), with Gemma's q/k and feed-forward norms;
+    `post_norm` is Gemma's post-attention norm."""
 
     def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:
-        super().__init__()
-        attention, mlp = layer.self_attn, layer.mlp
-        self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
-        self.scale = float(attention.scaling)
-        self.input_norm, self.post_attention_norm = layer.input_layernorm, layer.post_attention_layernorm
+        super().__init__(layer, heads, kv_heads, head_dim)
+        self.window = window
         self.pre_ff_norm, self.post_ff_norm = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
-        self.q_norm, self.k_norm = attention.q_norm, attention.k_norm
-        self.qkv = fuse([attention.q_proj, attention.k_proj, attention.v_proj])
-        self.o_proj = attention.o_proj
-        self.gate_up = fuse([mlp.gate_proj, mlp.up_proj])
-        self.down_proj, self.act = mlp.down_proj, mlp.act_fn
-        self.split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
                 length: int, key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
@@ -102,7 +96,7 @@ class _GemmaLayer(nn.Module):
                 o = torch.ops.memra.decode_attention(q, key_rows, value_rows, self.scale)
             else:
                 o = F.scaled_dot_product_attention(q, key_rows, value_rows, scale=self.scale)
-        x = x + self.post_attention_norm(self.o_proj(o.reshape(1, 1, self.heads * d)))
+        x = x + self.post_norm(self.o_proj(o.reshape(1, 1, self.heads * d)))
         gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
         return x + self.post_ff_norm(self.down_proj(self.act(gate) * up))
 
