@@ -16,8 +16,10 @@ from pathlib import Path
 
 from memrad import __version__
 from memrad.config import Settings, SettingsError, known_keys, load_settings
-from memrad.daemon import DETACHED_ENV, AlreadyRunning, DaemonInfo, StartupError, find_running, pid_alive
-from memrad.paths import log_path, pidfile_path
+from memrad.daemon import (DETACHED_ENV, AlreadyRunning, DaemonInfo, StartupError, StopReport, find_running,
+                            is_memrad, lock_holder, pid_alive)
+from memrad.paths import UnsafeRuntimeDir, log_path, pidfile_path, runtime_dir_note, stop_report_path
+from memrad.private import open_private
 
 START_TIMEOUT_S = 900.0
 
@@ -30,6 +32,7 @@ FLAGS = {
     "dtype": "model.dtype",
     "threads": "model.threads",
     "weights": "model.weights",
+    "context": "model.context",
     "prefill_chunk": "engine.prefill_chunk",
     "compile": "engine.compile",
     "reuse_mode": "reuse.mode",
@@ -44,7 +47,7 @@ FLAGS = {
 # `memrad bench NAME` -> the module under memrad.bench that runs it (each has main(argv)).
 BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk_probe", "fuzz": "fuzz",
                    "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
-                   "speed": "speed"}
+                   "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--threads", type=int, help="torch intra-op threads (0: all available cores)")
     start.add_argument("--weights", choices=("auto", "float", "int4", "int8"),
                        help="decode weights: int4 runs a GGUF's 4-bit blocks as shipped (auto where present)")
+    start.add_argument("--context", type=int,
+                       help="tokens served (prompt + reply); past the model's native length RoPE scaling "
+                            "(YaRN) extends it (0: the model's default; the default model serves 32768)")
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
     start.add_argument("--compile", choices=("auto", "on", "off"),
                        help="decode step: auto compiles it in the background, on before serving, off stays eager")
@@ -80,8 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds before it is killed")
 
-    status = sub.add_parser("status", help="is it running, where, on what")
+    status = sub.add_parser("status", help="is it running, where, on what; parked sessions on disk per model")
     status.add_argument("--json", action="store_true")
+
+    cache = sub.add_parser("cache", help="the disk tier of parked sessions")
+    cache_sub = cache.add_subparsers(dest="action", required=True)
+    clear = cache_sub.add_parser("clear", help="delete the parked sessions on disk (of every model, or one)")
+    clear.add_argument("--model", help="only this model's sessions (its name as `memrad status` shows it)")
 
     logs = sub.add_parser("logs", help="print the daemon's log")
     logs.add_argument("-f", "--follow", action="store_true")
@@ -89,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
 
     pull = sub.add_parser("pull", help="fetch and convert a model into the cache")
     pull.add_argument("model", nargs="?", default="default", help="`default`, `gemma3-270m` or a .gguf file")
+
+    models = sub.add_parser("models", help="the named models: which are pulled, their size on disk, their context")
+    models.add_argument("--json", action="store_true")
 
     sub.add_parser("smoke", help="prove reuse fires end to end and resumes reproducibly (two fresh daemons)")
     bench = sub.add_parser("bench", help="benchmark harnesses (see docs/BENCHMARKS.md)")
@@ -100,10 +114,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"start": cmd_start, "stop": cmd_stop, "status": cmd_status,
-                "logs": cmd_logs, "pull": cmd_pull, "smoke": cmd_smoke,
+        return {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "cache": cmd_cache,
+                "logs": cmd_logs, "pull": cmd_pull, "models": cmd_models, "smoke": cmd_smoke,
                 "bench": cmd_bench}[args.command](args)
-    except (SettingsError, AlreadyRunning, StartupError) as exc:
+    except (SettingsError, AlreadyRunning, StartupError, UnsafeRuntimeDir) as exc:
         print(f"memrad: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SettingsError) else 1
     except KeyboardInterrupt:
@@ -126,6 +140,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         where = running.url or "still loading its model"
         print(f"memrad is already running (pid {running.pid}, {where}); `memrad stop` stops it")
         return 0
+    note = runtime_dir_note()
+    if note is not None:
+        print(f"memrad: {note}", file=sys.stderr)
     if args.foreground:
         return _run_foreground(settings)
     return _start_detached(args, settings)
@@ -135,9 +152,10 @@ def _run_foreground(settings: Settings) -> int:
     from memrad.daemon import configure_logging, serve
     from memrad.engine.model.pull import ModelUnavailable
 
-    configure_logging(settings.log.level, detached=os.environ.get(DETACHED_ENV) == "1")
+    configure_logging(settings.log.level, detached=os.environ.get(DETACHED_ENV) == "1",
+                      max_bytes=settings.log.max_bytes, backups=settings.log.backups)
     try:
-        serve(settings)
+        unsaved = serve(settings)
     except ModelUnavailable as exc:
         import logging
 
@@ -148,7 +166,7 @@ def _run_foreground(settings: Settings) -> int:
 
         logging.getLogger("memrad").error("%s", exc)
         return 1
-    return 0
+    return 1 if unsaved else 0
 
 
 def _child_env(args: argparse.Namespace) -> dict[str, str]:
@@ -176,7 +194,7 @@ def _start_detached(args: argparse.Namespace, settings: Settings) -> int:
                 return 1
     log_file = log_path()
     start_offset = log_file.stat().st_size if log_file.exists() else 0
-    with open(log_file, "ab") as out:
+    with open_private(log_file, "ab", tighten_dir=True) as out:
         child = subprocess.Popen(
             [sys.executable, "-m", "memrad", "start", "--foreground"],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=_child_env(args),
@@ -249,18 +267,43 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if info.pid <= 0:
         print("memrad is starting up; try `memrad stop` again in a moment", file=sys.stderr)
         return 1
-    os.kill(info.pid, signal.SIGTERM)
+    if not is_memrad(info.pid):
+        if find_running() is None:  # it exited between the two looks
+            print("memrad is not running")
+            return 0
+        holder = lock_holder()
+        print(f"memrad: the pidfile names pid {info.pid}, which is not the memrad daemon"
+              f"{f' (pid {holder} holds the lock)' if holder else ''}; not signalling it. "
+              f"If no memrad runs, remove {pidfile_path()}", file=sys.stderr)
+        return 1
+    _signal(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         if not pid_alive(info.pid) or find_running() is None:
+            report = StopReport.take(stop_report_path(), info.pid)
+            if report is not None and report.unsaved:
+                print(f"memrad stopped (pid {info.pid}), but {len(report.unsaved)} parked sessions were not "
+                      "saved to the disk tier and are lost:", file=sys.stderr)
+                for line in report.unsaved:
+                    print(f"  {line}", file=sys.stderr)
+                return 1
             print(f"memrad stopped (pid {info.pid})")
             return 0
         time.sleep(0.1)
-    os.kill(info.pid, signal.SIGKILL)
+    if is_memrad(info.pid):  # still the daemon, not a new process that got its pid
+        _signal(info.pid, signal.SIGKILL)
     time.sleep(0.2)
     find_running()  # cleans the files the killed process left
     print(f"memrad did not stop within {args.timeout:.0f} s and was killed (pid {info.pid})", file=sys.stderr)
     return 1
+
+
+def _signal(pid: int, sig: int) -> None:
+    """A daemon that exits between the check and the signal is simply gone."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -275,9 +318,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             report.update({k: health[k] for k in ("model", "device", "dtype", "uptime_s",
                                                    "requests_served", "waiting", "version")})
             report["choices"] = health.get("choices", {})
+    directory, by_model = _disk_by_model()
+    report["disk"] = {"dir": str(directory), "models": by_model}
     if args.json:
         print(json.dumps(report, indent=2))
-    elif not report["running"]:
+        return 0 if report["running"] else 3
+    if not report["running"]:
         print("memrad is not running (`memrad start` starts it)")
     elif not health:
         print(f"memrad is starting (pid {info.pid}); `memrad logs -f` shows progress")
@@ -293,7 +339,53 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  requests  {report['requests_served']} served, {report['waiting']} waiting")
         print(f"  log       {report['log']}")
         print(f"  socket    {report['socket']}")
+    print(f"  on disk   {directory}" + ("" if by_model else " (no parked sessions)"))
+    for model, figures in by_model.items():
+        print(f"    {figures['sessions']:>4} sessions  {figures['bytes'] / 2**20:8.1f} MiB  {model}")
     return 0 if report["running"] else 3
+
+
+def _sessions_dir() -> Path:
+    from memrad.paths import sessions_dir
+
+    settings = load_settings({})
+    return Path(settings.disk.dir).expanduser() if settings.disk.dir else sessions_dir()
+
+
+def _disk_by_model() -> tuple[Path, dict[str, dict[str, int]]]:
+    """The disk tier's parked sessions and bytes per model, from the files' headers alone
+    (unusable files under "(unusable)": the next start deletes them)."""
+    from memrad.engine.state.sessionfile import scan
+
+    directory = _sessions_dir()
+    by_model: dict[str, dict[str, int]] = {}
+    for f in scan(directory):
+        figures = by_model.setdefault(f.model or "(unusable)", {"sessions": 0, "bytes": 0})
+        figures["sessions"] += 1
+        figures["bytes"] += f.num_bytes
+    return directory, dict(sorted(by_model.items()))
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """`memrad cache clear [--model NAME]`: refused while a daemon runs (its stop writes its
+    parked sessions back, and it may be loading one now)."""
+    from memrad.engine.state.sessionfile import clear
+
+    running = find_running()
+    if running is not None:
+        print(f"memrad: a daemon is running (pid {running.pid}); `memrad stop` it first, since it writes "
+              "its parked sessions to disk when it stops", file=sys.stderr)
+        return 1
+    directory = _sessions_dir()
+    gone = clear(directory, args.model)
+    if not gone:
+        _, by_model = _disk_by_model()
+        others = f" (on disk: {', '.join(by_model)})" if by_model else ""
+        print(f"no parked sessions{f' of {args.model}' if args.model else ''} in {directory}{others}")
+        return 0
+    print(f"deleted {len(gone)} parked sessions ({sum(f.num_bytes for f in gone) / 2**20:.1f} MiB)"
+          f"{f' of {args.model}' if args.model else ''} from {directory}")
+    return 0
 
 
 def _duration(seconds: float) -> str:
@@ -308,21 +400,33 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if not path.exists():
         print(f"no log yet at {path} (`memrad start` writes it)", file=sys.stderr)
         return 1
-    with open(path, "rb") as handle:
-        lines = handle.read().decode(errors="replace").splitlines()
-        shown = lines if args.lines == 0 else deque(lines, maxlen=args.lines)
-        for line in shown:
-            print(line)
-        if not args.follow:
-            return 0
-        sys.stdout.flush()
-        while True:
-            chunk = handle.read()
-            if chunk:
-                sys.stdout.write(chunk.decode(errors="replace"))
-                sys.stdout.flush()
-            else:
-                time.sleep(0.25)
+    handle = open(path, "rb")
+    lines = handle.read().decode(errors="replace").splitlines()
+    rotated = path.with_name(path.name + ".1")  # the log is rotated by size (memrad.daemon)
+    if (args.lines == 0 or len(lines) < args.lines) and rotated.exists():
+        lines = rotated.read_bytes().decode(errors="replace").splitlines() + lines
+    shown = lines if args.lines == 0 else deque(lines, maxlen=args.lines)
+    for line in shown:
+        print(line)
+    if not args.follow:
+        handle.close()
+        return 0
+    sys.stdout.flush()
+    while True:
+        chunk = handle.read()
+        if chunk:
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+            continue
+        try:
+            renewed = os.stat(path).st_ino != os.fstat(handle.fileno()).st_ino
+        except OSError:
+            renewed = False
+        if renewed:  # rotated: what is left of the old file was read above; follow the new one
+            handle.close()
+            handle = open(path, "rb")
+        else:
+            time.sleep(0.25)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -345,6 +449,32 @@ def cmd_pull(args: argparse.Namespace) -> int:
         return 1
     print(f"ready: {folder}")
     _build_attention_kernel()
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """The catalog against the cache: what is pulled (and its size), what `memrad pull NAME` fetches."""
+    from memrad.engine.model import catalog
+    from memrad.engine.model.pull import bytes_on_disk, is_converted, model_dir
+
+    rows = []
+    for entry in catalog.CATALOG.values():
+        folder = model_dir(entry)
+        pulled = is_converted(folder)
+        rows.append({"name": entry.name, "model_id": entry.model_id, "pulled": pulled,
+                     "bytes_on_disk": bytes_on_disk(folder) if pulled else 0, "folder": str(folder),
+                     "download": entry.download_size, "native_context": entry.native_context,
+                     "served_context": entry.served_context, "summary": entry.summary})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'name':<13} {'pulled':<16} {'context':<26} model")
+    for row in rows:
+        state = f"yes, {row['bytes_on_disk'] / 2**20:,.0f} MiB" if row["pulled"] else f"no ({row['download']})"
+        native, served = row["native_context"], row["served_context"]
+        context = f"{served:,}" + (f" (native {native:,})" if served != native else " (native)")
+        print(f"{row['name']:<13} {state:<16} {context:<26} {row['summary']}")
+    print("`memrad pull NAME` fetches one; `memrad start --model NAME` serves it")
     return 0
 
 

@@ -32,6 +32,11 @@ class ServerSettings:
     port: int = _key(8765, "MEMRA_PORT")
     max_queue: int = _key(16, "MEMRA_MAX_QUEUE")
     shutdown_grace_s: float = _key(10.0, "MEMRA_SHUTDOWN_GRACE_S")
+    strict_model_names: bool = _key(False, "MEMRA_STRICT_MODEL_NAMES")
+    max_connections: int = _key(256, "MEMRA_MAX_CONNECTIONS")
+    header_timeout_s: float = _key(10.0, "MEMRA_HEADER_TIMEOUT_S")
+    idle_timeout_s: float = _key(75.0, "MEMRA_IDLE_TIMEOUT_S")
+    body_timeout_s: float = _key(60.0, "MEMRA_BODY_TIMEOUT_S")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,7 @@ class ModelSettings:
     dtype: str = _key("auto", "MEMRA_DTYPE")
     threads: int = _key(0, "MEMRA_THREADS")
     weights: str = _key("auto", "MEMRA_WEIGHTS")
+    context: int = _key(0, "MEMRA_CONTEXT")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,7 @@ class EngineSettings:
 class PoolSettings:
     enabled: bool = _key(True, "MEMRA_REUSE_POOL")
     max_sessions: int = _key(32, "MEMRA_POOL_MAX_SESSIONS")
+    sessions_per_name: int = _key(16, "MEMRA_POOL_SESSIONS_PER_NAME")
     max_bytes: int = _key(0, "MEMRA_POOL_MAX_BYTES")
 
 
@@ -65,6 +72,11 @@ class ReuseSettings:
 class AffinitySettings:
     enabled: bool = _key(True, "MEMRA_AFFINITY")
     longest_prefix: bool = _key(True, "MEMRA_LONGEST_PREFIX")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSettings:
+    fallback: bool = _key(True, "MEMRA_TOOL_FALLBACK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +95,8 @@ class ControlSettings:
 @dataclass(frozen=True, slots=True)
 class LogSettings:
     level: str = _key("info", "MEMRA_LOG_LEVEL")
+    max_bytes: int = _key(10 * 1024 * 1024, "MEMRA_LOG_MAX_BYTES")
+    backups: int = _key(3, "MEMRA_LOG_BACKUPS")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +114,7 @@ class LimitSettings:
     max_tokens: int = _key(0, "MEMRA_MAX_TOKENS")
     max_stop_chars: int = _key(256, "MEMRA_MAX_STOP_CHARS")
     max_schema_depth: int = _key(32, "MEMRA_MAX_SCHEMA_DEPTH")
+    max_preparing_bytes: int = _key(64 * 1024 * 1024, "MEMRA_MAX_PREPARING_BYTES")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +126,7 @@ class Settings:
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
     affinity: AffinitySettings = field(default_factory=AffinitySettings)
     disk: DiskSettings = field(default_factory=DiskSettings)
+    tools: ToolSettings = field(default_factory=ToolSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
     log: LogSettings = field(default_factory=LogSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
@@ -130,8 +146,10 @@ _MINIMUM = {
     "server.max_queue": 0,
     "server.shutdown_grace_s": 0,
     "model.threads": 0,
+    "model.context": 0,
     "engine.prefill_chunk": 1,
     "pool.max_sessions": 0,
+    "pool.sessions_per_name": 1,
     "pool.max_bytes": 0,
     "limits.max_body_bytes": 1024,
     "limits.max_messages": 1,

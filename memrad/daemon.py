@@ -7,15 +7,19 @@ import asyncio
 import fcntl
 import json
 import logging
+import logging.handlers
 import os
 import signal
+import stat
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memrad.config import Settings
-from memrad.paths import lockfile_path, log_path, pidfile_path, socket_path
+from memrad.loglines import SafeFormatter
+from memrad.private import open_private
+from memrad.paths import lockfile_path, log_path, pidfile_path, runtime_dir_note, socket_path, stop_report_path
 
 log = logging.getLogger("memrad")
 
@@ -55,6 +59,29 @@ class DaemonInfo:
             return None
 
 
+@dataclass(frozen=True, slots=True)
+class StopReport:
+    """Written by a daemon whose stop lost parked sessions, read by `memrad stop`."""
+
+    pid: int
+    unsaved: list[str]  # one line per session: "s3 (812 tokens): why"
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(path)
+
+    @classmethod
+    def take(cls, path: Path, pid: int) -> "StopReport | None":
+        """The report of daemon `pid` (removed once read), or None."""
+        try:
+            report = cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+        path.unlink(missing_ok=True)
+        return report if report.pid == pid else None
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
     try:
@@ -70,18 +97,58 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def lock_holder() -> int | None:
+    """The pid holding the daemon lock, from the kernel's lock table (None: free, or no
+    /proc/locks here). The lock, not the pidfile, says which process the daemon is."""
+    try:
+        st = os.stat(lockfile_path())
+        key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as table:
+            for line in table:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == key:
+                    return int(fields[4])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def is_memrad(pid: int) -> bool:
+    """Whether `pid` is the memrad daemon: the holder of the lock where the kernel says, else
+    a process whose command line is `... memrad start ...`. Checked before any signal."""
+    holder = lock_holder()
+    if holder is not None:
+        return holder == pid
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"start" in argv and any(Path(os.fsdecode(a)).name == "memrad" for a in argv)
+
+
 def clean_stale_files() -> list[Path]:
-    """Remove the pidfile and socket a killed daemon left; return what was removed.
+    """Remove the pidfile and the default socket a killed daemon left; return what was removed.
 
     Call only while holding the lock, so a daemon that is starting cannot lose its pidfile.
+    Only what memrad made is removed: the pidfile if it is a file, the socket only if it is a
+    socket nobody answers on. A path named inside the pidfile is never deleted, and anything
+    else at the socket path is left for the start to refuse with its reason.
     """
+    from memrad.server.control import ControlSocketError, remove_stale_socket
+
     removed = []
-    info = DaemonInfo.read(pidfile_path())
-    custom = [Path(info.socket)] if info is not None and info.socket else []
-    for path in (pidfile_path(), socket_path(), *custom):
-        if path.exists() or path.is_symlink():
-            path.unlink(missing_ok=True)
-            removed.append(path)
+    pidfile = pidfile_path()
+    try:
+        if not stat.S_ISDIR(pidfile.lstat().st_mode):
+            pidfile.unlink()
+            removed.append(pidfile)
+    except FileNotFoundError:
+        pass
+    try:
+        if remove_stale_socket(socket_path()):
+            removed.append(socket_path())
+    except (ControlSocketError, OSError):
+        pass  # not a dead socket of ours: the control server's start says why it cannot start
     return removed
 
 
@@ -119,18 +186,32 @@ def _take_lock(handle, wait_s: float = 2.0) -> bool:
             time.sleep(0.05)
 
 
-def configure_logging(level: str, detached: bool) -> None:
-    """Detached, stderr already is the log file; attached, log to the terminal and the file."""
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+class PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """The log file, size-capped, and 0600 however it is (re)created: it holds prompts' names
+    and errors another local user must not read (memrad.private)."""
+
+    def _open(self):
+        return open_private(Path(self.baseFilename), "a", tighten_dir=True)
+
+
+def configure_logging(level: str, detached: bool, max_bytes: int = 10 * 2**20, backups: int = 3) -> None:
+    """Log to the rotated file, and attached also to the terminal. Detached, stderr is the
+    file the parent opened (for what escapes logging); records go through the handler only.
+    Every line is escaped to one line (memrad.loglines.SafeFormatter)."""
+    handlers: list[logging.Handler] = [PrivateRotatingFileHandler(log_path(), maxBytes=max_bytes,
+                                                                  backupCount=backups)]
     if not detached:
-        handlers.append(logging.FileHandler(log_path()))
-    logging.basicConfig(level=level.upper(), handlers=handlers, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        handlers.append(logging.StreamHandler(sys.stderr))
+    formatter = SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in handlers:
+        handler.setFormatter(formatter)
+    logging.basicConfig(level=level.upper(), handlers=handlers, force=True)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def serve(settings: Settings) -> None:
-    """Run the daemon in this process until SIGTERM/SIGINT. Blocks."""
+def serve(settings: Settings) -> list[str]:
+    """Run the daemon in this process until SIGTERM/SIGINT. Blocks. Returns the parked
+    sessions the stop could not save (one line each; empty when all were written)."""
     from memrad.server.security import bind_refusal
 
     refused = bind_refusal(settings.security, settings.server.host)
@@ -144,15 +225,22 @@ def serve(settings: Settings) -> None:
         raise AlreadyRunning(f"memrad is already running{where}; `memrad stop` stops it") from None
     for path in clean_stale_files():
         log.info("removed stale %s left by a daemon that did not stop cleanly", path)
+    note = runtime_dir_note()
+    if note is not None:
+        log.warning("%s", note)
+    if pidfile_path().is_dir():
+        lock.close()
+        raise StartupError(f"{pidfile_path()} is a directory; memrad will not remove it: remove it yourself")
+    stop_report_path().unlink(missing_ok=True)
     info = DaemonInfo(pid=os.getpid(), started_at=time.time(), log=str(log_path()))
     info.write(pidfile_path())
-    engine = None
+    engine, unsaved = None, []
     try:
         engine, device, dtype = _load(settings)
         from memrad.server.app import make_app
 
         app = make_app(settings, engine, device, dtype)
-        asyncio.run(_run(app, settings, info, engine.model_id, device))
+        unsaved = asyncio.run(_run(app, settings, info, engine.model_id, device))
     finally:
         clean_stale_files()
         lock.close()
@@ -162,7 +250,8 @@ def serve(settings: Settings) -> None:
         # aborts in C++ ("terminate called without an active exception", exit 134).
         # Everything is written and logged by now, so the process just ends.
         logging.shutdown()
-        os._exit(0)
+        os._exit(1 if unsaved else 0)
+    return unsaved
 
 
 def _load(settings: Settings):
@@ -176,7 +265,7 @@ def _load(settings: Settings):
     return engine, engine.loaded.device.type, engine.loaded.dtype_name
 
 
-async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device: str) -> None:
+async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device: str) -> list[str]:
     from aiohttp import web
 
     from memrad.server.context import CONTEXT
@@ -185,19 +274,22 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    from memrad.server.app import connection_limits
+    from memrad.server.connections import Listener, limit_accept_errors
+
+    limit_accept_errors(loop)
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
                            shutdown_timeout=settings.server.shutdown_grace_s + 5)
     await runner.setup()
-    site = web.TCPSite(runner, settings.server.host, settings.server.port)
+    listener = Listener(runner, connection_limits(settings))
     try:
-        await site.start()
+        await listener.start(settings.server.host, settings.server.port)
     except OSError as exc:
         await runner.cleanup()
         raise StartupError(
             f"cannot listen on {settings.server.host}:{settings.server.port} ({exc.strerror}); "
             "another program uses that port: pick another with --port or MEMRA_PORT") from None
-    host, port = runner.addresses[0][:2]
-    url = f"http://{settings.server.host}:{port}"
+    url = f"http://{settings.server.host}:{listener.port}"
     control = await _start_control(app, settings, loop)
     DaemonInfo(pid=info.pid, started_at=info.started_at, log=info.log, url=url, model=model_id,
                device=device, socket=str(control.path)).write(pidfile_path())
@@ -208,9 +300,16 @@ async def _run(app, settings: Settings, info: DaemonInfo, model_id: str, device:
     await stop.wait()
     log.info("stopping: finishing or cancelling in-flight requests")
     await control.close()
+    await listener.close()
     await runner.cleanup()  # closes the scheduler: nothing runs on the engine any more
-    await asyncio.to_thread(app[CONTEXT].engine.close)
-    log.info("stopped")
+    unsaved = await asyncio.to_thread(app[CONTEXT].engine.close)
+    if unsaved:
+        log.error("stopped, but %d parked sessions were not saved to the disk tier and are lost: %s",
+                  len(unsaved), "; ".join(unsaved))
+        StopReport(info.pid, unsaved).write(stop_report_path())
+    else:
+        log.info("stopped")
+    return unsaved
 
 
 async def _start_control(app, settings: Settings, loop):

@@ -3,26 +3,44 @@
 from __future__ import annotations
 
 import os
-import warnings
+import stat
 from pathlib import Path
 
 import platformdirs
 
+from memrad.protocol import runtime_base
+
 APP = "memra"
 
 
-def _runtime_dir() -> Path:
-    with warnings.catch_warnings():
-        # Without XDG_RUNTIME_DIR platformdirs falls back to /tmp/runtime-$UID and warns.
-        warnings.simplefilter("ignore")
-        return Path(platformdirs.user_runtime_dir(APP))
+class UnsafeRuntimeDir(RuntimeError):
+    """No owner-only directory for the lock, pidfile and socket; the message says what to do."""
 
 
 def runtime_dir() -> Path:
-    """Owner-only directory for the pidfile, lock and control socket."""
-    path = _runtime_dir()
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """The owner-only (0700) directory of the lock, the pidfile and the control socket, all
+    three (memrad.protocol.runtime_base decides; the TUI finds the socket the same way).
+    Raises UnsafeRuntimeDir if even the fallback is not ours."""
+    base = Path(runtime_base()[0])
+    path = base / APP
+    for directory in (base, path):
+        directory.mkdir(exist_ok=True, mode=0o700)
+        # The base may be a link to a directory of ours (some systems link XDG_RUNTIME_DIR);
+        # memra's own folder inside it may not.
+        st = directory.stat() if directory == base else directory.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise UnsafeRuntimeDir(
+                f"{directory} is not a directory of yours, so memrad has no private place for its lock, "
+                "pidfile and socket: set XDG_RUNTIME_DIR to an owner-only (chmod 700) directory you own")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            directory.chmod(0o700)  # ours: mkdir's mode was masked by the umask, or it was made open
     return path
+
+
+def runtime_dir_note() -> str | None:
+    """Said at start when $XDG_RUNTIME_DIR was passed over, and where the files went instead."""
+    why = runtime_base()[1]
+    return None if why is None else f"{why}: the lock, pidfile and socket are in {runtime_dir()} instead"
 
 
 def state_dir() -> Path:
@@ -64,6 +82,11 @@ def lockfile_path() -> Path:
 
 def socket_path() -> Path:
     return runtime_dir() / "memrad.sock"
+
+
+def stop_report_path() -> Path:
+    """What a stopping daemon could not save, for the `memrad stop` that stopped it."""
+    return runtime_dir() / "memrad.stopped"
 
 
 def log_path() -> Path:

@@ -17,6 +17,16 @@ REASON_CLASSES = ("nothing-parked", "no-prefix", "no-control-tokens", "below-bar
 
 
 @dataclass(frozen=True, slots=True)
+class Alternative:
+    """One candidate the planner weighed: the tier that offered it, and the tokens it would
+    reuse at an exact checkpoint (None: verification declined it)."""
+
+    tier: Tier
+    candidate: str
+    reused_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """What the reuse tiers decided for one request, and why.
 
@@ -27,6 +37,9 @@ class Decision:
     prompt's tokens differ from the candidate's (None when they never do);
     `reused_tokens` + `primed_tokens` always equal the prompt length; `reason_class` names
     why nothing was reused (None when resumed): one of REASON_CLASSES, for counting.
+    `weighed` lists every candidate the tiers offered (the winner among them) and `won_by`
+    says why the winner won ("most reuse", "tie: own conversation", "tie: most recent");
+    both are empty when at most one distinct session was offered.
     """
 
     request_id: str
@@ -43,6 +56,8 @@ class Decision:
     divergence: int | None = None
     ttft_s: float | None = None
     reason_class: str | None = None
+    weighed: tuple[Alternative, ...] = ()
+    won_by: str | None = None
 
     def render(self) -> str:
         head = f"{self.tier}: {self.outcome}" if self.tier else self.outcome
@@ -149,6 +164,7 @@ class EvictEvent:
     session_id: str
     num_tokens: int
     num_bytes: int
+    spill_failed: str | None = None  # why its write to the disk tier failed; None: dropped by policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +180,7 @@ class ProtocolError:
 
 
 RECORDS = {cls.__name__: cls for cls in (
-    Decision, SegmentInfo, SessionInfo, PoolStats, StateSnapshot, DecisionEvent, TurnEvent,
+    Alternative, Decision, SegmentInfo, SessionInfo, PoolStats, StateSnapshot, DecisionEvent, TurnEvent,
     ParkEvent, EvictEvent, Dropped, ProtocolError)}
 
 
@@ -204,25 +220,44 @@ def from_line(line: bytes | str):
         raise ValueError(f"malformed {data.get('type')}: {exc}") from None
 
 
-def default_socket_path() -> str:
-    """Where the daemon puts its socket by default, found with the standard library alone
-    (the TUI imports nothing else of memrad). Mirrors platformdirs' user_runtime_dir on
-    Linux: $XDG_RUNTIME_DIR if it is an owner-only directory we own, else /run/user/UID if
-    it is, else $TMPDIR/runtime-UID; then memra/memrad.sock inside it."""
+def runtime_base() -> tuple[str, str | None]:
+    """The one decision of where memrad's runtime files (lock, pidfile, socket) go, with the
+    standard library alone (the TUI imports nothing else of memrad): $XDG_RUNTIME_DIR if it
+    is an owner-only (0700) directory we own, else /run/user/UID if it is, else
+    $TMPDIR/runtime-UID (platformdirs' fallback). Returns (that directory, why
+    $XDG_RUNTIME_DIR was passed over, or None). memra's files go in its `memra` folder."""
     import os
     import stat
     import tempfile
 
-    def usable(path: str | None) -> bool:
+    def unsafe(path: str) -> str | None:
         try:
-            st = os.stat(path) if path else None
-        except OSError:
-            return False
-        return st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() \
-            and stat.S_IMODE(st.st_mode) == 0o700
+            st = os.stat(path)
+        except OSError as exc:
+            return exc.strerror or "cannot stat"
+        if not stat.S_ISDIR(st.st_mode):
+            return "not a directory"
+        if st.st_uid != os.geteuid():
+            return f"owned by uid {st.st_uid}, not you"
+        mode = stat.S_IMODE(st.st_mode)
+        return None if mode == 0o700 else f"mode {mode:o}, not 700"
 
     uid = os.geteuid()
-    for base in (os.environ.get("XDG_RUNTIME_DIR"), f"/run/user/{uid}"):
-        if usable(base):
-            return os.path.join(base, "memra", "memrad.sock")
-    return os.path.join(tempfile.gettempdir(), f"runtime-{uid}", "memra", "memrad.sock")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    why = None
+    if xdg:
+        why = unsafe(xdg)
+        if why is None:
+            return xdg, None
+        why = f"XDG_RUNTIME_DIR={xdg} is unsafe ({why})"
+    if unsafe(f"/run/user/{uid}") is None:
+        return f"/run/user/{uid}", why
+    return os.path.join(tempfile.gettempdir(), f"runtime-{uid}"), why
+
+
+def default_socket_path() -> str:
+    """Where the daemon puts its socket by default (memrad.paths.socket_path, decided by
+    runtime_base)."""
+    import os
+
+    return os.path.join(runtime_base()[0], "memra", "memrad.sock")

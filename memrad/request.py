@@ -21,13 +21,43 @@ class Identity:
     source: IdentitySource
 
 
+ConstraintKind = Literal["json_object", "json_schema", "tool_call"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A grammar the reply must match, built by memrad.chat.grammar: llguidance's lark text,
+    what it constrains, and the request field it came from (a grammar that does not compile
+    is a 400 naming that field)."""
+
+    grammar: str
+    kind: ConstraintKind
+    param: str
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How the next token is chosen (memrad.engine.sampling; docs/SERVING.md, sampling).
+
+    Penalties follow OpenAI (frequency / presence: over the generated tokens) and vLLM
+    (repetition: over prompt and generated tokens, dividing positive logits); `logit_bias`
+    is (token id, bias) pairs; top_k 0 and min_p 0 are off; `constraint`: the grammar the reply
+    must match (structured outputs, forced tool calls), applied as a mask after all of these.
+    """
+
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
+    logprobs: int | None = None  # None: none returned; k: each token's and its k likeliest alternatives'
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +82,18 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log probability under the distribution it was sampled from (after
+    penalties, bias and the grammar's mask, before temperature), with its exact bytes, and
+    the likeliest alternatives at that step (`top`, each with `top` empty)."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """The outcome of one generation; `text` is exactly what the client was sent."""
 
@@ -64,6 +106,7 @@ class Completion:
     total_s: float
     decision: Decision | None = None  # what the reuse tiers decided (None: not planned)
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per generated token, when the request asked
 
     @property
     def total_tokens(self) -> int:

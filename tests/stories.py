@@ -4,18 +4,22 @@ integration tests both import it (tests/ is on sys.path through tests/conftest.p
 
 from __future__ import annotations
 
+import torch
+
 from memrad.engine.engine import Engine
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 
 
-def make_engine(loaded, chunk, threads=1, *, pool=True, max_sessions=16, max_bytes=10**9, disk=None, **flags):
+def make_engine(loaded, chunk, threads=1, *, pool=True, max_sessions=16, max_bytes=10**9, sessions_per_name=16,
+                disk=None, **flags):
     """An Engine whose finished states land in `engine.finished`. `pool`: True for a fresh
-    ReusePool(max_sessions, max_bytes), False for none, or a pool to share; `disk`: a disk
+    ReusePool(max_sessions, max_bytes, sessions_per_name), False for none, or a pool to share; `disk`: a disk
     tier, indexed here so new session ids stay clear of its files (as memrad.engine.build)."""
-    pool = ReusePool(max_sessions, max_bytes) if pool is True else pool or None
+    pool = ReusePool(max_sessions, max_bytes, sessions_per_name) if pool is True else pool or None
     if disk is not None:
-        pool.skip_ids_up_to([s.session_id for s in disk.index()])
+        disk.index()
+        pool.skip_ids_up_to(disk.session_ids())
     finished = []
     engine = Engine(loaded, chunk, threads, pool, disk=disk, on_finished=finished.append, **flags)
     engine.finished = finished
@@ -54,3 +58,44 @@ class Client:
         completion = self.engine.generate(request, lambda _: None, lambda: False)
         self.messages.append({"role": "assistant", "content": self.rewrite(completion.text)})
         return completion
+
+
+def layer_contents(layer):
+    """Everything a cache layer holds, comparable: tensors by name (with dtype and shape), and
+    its plain attributes. A SlabLayer is its visible rows and length; a WindowLayer its visible
+    window and the tokens it has seen (where the window sits in its buffer is not state)."""
+    from memrad.engine.state.kv import SlabLayer
+    from memrad.engine.state.window import WindowLayer
+
+    if isinstance(layer, SlabLayer):
+        return ({"keys": layer.keys, "values": layer.values} if layer.is_initialized else {}), {"length": layer.length}
+    if isinstance(layer, WindowLayer):
+        return (({"keys": layer.keys, "values": layer.values} if layer.is_initialized else {}),
+                {"length": layer.cumulative_length, "initialized": layer.is_initialized})
+    tensors, plain = {}, {}
+    for name, value in vars(layer).items():
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                (tensors if isinstance(v, torch.Tensor) else plain)[f"{name}.{k}"] = v
+        elif value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+            plain[name] = value
+    return tensors, plain
+
+
+def assert_same_state(loaded_state, parked_state):
+    """Two parked states hold the same layers, snapshots, tensors (dtype, shape, bits) and attributes."""
+    snaps = lambda s: {"final": s.final, **{f"at{p}": v for p, v in s.snapshots.items()}}
+    got, want = snaps(loaded_state), snaps(parked_state)
+    assert got.keys() == want.keys() and loaded_state.croppable == parked_state.croppable
+    for tag in want:
+        assert got[tag].num_tokens == want[tag].num_tokens
+        assert [type(x).__name__ for x in got[tag].layers] == [type(x).__name__ for x in want[tag].layers]
+        for i, (g, w) in enumerate(zip(got[tag].layers, want[tag].layers)):
+            (gt, gp), (wt, wp) = layer_contents(g), layer_contents(w)
+            assert gp == wp, (tag, i)
+            assert gt.keys() == wt.keys(), (tag, i)
+            for name in wt:
+                assert gt[name].dtype == wt[name].dtype and gt[name].shape == wt[name].shape, (tag, i, name)
+                assert torch.equal(gt[name], wt[name]), (tag, i, name)

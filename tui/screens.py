@@ -23,6 +23,12 @@ def render_decision(event: DecisionEvent) -> Table:
                  "checkpoint", "divergence", "reused_tokens", "primed_tokens"):
         value = getattr(d, name)
         table.add_row(name.replace("_", " "), "-" if value is None else str(value))
+    if d.weighed:  # the candidates every tier offered, and why the winner won
+        for a in d.weighed:
+            reuse = "declined" if a.reused_tokens is None else f"{a.reused_tokens:,} tokens"
+            mark = " ◂ won" if a.candidate == d.candidate and a.tier == d.tier else ""
+            table.add_row(f"  {a.tier}", f"{a.candidate}: {reuse}{mark}")
+        table.add_row("won by", d.won_by or "-")
     table.add_row("ttft", "-" if d.ttft_s is None else f"{d.ttft_s:.3f} s")
     table.add_row("prompt tokens", str(event.prompt_tokens))
     table.add_row("identity", event.identity or "-")

@@ -38,25 +38,38 @@ TOOL_OUTPUT = "\n".join(f"src/module_{i}.py: def handler_{i}(request): return pr
                         for i in range(8))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def client_arguments(description: str, turns: int, max_tokens: int) -> argparse.ArgumentParser:
+    """The arguments every rewriting-client harness takes (this one, interleaved_turns)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--turns", type=int, default=turns)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--mode", default="exact")
     parser.add_argument("--named", action="store_true", help="the client sends a session_id")
+    return parser
+
+
+def client_setup(args: argparse.Namespace) -> tuple[object, int, Identity | None, str]:
+    """The loaded model, the thread count, the identity and the header line a run prints."""
+    threads = resolve_threads(args.threads)
+    loaded = load_model(args.model, "auto", "auto")
+    identity = Identity("bench", "session_id") if args.named else None
+    header = (f"model={loaded.model_id} device={loaded.device.type} dtype={loaded.dtype_name} threads={threads} "
+              f"chunk={args.chunk} mode={args.mode} client={'named' if args.named else 'unnamed'} "
+              f"max_tokens={args.max_tokens}")
+    return loaded, threads, identity, header
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = client_arguments(__doc__.splitlines()[0], turns=10, max_tokens=48)
     parser.add_argument("--reps", type=int, default=1, help="whole conversations on fresh engines; per-turn medians")
     parser.add_argument("--on-only", action="store_true",
                         help="skip the affinity-off arm: the on arm and its floor alone in the process (cheap reps)")
     args = parser.parse_args(argv)
-    threads = resolve_threads(args.threads)
-    loaded = load_model(args.model, "auto", "auto")
-    identity = Identity("bench", "session_id") if args.named else None
-    print(f"model={loaded.model_id} device={loaded.device.type} dtype={loaded.dtype_name} threads={threads} "
-          f"chunk={args.chunk} mode={args.mode} client={'named' if args.named else 'unnamed'} "
-          f"max_tokens={args.max_tokens} reps={args.reps} (per-turn medians)"
+    loaded, threads, identity, header = client_setup(args)
+    print(f"{header} reps={args.reps} (per-turn medians)"
           f"{'; affinity-off arm skipped' if args.on_only else ''}\n")
     runs = []
     for rep in range(args.reps):

@@ -1,4 +1,4 @@
-"""Fault harnesses: `memrad bench faults soak|overload|kill9|churn [--url URL]`.
+"""Fault harnesses: `memrad bench faults soak|overload|kill9|churn|floods|big [--url URL]`.
 
 Each runs against a fresh daemon (or `--url`), prints its figures and exits 1 if anything
 was lost. Parked state is checked the way a client sees it: a conversation parked before
@@ -8,8 +8,12 @@ cold run of the same prompt answers (greedy, exact mode). Pool and RSS figures c
 
   soak      200 streams cut at random points: while queued, during prefill, during decode
   overload  16 concurrent clients against a queue of 4: 429 + Retry-After, FIFO, all served
-  kill9     SIGKILL during decode, then `memrad start`: start time, stale files, parked state
+  kill9     SIGKILL during decode, then `memrad start`: start time, stale files, parked state;
+            `--at POINT`: the daemon kills itself at that write step of a spill (memrad.faultpoint)
   churn     64 conversations x 3 turns under a small byte cap: the cap is never exceeded
+  floods    idle and slowloris floods: a normal client is still served in its usual time
+  big       four 15 MB requests at once: /health p99 and a running stream's gaps
+            (floods and big: memrad.bench.floods, loopback only)
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from memrad.bench.daemons import Daemon
+from memrad.faultpoint import POINTS
 from memrad.server.metrics import parse_samples
 
 
@@ -295,11 +300,8 @@ async def kill9(daemon: Daemon, first_start_s: float) -> bool:
         time.sleep(0.05)
     pidfile_left = (Path(daemon.env["XDG_RUNTIME_DIR"]) / "memra" / "memrad.pid").exists()
     socket_left = (Path(daemon.env["XDG_RUNTIME_DIR"]) / "memra" / "memrad.sock").exists()
-    t0 = time.monotonic()
-    started = daemon.cli("start", "--port", str(urlsplit(daemon.url).port))  # the same port again
-    restart_s = time.monotonic() - t0
-    if started.returncode != 0:
-        print(f"memrad start after the kill FAILED:\n{started.stdout}{started.stderr}")
+    restart_s = _restart(daemon, "the kill")
+    if restart_s is None:
         return False
     async with aiohttp.ClientSession() as session:
         api = Api(daemon.url, session)
@@ -315,6 +317,54 @@ async def kill9(daemon: Daemon, first_start_s: float) -> bool:
     return bool(text) and (intact or disk is None)
 
 
+async def kill9_at(daemon: Daemon, point: str) -> bool:
+    """The daemon SIGKILLs itself at `point` while spilling the parked conversation 0 (the
+    pool holds 2: conversation 1 evicts it). The next start must serve, load nothing
+    corrupt, and lose at most that conversation (kept only if its file was already whole)."""
+    sessions = Path(daemon.env["XDG_CACHE_HOME"]) / "memra" / "sessions"
+    async with aiohttp.ClientSession() as session:
+        api = Api(daemon.url, session)
+        parked = await Parked.make(api, 0)
+        pid = daemon.status()["pid"]
+        try:
+            await api.chat(conversation(1))  # its park evicts conversation 0: the spill dies at `point`
+        except aiohttp.ClientError:
+            pass  # the kill may beat the response
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        print(f"the daemon did not reach {point} within 60 s")
+        return False
+    left = sorted(p.name for p in sessions.iterdir()) if sessions.is_dir() else []
+    daemon.env.pop("MEMRA_FAULT_KILL")
+    restart_s = _restart(daemon, f"the kill at {point}")
+    if restart_s is None:
+        return False
+    async with aiohttp.ClientSession() as session:
+        api = Api(daemon.url, session)
+        intact, decision = await parked.resumes_exactly(api)
+        _, text = await api.chat(conversation(2))
+    after = sorted(p.name for p in sessions.iterdir()) if sessions.is_dir() else []
+    corrupt = "checksum mismatch" in daemon.log_path.read_text(errors="replace")
+    print(f"killed at {point}: files left {left}; after the restart {after[:4]}")
+    print(f"memrad start after the kill: serving in {restart_s:.1f} s; answers: {bool(text)}; "
+          f"anything corrupt loaded: {corrupt}")
+    print(f"the conversation being written: {'intact (resumed exactly)' if intact else 'lost'} ({decision})")
+    whole = point == "spill-renamed"  # the file had its final name: it must survive
+    return bool(text) and not corrupt and intact == whole and not any(n.endswith(".tmp") for n in after)
+
+
+def _restart(daemon: Daemon, after: str) -> float | None:
+    """`memrad start` on the same port again: seconds until it serves, or None (said why)."""
+    t0 = time.monotonic()
+    started = daemon.cli("start", "--port", str(urlsplit(daemon.url).port))
+    if started.returncode != 0:
+        print(f"memrad start after {after} FAILED:\n{started.stdout}{started.stderr}")
+        return None
+    return time.monotonic() - t0
+
+
 def _alive(pid: int) -> bool:
     from memrad.daemon import pid_alive
 
@@ -326,10 +376,22 @@ def _alive(pid: int) -> bool:
 HARNESSES = {"soak": soak, "overload": overload, "churn": churn}
 DAEMON_ENV = {"soak": {}, "overload": {"MEMRA_MAX_QUEUE": "4"},
               "churn": {"MEMRA_POOL_MAX_BYTES": str(48 * MB), "MEMRA_POOL_MAX_SESSIONS": "64"},
-              "kill9": {"MEMRA_POOL_MAX_SESSIONS": "1"}}
+              "kill9": {"MEMRA_POOL_MAX_SESSIONS": "1"},
+              # What floods and big measure does not depend on the decode step: serve eager at once.
+              "floods": {"MEMRA_COMPILE": "off"}, "big": {"MEMRA_COMPILE": "off"}}
 
 
-async def _against(url: str, name: str, args) -> bool:
+async def _against(url: str, name: str, args, log_path: Path | None = None) -> bool:
+    from memrad.bench import floods
+
+    if name == "floods":
+        from memrad.paths import log_path as own_log
+
+        path = log_path or own_log()
+        return await floods.floods(url, lambda: path.stat().st_size if path.exists() else 0,
+                                   args.idle, args.slow, args.hold_s)
+    if name == "big":
+        return await floods.big(url, args.mb)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         api = Api(url, session)
         if name == "soak":
@@ -339,23 +401,33 @@ async def _against(url: str, name: str, args) -> bool:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="memrad bench faults", description=__doc__.split("\n\n")[0])
-    parser.add_argument("harness", choices=("soak", "overload", "kill9", "churn"))
+    parser.add_argument("harness", choices=("soak", "overload", "kill9", "churn", "floods", "big"))
     parser.add_argument("--url", help="run against this daemon (not kill9)")
     parser.add_argument("--cuts", type=int, default=200, help="soak: streams to cut")
     parser.add_argument("--long-lines", type=int, default=24, help="soak: lines in the long prompt (~20 tokens each)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--idle", type=int, default=1100, help="floods: idle connections")
+    parser.add_argument("--slow", type=int, default=200, help="floods: slowloris connections")
+    parser.add_argument("--hold-s", type=float, default=30.0, help="floods: how long the flood is held")
+    parser.add_argument("--mb", type=int, default=15, help="big: megabytes per request")
+    parser.add_argument("--at", choices=POINTS, help="kill9: the daemon kills itself at this spill step")
     args = parser.parse_args(argv)
     started = time.monotonic()
     if args.url and args.harness != "kill9":
         ok = asyncio.run(_against(args.url, args.harness, args))
     else:
-        daemon = Daemon.create(DAEMON_ENV[args.harness])
+        env = DAEMON_ENV[args.harness]
+        if args.harness == "kill9" and args.at:
+            env = {"MEMRA_POOL_MAX_SESSIONS": "2", "MEMRA_FAULT_KILL": args.at}
+        daemon = Daemon.create(env)
         t0 = time.monotonic()
         daemon.start()
         first_start_s = time.monotonic() - t0
         try:
-            ok = asyncio.run(kill9(daemon, first_start_s) if args.harness == "kill9"
-                             else _against(daemon.url, args.harness, args))
+            if args.harness == "kill9":
+                ok = asyncio.run(kill9_at(daemon, args.at) if args.at else kill9(daemon, first_start_s))
+            else:
+                ok = asyncio.run(_against(daemon.url, args.harness, args, daemon.log_path))
         finally:
             daemon.stop()
     print(f"{args.harness}: {'PASS' if ok else 'FAIL'} in {time.monotonic() - started:.0f} s")

@@ -6,9 +6,13 @@
     memrad bench speed --kv-layout                       # torch.cat vs in-place KV, grouped SDPA
     memrad bench speed --random-like default --out DIR [--shape-only]   # a random-weight model
     memrad bench speed --startup                         # daemon start: ready and compiled times
+    memrad bench speed --arms int4:bfloat16:compiled --prefill 8192 16384 32768 \
+        --resume-after 8192 20480 --decode-at 16384      # agent-sized contexts (yarn x4 past 8k)
+    memrad bench speed --grammar                         # decode with a JSON-schema / tool grammar
 
 Per arm, in one process: cold prefill tok/s at each --prefill length (one grid prefill of the
-longest, timed at each mark), a resumed --suffix after the longest (its TTFT minus HTTP),
+longest, timed at each mark: its seconds are the cold TTFT minus one step and HTTP), a
+resumed --suffix after the longest or each --resume-after prefix (its TTFT minus HTTP),
 decode tok/s at each --decode-at context, load time, model bytes and the resident-memory
 growth of loading it. Arms run interleaved (order reversed every rep), llama-bench once per
 rep between them, so slow spells on a shared machine hit every arm alike; cells are medians.
@@ -78,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", nargs="+", type=int, default=[512, 2048, 4096])
     parser.add_argument("--decode-at", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--suffix", type=int, default=256, help="resumed suffix primed after the longest prefill")
+    parser.add_argument("--resume-after", nargs="+", type=int,
+                        help="prime the suffix after each of these prefixes (default: the longest prefill)")
+    parser.add_argument("--context", type=int, default=0,
+                        help="the context served (model.context; 0: the model's default, 32768 for `default`)")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
@@ -92,12 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup", action="store_true",
                         help="time `memrad start` until /health answers and until decode is compiled")
+    parser.add_argument("--grammar", action="store_true",
+                        help="decode tok/s with a JSON-schema and a tool-call grammar against unconstrained "
+                             "(the first --arms arm, default the eager step of what auto picks)")
     args = parser.parse_args(argv)
     if args.random_like:
         return _random_model(args)
     if args.quick:
         args.prefill, args.decode_at, args.suffix, args.decode_steps, args.reps = [64, 128], [64, 128], 32, 4, 1
-        args.chunk = 64
+        args.chunk, args.resume_after = 64, [64, 128] if args.resume_after else None
     threads = resolve_threads(args.threads)
     if args.startup:
         return _startup(args, threads)
@@ -105,26 +116,34 @@ def main(argv: list[str] | None = None) -> int:
         return _floor(args, threads)
     if args.kv_layout:
         return _kv_layout(args, threads)
+    if args.grammar:
+        return _grammar(args, threads)
     return _speed(args, threads)
 
 
 def _speed(args: argparse.Namespace, threads: int) -> int:
     marks = sorted(args.prefill)
     longest = marks[-1]
-    if any(m % args.chunk for m in marks) or any(c > longest for c in args.decode_at):
-        raise SystemExit("--prefill lengths must be multiples of --chunk and cover every --decode-at")
+    resumes = sorted(args.resume_after or [longest])
+    if any(m % args.chunk for m in marks) or any(c > longest for c in [*args.decode_at, *resumes]):
+        raise SystemExit("--prefill lengths must be multiples of --chunk and cover every --decode-at and --resume-after")
     arms: list[Arm] = []
     loads: dict[str, tuple[float, int]] = {}
     for spec in args.arms or default_arms():
         weights, dtype, decode = arm_spec(spec)
         rss, started = current_rss_bytes(), time.perf_counter()
-        loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights)
+        loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights,
+                            context=args.context)
         loads[spec] = (time.perf_counter() - started, current_rss_bytes() - rss)
         arms.append(Arm(spec, loaded, args.chunk, threads, decode))
     rng = random.Random(0)
     ids = [rng.randrange(3, arms[0].engine.chat.vocab_size) for _ in range(longest + args.suffix)]
-    keys = ([f"prefill {m} tok/s" for m in marks] + [f"resume {args.suffix} after {longest} s"]
+    keys = ([f"prefill {m} tok/s" for m in marks] + [f"cold prefill {m} s" for m in marks]
+            + [f"resume {args.suffix} after {a} s" for a in resumes]
             + [f"decode at {at} tok/s" for at in sorted(args.decode_at)])
+    # Each resume and decode rewinds the one cold cache, which only shrinks: run them from the
+    # longest position down.
+    rewinds = sorted([(a, "resume") for a in resumes] + [(at, "decode") for at in args.decode_at], reverse=True)
     cells: dict[str, dict[str, list[float]]] = {arm.name: {key: [] for key in keys} for arm in arms}
     peer_cells: dict[str, list[float]] = {}
     for arm in arms:  # warm up: first calls pay allocation and kernel selection
@@ -136,9 +155,12 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
             cache, seen = arm.prefill_marks(ids[:longest], marks, keep=args.decode_at)
             for mark in marks:
                 row[f"prefill {mark} tok/s"].append(mark / seen[mark])
-            row[f"resume {args.suffix} after {longest} s"].append(arm.resume_s(cache, ids, longest))
-            for at in sorted(args.decode_at, reverse=True):
-                row[f"decode at {at} tok/s"].append(arm.decode_rate(cache, at, args.decode_steps))
+                row[f"cold prefill {mark} s"].append(seen[mark])
+            for at, kind in rewinds:
+                if kind == "resume":
+                    row[f"resume {args.suffix} after {at} s"].append(arm.resume_s(cache, ids[:at + args.suffix], at))
+                else:
+                    row[f"decode at {at} tok/s"].append(arm.decode_rate(cache, at, args.decode_steps))
         if args.peer is not None:
             for key, value in _llama_bench(args, threads, marks).items():
                 peer_cells.setdefault(key, []).append(value)
@@ -147,9 +169,22 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
     return 0
 
 
+def _grammar(args: argparse.Namespace, threads: int) -> int:
+    from memrad.bench import grammar_cost
+
+    spec = (args.arms or [default_arms()[1]])[0]
+    weights, dtype, decode = arm_spec(spec)
+    loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights)
+    print(f"model={args.model} arm={spec} threads={threads} cpu={_cpu_name()}", flush=True)
+    grammar_cost.run(Arm(spec, loaded, args.chunk, threads, decode), args.decode_at, args.decode_steps, args.reps)
+    return 0
+
+
 def _report(args, threads, arms, cells, peer_cells, loads) -> None:
     bandwidth = memory_bandwidth_bytes_s()
-    print(f"\nmodel={args.model} threads={threads} reps={args.reps} chunk={args.chunk} (medians, interleaved)")
+    served = arms[0].loaded.context
+    print(f"\nmodel={args.model} context={served.num_tokens} ({served.describe()}) threads={threads} "
+          f"reps={args.reps} chunk={args.chunk} (medians, interleaved)")
     print(f"cpu={_cpu_name()} bf16: {native_bf16().reason}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     names = [arm.name for arm in arms]
     base = names[-1]

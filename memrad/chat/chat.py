@@ -9,15 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 from memrad.chat.format import ChatFormat, call_opening, chat_format
+from memrad.chat.grammar import Grammars
 from memrad.chat.parse import ReplyParser
 from memrad.chat.render import decode_ids, encode_text, render_chat
+from memrad.request import Constraint
 
 
 class Chat:
-    def __init__(self, tokenizer: Any, fmt: ChatFormat | None = None) -> None:
+    def __init__(self, tokenizer: Any, fmt: ChatFormat | None = None, tool_fallback: bool = True) -> None:
         self.tokenizer = tokenizer
-        # How chat turns carry tools and reasoning, and how replies parse.
-        self.format = fmt if fmt is not None else chat_format(tokenizer)
+        # How chat turns carry tools and reasoning, and how replies parse (`tool_fallback`:
+        # memra's tool convention for a template without one, the `tools.fallback` setting).
+        self.format = fmt if fmt is not None else chat_format(tokenizer, tool_fallback)
+        # Grammars the reply must match (structured outputs, forced tool calls), compiled once each.
+        self.grammars = Grammars(tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -36,6 +41,15 @@ class Chat:
     def decode(self, ids: list[int]) -> str:
         return decode_ids(self.tokenizer, ids)
 
-    def parser(self, prompt_text: str, parse_tools: bool) -> ReplyParser:
-        """A fresh parser for the reply to `prompt_text` (tool calls parsed if `parse_tools`)."""
-        return ReplyParser(self.format, prompt_text, parse_tools)
+    def parser(self, prompt_text: str, parse_tools: bool, tool_names: frozenset[str] | None = None) -> ReplyParser:
+        """A fresh parser for the reply to `prompt_text` (tool calls parsed if `parse_tools`;
+        a call whose name is not in `tool_names`, when given, is content)."""
+        return ReplyParser(self.format, prompt_text, parse_tools, tool_names)
+
+    def tool_constraint(self, tools: list[dict], mode: str, name: str | None, parallel: bool) -> Constraint | None:
+        """The reply's grammar under tool_choice `mode` (memrad.chat.grammar), None: free."""
+        return self.grammars.tool_constraint(self.format, tools, mode, name, parallel)
+
+    def grammar_error(self, constraint: Constraint) -> str | None:
+        """Why `constraint` does not compile for this tokenizer, None when it does."""
+        return self.grammars.error(constraint)

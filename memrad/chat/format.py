@@ -9,7 +9,9 @@ most do not yet. memra then supplies one per template family:
 
 A ChatML model whose own template ignores `tools` (SmolLM2, the default) gets memra's
 Hermes-style template, so an agent can use tools with the default model; any other model
-whose template has no tool format rejects `tools` (ChatFormat.tools_supported is False).
+whose template has no tool format (Gemma 3's, a local folder's) gets the same convention
+written into its own turns (memrad.chat.convention), unless `tools.fallback` is off: then it
+rejects `tools` (ChatFormat.tools_supported is False).
 
 Tool-call bodies parse as JSON with `allow_non_json`: malformed JSON comes back as text, and
 memrad.engine.reply turns it into content with a warning instead of failing the request.
@@ -20,6 +22,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from memrad.chat.convention import TOOLS_INTRO, TOOLS_OUTRO, Convention, probe, response_template
 
 # The whole reasoning block, shared by every family (a plain `<think>` in a reply is reasoning).
 _REASONING = {"open": "<think>", "close": "</think>", "content": "text", "content_args": {"strip": False}}
@@ -67,6 +71,11 @@ MARKUP: dict[str, tuple[str, ...]] = {
     "mistral": ("<think>", "</think>", "[TOOL_CALLS]"),
 }
 
+def _literal(text: str) -> str:
+    """`text` as a jinja string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
 # memra's tool template for ChatML models whose own template has no tool format. Tools go
 # into the system turn inside <tools></tools>; calls are <tool_call> JSON; results are
 # <tool_response> blocks in a user turn (consecutive results share one turn), as Qwen2.5 does.
@@ -75,12 +84,9 @@ HERMES_CHATML_TEMPLATE = (
     "{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}"
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}{%- if system %}{{- system + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
-    " 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{{- " + _literal(TOOLS_INTRO) + " }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments'"
-    " ' within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
-    " '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{{- " + _literal(TOOLS_OUTRO + "<|im_end|>\n") + " }}"
     "{%- elif system %}{{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}{%- endif %}"
     "{%- for m in rest %}"
     "{%- if m.role == 'tool' %}"
@@ -102,15 +108,23 @@ HERMES_CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# How a call opens, per family: (before the function name, after it). memrad does not
-# constrain decoding, so a client that requires a call (tool_choice `required`, or a named
-# function) gets the call's opening written at the start of the reply: the model continues
-# inside a call, and the parser, which read the opening as part of the prompt, parses it.
+# How a call opens, per family: (before the function name, after it). A client that requires
+# a call (tool_choice `required`, or a named function) gets the call's opening written at the
+# start of the reply: the model continues inside a call, constrained to finish it
+# (memrad.chat.grammar), and the parser, which read the opening as part of the prompt, parses it.
 CALL_OPENINGS: dict[str, tuple[str, str]] = {
     "hermes": ('<tool_call>\n{"name": "', '", "arguments": '),
     "llama3": ('{"name": "', '", "parameters": '),
     "mistral": ('[TOOL_CALLS][{"name": "', '", "arguments": '),
 }
+
+
+# What closes a call, per family: a forced call's grammar ends with it (memrad.chat.grammar).
+CALL_CLOSINGS: dict[str, str] = {"hermes": "}\n</tool_call>", "llama3": "}", "mistral": "}]"}
+
+# The markup that starts a call inside free text, for families whose calls open with a tag:
+# in `auto` mode the reply is free until the model writes it, and a constrained call after.
+CALL_TRIGGERS: dict[str, str] = {"hermes": "<tool_call>"}
 
 
 PROBE_TOOL = {"type": "function", "function": {
@@ -131,6 +145,12 @@ class ChatFormat:
     tools_supported: bool
     tool_template: str | None = None
     markup_ids: frozenset[int] = frozenset()  # special tokens that are markup: the detokenizer keeps them
+    # Whether the model's own template writes a system turn after the first user turn
+    # (ChatML does; Gemma and Mistral raise): where not, memrad.chat.render folds them.
+    system_anywhere: bool = True
+    # Set where a template without a tool format gets memra's convention (memrad.chat.convention):
+    # tool conversations are rewritten into plain turns that the model's own template renders.
+    convention: Convention | None = None
 
 
 def family_of(template_text: str) -> str | None:
@@ -154,8 +174,23 @@ def renders_tools(tokenizer: Any) -> bool:
     return "memra_probe_tool" in text
 
 
-def chat_format(tokenizer: Any) -> ChatFormat:
-    """Detect the family, the reply parser and the tool rendering for `tokenizer`."""
+def renders_mid_system(tokenizer: Any) -> bool:
+    """Whether the template writes a system message that comes after other turns (probe render)."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                {"role": "system", "content": "memra_probe_system"}, {"role": "user", "content": "go"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception:
+        return False
+    return "memra_probe_system" in text
+
+
+def chat_format(tokenizer: Any, tool_fallback: bool = True) -> ChatFormat:
+    """Detect the family, the reply parser and the tool rendering for `tokenizer`.
+
+    A template with no tool format of its own gets memra's: the ChatML tool template for
+    ChatML, the convention over the model's own turns for any other (`tool_fallback`, the
+    `tools.fallback` setting; False: such a model rejects tools)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default") or ""
@@ -164,11 +199,19 @@ def chat_format(tokenizer: Any) -> ChatFormat:
     response = own if own is not None else RESPONSE_TEMPLATES.get(family or "")
     markup = MARKUP.get(family or "", ())
     ids = skipped_markup(tokenizer, markup)
+    anywhere = bool(template) and renders_mid_system(tokenizer)
     if template and renders_tools(tokenizer):
-        return ChatFormat(family, response, markup, True, markup_ids=ids)
+        return ChatFormat(family, response, markup, True, markup_ids=ids, system_anywhere=anywhere)
     if family == "hermes" and "<|im_start|>" in template:
-        return ChatFormat(family, response, markup, True, HERMES_CHATML_TEMPLATE, ids)
-    return ChatFormat(family, response, markup, False, markup_ids=ids)
+        return ChatFormat(family, response, markup, True, HERMES_CHATML_TEMPLATE, ids, anywhere)
+    convention = probe(tokenizer) if template and tool_fallback else None
+    if convention is None:
+        return ChatFormat(family, response, markup, False, markup_ids=ids, system_anywhere=anywhere)
+    # Replies then carry Hermes markup whatever the turns look like: parse them as Hermes.
+    hermes = MARKUP["hermes"]
+    return ChatFormat("hermes", response_template(RESPONSE_TEMPLATES["hermes"], convention.reply_anchor), hermes,
+                      True, markup_ids=skipped_markup(tokenizer, hermes), system_anywhere=anywhere,
+                      convention=convention)
 
 
 def skipped_markup(tokenizer: Any, markup: tuple[str, ...]) -> frozenset[int]:

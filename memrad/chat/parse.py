@@ -64,8 +64,11 @@ class _Trim:
 class ReplyParser:
     """Feed generated text; get ReplyDeltas. Mutates its own state only."""
 
-    def __init__(self, fmt: ChatFormat, prompt_text: str, parse_tools: bool) -> None:
+    def __init__(self, fmt: ChatFormat, prompt_text: str, parse_tools: bool,
+                 tool_names: frozenset[str] | None = None) -> None:
         from transformers.utils.chat_parsing import ResponseParser
+
+        self._tool_names = tool_names  # None: any name; else a call naming another tool is content
 
         self._parser = None  # no reply format known: every byte is content
         self._held = ""
@@ -138,9 +141,12 @@ class ReplyParser:
     def _calls(self, value: Any) -> list[ReplyDelta]:
         items = value if isinstance(value, list) else [value]
         calls = [_call(item) for item in items]
-        if not items or any(c is None for c in calls):
-            raw = "".join(self._tool_body).strip()
-            log.warning("the model wrote a tool call that does not parse (%r); returned as content", raw[:200])
+        unknown = self._tool_names is not None and any(c is not None and c[0] not in self._tool_names for c in calls)
+        if not items or unknown or any(c is None for c in calls):
+            raw = ("\n".join(json.dumps(item, ensure_ascii=False) for item in items) if unknown and None not in calls
+                   else "".join(self._tool_body).strip())
+            log.warning("the model wrote a tool call that does not parse or names a tool it was not given (%r); "
+                        "returned as content", raw[:200])
             trim = self._trims["content"]
             trim.open()
             text = trim.chunk(raw)
@@ -171,9 +177,10 @@ def _call(item: Any) -> tuple[str, str] | None:
     return item["name"], json.dumps(arguments, ensure_ascii=False)
 
 
-def parse_reply(fmt: ChatFormat, prompt_text: str, text: str, parse_tools: bool = True) -> Reply:
+def parse_reply(fmt: ChatFormat, prompt_text: str, text: str, parse_tools: bool = True,
+                tool_names: frozenset[str] | None = None) -> Reply:
     """The whole reply at once: the streaming parser fed one chunk."""
-    parser = ReplyParser(fmt, prompt_text, parse_tools)
+    parser = ReplyParser(fmt, prompt_text, parse_tools, tool_names)
     builder = ReplyBuilder()
     builder.extend(parser.feed(text))
     builder.extend(parser.finish())

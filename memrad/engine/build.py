@@ -14,6 +14,7 @@ from memrad.engine.engine import Engine, FinishHook
 from memrad.engine.model.loader import LoadedModel, default_pool_bytes, load_model, resolve_threads
 from memrad.paths import sessions_dir
 from memrad.reuse.pool import ReusePool
+from memrad.private import private_dir
 
 log = logging.getLogger("memrad")
 
@@ -30,10 +31,12 @@ def build_engine(settings: Settings) -> Engine:
     torch.set_num_threads(threads)
     started = time.perf_counter()
     loaded = load_model(settings.model.name, settings.model.device, settings.model.dtype,
-                        progress=lambda msg: log.info("%s", msg), weights=settings.model.weights)
-    log.info("loaded %s in %.1f s on %s (%s, %s weights, %d threads, prefill chunk %d, context %d)",
+                        progress=lambda msg: log.info("%s", msg), weights=settings.model.weights,
+                        context=settings.model.context)
+    log.info("loaded %s in %.1f s on %s (%s, %s weights, %d threads, prefill chunk %d, context %d %s)",
              loaded.model_id, time.perf_counter() - started, loaded.device.type, loaded.dtype_name,
-             loaded.weights_name, threads, settings.engine.prefill_chunk, loaded.context_len)
+             loaded.weights_name, threads, settings.engine.prefill_chunk, loaded.context_len,
+             loaded.context.describe())
     engine = engine_for(loaded, settings, threads)
     if settings.engine.compile == "on":
         engine.start_background()  # before serving; auto starts once the daemon listens (memrad.daemon)
@@ -54,7 +57,7 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
     pool = disk = None
     if settings.pool.enabled:
         max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)
-        pool = ReusePool(settings.pool.max_sessions, max_bytes)
+        pool = ReusePool(settings.pool.max_sessions, max_bytes, settings.pool.sessions_per_name)
         log.info("reuse pool: %s mode, up to %d sessions and %.1f GiB", settings.reuse.mode,
                  settings.pool.max_sessions, max_bytes / 2**30)
         if settings.disk.enabled and settings.disk.max_bytes > 0:
@@ -64,7 +67,7 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
         log.info("reuse pool disabled: every request runs cold")
     return Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
                   settings.affinity.enabled, settings.affinity.longest_prefix, disk,
-                  compile=settings.engine.compile, on_finished=on_finished)
+                  compile=settings.engine.compile, on_finished=on_finished, tool_fallback=settings.tools.fallback)
 
 
 def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None = None, affinity: bool = True,
@@ -81,9 +84,12 @@ def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None
 def _disk_tier(settings: Settings, compat: dict[str, str], pool: ReusePool) -> DiskTier:
     """Index the disk tier's files (headers only) and keep new session ids clear of theirs."""
     directory = Path(settings.disk.dir).expanduser() if settings.disk.dir else sessions_dir()
+    # Parked state holds prompts: its folder is the owner's only (memrad.private); a folder
+    # the user named is created 0700 but not narrowed.
+    private_dir(directory, tighten=not settings.disk.dir)
     disk = DiskTier(directory, settings.disk.max_bytes, compat)
     found = disk.index()
-    pool.skip_ids_up_to([s.session_id for s in found])
+    pool.skip_ids_up_to(disk.session_ids())  # every model's files: new ids never name an existing file
     log.info("disk tier: %d parked sessions (%.1f MiB) in %s, up to %.1f GiB", len(found),
              disk.pool.bytes_parked / 2**20, directory, settings.disk.max_bytes / 2**30)
     return disk

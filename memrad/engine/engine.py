@@ -34,12 +34,12 @@ from memrad.engine.decode.decoder import Decoder
 from memrad.engine.forward import cache_length, prefill
 from memrad.engine.model.loader import LoadedModel
 from memrad.engine.parking import NoParking, Parking, Prefilled, Publisher, essential
-from memrad.engine.sampling import make_generator, sample
+from memrad.engine.sampling import Shaper, make_generator, sample, shapes, token_logprob
 from memrad.engine.state.kv import install as install_slabs
 from memrad.engine.state.snapshot import Snapshot, is_croppable
 from memrad.grid import find_anchors
 from memrad.protocol import Decision, SessionInfo, TurnEvent
-from memrad.request import Completion, FinishReason, GenerationRequest
+from memrad.request import Completion, FinishReason, GenerationRequest, TokenLogprob
 from memrad.reuse.fingerprint import Segment, chain, derive_openers, derive_reply_header, segments
 from memrad.reuse.planner import Mode, Plan, RequestView
 from memrad.reuse.pool import Namespace, ParkedSession, ParkingStats, ReusePool
@@ -83,6 +83,7 @@ class _Decoded:
     ttft_s: float | None = None
     finish: FinishReason = "cancelled"
     stop_sequence: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, if asked
 
 
 
@@ -94,7 +95,7 @@ class Engine:
                  pool: ReusePool | None = None, mode: Mode = "exact", affinity: bool = True,
                  longest_prefix: bool = True, disk: Any = None, compile: str = "off", *,
                  events: Publisher | None = None, on_finished: FinishHook | None = None,
-                 sampler: Sampler = sample) -> None:
+                 sampler: Sampler = sample, tool_fallback: bool = True) -> None:
         self.loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.threads = threads
@@ -106,7 +107,7 @@ class Engine:
         # Exact mode also cuts prefill right after each reply header (memrad.grid).
         self.reply_header = derive_reply_header(loaded.tokenizer) if mode == "exact" else ()
         self.on_finished = on_finished
-        self.chat = Chat(loaded.tokenizer)
+        self.chat = Chat(loaded.tokenizer, tool_fallback=tool_fallback)
         # Next-token choice; a test engine passes a token script (prefill, reuse stay real).
         self.sampler = sampler
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
@@ -133,7 +134,8 @@ class Engine:
         loaded = self.loaded
         return {"dtype": {"value": loaded.dtype_name, "reason": loaded.dtype_choice.reason},
                 "weights": {"value": loaded.weights_name, "reason": loaded.weights.reason},
-                "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason}}
+                "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason},
+                "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()}}
 
     @property
     def compiling(self) -> bool:
@@ -220,6 +222,7 @@ class Engine:
             completion_tokens=len(out.generated), cached_tokens=pre.start, ttft_s=out.ttft_s,
             total_s=time.perf_counter() - started, decision=replace(decided.decision, ttft_s=out.ttft_s),
             stop_sequence=out.stop_sequence,
+            logprobs=tuple(out.logprobs) if request.sampling.logprobs is not None else None,
         )
         session = self.parking.park(request, self.namespace(request), decided, cache, pre, fed, out.text,
                                     prompt_segments)
@@ -257,20 +260,29 @@ class Engine:
         detok = IncrementalDetokenizer(tokenizer, self.chat.format.markup_ids)
         stops = StopMatcher(params.stop)
         sent: list[str] = []
+        shaper = self._shaper(request, logits)  # penalties, bias, the grammar's mask; None: none asked
         while True:
-            token = self.sampler(logits, params, generator)
+            scores = logits if shaper is None else shaper(logits)
+            token = self.sampler(scores, params, generator)
             if out.ttft_s is None:
                 out.ttft_s = time.perf_counter() - started
             if token in self.loaded.eos_ids:
                 out.finish = "stop"
                 break
             out.generated.append(token)
+            if shaper is not None:
+                shaper.accept(token)
+            if params.logprobs is not None:
+                out.logprobs.append(token_logprob(scores, token, params.logprobs, self.chat.grammars.token_bytes))
             text = stops.feed(detok.push(token))
             if text:
                 sent.append(text)
                 emit(text)
             if stops.stopped:
                 out.finish, out.stop_sequence = "stop", stops.matched
+                break
+            if shaper is not None and shaper.complete:  # the grammar allows nothing more: the reply is whole
+                out.finish = "stop"
                 break
             if len(out.generated) >= max_tokens:
                 out.finish = "length"
@@ -288,6 +300,15 @@ class Engine:
         out.text = "".join(sent)
         return out
 
+    def _shaper(self, request: GenerationRequest, logits: torch.Tensor) -> Shaper | None:
+        """The request's logits shaping, from its own tokens and its grammar's fresh matcher:
+        the same in a cold and a resumed run, and after the step on every decode path."""
+        params = request.sampling
+        if not shapes(params):
+            return None
+        matcher = self.chat.grammars.matcher(params.constraint) if params.constraint is not None else None
+        return Shaper(params, request.prompt_ids, logits.numel(), self.loaded.eos_ids, matcher)
+
     def _snapshotter(self, cache: Any, pre: Prefilled, prompt_len: int) -> Callable[[int], None]:
         """Clone non-croppable state at the essential positions and at each reply anchor below
         P (boundary checkpoints) as prefill passes them."""
@@ -304,11 +325,12 @@ class Engine:
 
         return after_chunk
 
-    def close(self) -> None:
+    def close(self) -> list[str]:
         """At `memrad stop`: stop the decode step's compile and write every parked session to
-        the disk tier. Call once nothing runs on the engine."""
+        the disk tier. Returns one line per session that could not be written (lost), saying
+        why. Call once nothing runs on the engine."""
         self.decoder.close()
-        self.parking.spill_all()
+        return [unsaved.render() for unsaved in self.parking.spill_all()]
 
     def _hand_on(self, state: FinishedState) -> None:
         if self.on_finished is None:

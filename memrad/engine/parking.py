@@ -55,6 +55,18 @@ class Publisher:
                 log.exception("publishing %s failed", type(event).__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Unsaved:
+    """A parked session `memrad stop` could not write to the disk tier: it is lost."""
+
+    session_id: str
+    num_tokens: int
+    why: str
+
+    def render(self) -> str:
+        return f"{self.session_id} ({self.num_tokens} tokens): {self.why}"
+
+
 @dataclass
 class Prefilled:
     """Bookkeeping of one request's prefill (mutated as prefill passes chunks)."""
@@ -99,8 +111,8 @@ class NoParking:
              fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...]) -> ParkedSession | None:
         return None
 
-    def spill_all(self) -> None:
-        pass
+    def spill_all(self) -> list[Unsaved]:
+        return []
 
     def infos(self) -> list[SessionInfo]:
         return []
@@ -226,15 +238,23 @@ class Parking(NoParking):
         return session
 
     def _evicted(self, old: ParkedSession) -> None:
-        """The memory cap pushed `old` out: spill it to the disk tier (if any), else drop it."""
-        spilled = self.disk is not None and self.disk.spill(old, self._evicted_from_disk)
+        """The memory cap pushed `old` out: spill it to the disk tier (if any; on its writer
+        thread, so the request that evicted it does not wait for the write), else drop it."""
         log.info("evicted %s (%d tokens, %d bytes)%s", old.session_id, old.num_tokens, old.num_bytes,
-                 "; spilled to disk" if spilled else "")
-        if not spilled:
+                 "; spilling to disk" if self.disk is not None else "")
+        if self.disk is None:
             self.publish(lambda: EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
-        else:  # the same session, now on disk
-            self.publish(lambda: ParkEvent(time.time(), session_info(
-                self.tokenizer, self.disk.pool.get(old.session_id), self.openers), old.session_id))
+        else:
+            self.disk.spill_later(old, self._evicted_from_disk, self._spilled)
+
+    def _spilled(self, old: ParkedSession, failed: str | None) -> None:
+        """A spill finished (on the disk tier's writer thread): say where the session went."""
+        on_disk = self.disk.pool.get(old.session_id) if failed is None else None
+        if on_disk is not None:  # the same session, now on disk
+            self.publish(lambda: ParkEvent(time.time(), session_info(self.tokenizer, on_disk, self.openers),
+                                           old.session_id))
+        else:  # not written (the disk tier logged why), or already pushed out by the cap
+            self.publish(lambda: EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes, failed))
 
     def _evicted_from_disk(self, old: ParkedSession) -> None:
         self.publish(lambda: EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
@@ -244,14 +264,22 @@ class Parking(NoParking):
         log.info("dropped %s (%d tokens): %s", parent.session_id, parent.num_tokens, why)
         self.publish(lambda: EvictEvent(time.time(), parent.session_id, parent.num_tokens, parent.num_bytes))
 
-    def spill_all(self) -> None:
+    def spill_all(self) -> list[Unsaved]:
         """At `memrad stop`: write every parked session to the disk tier (most recent last, so
-        the disk's LRU keeps the freshest). Call once nothing runs on the engine."""
+        the disk's LRU keeps the freshest); the sessions that could not be written, and why.
+        Call once nothing runs on the engine."""
         if self.disk is None:
-            return
+            return []
+        evicted = [Unsaved(s.session_id, s.num_tokens, why) for s, why in self.disk.drain()]
         sessions = self.pool.sessions()
-        written = sum(self.disk.spill(s, self._evicted_from_disk) for s in sessions)
-        log.info("wrote %d of %d parked sessions to %s", written, len(sessions), self.disk.directory)
+        unsaved = []
+        for s in sessions:
+            why = self.disk.spill(s, self._evicted_from_disk)
+            if why is not None:
+                unsaved.append(Unsaved(s.session_id, s.num_tokens, why))
+        log.info("wrote %d of %d parked sessions to %s", len(sessions) - len(unsaved), len(sessions),
+                 self.disk.directory)
+        return evicted + unsaved
 
     def infos(self) -> list[SessionInfo]:
         """Every parked session as a SessionInfo record (disk first, each least recently used first)."""

@@ -1,20 +1,23 @@
 """Which parked session a request resumes from, and at which checkpoint. Pure policy.
 
-Tiers nominate, in order: token-prefix (the prompt's token ids extend a session's
-committed tokens), text-prefix (the prompt's text extends its committed text), then
-affinity (identity: a name, or the structural fingerprint; see identity.py). Only sessions
-of the request's namespace and with the same name (or both unnamed) are ever nominated.
-Verification decides: the request resumes only from a checkpoint its own tokens reproduce
+Every tier offers a candidate: token-prefix (the prompt's token ids extend a session's
+committed tokens), text-prefix (the prompt's text extends its committed text), affinity
+(identity: a name, or the structural fingerprint; see identity.py), and longest prefix
+(needs no identity: among every parked session of the namespace, the one whose highest
+usable checkpoint at or below the common token prefix is highest). The first three only
+ever offer sessions of the request's namespace and with the same name (or both unnamed).
+Each offer is verified: the request resumes only from a checkpoint its own tokens reproduce
 exactly, with at least one token left to prime; below a divergence it falls back to the
 highest checkpoint that still matches.
 
-Then the longest-prefix tier (needs no identity): among every parked session of the
-namespace, the one whose highest usable checkpoint at or below the common token prefix
-is highest. It wins when it reuses more than the nominated session would. Its reused
-tokens are the request's own, so it cannot poison; it **forks** (the source stays parked,
-the request gets a copy of its rows) unless the request continues that conversation: same
-name (or both unnamed) and the session's whole prompt is part of the shared prefix, in
-which case it replaces the session as the nominating tiers do.
+The most reuse wins: of the verified offers, the one at the highest checkpoint (ties: the
+request's own conversation, then the most recently used, then the tier order above). A
+nomination is one candidate among the tiers, never a veto on a longer exact match.
+Reused tokens are always the request's own, so no winner can poison. The winner is
+**replaced** only when the request continues its conversation (same name or both unnamed,
+and the session's whole prompt is part of the shared prefix); otherwise the request
+**forks** (the source stays parked, the request gets a copy of its rows): under one name
+(a set of conversations) a sub-agent or a side query never replaces its siblings.
 
 Usable checkpoints of a session, by mode (C = prefill chunk, P = prompt checkpoint):
 
@@ -34,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from memrad.grid import cuts_up_to, is_cut
-from memrad.protocol import Decision, Tier
+from memrad.protocol import Alternative, Decision, Tier
 from memrad.request import Identity
 from memrad.reuse.identity import Nomination, Refusal, nominate
 from memrad.reuse.pool import Namespace, ParkedSession, PrefixMatch
@@ -124,16 +127,26 @@ def _same_name(a: Identity | None, b: Identity | None) -> bool:
     return (a.name if a else None) == (b.name if b else None)
 
 
-def _nominate_prefix(view: RequestView, sessions: list[ParkedSession]) -> tuple[Tier, ParkedSession] | None:
+def _continues(view: RequestView, session: ParkedSession, shared_tokens: int) -> bool:
+    """The request continues `session`'s conversation: same name (or both unnamed) and its
+    tokens contain the session's whole prompt. Only then does it replace the session: its
+    successor offers everything the session could (its whole prompt), so replacing loses
+    nothing. A sibling under the same name (a sub-agent, a side query) or a client that
+    compacted earlier history forks, and the session stays parked for whoever sends it."""
+    return _same_name(session.identity, view.identity) and shared_tokens >= session.prompt_checkpoint
+
+
+def _nominate_prefix(view: RequestView, sessions: list[ParkedSession]) -> list[tuple[Tier, ParkedSession]]:
     ids = view.prompt_ids
+    offered: list[tuple[Tier, ParkedSession]] = []
     by_tokens = [s for s in sessions if 0 < s.num_tokens <= len(ids) and ids[s.num_tokens - 1] == s.token_ids[-1]
                  and common_prefix_len(ids, s.token_ids) == s.num_tokens]
     if by_tokens:
-        return "token-prefix", max(by_tokens, key=lambda s: (s.num_tokens, s.last_used_at))
+        offered.append(("token-prefix", max(by_tokens, key=lambda s: (s.num_tokens, s.last_used_at))))
     by_text = [s for s in sessions if s.text and view.prompt_text.startswith(s.text)]
     if by_text:
-        return "text-prefix", max(by_text, key=lambda s: (len(s.text), s.last_used_at))
-    return None
+        offered.append(("text-prefix", max(by_text, key=lambda s: (len(s.text), s.last_used_at))))
+    return offered
 
 
 def _decide(view: RequestView, tier: Tier, session: ParkedSession, mode: Mode, chunk: int,
@@ -146,36 +159,76 @@ def _decide(view: RequestView, tier: Tier, session: ParkedSession, mode: Mode, c
                     reason_class=verdict.reason_class, **fields)
     if verdict.checkpoint is None:
         return Plan(base)
-    resumed = replace(base, outcome="resumed", reason=f"{lead}; {verdict.reason}",
+    fork = not _continues(view, session, common_prefix_len(view.prompt_ids, session.token_ids))
+    resumed = replace(base, outcome="resumed", reason=f"{lead}; {verdict.reason}" + ("; forked" if fork else ""),
                       reused_tokens=verdict.checkpoint, primed_tokens=num_prompt - verdict.checkpoint,
                       checkpoint=verdict.checkpoint, reason_class=None)
-    return Plan(resumed, session, verdict.checkpoint)
+    return Plan(resumed, session, verdict.checkpoint, fork=fork)
 
 
 def plan(view: RequestView, sessions: list[ParkedSession], mode: Mode, chunk: int,
          affinity: bool = True, longest_prefix: bool = True,
          matches: tuple[PrefixMatch, ...] | None = None) -> Plan:
     """Decide for one request; `sessions` are all parked sessions (any namespace), `matches`
-    the pool index's prefix candidates for this prompt (None: compare with every session)."""
+    the pool index's prefix candidates for this prompt (None: compare with every session).
+
+    Every tier offers its candidate, verified; the plan reusing the most tokens wins."""
     mine = [s for s in sessions if s.namespace == view.namespace]
     if not mine:
         return Plan(Decision(view.request_id, "cold", "nothing parked for this model and cache_salt", 0,
                              len(view.prompt_ids), reason_class="nothing-parked"))
-    nominated = _nominated(view, mine, mode, chunk, affinity)
-    if not longest_prefix:
-        return nominated
-    if matches is None:
-        matches = tuple(PrefixMatch(s, common_prefix_len(view.prompt_ids, s.token_ids)) for s in mine)
-    best = _longest_prefix(view, [m for m in matches if m.session.namespace == view.namespace], mode, chunk)
-    if best is None or (nominated.session is not None and nominated.checkpoint >= best.checkpoint):
-        return nominated
-    d = nominated.decision
-    if d.outcome == "declined":
-        best = replace(best, decision=replace(best.decision, reason=f"{best.decision.reason}; {d.render()}"))
-    elif nominated.session is not None:
-        best = replace(best, decision=replace(
-            best.decision, reason=f"{best.decision.reason}; {d.tier} offered {d.candidate} at {d.checkpoint:,}"))
-    return replace(best, decision=replace(best.decision, shared_segments=d.shared_segments))
+    offered, fallback = _nominated(view, mine, mode, chunk, affinity)
+    if longest_prefix:
+        if matches is None:
+            matches = tuple(PrefixMatch(s, common_prefix_len(view.prompt_ids, s.token_ids)) for s in mine)
+        best = _longest_prefix(view, [m for m in matches if m.session.namespace == view.namespace], mode, chunk)
+        if best is not None:
+            offered.append(best)
+    return _choose(offered, fallback)
+
+
+TIER_ORDER: tuple[Tier, ...] = ("token-prefix", "text-prefix", "affinity", "prefix")
+
+
+def _rank(p: Plan) -> tuple:
+    """Most reuse, then the request's own conversation, then the most recent, then tier order."""
+    return p.checkpoint, not p.fork, p.session.last_used_at, -TIER_ORDER.index(p.decision.tier)
+
+
+def _won_by(winner: Plan, runner_up: Plan) -> str:
+    if winner.checkpoint > runner_up.checkpoint:
+        return "most reuse"
+    if winner.fork != runner_up.fork:
+        return "tie: own conversation"
+    if winner.session.last_used_at > runner_up.session.last_used_at:
+        return "tie: most recent"
+    return "tie: tier order"
+
+
+def _choose(offered: list[Plan], fallback: Plan) -> Plan:
+    """The resumable offer reusing the most tokens; else the first declined offer; else
+    `fallback` (nothing nominated). The reason says what was weighed and why it won."""
+    resumable = sorted((p for p in offered if p.session is not None), key=_rank, reverse=True)
+    declined = [p.decision for p in offered if p.session is None]
+    if not resumable:
+        return Plan(declined[0]) if declined else fallback
+    winner = resumable[0]
+    d = winner.decision
+    reason = d.reason + "".join(f"; {x.render()}" for x in declined)
+    distinct = [p for i, p in enumerate(resumable)
+                if all(q.session.session_id != p.session.session_id for q in resumable[:i])]
+    won_by = None
+    if len(distinct) > 1:
+        won_by = _won_by(winner, distinct[1])
+        listed = ", ".join(f"{p.decision.tier} {p.session.session_id} at {p.checkpoint:,}"
+                           for p in sorted(distinct, key=lambda p: TIER_ORDER.index(p.decision.tier)))
+        reason += f"; weighed {listed}: {won_by}"
+    weighed = tuple(Alternative(p.decision.tier, p.decision.candidate, p.checkpoint if p.session else None)
+                    for p in sorted(offered, key=lambda p: TIER_ORDER.index(p.decision.tier)))
+    segments = next((x.shared_segments for x in (d, *(p.decision for p in offered), fallback.decision)
+                     if x.shared_segments is not None), None)
+    return replace(winner, decision=replace(d, reason=reason, shared_segments=segments,
+                                            weighed=weighed if won_by else (), won_by=won_by))
 
 
 def _longest_prefix(view: RequestView, matches: list[PrefixMatch], mode: Mode, chunk: int) -> Plan | None:
@@ -185,7 +238,7 @@ def _longest_prefix(view: RequestView, matches: list[PrefixMatch], mode: Mode, c
     for m in matches:
         found = checkpoint_at_or_below(m.session, min(m.shared_tokens, num_prompt - 1), mode, chunk, view.anchors)
         if found is not None:
-            continues = _same_name(m.session.identity, view.identity) and m.shared_tokens >= m.session.prompt_checkpoint
+            continues = _continues(view, m.session, m.shared_tokens)
             ranked.append((found, continues, m.session.last_used_at, m))
     if not ranked:
         return None
@@ -200,28 +253,36 @@ def _longest_prefix(view: RequestView, matches: list[PrefixMatch], mode: Mode, c
     return Plan(decision, session, checkpoint, fork=not continues)
 
 
-def _nominated(view: RequestView, mine: list[ParkedSession], mode: Mode, chunk: int, affinity: bool) -> Plan:
-    """The nominating tiers (token-prefix, text-prefix, affinity) and verification."""
+def _nominated(view: RequestView, mine: list[ParkedSession], mode: Mode, chunk: int,
+               affinity: bool) -> tuple[list[Plan], Plan]:
+    """The nominating tiers (token-prefix, text-prefix, affinity), each offer verified; and
+    the plan to take when none of them nominates anything."""
     num_prompt = len(view.prompt_ids)
 
     def cold(reason: str, reason_class: str, **fields) -> Plan:
         return Plan(Decision(view.request_id, "cold", reason, 0, num_prompt, reason_class=reason_class, **fields))
 
     eligible = [s for s in mine if _same_name(s.identity, view.identity)]
-    prefixed = _nominate_prefix(view, eligible)
-    if prefixed is not None:
-        tier, session = prefixed
-        return _decide(view, tier, session, mode, chunk, f"session {session.session_id}")
+    offered = [_decide(view, tier, session, mode, chunk, f"session {session.session_id}")
+               for tier, session in _nominate_prefix(view, eligible)]
     if not affinity:
-        return cold(f"no nomination: no parked session's tokens or text prefix this prompt "
-                    f"({len(eligible)} eligible parked); affinity off", "no-prefix")
-    chosen = nominate(view.identity, view.fingerprint, mine)
+        return offered, cold(f"no nomination: no parked session's tokens or text prefix this prompt "
+                             f"({len(eligible)} eligible parked); affinity off", "no-prefix")
+
+    def reusable(session: ParkedSession) -> int:
+        return verify(session, view.prompt_ids, mode, chunk, view.anchors).checkpoint or 0
+
+    chosen = nominate(view.identity, view.fingerprint, mine, reusable)
     if isinstance(chosen, Nomination):
-        return _decide(view, "affinity", chosen.session, mode, chunk, chosen.describe(),
-                       nomination=chosen.kind, source=chosen.source, shared_segments=chosen.shared_segments)
+        offered.append(_decide(view, "affinity", chosen.session, mode, chunk, chosen.describe(),
+                               nomination=chosen.kind, source=chosen.source,
+                               shared_segments=chosen.shared_segments))
+        return offered, offered[-1]
     assert isinstance(chosen, Refusal)
     if chosen.blocked is not None:
-        return Plan(Decision(view.request_id, "declined", chosen.reason, 0, num_prompt, tier="affinity",
-                             candidate=chosen.blocked.session_id, shared_segments=chosen.shared_segments,
-                             reason_class=chosen.reason_class))
-    return cold(f"no nomination: {chosen.reason}", chosen.reason_class, shared_segments=chosen.shared_segments)
+        offered.append(Plan(Decision(view.request_id, "declined", chosen.reason, 0, num_prompt, tier="affinity",
+                                     candidate=chosen.blocked.session_id, shared_segments=chosen.shared_segments,
+                                     reason_class=chosen.reason_class)))
+        return offered, offered[-1]
+    return offered, cold(f"no nomination: {chosen.reason}", chosen.reason_class,
+                         shared_segments=chosen.shared_segments)

@@ -12,7 +12,10 @@ The same class holds the disk tier's records (memrad.engine.state.disk): there `
 Invariants, checked on park:
   - a session's prompt checkpoint is never past its committed tokens;
   - every listed checkpoint lies within the committed tokens;
-  - bytes_parked <= max_bytes and len(sessions) <= max_sessions.
+  - bytes_parked <= max_bytes and len(sessions) <= max_sessions;
+  - a name (within a namespace) holds at most sessions_per_name sessions: a name is a set
+    of conversations (a main agent, its sub-agents, side queries), and one busy name must
+    not push every other conversation out. Unnamed sessions have no such cap.
 """
 
 from __future__ import annotations
@@ -84,9 +87,10 @@ class ParkingStats:
 
 
 class ReusePool:
-    def __init__(self, max_sessions: int, max_bytes: int) -> None:
+    def __init__(self, max_sessions: int, max_bytes: int, sessions_per_name: int | None = None) -> None:
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
+        self.sessions_per_name = sessions_per_name  # None: no cap per name
         self._sessions: OrderedDict[str, ParkedSession] = OrderedDict()  # LRU first
         self._lock = threading.Lock()
         self._index = PrefixIndex()
@@ -141,7 +145,8 @@ class ReusePool:
         return self.max_sessions >= 1 and num_bytes <= self.max_bytes
 
     def park(self, session: ParkedSession, replaces: str | None = None) -> list[ParkedSession]:
-        """Add `session` (dropping `replaces` first); evict LRU sessions until it fits.
+        """Add `session` (dropping `replaces` first); evict LRU sessions until it fits: first
+        within its name (sessions_per_name), then across the pool (count and byte caps).
 
         Returns the evicted sessions (not counting the replaced one).
         """
@@ -153,6 +158,7 @@ class ReusePool:
         with self._lock:
             if replaces is not None:
                 self._drop(replaces)
+            evicted += self._evict_within_name(session)
             used = sum(s.num_bytes for s in self._sessions.values())
             while self._sessions and (len(self._sessions) >= self.max_sessions
                                       or used + session.num_bytes > self.max_bytes):
@@ -162,6 +168,17 @@ class ReusePool:
             self._sessions[session.session_id] = session
             self._index.add(session.session_id, session.namespace, session.token_ids)
         return evicted
+
+    def _evict_within_name(self, session: ParkedSession) -> list[ParkedSession]:
+        """Drop the name's least recently used sessions until `session` fits its name's cap;
+        the caller holds the lock."""
+        name = session.identity.name if session.identity is not None else None
+        if name is None or self.sessions_per_name is None:
+            return []
+        same = [sid for sid, s in self._sessions.items()  # LRU first
+                if s.namespace == session.namespace and s.identity is not None and s.identity.name == name]
+        excess = len(same) - max(self.sessions_per_name - 1, 0)
+        return [self._drop(sid) for sid in same[:max(excess, 0)]]
 
     def remove(self, session_id: str) -> ParkedSession | None:
         with self._lock:

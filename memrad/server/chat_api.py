@@ -18,11 +18,12 @@ from typing import Any, Literal
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion
+from memrad.server.decoding import logprob_entries
 from memrad.server.errors import invalid
 from memrad.server.serving import Event, decision_field
 from memrad.server.tools import (OPENAI_MODES, ToolChoice, ToolMode, ToolParts, function_tools, tool_call,
                                  tool_choice_of)
-from memrad.server.validate import ParsedRequest, boolean, common, joined_text, object_body, unsupported
+from memrad.server.validate import Notes, ParsedRequest, boolean, common, joined_text, object_body, unsupported
 
 Kind = Literal["chat", "completion"]
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -36,11 +37,13 @@ def parse_chat(body: Any, header_session_id: str | None) -> ParsedRequest:
     body = object_body(body)
     tools = chat_tools(body.get("tools"))
     parallel = boolean(body, "parallel_tool_calls")
+    notes = Notes()
     return ParsedRequest(
-        messages=_messages(body.get("messages")),
+        messages=_messages(body.get("messages"), notes),
         tools=tools,
         tool_choice=chat_tool_choice(body.get("tool_choice"), tools),
         parallel_tool_calls=True if parallel is None else parallel,
+        notes=notes.items(),
         **common(body, header_session_id, max_tokens_keys=("max_completion_tokens", "max_tokens")),
     )
 
@@ -50,19 +53,37 @@ def parse_completion(body: Any, header_session_id: str | None) -> ParsedRequest:
     unsupported(body, "echo", (None, False), "echo is not supported")
     unsupported(body, "suffix", (None, ""), "suffix (fill-in-the-middle) is not supported")
     unsupported(body, "best_of", (None, 1), "best_of must be 1")
+    unsupported(body, "logprobs", (None, False, 0), "logprobs are not supported on /v1/completions")
     return ParsedRequest(prompt=_prompt(body.get("prompt")),
                          **common(body, header_session_id, max_tokens_keys=("max_tokens",)))
 
 
-def _messages(value: Any) -> tuple[dict, ...]:
+def _messages(value: Any, notes: Notes) -> tuple[dict, ...]:
     if value is None:
         raise invalid("messages is required: a non-empty array of {role, content} objects", "messages")
     if not isinstance(value, list) or not value:
         raise invalid("messages must be a non-empty array of {role, content} objects", "messages")
-    return tuple(_message(m, i) for i, m in enumerate(value))
+    out = []
+    unanswered: list[str] = []  # the latest assistant turn's call ids no tool message answered yet
+    for i, m in enumerate(value):
+        message = _message(m, i, notes)
+        if message["role"] == "assistant":
+            unanswered = [call["id"] for call in message.get("tool_calls", ())]
+        elif message["role"] == "tool":
+            if "tool_call_id" not in message:
+                # Some clients leave the id out: results answer the calls in order.
+                if not unanswered:
+                    raise invalid(f"messages[{i}].tool_call_id is required: no earlier tool call is left "
+                                  "unanswered to pair this result with", f"messages[{i}].tool_call_id")
+                message["tool_call_id"] = unanswered[0]
+                notes.add("tool messages without tool_call_id were paired with the calls in order")
+            if message["tool_call_id"] in unanswered:
+                unanswered.remove(message["tool_call_id"])
+        out.append(message)
+    return tuple(out)
 
 
-def _message(message: Any, i: int) -> dict:
+def _message(message: Any, i: int, notes: Notes) -> dict:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise invalid(f"{where} must be an object with role and content", where)
@@ -75,9 +96,9 @@ def _message(message: Any, i: int) -> dict:
     if tool_calls is not None:
         if role != "assistant":
             raise invalid(f"{where}.tool_calls must be an array on an assistant message", f"{where}.tool_calls")
-    if content is None and not (role == "assistant" and tool_calls):
+    if content is None and role != "assistant":
         raise invalid(f"{where}.content is required", f"{where}.content")
-    out["content"] = joined_text(content, f"{where}.content") if content is not None else ""
+    out["content"] = joined_text(content, f"{where}.content", notes=notes) if content is not None else ""
     if tool_calls:
         out["tool_calls"] = chat_tool_calls(tool_calls, f"{where}.tool_calls")
     keys = {"assistant": ("reasoning_content",), "tool": ("tool_call_id",)}.get(role, ("name",))
@@ -86,9 +107,6 @@ def _message(message: Any, i: int) -> dict:
             if not isinstance(message[key], str):
                 raise invalid(f"{where}.{key} must be a string", f"{where}.{key}")
             out[key] = message[key]
-    if role == "tool" and "tool_call_id" not in out:
-        raise invalid(f"{where}.tool_call_id is required: the id of the call this result answers",
-                      f"{where}.tool_call_id")
     return out
 
 
@@ -193,8 +211,9 @@ class Envelope:
     def whole(self, c: Completion, reply: Reply | None = None) -> dict:
         if self.kind == "chat":
             reply = reply if reply is not None else Reply(c.text, None, ())
-            choice = {"index": 0, "message": chat_message(reply), "logprobs": None,
-                      "finish_reason": finish_reason(c, reply)}
+            choice = {"index": 0, "message": chat_message(reply), "finish_reason": finish_reason(c, reply),
+                      "logprobs": None if c.logprobs is None else {"content": logprob_entries(c.logprobs),
+                                                                   "refusal": None}}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage(c)}
         choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": finish_reason(c)}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage(c)}
@@ -226,11 +245,13 @@ class OpenAIShape:
 
     envelope: Envelope
     include_usage: bool
+    notes: tuple[str, ...] = ()
 
     def opening(self, decision: Decision | None) -> list[Event]:
         if self.envelope.kind != "chat":
             return []
-        return [(None, self.envelope.chunk(first=True, with_usage_field=self.include_usage))]
+        return [(None, {**self.envelope.chunk(first=True, with_usage_field=self.include_usage),
+                        **decision_field(decision, self.notes)})]
 
     def deltas(self, delta: ReplyDelta) -> list[Event]:
         chunk = lambda **kw: (None, self.envelope.chunk(with_usage_field=self.include_usage, **kw))  # noqa: E731
@@ -254,7 +275,7 @@ class OpenAIShape:
 
     def whole(self, reply: Reply, c: Completion, decision: Decision | None) -> dict:
         return {**self.envelope.whole(c, reply if self.envelope.kind == "chat" else None),
-                **decision_field(decision)}
+                **decision_field(decision, self.notes)}
 
     def stream_error(self, body: dict) -> list[Event]:
         return [(None, body)]

@@ -27,6 +27,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from memrad.loglines import clean
+from memrad.private import open_private
 from memrad.protocol import Dropped, ProtocolError, StateSnapshot, to_line
 
 log = logging.getLogger("memrad.control")
@@ -48,7 +50,8 @@ class EventBus:
         self._loop = loop
         self._queue_size = queue_size
         self._subscribers: set[_Subscriber] = set()
-        self._record = open(record_path, "ab") if record_path is not None else None
+        # A recording holds prompt text: 0600, in a folder created 0700 (memrad.private).
+        self._record = open_private(record_path, "ab") if record_path is not None else None
         self.published = 0
 
     def publish_threadsafe(self, event: object) -> None:
@@ -100,7 +103,7 @@ class ControlServer:
         remove_stale_socket(self.path)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
-            self._server = await asyncio.start_unix_server(self._handle, path=str(self.path))
+            self._server = await asyncio.start_unix_server(self._handle, path=str(self.path), limit=LINE_LIMIT)
         finally:
             os.umask(old_umask)
         os.chmod(self.path, 0o600)
@@ -118,7 +121,16 @@ class ControlServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._clients.add(writer)
         try:
-            while line := await reader.readline():
+            while True:
+                try:
+                    line = await reader.readline()
+                except ValueError:  # over the reader's limit: the rest of the line cannot be told apart
+                    writer.write(to_line(ProtocolError(f"request line longer than {LINE_LIMIT} bytes; the "
+                                                       f"connection is closed. {USAGE}")))
+                    await writer.drain()
+                    return
+                if not line:
+                    return
                 op, error = parse_op(line)
                 if op == "snapshot":
                     writer.write(to_line(self._snapshot()))
@@ -191,6 +203,7 @@ def remove_stale_socket(path: Path) -> bool:
 
 
 OPS = ("snapshot", "subscribe")
+LINE_LIMIT = 64 * 1024  # a request line is a few bytes; anything past this is refused
 USAGE = 'send {"op": "snapshot"} or {"op": "subscribe"}, one JSON object per line'
 
 
@@ -200,7 +213,9 @@ def parse_op(line: bytes) -> tuple[str | None, str]:
         request = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None, f"malformed request (not JSON); {USAGE}"
+    except RecursionError:
+        return None, f"the request nests too deeply to parse; {USAGE}"
     op = request.get("op") if isinstance(request, dict) else None
     if op in OPS:
         return op, ""
-    return None, f"unknown op {op!r}; {USAGE}"
+    return None, f"unknown op {clean(repr(op), 80)}; {USAGE}"

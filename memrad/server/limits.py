@@ -18,13 +18,12 @@ from aiohttp import web
 
 from memrad.config import LimitSettings
 from memrad.server.errors import APIError, invalid
-
-MAX_STOPS = 4
+from memrad.server.validate import MAX_STOP_SEQUENCES, MAX_STOPS
 # Levels of the body around a tool's schema (body > tools > [i] > function > parameters):
 # the body may nest this much deeper than a schema.
 ENVELOPE_DEPTH = 8
 MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-STOP_KEYS = ("stop", "stop_sequences")
+STOP_KEYS = {"stop": MAX_STOPS, "stop_sequences": MAX_STOP_SEQUENCES}  # key -> most strings
 MESSAGE_KEYS = ("messages", "input")
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a "\ud83d"-style escape in the raw body
@@ -108,8 +107,8 @@ def check_body(body: Any, limits: Limits) -> None:
                 and value > limits.max_tokens):
             raise invalid(f"{key} is {value}; this server generates at most {limits.max_tokens} tokens per "
                           "request (limits.max_tokens)", key, code="max_tokens_too_large")
-    for key in STOP_KEYS:
-        _check_stops(body.get(key), key, limits)
+    for key, most in STOP_KEYS.items():
+        _check_stops(body.get(key), key, most, limits)
     seed = body.get("seed")
     if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise invalid(f"seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}; got {seed}", "seed")
@@ -121,12 +120,12 @@ def check_body(body: Any, limits: Limits) -> None:
                               "arrays (limits.max_schema_depth)", f"tools[{i}]", code="schema_too_deep")
 
 
-def _check_stops(value: Any, key: str, limits: Limits) -> None:
+def _check_stops(value: Any, key: str, most: int, limits: Limits) -> None:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list):
         return
-    if len(stops) > MAX_STOPS:
-        raise invalid(f"{key} has {len(stops)} strings; at most {MAX_STOPS} are accepted", key, code="too_many_stops")
+    if len(stops) > most:
+        raise invalid(f"{key} has {len(stops)} strings; at most {most} are accepted", key, code="too_many_stops")
     for i, stop in enumerate(stops):
         if isinstance(stop, str) and len(stop) > limits.max_stop_chars:
             raise invalid(f"{key} string {i} is {len(stop)} characters; at most {limits.max_stop_chars} are accepted "

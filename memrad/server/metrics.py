@@ -30,6 +30,8 @@ from memrad.protocol import DecisionEvent, EvictEvent, ParkEvent, TurnEvent
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKENS_PER_S = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 50000)
 CLIENT_GONE = "499"  # nginx's code for "the client closed the connection first"
+# Set on a request whose client left (memrad.server.serving).
+CLIENT_GONE_KEY = web.RequestKey("memra_client_gone", bool) if hasattr(web, "RequestKey") else "memra_client_gone"
 
 
 class Metrics:
@@ -60,6 +62,8 @@ class Metrics:
         self.spills = Counter("memra_spills", "Sessions the memory cap moved to the disk tier", registry=r)
         self.evictions = Counter("memra_evictions", "Parked sessions dropped (from memory without a disk copy, "
                                  "or from disk)", registry=r)
+        self.spill_failures = Counter("memra_spill_failures", "Evicted sessions whose write to the disk tier "
+                                      "failed: lost (the log says why)", registry=r)
         self._ledger: dict[str, int] = {}
         self._lock = threading.Lock()
         ProcessCollector(registry=r)
@@ -84,6 +88,8 @@ class Metrics:
                     self._ledger[event.session.session_id] = event.session.num_bytes
         elif isinstance(event, EvictEvent):
             self.evictions.inc()
+            if event.spill_failed is not None:
+                self.spill_failures.inc()
             with self._lock:
                 self._ledger.pop(event.session_id, None)
 
@@ -155,7 +161,8 @@ async def count_requests(request: web.Request, handler) -> web.StreamResponse:
     status: int | str = CLIENT_GONE
     try:
         response = await handler(request)
-        status = response.status
+        # A stream's status left as 200 before its client went: count what happened.
+        status = CLIENT_GONE if request.get(CLIENT_GONE_KEY) else response.status
         return response
     except web.HTTPException as exc:
         status = exc.status

@@ -4,8 +4,14 @@ Pure (no I/O, no engine). Input items map onto the internal chat messages:
 
     message (user/system/developer)   -> that role's message
     reasoning + message(assistant)    -> one assistant message with reasoning_content,
-      + function_call…                    content and tool_calls (in that order)
-    function_call_output              -> a tool message answering call_id
+      + function_call / custom_tool_call  content and tool_calls (in that order)
+    function_call_output,             -> a tool message answering call_id
+      custom_tool_call_output
+    any other kind (web_search_call…) -> skipped, with a note (it holds nothing to render)
+
+Tools: memrad.server.responses_tools. Output items are in one order, streamed or whole:
+reasoning, message, then the calls (as OpenAI orders them), so a client that re-sends
+`output` re-sends the same history either way.
 
 `instructions` becomes the leading system message of this request only (as OpenAI does, it
 is not carried over by previous_response_id). The decision reason rides in the response
@@ -16,18 +22,21 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, Identity
+from memrad.server.decoding import logprob_entries, responses_logprobs, responses_text_format
 from memrad.server.errors import invalid
 from memrad.server.response_store import StoredResponse
 from memrad.server.serving import Event, decision_field
-from memrad.server.tools import (OPENAI_MODES, ToolChoice, ToolMode, ToolParts, assistant_message, function_tools,
-                                 tool_call, tool_choice_of, tool_result)
-from memrad.server.validate import ParsedRequest, boolean, common, name_field, object_body
+from memrad.chat.reply import ToolCall
+from memrad.server.responses_tools import CUSTOM_INPUT, ResponsesTools, call_item, responses_tools
+from memrad.server.tools import (OPENAI_MODES, ToolChoice, ToolMode, assistant_message, tool_call, tool_choice_of,
+                                 tool_result)
+from memrad.server.validate import MEDIA_PARTS, Notes, ParsedRequest, boolean, common, name_field, object_body
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 
@@ -46,6 +55,7 @@ class ResponsesRequest:
     previous_response_id: str | None
     store: bool
     echo: dict  # tools, tool_choice, … as the client sent them, for the response object
+    tools: ResponsesTools = ResponsesTools(None)  # what the reply's calls map back to
 
 
 def parse_responses(body: Any, header_session_id: str | None,
@@ -65,16 +75,20 @@ def parse_responses(body: Any, header_session_id: str | None,
             raise invalid(f"previous_response_id {previous!r} is unknown: memrad keeps its recent responses in "
                           "memory only (lost on restart, oldest dropped first); send the whole conversation "
                           "as input instead", "previous_response_id")
-    history = (stored.messages if stored else ()) + tuple(input_messages(body.get("input")))
+    notes = Notes()
+    history = (stored.messages if stored else ()) + tuple(input_messages(body.get("input"), notes))
     messages = ((({"role": "system", "content": instructions},) if instructions else ()) + history)
-    tools = responses_tools(body.get("tools"))
+    kinds = responses_tools(body.get("tools"))
+    tools = kinds.tools
+    if kinds.left_out:
+        notes.add(f"built-in tools this model cannot run were left out: {', '.join(kinds.left_out)}")
     for key in ("text", "metadata"):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise invalid(f"{key} must be an object", key)
     text_format = (body.get("text") or {}).get("format")
-    if text_format is not None and not (isinstance(text_format, dict) and text_format.get("type") == "text"):
-        raise invalid('text.format is not supported except {"type": "text"}', "text.format")
     fields = common({**body, "stream_options": None}, header_session_id, max_tokens_keys=("max_output_tokens",))
+    fields["sampling"] = replace(fields["sampling"], constraint=responses_text_format(text_format),
+                                 logprobs=responses_logprobs(body))
     if fields["identity"] is None or fields["identity"].source == "x-session-id":
         # The conversation a previous response ran under names this one, unless the body names one.
         if stored is not None and stored.identity is not None:
@@ -83,17 +97,17 @@ def parse_responses(body: Any, header_session_id: str | None,
     store = boolean(body, "store")
     parsed = ParsedRequest(messages=messages, tools=tools, tool_choice=responses_tool_choice(body.get("tool_choice"),
                                                                                                tools),
-                           parallel_tool_calls=parallel is not False, **fields)
+                           parallel_tool_calls=parallel is not False, notes=notes.items(), **fields)
     echo = {"instructions": instructions, "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": parallel is not False,
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": previous,
             "metadata": body.get("metadata") or {}, "store": store is not False,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled"}
-    return ResponsesRequest(parsed, history, instructions, previous, store is not False, echo)
+            "text": {"format": text_format or {"type": "text"}}, "truncation": "disabled"}
+    return ResponsesRequest(parsed, history, instructions, previous, store is not False, echo, kinds)
 
 
-def input_messages(value: Any) -> list[dict]:
+def input_messages(value: Any, notes: Notes) -> list[dict]:
     """`input` (a string or an array of items) -> internal messages."""
     if isinstance(value, str):
         if not value:
@@ -120,7 +134,7 @@ def input_messages(value: Any) -> list[dict]:
             role = item.get("role")
             if role not in INPUT_ROLES:
                 raise invalid(f"{where}.role must be one of {', '.join(INPUT_ROLES)}; got {role!r}", f"{where}.role")
-            text = _text(item.get("content"), f"{where}.content")
+            text = _text(item.get("content"), f"{where}.content", notes)
             if role == "assistant":
                 current = assistant()
                 current["content"] = current["content"] + text
@@ -137,26 +151,42 @@ def input_messages(value: Any) -> list[dict]:
             text = _reasoning_text(item, where)
             if text:
                 current["reasoning_content"] = current.get("reasoning_content", "") + text
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            # A custom call renders as the one-string function it was offered as (responses_tools).
+            arguments = item.get("arguments", "{}") if kind == "function_call" else {CUSTOM_INPUT: _input(item, where)}
             calls = assistant().setdefault("tool_calls", [])
-            calls.append(tool_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), where))
-        elif kind == "function_call_output":
+            calls.append(tool_call(item.get("call_id"), item.get("name"), arguments, where))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             turn = None
-            out.append(tool_result(item.get("call_id"), _text(item.get("output"), f"{where}.output"), where))
+            out.append(tool_result(item.get("call_id"), _text(item.get("output"), f"{where}.output", notes), where))
+        elif isinstance(kind, str):
+            # Built-in tool calls (web_search_call, …), item references, compaction items: nothing
+            # a local model's template can write. Skipped the same way every time.
+            notes.add(f"input items of type {kind!r} were skipped: memrad renders message, reasoning, "
+                      "function_call, custom_tool_call and their outputs")
         else:
-            raise invalid(f"{where} has type {kind!r}; memrad accepts message, reasoning, function_call and "
-                          "function_call_output items", where)
+            raise invalid(f"{where}.type must be a string", f"{where}.type")
     return out
 
 
-def _text(content: Any, where: str) -> str:
+def _input(item: dict, where: str) -> str:
+    value = item.get("input")
+    if not isinstance(value, str):
+        raise invalid(f"{where}.input must be a string: a custom tool call's whole input", f"{where}.input")
+    return value
+
+
+def _text(content: Any, where: str, notes: Notes) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if (not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text")
-                    or not isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                texts.append(notes.placeholder(MEDIA_PARTS[kind]))
+                continue
+            if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
                 raise invalid(f"{where}[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}}): "
                               "this model accepts text only", f"{where}[{j}]")
             texts.append(part["text"])
@@ -176,19 +206,6 @@ def _reasoning_text(item: dict, where: str) -> str:
     return ""
 
 
-def responses_tools(value: Any) -> tuple[dict, ...] | None:
-    """Function tools, flat as Responses sends them: {"type": "function", "name", "parameters"}."""
-    return function_tools(value, "function tools", _tool)
-
-
-def _tool(tool: Any, where: str) -> ToolParts:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        raise invalid(f"{where} has type {kind!r}: memrad serves function tools only "
-                      "(no built-in web_search, file_search, …)", where)
-    return tool.get("name"), tool.get("description"), tool.get("parameters")
-
-
 def responses_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolChoice:
     """"auto" | "none" | "required" | {"type": "function", "name"}."""
     return tool_choice_of(value, tools, _named_choice, '"auto", "none", "required" or {"type": "function", '
@@ -196,7 +213,7 @@ def responses_tool_choice(value: Any, tools: tuple[dict, ...] | None) -> ToolCho
 
 
 def _named_choice(value: dict) -> tuple[ToolMode, Any] | None:
-    return ("function", value.get("name")) if value.get("type") == "function" else None
+    return ("function", value.get("name")) if value.get("type") in ("function", "custom") else None
 
 
 def usage(c: Completion) -> dict:
@@ -206,19 +223,15 @@ def usage(c: Completion) -> dict:
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    # encrypted_content null: Codex re-sends a reasoning item verbatim, content included.
     return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}
+            "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None}
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" \
         else []
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
-
-
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
 
 
 @dataclass
@@ -230,9 +243,11 @@ class ResponsesShape:
     response_id: str
     model: str
     created_at: int = field(default_factory=lambda: int(time.time()))
+    notes: tuple[str, ...] = ()  # for the `memra` field (validate.Notes)
     decision: Decision | None = None
     items: list[dict] = field(default_factory=list)  # finished output items
     _open: dict | None = None  # the reasoning or message item being streamed
+    _calls: list[ToolCall] = field(default_factory=list)  # calls held back until the text items close
     _text: str = ""
     _seq: int = 0
 
@@ -246,7 +261,7 @@ class ResponsesShape:
                 "status": "incomplete" if incomplete else status, "output": list(self.items),
                 "usage": usage(c) if c is not None else None, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                **self.request.echo, **decision_field(self.decision)}
+                **self.request.echo, **decision_field(self.decision, self.notes)}
 
     def opening(self, decision: Decision | None) -> list[Event]:
         self.decision = decision
@@ -289,20 +304,11 @@ class ResponsesShape:
 
     def deltas(self, delta: ReplyDelta) -> list[Event]:
         if delta.kind == "tool_call":
-            call = delta.call
-            assert call is not None
-            events = self._close()
-            index, item_id = len(self.items), "fc_" + secrets.token_hex(12)
-            added = _call_item(item_id, call.id, call.name, "", "in_progress")
-            done = _call_item(item_id, call.id, call.name, call.arguments, "completed")
-            self.items.append(done)
-            return events + [
-                self._event("response.output_item.added", output_index=index, item=added),
-                self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                            delta=call.arguments),
-                self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                            name=call.name, arguments=call.arguments),
-                self._event("response.output_item.done", output_index=index, item=done)]
+            # Held back: calls follow the reasoning and message items (OpenAI's order, and the
+            # order of a whole response), even where the model writes text after a call.
+            assert delta.call is not None
+            self._calls.append(delta.call)
+            return []
         events = [] if self._open is not None and self._open["type"] == _ITEM[delta.kind] else self._start(
             delta.kind)
         assert self._open is not None
@@ -312,8 +318,31 @@ class ResponsesShape:
         return events + [self._event(kind, item_id=self._open["id"], output_index=len(self.items), content_index=0,
                                      delta=delta.text, **extra)]
 
+    def _call_events(self) -> list[Event]:
+        events: list[Event] = []
+        for call in self._calls:
+            index, tools = len(self.items), self.request.tools
+            item_id = ("ctc_" if call.name in tools.custom else "fc_") + secrets.token_hex(12)
+            done = call_item(tools, item_id, call, "completed", done=True)
+            events.append(self._event("response.output_item.added", output_index=index,
+                                      item=call_item(tools, item_id, call, "in_progress", done=False)))
+            if done["type"] == "custom_tool_call":
+                events += [self._event("response.custom_tool_call_input.delta", item_id=item_id, output_index=index,
+                                       delta=done["input"]),
+                           self._event("response.custom_tool_call_input.done", item_id=item_id, output_index=index,
+                                       input=done["input"])]
+            else:
+                events += [self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                                       delta=call.arguments),
+                           self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                                       name=call.name, arguments=call.arguments)]
+            events.append(self._event("response.output_item.done", output_index=index, item=done))
+            self.items.append(done)
+        self._calls = []
+        return events
+
     def closing(self, reply: Reply, c: Completion) -> list[Event]:
-        events = self._close()
+        events = self._close() + self._call_events()
         final = self.response("completed", c)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=final)]
@@ -324,13 +353,21 @@ class ResponsesShape:
             if text:
                 self.deltas(ReplyDelta(kind, text))  # type: ignore[arg-type]
         self._close()
-        for index, call in enumerate(reply.tool_calls):
-            self.deltas(ReplyDelta("tool_call", call=call, index=index))
-        return self.response("completed", c)
+        self._calls = list(reply.tool_calls)
+        self._call_events()
+        response = self.response("completed", c)
+        if c.logprobs is not None:  # every generated token's, on the reply's text part
+            for part in (p for item in response["output"] if item["type"] == "message" for p in item["content"]):
+                part["logprobs"] = logprob_entries(c.logprobs)
+        return response
 
     def stream_error(self, body: dict) -> list[Event]:
+        """An `error` event, then `response.failed`: Codex acts on the latter's error.code
+        (context_length_exceeded is final; anything else is retried)."""
         error = body.get("error", {})
-        return [self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))]
+        failed = {**self.response("failed"), "error": {"code": error.get("code"), "message": error.get("message")}}
+        return [self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param")),
+                self._event("response.failed", response=failed)]
 
 
 _ITEM = {"reasoning": "reasoning", "content": "message"}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -78,12 +79,20 @@ def bind_refusal(security: SecuritySettings, host: str) -> str | None:
             "pass --allow-remote-without-key")
 
 
-def host_name(host_header: str) -> str:
-    """`Host` without its port: "127.0.0.1:8765" -> "127.0.0.1", "[::1]:80" -> "[::1]"."""
-    host = host_header.strip().lower()
-    if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+HOST_PORT = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[^\[\]:\s]+)(?::(?P<port>[0-9]{1,5}))?")
+
+
+def host_name(host_header: str) -> str | None:
+    """`Host` without its port: "127.0.0.1:8765" -> "127.0.0.1", "[::1]:80" -> "[::1]". None
+    for anything malformed: a port that is not a number in 1..65535 (`127.0.0.1:abc`),
+    text after an IPv6 literal's bracket (`[::1]evil`), an empty name."""
+    match = HOST_PORT.fullmatch(host_header.strip().lower())
+    if match is None:
+        return None
+    port = match.group("port")
+    if port is not None and not 0 < int(port) <= 65535:
+        return None
+    return match.group("name")
 
 
 def origin_allowed(origin: str, host_header: str, policy: AccessPolicy) -> bool:
@@ -103,9 +112,18 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return headers.get("x-api-key") or None
 
 
-def key_matches(presented: str | None, expected: str) -> bool:
-    """Constant-time in the key's content (hmac.compare_digest), whatever was presented."""
-    return hmac.compare_digest((presented or "").encode(), expected.encode())
+def as_bytes(value: str | bytes | None) -> bytes:
+    """A header value's bytes as they came. aiohttp decodes headers as UTF-8 with
+    surrogateescape, so a non-UTF-8 byte comes back as itself, never as an encode error."""
+    if isinstance(value, bytes):
+        return value
+    return (value or "").encode("utf-8", "surrogateescape")
+
+
+def key_matches(presented: str | bytes | None, expected: str) -> bool:
+    """Compared as bytes, in constant time in the key's content (hmac.compare_digest),
+    whatever was presented (a malformed key is just a wrong one: 401)."""
+    return hmac.compare_digest(as_bytes(presented), expected.encode("utf-8"))
 
 
 def refusal(method: str, path: str, headers: Mapping[str, str], policy: AccessPolicy) -> APIError | None:

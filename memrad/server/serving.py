@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,8 +26,12 @@ from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyBuilder, ReplyDelta, plain_reply_deltas
 from memrad.request import Completion, GenerationRequest
 from memrad.scheduler import Job, QueueFull, ShuttingDown
+from memrad.server.connections import connection_of
 from memrad.server.context import ServerContext
+from memrad.server.decoding import reply_sampling
 from memrad.server.errors import APIError, ErrorStyle, error_style, invalid, server_error, unavailable
+from memrad.server.metrics import CLIENT_GONE, CLIENT_GONE_KEY
+from memrad.server.tools import tool_names
 from memrad.server.validate import ParsedRequest
 
 log = logging.getLogger("memrad.server")
@@ -53,8 +57,17 @@ class ReplyParserLike(Protocol):
     def finish(self) -> list[ReplyDelta]: ...
 
 
-# How often a waiting handler checks whether its client went away.
+# How often a handler checks whether its client went away when its connection is not
+# memrad's (aiohttp's test server); memrad's own connections report it as an event.
 DISCONNECT_POLL_S = 0.05
+# The longest a stream stays silent: a keepalive follows while prefill or a queue holds the
+# first token back (clients' first-byte timeouts: Claude Code re-sends after ~300 s).
+KEEPALIVE_S = 15.0
+# How long a stream's headers wait for the reuse decision (made before any prefill).
+DECISION_WAIT_S = 0.5
+# Probes after the peer's EOF: loopback resets arrive in microseconds, a LAN's in milliseconds.
+PROBE_DELAYS_S = (0.0, 0.02, 0.1, 0.5, 2.0)
+PROBE = b": probe\n\n"
 
 
 def check_context(num_prompt: int, max_tokens: int | None, context_len: int) -> None:
@@ -78,8 +91,11 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
     """Queue the generation and answer in `shape`, streamed or whole. `parse`: run the reply
     through the model's reply parser (chat APIs); `on_finished` hears the whole reply."""
     check_context(len(ids), parsed.sampling.max_tokens, ctx.engine.context_len)
+    choice = parsed.tool_choice
+    sampling = reply_sampling(ctx.engine.chat, parsed.sampling, parsed.tools if parsed.parse_tools else None,
+                              choice.mode, choice.name, parsed.parallel_tool_calls)
     gen = GenerationRequest(request_id=request_id, model=ctx.engine.model_id, prompt_ids=tuple(ids),
-                            prompt_text=text, sampling=parsed.sampling, identity=parsed.identity,
+                            prompt_text=text, sampling=sampling, identity=parsed.identity,
                             cache_salt=parsed.cache_salt)
     try:
         job = ctx.scheduler.submit(gen)
@@ -89,7 +105,7 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
                        headers={"Retry-After": str(full.retry_after_s)}) from None
     except ShuttingDown:
         raise unavailable("memrad is shutting down; start it again with `memrad start`") from None
-    parser = ctx.engine.chat.parser(text, parsed.parse_tools) if parse else None
+    parser = ctx.engine.chat.parser(text, parsed.parse_tools, frozenset(tool_names(parsed.tools))) if parse else None
     run = _Run(request_id, shape, parser, on_finished, error_style(request.path))
     watch = _ClientWatch(request, job)
     try:
@@ -97,13 +113,18 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
             return await _stream(request, run, job, watch)
         return await _whole(run, job, watch)
     finally:
+        watch.close()
         if not job.result.done():
             job.cancel()  # the handler is leaving early (error or cancellation)
 
 
-def decision_field(decision: Decision | None) -> dict:
-    """The `memra` field every API's object carries: the reuse decision's one rendering."""
-    return {"memra": {"decision": decision.render()}} if decision is not None else {}
+def decision_field(decision: Decision | None, notes: tuple[str, ...] = ()) -> dict:
+    """The `memra` field every API's object carries: the reuse decision's one rendering, and
+    what memrad left out of or changed in the request (validate.Notes)."""
+    field: dict = {"decision": decision.render()} if decision is not None else {}
+    if notes:
+        field["notes"] = list(notes)
+    return {"memra": field} if field else {}
 
 
 DECISION_HEADER = "x-memra-decision"
@@ -118,42 +139,84 @@ def decision_header(decision: Decision | None) -> dict[str, str]:
     return {DECISION_HEADER: "".join(c if c.isprintable() else repr(c)[1:-1] for c in ascii_text)}
 
 
-class _ClientWatch:
-    """Relays a job's items and cancels the job as soon as the client is gone.
+# Why a wait for the job's next item ended without one.
+IDLE = object()
 
-    A job yields its reuse Decision first, then text deltas; `items()` yields both.
+
+class _ClientWatch:
+    """Relays a job's items and cancels the job the moment the client is gone.
+
+    A job yields its reuse Decision first, then text deltas, then None. Through memrad's
+    listener (memrad.server.connections) the connection reports its loss as an event, so the
+    cancel reaches the engine before its next prefill chunk or decode step, however fast
+    tokens flow; a request from another listener is checked on every item and every
+    DISCONNECT_POLL_S. After the peer's EOF (a half-close, or a full close) `probe` writes
+    a few bytes: a peer that closed fully answers them with a reset, which the next probe
+    turns into the loss event; a half-closed one reads them and is served.
     """
 
     def __init__(self, request: web.Request, job: Job) -> None:
         self.request = request
         self.job = job
         self.gone = False
+        self.conn = connection_of(request)
+        # Before a response starts, an interim response; a stream swaps in an SSE comment.
+        self.probe: Callable[[], Awaitable[None]] = self._interim_probe
+        self._getter: asyncio.Future | None = None
+        self._prober: asyncio.Task | None = None
+        if self.conn is not None:
+            self.conn.on_gone(self.mark_gone)
+            self.conn.on_eof(self._start_probing)
 
     def client_gone(self) -> bool:
+        if self.conn is not None:
+            return self.conn.gone
         transport = self.request.transport
         return transport is None or transport.is_closing()
 
     def mark_gone(self) -> None:
-        self.gone = True
-        self.job.cancel()
+        if not self.gone:
+            self.gone = True
+            self.request[CLIENT_GONE_KEY] = True
+            self.job.cancel()
 
-    async def items(self) -> AsyncIterator[Decision | str]:
-        getter: asyncio.Future | None = None
-        try:
-            while True:
-                getter = getter or asyncio.ensure_future(self.job.deltas.get())
-                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-                if not done:
-                    if not self.gone and self.client_gone():
-                        self.mark_gone()
-                    continue
-                item, getter = getter.result(), None
-                if item is None:
-                    return
-                yield item
-        finally:
-            if getter is not None:
-                getter.cancel()
+    async def next_item(self, timeout_s: float) -> Decision | str | None | object:
+        """The job's next item, None at its end, or IDLE when none came within `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            self._getter = self._getter or asyncio.ensure_future(self.job.deltas.get())
+            left = deadline - loop.time()
+            wait = left if self.conn is not None else min(left, DISCONNECT_POLL_S)
+            done, _ = await asyncio.wait({self._getter}, timeout=max(0.0, wait))
+            if self.conn is None and not self.gone and self.client_gone():
+                self.mark_gone()
+            if done:
+                item, self._getter = self._getter.result(), None
+                return item
+            if loop.time() >= deadline:
+                return IDLE
+
+    def _start_probing(self) -> None:
+        self._prober = asyncio.ensure_future(self._probe_after_eof())
+
+    async def _probe_after_eof(self) -> None:
+        for delay in PROBE_DELAYS_S:
+            await asyncio.sleep(delay)
+            if self.gone or self.job.result.done():
+                return
+            await self.probe()
+
+    async def _interim_probe(self) -> None:
+        # RFC 9110 15.2: a client must accept 1xx responses it did not ask for (not HTTP/1.0).
+        transport = self.request.transport
+        if transport is not None and self.request.version >= (1, 1):
+            transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def close(self) -> None:
+        for waiter in (self._getter, self._prober):
+            if waiter is not None:
+                waiter.cancel()
 
 
 @dataclass
@@ -183,13 +246,15 @@ class _Run:
 
 async def _whole(run: _Run, job: Job, watch: _ClientWatch) -> web.Response:
     decision = None
-    async for item in watch.items():
+    while (item := await watch.next_item(KEEPALIVE_S)) is not None:
         if isinstance(item, Decision):
             decision = item
-        else:
+        elif isinstance(item, str):
             run.feed(item)
     completion = await job.result
     _log_request(run.request_id, job, completion, stream=False, gone=watch.gone)
+    if watch.gone:
+        return web.Response(status=int(CLIENT_GONE))  # nobody reads it; /metrics counts a 499
     if completion is None or completion.finish_reason == "cancelled":
         raise unavailable("the request was cancelled because memrad is shutting down")
     _, reply = run.finish(completion)
@@ -202,45 +267,62 @@ def sse(payload: dict | str, event: str | None = None) -> bytes:
     return f"{head}data: {data}\n\n".encode()
 
 
+# Messages clients expect `ping` events; SSE comment lines are ignored by every SSE parser.
+KEEPALIVES: dict[ErrorStyle, bytes] = {"openai": b": keepalive\n\n", "anthropic": sse({"type": "ping"}, "ping")}
+
+
 async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch) -> web.StreamResponse:
-    items = watch.items()
-    # The decision comes before any prefill work, so waiting for it delays nothing.
-    first = await anext(items, None)
+    # The decision comes before any prefill work, so a running job's is here within
+    # milliseconds and rides in the headers; a queued job's headers leave without it.
+    first = await watch.next_item(DECISION_WAIT_S)
     decision = first if isinstance(first, Decision) else None
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **decision_header(decision)})
     await response.prepare(request)
     shape = run.shape
+    keepalive = KEEPALIVES[run.style]
+
+    async def write(data: bytes) -> None:
+        if watch.gone:
+            return
+        try:
+            await response.write(data)
+        except (ConnectionError, RuntimeError):
+            watch.mark_gone()
 
     async def send(events: list[Event]) -> None:
         for event, payload in events:
-            if watch.gone:
-                return
-            try:
-                await response.write(sse(payload, event))
-            except (ConnectionError, RuntimeError):
-                watch.mark_gone()
+            await write(sse(payload, event))
 
     async def send_deltas(deltas: list[ReplyDelta]) -> None:
         for delta in deltas:
             await send(shape.deltas(delta))
 
+    watch.probe = lambda: write(PROBE)
     await send(shape.opening(decision))
-    if isinstance(first, str):
-        await send_deltas(run.feed(first))
-    async for item in items:
+    item = first
+    while item is not None:
         if isinstance(item, str):
             await send_deltas(run.feed(item))
+        elif item is IDLE:
+            await write(keepalive)  # prefill or a queue: keep first-byte and idle timers quiet
+        item = await watch.next_item(KEEPALIVE_S)
     try:
         completion = await job.result
     except Exception as exc:
-        log.exception("request %s failed while streaming", run.request_id)
+        # The status line already left as 200: the failure is the stream's error event.
+        log.exception("%s failed %s %s while streaming: 500 generation failed: %s", run.request_id,
+                      request.method, request.path, exc)
         await send(shape.stream_error(server_error(f"generation failed: {exc}").body(run.style)))
         return response
     _log_request(run.request_id, job, completion, stream=True, gone=watch.gone)
+    if watch.gone:
+        return response
     if completion is None or completion.finish_reason == "cancelled":
-        await send(shape.stream_error(
-            unavailable("the request was cancelled because memrad is shutting down").body(run.style)))
+        cancelled = unavailable("the request was cancelled because memrad is shutting down")
+        log.warning("%s failed %s %s while streaming: %d %s", run.request_id, request.method, request.path,
+                    cancelled.status, cancelled.message)
+        await send(shape.stream_error(cancelled.body(run.style)))
         return response
     deltas, reply = run.finish(completion)
     await send_deltas(deltas)

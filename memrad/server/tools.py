@@ -25,8 +25,8 @@ ToolMode = Literal["auto", "none", "required", "function"]
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
     """What the client asked the model to do with its tools. `none` turns tool-call parsing
-    off; `required` and `function` open the reply as a call (of the named function), since
-    memrad does not constrain decoding (memrad.chat.format.call_opening)."""
+    off; `required` and `function` open the reply as a call (of the named function,
+    memrad.chat.format.call_opening) whose rest is constrained (memrad.chat.grammar)."""
 
     mode: ToolMode = "auto"
     name: str | None = None  # the function a `function` choice names
@@ -100,7 +100,12 @@ def tool_choice_of(value: Any, tools: tuple[dict, ...] | None, named: Callable[[
 
 
 def tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
-    """One call in the internal shape. `arguments`: JSON text of an object, or the object."""
+    """One call in the internal shape. `arguments`: JSON text of an object, or the object.
+
+    Arguments that are not an object's JSON (a model's malformed call, echoed back by the
+    client) are kept as sent: the template writes them as a JSON string, the same bytes
+    every turn, instead of refusing a history the client cannot change.
+    """
     if not isinstance(call_id, str) or not call_id:
         raise invalid(f"{where} needs a non-empty call id", where)
     if not isinstance(name, str) or not name:
@@ -109,13 +114,11 @@ def tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
         try:
             parsed = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
-            raise invalid(f"{where}'s arguments are not valid JSON: send the JSON text of an object", where) from None
+            parsed = None
+        text = json.dumps(parsed, ensure_ascii=False) if isinstance(parsed, dict) else arguments
     else:
-        parsed = arguments
-    if not isinstance(parsed, dict):
-        raise invalid(f"{where}'s arguments must be a JSON object", where)
-    return {"id": call_id, "type": "function",
-            "function": {"name": name, "arguments": json.dumps(parsed, ensure_ascii=False)}}
+        text = json.dumps(arguments, ensure_ascii=False)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
 
 
 def assistant_message(content: str, tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:

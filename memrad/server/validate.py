@@ -7,15 +7,43 @@ ParsedRequest with these. Pure: no engine, no aiohttp. Every rejection names the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from memrad.request import Identity, SamplingParams
+from memrad.server.decoding import chat_logprobs, chat_response_format, sampling_fields
 from memrad.server.errors import invalid
 from memrad.server.tools import ToolChoice
 
 MAX_NAME_CHARS = 256
-MAX_STOPS = 4
+MAX_STOPS = 4  # OpenAI's `stop`
+# Anthropic's `stop_sequences` has no small limit (Claude Code's SDK sends more than 4);
+# memrad bounds it only so the stop matcher's work per token stays small.
+MAX_STOP_SEQUENCES = 32
+# What a text model sees in place of an image, a file or a document block.
+PLACEHOLDERS = {"image": "[image omitted: this model reads text only]",
+                "file": "[file omitted: this model reads text only]",
+                "document": "[document omitted: this model reads text only]"}
+
+
+class Notes:
+    """What memrad changed or left out of a request, said in the reply's `memra` field.
+    Ordered and without repeats, so the same request always carries the same notes."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, None] = {}
+
+    def add(self, text: str) -> None:
+        self._items.setdefault(text, None)
+
+    def placeholder(self, kind: str) -> str:
+        """The placeholder text for a `kind` part ("image", "file", "document"), noting it."""
+        self.add(f"{kind} parts were replaced by the text {PLACEHOLDERS[kind]!r}")
+        return PLACEHOLDERS[kind]
+
+    def items(self) -> tuple[str, ...]:
+        return tuple(self._items)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +65,7 @@ class ParsedRequest:
     prompt: str | tuple[int, ...] | None = None
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = True
+    notes: tuple[str, ...] = ()  # what memrad left out or changed (Notes), for the `memra` field
 
     @property
     def parse_tools(self) -> bool:
@@ -55,16 +84,6 @@ def common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str
     n = integer(body, "n", minimum=1)
     if n not in (None, 1):
         raise invalid("n must be 1: memrad generates one choice per request", "n")
-    unsupported(body, "logprobs", (None, False), "logprobs are not supported")
-    unsupported(body, "top_logprobs", (None, 0), "top_logprobs are not supported")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if number(body, key, -2.0, 2.0) not in (None, 0, 0.0):
-            raise invalid(f"{key} is not supported; send 0 or leave it out", key)
-    if body.get("logit_bias") not in (None, {}):
-        raise invalid("logit_bias is not supported", "logit_bias")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise invalid('response_format is not supported except {"type": "text"}', "response_format")
     stream = boolean(body, "stream") or False
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -89,6 +108,9 @@ def common(body: dict, header_session_id: str | None, max_tokens_keys: tuple[str
         seed=integer(body, "seed"),
         max_tokens=max_tokens,
         stop=stops(body.get("stop")),
+        constraint=chat_response_format(body.get("response_format")),
+        logprobs=chat_logprobs(body),
+        **sampling_fields(body),
     )
     return dict(model=model, sampling=sampling, stream=stream, include_usage=include_usage,
                 identity=identity_of(body, header_session_id),
@@ -106,11 +128,27 @@ def identity_of(body: dict, header_session_id: str | None,
         value: Any = body
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
+        if key == "metadata.user_id":
+            value = claude_session_id(value)
         name = name_field(value, key)
         if name is not None:
             return Identity(name, key)  # type: ignore[arg-type]
     name = name_field(header_session_id, "x-session-id")
     return Identity(name, "x-session-id") if name is not None else None
+
+
+def claude_session_id(user_id: Any) -> Any:
+    """Claude Code's `metadata.user_id` is a JSON string {"device_id", "account_uuid",
+    "session_id"}: its session_id names the conversation (the device id names a machine).
+    Any other value is the name as sent."""
+    if isinstance(user_id, str) and user_id.startswith("{"):
+        try:
+            held = json.loads(user_id)
+        except json.JSONDecodeError:
+            return user_id
+        if isinstance(held, dict) and isinstance(held.get("session_id"), str) and held["session_id"]:
+            return held["session_id"]
+    return user_id
 
 
 def name_field(value: Any, param: str) -> str | None:
@@ -121,20 +159,30 @@ def name_field(value: Any, param: str) -> str | None:
     return value
 
 
-def joined_text(content: Any, where: str, noun: str = "part") -> str:
+def joined_text(content: Any, where: str, noun: str = "part", notes: Notes | None = None) -> str:
     """A string, or text parts (`noun`: "part" in OpenAI's APIs, "block" in Anthropic's)
-    joined by newlines; anything else is a 400 naming `where`."""
+    joined by newlines; anything else is a 400 naming `where`. With `notes`, image, file
+    and document parts become placeholder text (noted) instead of a 400."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif notes is not None and kind in MEDIA_PARTS:
+                texts.append(notes.placeholder(MEDIA_PARTS[kind]))
+            else:
                 raise invalid(f"{where}[{j}] must be a text {noun} {{\"type\": \"text\", \"text\": ...}}: "
                               "this model accepts text only", f"{where}[{j}]")
-            texts.append(part["text"])
         return "\n".join(texts)
     raise invalid(f"{where} must be a string or an array of text {noun}s", where)
+
+
+# Non-text parts of every API, by the placeholder they get.
+MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image", "input_audio": "file",
+               "file": "file", "input_file": "file", "document": "document"}
 
 
 # Field validators, shared by the three APIs: each returns None (or ()) for an absent field
@@ -177,15 +225,15 @@ def number(body: dict, key: str, lo: float, hi: float, *, quote_value: bool = Tr
     return value
 
 
-def stops(value: Any, param: str = "stop", *, one_string: bool = True) -> tuple[str, ...]:
-    """At most MAX_STOPS non-empty stop strings. `one_string`: a bare string is one stop
+def stops(value: Any, param: str = "stop", *, one_string: bool = True, limit: int = MAX_STOPS) -> tuple[str, ...]:
+    """At most `limit` non-empty stop strings. `one_string`: a bare string is one stop
     (OpenAI's `stop`); Anthropic's `stop_sequences` takes an array only."""
     if value is None:
         return ()
     if one_string and isinstance(value, str):
         value = [value]
-    if not isinstance(value, list) or len(value) > MAX_STOPS or not all(isinstance(s, str) and s for s in value):
-        shape = (f"a non-empty string or an array of at most {MAX_STOPS} of them" if one_string
-                 else f"an array of at most {MAX_STOPS} non-empty strings")
+    if not isinstance(value, list) or len(value) > limit or not all(isinstance(s, str) and s for s in value):
+        shape = (f"a non-empty string or an array of at most {limit} of them" if one_string
+                 else f"an array of at most {limit} non-empty strings")
         raise invalid(f"{param} must be {shape}", param)
     return tuple(value)

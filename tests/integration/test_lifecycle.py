@@ -88,6 +88,8 @@ def test_logs_prints_the_last_lines(daemon):
     everything = daemon.cli("logs", "-n", "0").stdout.splitlines()
     assert everything == daemon.log_text().splitlines()
     assert any(f"serving {MODEL_ID} on {daemon.url}" in line for line in everything)
+    # Prompts' names and errors are in it: the owner's only.
+    assert (daemon.log_file.stat().st_mode & 0o777, daemon.log_file.parent.stat().st_mode & 0o777) == (0o600, 0o700)
 
 
 def test_stop_then_status_says_not_running(daemon):
@@ -100,7 +102,10 @@ def test_stop_then_status_says_not_running(daemon):
     status = daemon.cli("status")
     assert status.returncode == 3
     assert "memrad is not running" in status.stdout
-    assert json.loads(daemon.cli("status", "--json").stdout) == {"running": False}
+    report = json.loads(daemon.cli("status", "--json").stdout)
+    files = list(daemon.sessions_dir.glob("*.safetensors"))  # what the stop wrote to the disk tier
+    on_disk = {"SmolLM2-135M-Instruct": {"sessions": len(files), "bytes": sum(f.stat().st_size for f in files)}}
+    assert report == {"running": False, "disk": {"dir": str(daemon.sessions_dir), "models": on_disk if files else {}}}
     assert not daemon.pidfile.exists()
     assert daemon.log_text().splitlines()[-1].endswith("memrad: stopped")
     # Stopping what is not running is fine.

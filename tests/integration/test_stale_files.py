@@ -26,7 +26,8 @@ def test_sigkilled_daemon_leaves_stale_files_that_status_and_start_clean(daemon)
     assert status.returncode == 3
     assert "memrad is not running" in status.stdout
     assert not daemon.pidfile.exists()
-    assert json.loads(daemon.cli("status", "--json").stdout) == {"running": False}
+    assert json.loads(daemon.cli("status", "--json").stdout) == {
+        "running": False, "disk": {"dir": str(daemon.sessions_dir), "models": {}}}
 
     # Start again, on the same port the dead daemon listened on.
     started = daemon.start()
@@ -53,7 +54,7 @@ def test_status_when_nothing_ever_ran(make_daemon):
     fresh = make_daemon()
     result = fresh.cli("status", "--json")
     assert result.returncode == 3
-    assert json.loads(result.stdout) == {"running": False}
+    assert json.loads(result.stdout) == {"running": False, "disk": {"dir": str(fresh.sessions_dir), "models": {}}}
     logs = fresh.cli("logs")
     assert logs.returncode == 1
     assert "no log yet" in logs.stderr

@@ -23,8 +23,14 @@ class FakeChat:
     def decode(self, ids):
         return "".join(chr(i) for i in ids)
 
-    def parser(self, prompt_text, parse_tools):
+    def parser(self, prompt_text, parse_tools, tool_names=None):
         return FakeParser()
+
+    def tool_constraint(self, tools, mode, name, parallel):
+        return None  # no call syntax: replies stay free
+
+    def grammar_error(self, constraint):
+        return None
 
 
 class FakeParser:
@@ -48,7 +54,8 @@ class FakeEngine:
 
     model_id = "fake-model"
     context_len = 4096
-    runtime_choices = {"dtype": {"value": "none", "reason": "a fake engine"}}
+    runtime_choices = {"dtype": {"value": "none", "reason": "a fake engine"},
+                       "context": {"value": "native", "reason": "4,096 tokens, within the model's native 4,096"}}
 
     def __init__(self):
         self.chat = FakeChat()
@@ -76,4 +83,49 @@ class FakeEngine:
         return []
 
     def close(self):
-        pass
+        return []
+
+
+class SlowEngine(FakeEngine):
+    """A FakeEngine with time: `prefill_chunks` chunks of `chunk_s` before the first token,
+    then one token per `step_s`; `cancelled` is polled where the real engine polls it
+    (between chunks, before each step). Records what ran and when the cancel was seen."""
+
+    def __init__(self, step_s=0.01, prefill_chunks=0, chunk_s=0.1):
+        super().__init__()
+        self.step_s, self.prefill_chunks, self.chunk_s = step_s, prefill_chunks, chunk_s
+        self.chunks_run = 0
+        self.tokens = 0
+        self.cancel_seen_at = None
+        self.started = None  # set when a request starts (threading.Event)
+        import threading
+
+        self.started = threading.Event()
+
+    def generate(self, request, emit, cancelled, on_decision=None):
+        import time
+
+        self.requests.append(request)
+        self.chunks_run = self.tokens = 0
+        decision = Decision(request.request_id, "cold", "a fake engine plans nothing", 0, request.num_prompt_tokens)
+        if on_decision is not None:
+            on_decision(decision)
+        self.started.set()
+        finish, max_tokens = "length", request.sampling.max_tokens or 4
+        for _ in range(self.prefill_chunks):
+            if cancelled():
+                finish = "cancelled"
+                break
+            time.sleep(self.chunk_s)
+            self.chunks_run += 1
+        while finish != "cancelled" and self.tokens < max_tokens:
+            if cancelled():
+                finish = "cancelled"
+                break
+            time.sleep(self.step_s)
+            self.tokens += 1
+            emit("ok ")
+        if finish == "cancelled":
+            self.cancel_seen_at = time.monotonic()
+        return Completion(text="ok " * self.tokens, finish_reason=finish, prompt_tokens=request.num_prompt_tokens,
+                          completion_tokens=self.tokens, cached_tokens=0, ttft_s=0.0, total_s=0.0, decision=decision)

@@ -76,10 +76,14 @@ def test_every_resume_reuses_exactly_the_requests_own_leading_tokens(data, sessi
     assert 0 < c < len(view.prompt_ids), "a resume leaves a non-empty suffix to prime"
     assert view.prompt_ids[:c] == session.token_ids[:c], "reused tokens are the request's own"
     assert session.namespace == view.namespace
-    if not decided.fork:  # only a continuation of the same conversation replaces a session
-        assert (session.identity and session.identity.name) == (view.identity and view.identity.name)
-    else:
-        assert d.tier == "prefix", "the nominating tiers never fork"
+    # only a continuation of the same conversation replaces a session: same name, and the
+    # request holds the session's whole prompt; anything else (a sibling of the name) forks
+    same_name = (session.identity and session.identity.name) == (view.identity and view.identity.name)
+    holds_prompt = view.prompt_ids[: session.prompt_checkpoint] == session.token_ids[: session.prompt_checkpoint]
+    assert decided.fork == (not (same_name and holds_prompt))
+    # the most reuse wins: no parked session of the namespace offers a longer exact resume
+    if d.won_by is not None:
+        assert d.reused_tokens == max(a.reused_tokens or 0 for a in d.weighed)
     assert d.reused_tokens == c and d.candidate == session.session_id
     if mode == "exact":
         assert is_cut(c, C, session.anchors) and c <= session.exact_limit

@@ -87,7 +87,7 @@ def test_messages_blocks_fold_into_chat_turns():
 
 @pytest.mark.parametrize("body, param", [
     ({"model": "m", "messages": USER}, "max_tokens"),
-    ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"model": "m", "max_tokens": 5, "messages": USER, "tool_choice": {"type": "tool", "name": "x"}},
      "tool_choice"),
     ({"model": "m", "max_tokens": 5, "messages": USER, "temperature": 1.5}, "temperature"),

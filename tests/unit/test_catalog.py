@@ -35,3 +35,28 @@ def test_memrad_pull_names_the_catalog_when_it_gets_something_else(capsys):
 
     assert main(["pull", "not-a-model"]) == 2
     assert "pull takes `default`, `gemma3-270m` or a .gguf file" in capsys.readouterr().err
+
+
+def test_the_default_model_is_served_at_32k_past_its_native_8k():
+    assert (catalog.DEFAULT.native_context, catalog.DEFAULT.served_context) == (8192, 32768)
+    assert (catalog.GEMMA3_270M.native_context, catalog.GEMMA3_270M.served_context) == (32768, 32768)
+
+
+def test_memrad_models_lists_what_is_pulled_its_size_and_what_can_be_pulled(tmp_path, monkeypatch, capsys):
+    import json
+
+    from memrad.cli import main
+
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path / "cache"))
+    folder = model_dir(catalog.DEFAULT)
+    folder.mkdir(parents=True)
+    (folder / MARKER).write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\0" * (3 * 2**20 - 2))
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:6] == ["default", "yes,", "3", "MiB", "32,768", "(native"]
+    assert lines[2].split()[:6] == ["gemma3-270m", "no", "(~250", "MB)", "32,768", "(native)"]
+    assert main(["models", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert (rows["default"]["pulled"], rows["default"]["bytes_on_disk"]) == (True, 3 * 2**20)
+    assert (rows["gemma3-270m"]["pulled"], rows["gemma3-270m"]["bytes_on_disk"]) == (False, 0)

@@ -22,7 +22,7 @@ def rejected(body, header=None, parse=parse_chat):
     ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]}, "messages[0].content[0]"),
     ({"messages": USER, "n": 2}, "n"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens"),
     ({"messages": USER, "max_tokens": -5}, "max_tokens"),
@@ -41,10 +41,12 @@ def rejected(body, header=None, parse=parse_chat):
     ({"messages": USER, "session_id": "x" * 257}, "session_id"),
     ({"messages": USER, "user": 7}, "user"),
     ({"messages": USER, "cache_salt": ""}, "cache_salt"),
-    ({"messages": USER, "logprobs": True}, "logprobs"),
-    ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": USER, "logprobs": "yes"}, "logprobs"),
+    ({"messages": USER, "logprobs": True, "stream": True}, "logprobs"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
     ({"messages": USER, "model": 3}, "model"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_each_bad_chat_field_is_named(body, param):
     assert rejected(body).param == param

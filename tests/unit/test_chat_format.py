@@ -80,10 +80,10 @@ def test_a_chatml_template_without_tools_gets_memras_hermes_template():
                                                                          add_generation_prompt=True)
 
 
-def test_a_template_without_any_tool_format_rejects_tools():
+def test_a_template_without_any_tool_format_rejects_tools_when_the_fallback_is_off():
     tok = build_tokenizer("gemma")
-    fmt = chat_format(tok)
-    assert not fmt.tools_supported
+    fmt = chat_format(tok, tool_fallback=False)
+    assert not fmt.tools_supported and fmt.convention is None
     with pytest.raises(PromptError) as err:
         render_chat(tok, USER, TOOLS, fmt)
     assert err.value.param == "tools" and "no tool format" in str(err.value)

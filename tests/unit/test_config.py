@@ -71,3 +71,26 @@ def test_start_flags_beat_the_environment_and_every_flag_names_a_known_key(monke
     args = _parser().parse_args(["start", "--reuse-mode", "fast", "--prefill-chunk", "128"])
     s = load_settings(_flag_overrides(args), config_file=None)
     assert (s.reuse.mode, s.engine.prefill_chunk) == ("fast", 128)
+
+
+def test_the_served_context_comes_from_the_flag_else_memra_context_else_the_models_default(monkeypatch):
+    from memrad.cli import _flag_overrides, _parser
+
+    assert load_settings(env={}).model.context == 0  # 0: the model's default (the default model: 32768)
+    assert load_settings(env={"MEMRA_CONTEXT": "16384"}).model.context == 16384
+    monkeypatch.setenv("MEMRA_CONTEXT", "16384")
+    args = _parser().parse_args(["start", "--context", "8192"])
+    assert load_settings(_flag_overrides(args), config_file=None).model.context == 8192
+    with pytest.raises(SettingsError, match="environment variable MEMRA_CONTEXT: model.context must be >= 0"):
+        load_settings(env={"MEMRA_CONTEXT": "-1"})
+
+
+def test_the_per_name_cap_reaches_the_daemons_pool(loaded):
+    from memrad.config import DiskSettings, PoolSettings, Settings
+    from memrad.engine.build import engine_for
+
+    assert Settings().pool.sessions_per_name == 16
+    settings = Settings(pool=PoolSettings(max_sessions=32, max_bytes=10**8, sessions_per_name=3),
+                        disk=DiskSettings(enabled=False))
+    engine = engine_for(loaded["llama"], settings, 1)
+    assert (engine.parking.pool.max_sessions, engine.parking.pool.sessions_per_name) == (32, 3)

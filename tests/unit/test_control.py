@@ -62,6 +62,27 @@ async def test_bad_requests_get_an_error_line_and_the_connection_stays_usable(tm
         assert isinstance(bad, ProtocolError) and bad.message.startswith("malformed request (not JSON)")
         unknown = await ask(reader, writer, b'{"op": "reset"}\n')
         assert unknown.message.startswith("unknown op 'reset'; send {\"op\": \"snapshot\"}")
+        deep = await ask(reader, writer, b"[" * 15_000 + b"]" * 15_000 + b"\n")  # was a dropped connection
+        assert deep.message.startswith("the request nests too deeply")
+        huge_op = await ask(reader, writer, b'{"op": "' + b"x" * 60_000 + b'"}\n')
+        assert isinstance(huge_op, ProtocolError) and len(huge_op.message) < 400  # the op is not echoed whole
+        assert await ask(reader, writer, b'{"op": "snapshot"}\n') == SNAPSHOT
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def test_an_oversize_line_gets_an_error_and_a_clean_close(tmp_path):
+    server, _ = await start(tmp_path)
+    try:
+        reader, writer = await connect(server)
+        writer.write(b'{"op": "snapshot", "pad": "' + b"x" * 100_000 + b'"}\n')
+        await writer.drain()
+        error = from_line(await reader.readline())
+        assert isinstance(error, ProtocolError) and error.message.startswith("request line longer than 65536 bytes")
+        assert await reader.read() == b""  # closed cleanly, nothing else said
+        writer.close()
+        reader, writer = await connect(server)  # the server itself is unaffected
         assert await ask(reader, writer, b'{"op": "snapshot"}\n') == SNAPSHOT
         writer.close()
     finally:

@@ -96,8 +96,8 @@ async def test_the_served_limits_answer_before_the_model(fake_engine):
                 assert resp.status == 400 and (await resp.json())["error"]["param"] == "messages"
             async with session.post(url, data=b"[" * 3000) as resp:
                 assert resp.status == 400 and (await resp.json())["error"]["code"] == "too_deep"
-            for body, param in (({"messages": [USER], "n": 2}, "n"), ({"messages": [USER], "logprobs": True}, "logprobs"),
-                                ({"messages": [USER], "top_logprobs": 3}, "top_logprobs")):
+            for body, param in (({"messages": [USER], "n": 2}, "n"), ({"messages": [USER], "logprobs": 1}, "logprobs"),
+                                ({"messages": [USER], "top_logprobs": 21}, "top_logprobs")):
                 async with session.post(url, json=body) as resp:
                     assert resp.status == 400 and (await resp.json())["error"]["param"] == param
             async with session.post(url, json={"messages": [USER], "max_tokens": 2}) as resp:

@@ -57,3 +57,27 @@ def test_a_prompt_checkpoint_past_the_tokens_is_an_invariant_violation():
 
 def test_zero_sessions_parks_nothing():
     assert not ReusePool(max_sessions=0, max_bytes=50).can_park(1)
+
+
+def test_a_name_holds_at_most_sessions_per_name_least_recently_used_first():
+    from dataclasses import replace
+
+    from memrad.request import Identity
+
+    pool = ReusePool(max_sessions=10, max_bytes=1000, sessions_per_name=2)
+    main, sub = Identity("claude-1", "metadata.user_id"), Identity("claude-1", "metadata.user_id")
+    pool.park(replace(parked("main"), identity=main))
+    pool.park(replace(parked("other"), identity=Identity("opencode-7", "x-session-id")))
+    pool.park(parked("unnamed"))
+    pool.park(replace(parked("sub1"), identity=sub))
+    pool.touch("main")  # the main agent just ran again: the sub-agent is now the name's oldest
+    evicted = pool.park(replace(parked("sub2"), identity=sub))
+    assert [s.session_id for s in evicted] == ["sub1"]
+    assert ids(pool) == ["other", "unnamed", "main", "sub2"]
+    # replacing a session of the name frees its place: nothing else of the name goes
+    assert pool.park(replace(parked("main2"), identity=main), replaces="main") == []
+    assert ids(pool) == ["other", "unnamed", "sub2", "main2"]
+    # unnamed sessions have no per-name cap
+    for i in range(3):
+        pool.park(parked(f"u{i}"))
+    assert ids(pool) == ["other", "unnamed", "sub2", "main2", "u0", "u1", "u2"]

@@ -1,7 +1,7 @@
 import pytest
 
 from memrad.protocol import (
-    RECORDS, Decision, DecisionEvent, Dropped, EvictEvent, ParkEvent, PoolStats, ProtocolError, SegmentInfo,
+    RECORDS, Alternative, Decision, DecisionEvent, Dropped, EvictEvent, ParkEvent, PoolStats, ProtocolError, SegmentInfo,
     SessionInfo, StateSnapshot, TurnEvent, from_line, to_line,
 )
 
@@ -10,8 +10,14 @@ SESSION = SessionInfo("s3", "agent-1", "session_id", "SmolLM2", None, 530, 512, 
                       (SEG, SegmentInfo("<|im_start|>assistant", 14, 18, "0123456789abcdef")))
 DECISION = Decision("chatcmpl-1", "declined", "history diverged at 12233 of checkpoint 12234", 0, 12300,
                     tier="affinity", candidate="s3", nomination="implicit", shared_segments=7, divergence=12233)
+WEIGHED = Decision("chatcmpl-2", "resumed", "longest prefix with s5, 2,654 of 2,700; forked; weighed affinity s3 "
+                   "at 1,886, prefix s5 at 2,654: most reuse", 2654, 46, tier="prefix", candidate="s5",
+                   checkpoint=2654, weighed=(Alternative("affinity", "s3", 1886), Alternative("prefix", "s5", 2654),
+                                             Alternative("text-prefix", "s2", None)), won_by="most reuse")
 EXAMPLES = [
     DECISION,
+    WEIGHED,
+    WEIGHED.weighed[0],
     SEG,
     SESSION,
     PoolStats(3, 10_000, 32, 2**30),

@@ -24,6 +24,15 @@ def test_host_names_lose_their_port():
     assert host_name("LOCALHOST") == "localhost"
     assert host_name("[::1]:80") == "[::1]"
     assert host_name("evil.example:8765") == "evil.example"
+    assert host_name("[::1]") == "[::1]" and host_name("localhost:1") == "localhost"
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1:abc", "127.0.0.1:", "127.0.0.1:99999", "127.0.0.1:+80",
+                                 "[::1]evil", "[::1]:80x", "[::1", "localhost:80:80", "127.0.0.1 :80", ""])
+def test_a_malformed_host_is_no_name_and_is_refused(bad):
+    assert host_name(bad) is None
+    refused = refusal("GET", "/v1/models", {"Host": bad}, policy())
+    assert refused is not None and (refused.status, refused.code) == (403, "host_not_allowed")
 
 
 def test_loopback_means_this_machine_only():
@@ -189,3 +198,34 @@ def test_memrad_start_refuses_a_non_loopback_host_without_a_key(capsys, monkeypa
     assert err.startswith("memrad: refusing to listen on 0.0.0.0 without an API key")
     monkeypatch.setenv("MEMRA_HOST", "192.168.7.7")
     assert cli.main(["start"]) == 1 and "refusing to listen on 192.168.7.7" in capsys.readouterr().err
+
+
+def raw_get(port: int, path: str, header: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"GET " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + header +
+                     b"\r\nConnection: close\r\n\r\n")
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("header", [b"x-api-key: \xff\xfe" + KEY.encode(), b"Authorization: Bearer \xc3(" + KEY.encode(),
+                                    b"Authorization: \xff", b"x-api-key: " + KEY.encode() + b"\x80"])
+async def test_a_key_that_is_not_utf8_is_a_401_not_a_500(fake_engine, header):
+    import asyncio
+
+    server = await served(fake_engine, api_key=KEY)
+    try:
+        for path in ("/v1/models", "/v1/messages/count_tokens"):
+            answer = await asyncio.to_thread(raw_get, server.port, path, header)
+            assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    finally:
+        await server.close()
+
+
+def test_keys_are_compared_as_bytes():
+    assert key_matches(KEY.encode() , KEY) and not key_matches(b"\xff" + KEY.encode(), KEY)
+    assert key_matches("ключ".encode(), "ключ") and not key_matches(None, KEY)

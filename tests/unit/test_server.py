@@ -110,9 +110,7 @@ async def test_text_completions_and_models(server, tiny_engine):
     ({"messages": "hello"}, 400, "messages", None),
     ({"messages": USER, "n": 2}, 400, "n", None),
     ({"messages": USER, "max_tokens": 0}, 400, "max_tokens", None),
-    ({"messages": USER, "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "x " * 1100}]}, 400, "messages", "context_length_exceeded"),
-    ({"messages": USER, "model": "gpt-4o"}, 404, "model", "model_not_found"),
     ({"messages": USER, "session_id": ""}, 400, "session_id", None),
 ])
 async def test_bad_input_gets_an_openai_error_and_the_next_request_succeeds(server, body, status, param, code):

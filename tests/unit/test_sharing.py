@@ -102,8 +102,11 @@ def test_a_hybrid_model_rewritten_at_turn_3_of_8_resumes_from_the_boundary_befor
     reference, ref_state = cold(engine, messages, "t9", max_tokens=4)
     d = done.decision
     assert d.checkpoint == anchors[2], d.render()
-    assert f"of checkpoint {anchors[7]}; resumed from {anchors[2]}; primed {done.prompt_tokens - anchors[2]})" \
-        in d.render()
+    # the compacted history no longer holds the parked prompt: a fork, and the uncompacted
+    # session stays parked (a sibling may still send it)
+    assert f"of checkpoint {anchors[7]}; resumed from {anchors[2]}; primed {done.prompt_tokens - anchors[2]}; " \
+           "forked)" in d.render()
+    assert parked.session_id in {s.session_id for s in engine.parking.pool.sessions()}
     assert torch.equal(state.prompt_logits, ref_state.prompt_logits) and done.text == reference.text
 
 

@@ -199,3 +199,52 @@ def test_the_tui_finds_the_socket_where_the_daemon_puts_it(tmp_path, monkeypatch
     assert default_socket_path() == str(socket_path()) == str(runtime / "memra" / "memrad.sock")
     runtime.chmod(0o755)  # not owner-only: both fall back the same way
     assert default_socket_path() == str(socket_path())
+
+
+def named(sid, name):
+    return SessionInfo(sid, name, "metadata.user_id" if name else None, "SmolLM2-135M-Instruct", None, 400, 376, 256,
+                       (), 400 * 46080, 5.0, 0, (SYSTEM, USER1))
+
+
+# least recently used first: the main agent, an unnamed chat, a sub-agent, opencode, a side query
+GROUPED = [named("s5", "claude-1"), named("s7", None), named("s6", "claude-1"), named("s8", "ses_7f3a"),
+           named("s9", "claude-1")]
+
+
+def test_parked_sessions_are_grouped_by_name_where_its_newest_stands():
+    from tui.widgets.sessions import by_name
+
+    assert [(s.session_id, cell) for s, cell in by_name(GROUPED)] == [
+        ("s7", "-"), ("s8", "ses_7f3a (metadata.user_id)"), ("s5", "claude-1 (metadata.user_id) · 3"),
+        ("s6", "  ″"), ("s9", "  ″")]
+
+
+async def test_the_sessions_table_shows_a_name_as_one_group():
+    def grouped_source():
+        async def records():
+            yield StateSnapshot("SmolLM2-135M-Instruct", "cpu", 60.0, 5, PoolStats(5, 10, 32, 100), (), tuple(GROUPED))
+        return records()
+
+    app = MemraApp(grouped_source)
+    async with app.run_test(size=(150, 44)) as pilot:
+        await settle(pilot)
+        table = app.query_one(SessionsTable)
+        rows = [table.get_row_at(i)[:2] for i in range(table.row_count)]
+        assert rows == [["s7", "-"], ["s8", "ses_7f3a (metadata.user_id)"], ["s5", "claude-1 (metadata.user_id) · 3"],
+                        ["s6", "  ″"], ["s9", "  ″"]]
+        await pilot.click("#sessions")
+        await pilot.press("down", "down")
+        assert table.selected_id == "s5"  # rows keep their sessions' keys
+
+
+def test_the_decision_screen_lists_what_was_weighed():
+    from memrad.protocol import Alternative
+    from tui.screens import render_decision
+
+    d = Decision("chatcmpl-7", "resumed", "longest prefix with s5, 2,654 of 2,700; forked; weighed affinity s3 at "
+                 "1,886, prefix s5 at 2,654: most reuse", 2654, 46, tier="prefix", candidate="s5", checkpoint=2654,
+                 weighed=(Alternative("affinity", "s3", 1886), Alternative("prefix", "s5", 2654)), won_by="most reuse")
+    table = render_decision(DecisionEvent(T0, d, 2700, "claude-1", (SYSTEM,)))
+    rows = dict(zip((str(c) for c in table.columns[0]._cells), (str(c) for c in table.columns[1]._cells)))
+    assert (rows["  affinity"], rows["  prefix"], rows["won by"]) == ("s3: 1,886 tokens", "s5: 2,654 tokens ◂ won",
+                                                                     "most reuse")

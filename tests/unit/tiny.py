@@ -148,10 +148,18 @@ def build_gemma3(vocab_size: int, seed: int = 0, window: int = 8):
 
 
 def save_tiny(folder: Path, kind: str) -> Path:
-    """A loadable folder for `kind` in llama | qwen3_next | falcon_h1 | mamba | gemma3."""
+    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | mamba.
+    llama-short: a native context of 64 tokens, for RoPE scaling past it, with sharp attention
+    (q and k weights x8) so that positions move the logits well past rounding."""
     tokenizer = build_tokenizer()
     if kind == "llama":
         model = build_llama(len(tokenizer))
+    elif kind == "llama-short":
+        model = build_llama(len(tokenizer), max_positions=64)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(8.0)
+                layer.self_attn.k_proj.weight.mul_(8.0)
     elif kind == "qwen3_next":
         model = build_qwen3_next(len(tokenizer))
     elif kind == "falcon_h1":

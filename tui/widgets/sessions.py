@@ -1,4 +1,5 @@
-"""The parked sessions table."""
+"""The parked sessions table, grouped by name: a name is a set of conversations (a main
+agent, its sub-agents, side queries), so its sessions sit together under one label."""
 
 from __future__ import annotations
 
@@ -15,6 +16,33 @@ def human_bytes(n: int) -> str:
     return f"{n:.1f} GB"
 
 
+def by_name(sessions: list[SessionInfo]) -> list[tuple[SessionInfo, str]]:
+    """Each session with its identity cell, grouped by name. `sessions` is least recently
+    used first: a group stands where its most recent session does, its members in their
+    own order; unnamed sessions keep their places. The group's first row carries the label
+    (name, source, count); the others a ditto mark."""
+    groups: dict[str, list[SessionInfo]] = {}
+    for s in sessions:
+        if s.identity is not None:
+            groups.setdefault(s.identity, []).append(s)
+    slots: list[tuple[int, list[SessionInfo]]] = []
+    for i, s in enumerate(sessions):
+        if s.identity is None:
+            slots.append((i, [s]))
+        elif groups[s.identity][-1] is s:
+            slots.append((i, groups[s.identity]))
+    rows = []
+    for _, members in sorted(slots, key=lambda slot: slot[0]):
+        head = members[0]
+        if head.identity is None:
+            rows.append((head, "-"))
+            continue
+        count = f" · {len(members)}" if len(members) > 1 else ""
+        rows.append((head, f"{head.identity} ({head.identity_source}){count}"))
+        rows += [(s, "  ″") for s in members[1:]]
+    return rows
+
+
 class SessionsTable(DataTable):
     BORDER_TITLE = "parked sessions"
 
@@ -26,8 +54,9 @@ class SessionsTable(DataTable):
         """Redraw from `sessions`, keeping the cursor on the same session when it survives."""
         selected = self.selected_id
         self.clear()
-        for s, age_s in zip(sessions, ages_s):
-            identity = f"{s.identity} ({s.identity_source})" if s.identity else "-"
+        age_of = {s.session_id: age_s for s, age_s in zip(sessions, ages_s)}
+        for s, identity in by_name(sessions):
+            age_s = age_of[s.session_id]
             where = f"{s.session_id} (disk)" if s.on_disk else s.session_id
             self.add_row(where, identity, str(s.num_tokens), str(s.prompt_checkpoint),
                          human_bytes(s.num_bytes), f"{age_s:.0f}s", str(s.hits), key=s.session_id)

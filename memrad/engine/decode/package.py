@@ -298,7 +298,7 @@ def main(argv: list[str]) -> int:
     kernel = attention == "kernel"
     torch.set_num_threads(1)
     loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights, allow_pull=False,
-                        progress=lambda _: None)
+                        progress=lambda _: None, context=int(context_len))
     if kernel and cpu_attention.load(cpu_attention.cxx_compiler()) is not None:
         print("memra's attention kernel is not available to the child", file=sys.stderr)
         return 2

@@ -39,8 +39,9 @@ from memrad.engine.model.quant import Int4Linear
 
 # Model classes whose layers are exactly llama's: pre-norm RMSNorm, q/k/v/o, gated MLP, rope.
 _LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# Rope variants whose frequencies do not depend on how long the sequence is.
-_STATIC_ROPE = ("default", "linear", "llama3")
+# Rope variants whose frequencies do not depend on how long the sequence is. YaRN's attention
+# factor scales cos and sin, and the rotary module folds it into the table DecodeStep reads.
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # From this many rows on, attention on the CPU splits the rows in two halves run side by side
 # (torch's kernel parallelises over KV heads only: 3 of them on 2 threads leave one idle a third
 # of the time). At 4k rows the split wins, at 2,048 it still loses, and more parts than 2 are no

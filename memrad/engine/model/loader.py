@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from memrad.engine.model import catalog
+from memrad.engine.model import catalog, context as served_context
+from memrad.engine.model.context import ServedContext
 from memrad.engine.model.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
 from memrad.engine.model.pull import ModelUnavailable, Progress, is_converted, model_dir, pull_gguf, pull_named
 
@@ -28,14 +29,20 @@ class LoadedModel:
     tokenizer: Any
     device: torch.device
     dtype: torch.dtype
-    context_len: int
     eos_ids: frozenset[int]
+    # The context served (context_len) and how: native, or RoPE-scaled past it
+    # (memrad.engine.model.context).
+    context: ServedContext
     # What `auto` picked and why (memrad.engine.model.hardware); the disk tier's header and
     # /health name them. weights.value: "float", "int4" or "int8".
     dtype_choice: Choice = Choice("float32", "set by model.dtype")
     weights: Choice = Choice("float", "set by model.weights")
     packed_bytes: int = 0  # int4 / int8 codes and scales held besides the float weights
     head: str = "float"  # how the output head runs (memrad.engine.model.weights.head_format)
+
+    @property
+    def context_len(self) -> int:
+        return self.context.num_tokens
 
     @property
     def dtype_name(self) -> str:
@@ -91,8 +98,11 @@ def resolve_model_folder(spec: str, progress: Progress, allow_pull: bool = True)
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto",
-               progress: Progress = log.info, allow_pull: bool = True, weights: str = "auto") -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+               progress: Progress = log.info, allow_pull: bool = True, weights: str = "auto",
+               context: int = 0) -> LoadedModel:
+    """`context`: the tokens to serve (0: the catalog row's served context, else the model's
+    native length); past the native length the config gets RoPE scaling before the model is built."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from memrad.engine.model.weights import apply_weights, count_int4_cache, count_q8_cache
 
@@ -114,13 +124,18 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     progress(f"loading {model_id} from {folder} ({dev.type}, {dt}, {weights_choice.value} weights)")
     try:
+        config = AutoConfig.from_pretrained(folder)
+        entry = catalog.lookup(spec)
+        served = served_context.plan(config, context, entry.served_context if entry else None)
+        served_context.apply(config, served)
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt).to(dev).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dt).to(dev).eval()
     except (OSError, ValueError, KeyError) as exc:
         raise ModelUnavailable(f"transformers cannot load {folder}: {exc}") from exc
     # The int4 kernels take bf16 inputs (fp16 where the activations are fp16).
     applied = apply_weights(model, weights_choice, folder, torch.float16 if dt == torch.float16 else torch.bfloat16)
     progress(f"dtype {dtype_choice.value}: {dtype_choice.reason}")
+    progress(f"context {served.describe()}: {served.reason()}")
     head = " with the Q8_0 head" if applied.head == "q8_0" else ""
     progress(f"weights {weights_choice.value}: {weights_choice.reason} ({applied.packed} layers packed{head}, "
              f"{applied.packed_bytes / 2**20:.0f} MiB)")
@@ -131,8 +146,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         tokenizer=tokenizer,
         device=dev,
         dtype=dt,
-        context_len=_context_len(model.config),
         eos_ids=_eos_ids(model, tokenizer),
+        context=served,
         dtype_choice=dtype_choice,
         weights=weights_choice,
         packed_bytes=applied.packed_bytes,
@@ -181,15 +196,6 @@ def _available_ram_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _context_len(config: Any) -> int:
-    text = getattr(config, "get_text_config", lambda: config)()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ModelUnavailable("the model config names no context length (max_position_embeddings)")
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

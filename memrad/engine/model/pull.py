@@ -55,6 +55,11 @@ def is_converted(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
+def bytes_on_disk(folder: Path) -> int:
+    """What a converted folder holds (weights, block caches, tokenizer), in bytes."""
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) if folder.is_dir() else 0
+
+
 def pull_named(entry: NamedModel, progress: Progress = print, show_pip_progress: bool = True) -> Path:
     """Make sure the converted named model (and its int4 and Q8_0 head blocks) is in the
     cache; return its folder."""

@@ -12,7 +12,7 @@ the planner sees disk sessions beside memory ones; a chosen one is loaded then.
 
 Files are written to a temp name and renamed, so a crash leaves a whole file or none (a
 stray temp file is deleted at the next start). A file whose compatibility key (the model,
-tokenizer, dtype, device, chunk and mode it was made under: `state_format`) differs
+tokenizer, dtype, rope, device, chunk and mode it was made under: `state_format`) differs
 from the running engine's, that cannot be parsed (truncated), or whose checksum fails on
 load is skipped with a log line and deleted, never loaded. The tier's records live in a
 ReusePool of their own (its byte cap is the disk's, LRU), so the same prefix index serves
@@ -28,16 +28,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
+from memrad.engine.model.context import rope_key
 from memrad.engine.state.kv import SlabLayer
+from memrad.faultpoint import kill_point
+from memrad.private import FILE_MODE
+from memrad.engine.state.sessionfile import (FORMAT, Header, Unusable, file_name, header_checksum, is_stray_temp,
+                                             read_header, read_int64s, session_id_of, unlink_inside)
 from memrad.engine.state.snapshot import ParkedState, Snapshot
 from memrad.engine.state.window import WindowLayer
 from memrad.request import Identity
@@ -45,14 +52,8 @@ from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
 
 log = logging.getLogger("memrad.disk")
 
-FORMAT = 1
-SUFFIX = ".safetensors"
-_SESSION_FIELDS = ("session_id", "text", "prompt_checkpoint", "checkpoints", "croppable", "exact_limit",
+_SESSION_FIELDS = ("text", "prompt_checkpoint", "checkpoints", "croppable", "exact_limit",
                    "fingerprint", "created_at", "last_used_at", "hits", "anchors")
-
-
-class Unusable(Exception):
-    """A file that must not be loaded: foreign, truncated or corrupt."""
 
 
 def tokenizer_hash(tokenizer: Any) -> str:
@@ -69,16 +70,27 @@ def state_format(loaded: Any, prefill_chunk: int, mode: str) -> dict[str, str]:
     return {"model": loaded.model_id, "tokenizer": tokenizer_hash(loaded.tokenizer),
             "dtype": loaded.dtype_name, "weights": loaded.weights_name,
             "head": loaded.head,
+            "rope": rope_key(loaded.model.config),  # a scaled context rotates every row differently
             "device": loaded.device.type,
             "chunk": str(prefill_chunk), "mode": mode}
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    h = xxhash.xxh3_128()
+def _checksum(tensors: dict[str, torch.Tensor], header: str) -> str:
+    """Over the header's checksum, then every tensor's name, dtype, shape and bytes. Any dtype
+    and shape: a 0-dim tensor (a sliding-window layer's window size) is flattened to one
+    element before its bytes are viewed, an empty one hashes no bytes."""
+    h = xxhash.xxh3_128(header.encode())
     for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy().data)
+        t = tensors[name].detach()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.cpu().reshape(-1).contiguous().view(torch.uint8).numpy().data)
     return h.hexdigest()
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy sharing no storage: safetensors refuses strided views and
+    tensors that alias each other (two views of one buffer)."""
+    return t.detach().to("cpu").contiguous().clone()
 
 
 def _layer_entries(prefix: str, layer: Any, final: Any) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -88,25 +100,27 @@ def _layer_entries(prefix: str, layer: Any, final: Any) -> tuple[dict, dict[str,
         desc = {"kind": "SlabLayer", "length": layer.length, "shared": shared}
         if shared or not layer.is_initialized:
             return desc, {}
-        return desc, {f"{prefix}.keys": layer.keys.detach().cpu().clone(),
-                      f"{prefix}.values": layer.values.detach().cpu().clone()}
+        return desc, {f"{prefix}.keys": _owned(layer.keys),
+                      f"{prefix}.values": _owned(layer.values)}
     if isinstance(layer, WindowLayer):
         desc = {"kind": "WindowLayer", "length": layer.cumulative_length, "initialized": layer.is_initialized}
         if not layer.is_initialized:
             return desc, {}
-        return desc, {f"{prefix}.keys": layer.keys.detach().cpu().clone(),
-                      f"{prefix}.values": layer.values.detach().cpu().clone()}
-    desc: dict[str, Any] = {"kind": type(layer).__name__, "attrs": {}, "dicts": {}}
+        return desc, {f"{prefix}.keys": _owned(layer.keys),
+                      f"{prefix}.values": _owned(layer.values)}
+    desc: dict[str, Any] = {"kind": type(layer).__name__, "attrs": {}, "dicts": {}, "types": {}}
     tensors = {}
     for name, value in vars(layer).items():
         if isinstance(value, torch.Tensor):
-            tensors[f"{prefix}.{name}"] = value.detach().cpu().clone()
+            tensors[f"{prefix}.{name}"] = _owned(value)
         elif isinstance(value, dict):
             desc["dicts"][name] = {str(k): ("tensor" if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
-            tensors.update({f"{prefix}.{name}.{k}": v.detach().cpu().clone()
+            tensors.update({f"{prefix}.{name}.{k}": _owned(v)
                             for k, v in value.items() if isinstance(v, torch.Tensor)})
-        elif isinstance(value, (torch.device, torch.dtype)):
-            continue  # restored from the engine's own cache layers
+        elif isinstance(value, torch.dtype):
+            desc["types"][name] = str(value).removeprefix("torch.")
+        elif isinstance(value, torch.device):
+            desc["types"][name] = "device"  # the engine's own device (the compatibility key's)
         elif value is None or isinstance(value, (bool, int, float, str)):
             desc["attrs"][name] = value
         else:
@@ -130,6 +144,11 @@ def _restore_layer(prefix: str, desc: dict, blank: Any, final: Any, tensors: dic
         raise Unusable(f"layer {prefix} was a {desc['kind']}, this model builds a {type(blank).__name__}")
     for name, value in desc["attrs"].items():
         setattr(blank, name, value)
+    for name, value in desc.get("types", {}).items():
+        dtype = getattr(torch, value, None)
+        if value != "device" and not isinstance(dtype, torch.dtype):
+            raise Unusable(f"layer {prefix}.{name} names an unknown dtype {value!r}")
+        setattr(blank, name, device if value == "device" else dtype)
     for name, entries in desc["dicts"].items():
         setattr(blank, name, {int(k) if k.lstrip("-").isdigit() else k:
                               (tensors[f"{prefix}.{name}.{k}"].to(device) if v == "tensor" else v)
@@ -141,87 +160,168 @@ def _restore_layer(prefix: str, desc: dict, blank: Any, final: Any, tensors: dic
     return blank
 
 
+@dataclass(frozen=True, slots=True)
+class ForeignFile:
+    """A usable file made under another compatibility key (another model, dtype, chunk, ...):
+    kept for the engine that made it, never loaded here, counted against the byte cap."""
+
+    session_id: str
+    model: str
+    num_bytes: int
+    last_used_at: float
+
+
 class DiskTier:
+    """One directory shared by every model's engines; this one loads only its own files.
+    `pool` holds the files of this engine's compatibility key (the planner reads it),
+    `foreign` the rest; both count against `max_bytes`, least recently used out first.
+
+    Evicted sessions are written on one writer thread (`spill_later`), off the engine
+    thread's critical path; a session becomes visible to the planner once its file is whole.
+    `_lock` guards the pool, `foreign` and the cap between that thread and the engine's."""
+
     def __init__(self, directory: Path, max_bytes: int, compat: dict[str, str]) -> None:
         self.directory = directory
         self.compat = compat
+        self.max_bytes = max_bytes
         self.pool = ReusePool(max_sessions=1 << 30, max_bytes=max_bytes)
+        self.foreign: dict[str, ForeignFile] = {}
+        self._lock = threading.RLock()
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future] = {}
 
     def _path(self, session_id: str) -> Path:
-        return self.directory / f"{session_id}{SUFFIX}"
+        return self.directory / file_name(session_id)
+
+    @property
+    def bytes_used(self) -> int:
+        return self.pool.bytes_parked + sum(f.num_bytes for f in self.foreign.values())
+
+    def session_ids(self) -> list[str]:
+        """Every session id with a file here, this engine's and the others' (new ids skip them)."""
+        with self._lock:
+            return [s.session_id for s in self.pool.sessions()] + list(self.foreign)
 
     # --- start: index without loading ------------------------------------------------------
 
     def index(self) -> list[ParkedSession]:
-        """Register every usable file (least recently used first); delete the rest."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        for stray in self.directory.glob("*.tmp"):
-            stray.unlink(missing_ok=True)
-        found = []
-        for path in sorted(self.directory.glob(f"*{SUFFIX}")):
-            try:
-                found.append(self._read_header(path))
-            except Unusable as exc:
-                self._discard(path, str(exc))
-        for session in sorted(found, key=lambda s: s.last_used_at):
-            for old in self.pool.park(session):
-                self._discard(self._path(old.session_id), "over the disk tier's byte cap")
+        """Register every usable file (least recently used first) and return this engine's.
+        Files of other compatibility keys are kept; truncated, corrupt or unknown-format ones
+        are deleted; entries not named in memra's scheme are left alone. Never raises for a file."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        found: list[ParkedSession | ForeignFile] = []
+        for entry in sorted(os.scandir(self.directory), key=lambda e: e.name):
+            if is_stray_temp(entry.name):
+                self._unlink(entry.name, "a spill that did not finish")
+            elif session_id_of(entry.name) is None:
+                log.info("left alone %s in %s: not a memra session file", entry.name[:80], self.directory)
+            else:
+                try:
+                    found.append(self._read(entry.name))
+                except Unusable as exc:
+                    self._unlink(entry.name, str(exc))
+        for record in sorted(found, key=lambda r: r.last_used_at):
+            self._make_room(record.num_bytes, lambda _: None)
+            if isinstance(record, ForeignFile):
+                self.foreign[record.session_id] = record
+            else:
+                self.pool.park(record)
+        if self.foreign:
+            models = sorted({f.model for f in self.foreign.values()})
+            log.info("disk tier: kept %d sessions of other models or settings (%s), not loaded here",
+                     len(self.foreign), ", ".join(models))
         return self.pool.sessions()
 
-    def _read_header(self, path: Path) -> ParkedSession:
-        from safetensors import safe_open
+    def _read(self, name: str) -> ParkedSession | ForeignFile:
+        """One file's record from its header (and token ids, if it is this engine's)."""
+        header = read_header(self.directory, name, self.max_bytes)
+        if header.meta.get("compat") != self.compat:
+            return ForeignFile(header.session_id, header.model, header.num_bytes, header.last_used_at)
+        token_ids = tuple(read_int64s(self.directory, header, "token_ids", limit=header.num_bytes // 8))
+        return _session(header, token_ids, self.compat["model"])
 
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = json.loads((f.metadata() or {})["memra"])
-                token_ids = tuple(f.get_tensor("token_ids").tolist())
-            compatible = meta.get("format") == FORMAT and meta.get("compat") == self.compat
-            if compatible:
-                s = meta["session"]
-                return ParkedSession(
-                    namespace=Namespace(self.compat["model"], s["cache_salt"]),
-                    identity=Identity(*s["identity"]) if s["identity"] else None, token_ids=token_ids,
-                    num_bytes=path.stat().st_size, on_disk=True, state=None,
-                    **{k: tuple(v) if isinstance(v, list) else v for k, v in s.items() if k in _SESSION_FIELDS})
-        except Exception as exc:  # safetensors raises its own types for truncated/garbled files
-            raise Unusable(f"unreadable ({type(exc).__name__}: {exc})") from None
-        raise Unusable(f"made under {meta.get('compat')}, this engine runs {self.compat}")
+    def _make_room(self, num_bytes: int, on_evicted: Callable[[ParkedSession], None]) -> None:
+        """Delete least recently used files, of any model, until `num_bytes` more fit the cap.
+        The caller holds `_lock` (or runs alone, at start)."""
+        while self.bytes_used + num_bytes > self.max_bytes:
+            own = self.pool.sessions()[:1]
+            other = min(self.foreign.values(), key=lambda f: f.last_used_at, default=None)
+            if own and (other is None or own[0].last_used_at <= other.last_used_at):
+                self.forget(own[0].session_id, "least recently used, over the disk tier's byte cap")
+                on_evicted(own[0])
+            elif other is not None:
+                del self.foreign[other.session_id]
+                self._unlink(file_name(other.session_id),
+                             f"least recently used (a {other.model} session), over the disk tier's byte cap")
+            else:
+                return
 
     # --- spill, load, forget ----------------------------------------------------------------
 
-    def spill(self, session: ParkedSession, on_evicted: Callable[[ParkedSession], None]) -> bool:
-        """Write `session` (a memory session) unless it is already on disk; True once it is."""
-        if self.pool.get(session.session_id) is not None:
-            return True
+    def spill_later(self, session: ParkedSession, on_evicted: Callable[[ParkedSession], None],
+                    on_done: Callable[[ParkedSession, str | None], None]) -> None:
+        """`spill` on the writer thread; `on_done(session, why)` is called there once it is on
+        disk (why None) or lost. The memory pool has let go of `session`, so nothing else
+        touches its buffers meanwhile."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="memrad-spill")
+
+        def write() -> tuple[ParkedSession, str | None]:
+            try:
+                why = self.spill(session, on_evicted)
+                on_done(session, why)
+                return session, why
+            finally:
+                with self._lock:
+                    self._pending.pop(session.session_id, None)
+
+        with self._lock:
+            self._pending[session.session_id] = self._writer.submit(write)
+
+    def drain(self) -> list[tuple[ParkedSession, str]]:
+        """Wait for every pending write; the sessions among them that could not be written."""
+        with self._lock:
+            futures = list(self._pending.values())
+        done = [f.result() for f in futures]
+        return [(session, why) for session, why in done if why is not None]
+
+    def spill(self, session: ParkedSession, on_evicted: Callable[[ParkedSession], None]) -> str | None:
+        """Write `session` (a memory session) unless it is already on disk. None once it is on
+        disk, else why it is not (logged here; the caller reports it). Never raises: a state
+        the file format cannot hold must cost that one session, not the stop or the request."""
+        with self._lock:
+            if self.pool.get(session.session_id) is not None:
+                return None
         if session.state is None:
-            return False
-        try:
-            tensors, meta = self._encode(session)
-        except Unusable as exc:
-            log.info("not spilling %s: %s", session.session_id, exc)
-            return False
+            return "it holds no state"
         from safetensors.torch import save_file
 
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(session.session_id)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         try:
+            tensors, meta = self._encode(session)
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             save_file(tensors, str(tmp), metadata={"memra": json.dumps(meta)})
+            kill_point("spill-tmp")
             with open(tmp, "rb+") as handle:
+                os.fchmod(handle.fileno(), FILE_MODE)  # prompt tokens: the owner's only (safetensors makes 0600 today; not its promise)
                 os.fsync(handle.fileno())
+            kill_point("spill-rename")
             tmp.replace(path)
-        except OSError as exc:
+            kill_point("spill-renamed")
+        except Exception as exc:  # Unusable, OSError (disk full), or a state this code cannot encode
             tmp.unlink(missing_ok=True)
-            log.warning("could not write %s (%s): the session is dropped", path, exc)
-            return False
+            why = f"{type(exc).__name__}: {exc}"
+            log.warning("could not write %s to the disk tier (%s): the session is lost", session.session_id, why)
+            return why
         record = replace(session, state=None, num_bytes=path.stat().st_size, on_disk=True)
-        if not self.pool.can_park(record.num_bytes):
-            self._discard(path, "larger than the disk tier's byte cap")
-            return False
-        for old in self.pool.park(record):
-            self._discard(self._path(old.session_id), "least recently used, over the disk tier's byte cap")
-            on_evicted(old)
-        return True
+        if record.num_bytes > self.max_bytes:
+            self._unlink(path.name, "larger than the disk tier's byte cap")
+            return f"its {record.num_bytes} bytes exceed the disk tier's cap of {self.max_bytes}"
+        with self._lock:
+            self._make_room(record.num_bytes, on_evicted)
+            self.pool.park(record)
+        return None
 
     def _encode(self, session: ParkedSession) -> tuple[dict[str, torch.Tensor], dict]:
         state: ParkedState = session.state
@@ -237,8 +337,9 @@ class DiskTier:
         fields = {k: getattr(session, k) for k in _SESSION_FIELDS}
         fields.update(cache_salt=session.namespace.cache_salt,
                       identity=[session.identity.name, session.identity.source] if session.identity else None)
-        meta = {"format": FORMAT, "compat": self.compat, "session": fields, "layers": layers,
-                "checksum": _checksum(tensors)}
+        meta = {"format": FORMAT, "compat": self.compat, "session": fields, "layers": layers}
+        header = header_checksum(meta)
+        meta["checksums"] = {"header": header, "tensors": _checksum(tensors, header)}
         return tensors, meta
 
     def load(self, session: ParkedSession, new_cache: Callable[[], Any]) -> ParkedState | None:
@@ -248,10 +349,14 @@ class DiskTier:
         path = self._path(session.session_id)
         started = time.perf_counter()
         try:
+            # The header again, checked before a tensor is read: the file may have changed.
+            header = read_header(self.directory, path.name, self.max_bytes)
+            meta = header.meta
+            if meta.get("compat") != self.compat:
+                raise Unusable("its compatibility key changed since the start")
             with safe_open(str(path), framework="pt") as f:
-                meta = json.loads(f.metadata()["memra"])
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
-            if _checksum(tensors) != meta["checksum"]:
+            if _checksum(tensors, meta["checksums"]["header"]) != meta["checksums"]["tensors"]:
                 raise Unusable("checksum mismatch")
             device = torch.device(self.compat["device"])
             snaps, final_layers = {}, None
@@ -271,11 +376,41 @@ class DiskTier:
         return ParkedState(final, {s.num_tokens: s for s in snaps.values()}, session.croppable)
 
     def forget(self, session_id: str, why: str = "replaced by its successor") -> None:
-        """Drop a session from the tier and delete its file (no-op if not on disk)."""
-        if self.pool.remove(session_id) is not None or self._path(session_id).exists():
-            self._discard(self._path(session_id), why)
+        """Drop one of this engine's sessions and delete its file (no-op if not on disk)."""
+        with self._lock:
+            if self.pool.remove(session_id) is not None or self._path(session_id).exists():
+                self._unlink(file_name(session_id), why)
 
-    def _discard(self, path: Path, why: str) -> None:
-        self.pool.remove(path.name.removesuffix(SUFFIX))
-        path.unlink(missing_ok=True)
-        log.info("deleted %s: %s", path.name, why)
+    def _unlink(self, name: str, why: str) -> None:
+        left = unlink_inside(self.directory, name)
+        if left is None:
+            log.info("deleted %s: %s", name, why)
+        else:
+            log.warning("skipped %s (%s), not deleted: %s", name[:80], why, left)
+
+
+def _session(header: Header, token_ids: tuple[int, ...], model: str) -> ParkedSession:
+    """A disk session's record from its checked header; raises Unusable for a field that is
+    missing, of the wrong type, or breaks an invariant the pool relies on."""
+    s = header.meta.get("session")
+    try:
+        ints = lambda key: tuple(int(x) for x in s[key])
+        identity = s["identity"]
+        session = ParkedSession(
+            session_id=header.session_id, namespace=Namespace(model, s["cache_salt"]),
+            identity=Identity(str(identity[0]), identity[1]) if identity else None, token_ids=token_ids,
+            text=str(s["text"]), prompt_checkpoint=int(s["prompt_checkpoint"]), checkpoints=ints("checkpoints"),
+            croppable=bool(s["croppable"]), exact_limit=int(s["exact_limit"]), fingerprint=ints("fingerprint"),
+            num_bytes=header.num_bytes, created_at=float(s["created_at"]), last_used_at=float(s["last_used_at"]),
+            hits=int(s["hits"]), anchors=ints("anchors"), state=None, on_disk=True)
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise Unusable("garbled session fields") from None
+    if s["cache_salt"] is not None and not isinstance(s["cache_salt"], str):
+        raise Unusable("garbled session fields")
+    n = session.num_tokens
+    if not (0 < session.prompt_checkpoint <= n and all(0 < c <= n for c in session.checkpoints)
+            and all(0 < a <= n for a in session.anchors) and 0 <= session.exact_limit):
+        raise Unusable(f"checkpoints outside its {n} tokens")
+    if not session.croppable and n not in session.checkpoints:
+        raise Unusable("no checkpoint at its final state")
+    return session

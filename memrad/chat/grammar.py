@@ -1,0 +1,200 @@
+"""Grammars a reply must match, compiled by llguidance: structured outputs and tool calls.
+
+    response_format / text.format / output_config.format   -> json_constraint(schema)
+    tool_choice required, or a named function                -> the rest of the call after the
+        opening memrad writes into the prompt (memrad.chat.format.call_opening): a name from
+        `tools`, arguments valid against that tool's schema, the family's closing markup
+    tool_choice auto, a family whose calls open with a tag   -> free text until the model
+        writes the tag, then a call constrained as above
+
+A Constraint is plain text (memrad.request); `Grammars` compiles it for one tokenizer once
+per grammar text (an LRU cache) and hands each request a fresh matcher, whose token mask the
+engine applies to the logits before sampling (memrad.engine.sampling). llguidance is Rust
+with no torch, so the server checks a grammar (the 400) without the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from memrad.chat.format import CALL_CLOSINGS, CALL_OPENINGS, CALL_TRIGGERS, ChatFormat
+from memrad.request import Constraint
+
+log = logging.getLogger("memrad.chat.grammar")
+
+# One spelling of JSON whitespace, json.dumps's: a grammar that allows any whitespace lets a
+# small model pad its reply with newlines until max_tokens instead of closing the object.
+JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+ANY_OBJECT: dict = {"type": "object"}
+CACHED_GRAMMARS = 64
+
+
+def _json(schema: dict) -> str:
+    """A %json lexeme body: the schema with memra's whitespace style."""
+    return json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+
+
+def json_constraint(schema: dict | None, param: str) -> Constraint:
+    """The reply is one JSON value valid against `schema` (None: any JSON object)."""
+    return Constraint(f"start: %json {_json(ANY_OBJECT if schema is None else closed(schema))}\n",
+                      "json_object" if schema is None else "json_schema", param)
+
+
+SUBSCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` wherever an object names its properties and
+    says nothing of others (OpenAI's and Anthropic's strict mode require it). Still valid
+    against the schema as sent, and a small model cannot add keys until max_tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    for key in SUBSCHEMAS:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    return out
+
+
+def _string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def call_grammar(fmt: ChatFormat, names_and_args: Sequence[tuple[str, dict]], mode: str,
+                 parallel: bool, markup_token: dict[str, int] | None = None) -> str | None:
+    """Lark text for a reply that is (the rest of) a tool call in `fmt`'s family syntax, or
+    None where the family has no known call syntax (or, for `auto`, no opening tag).
+
+    mode `function`: one tool is given and its name is already in the prompt; `required`: the
+    prompt ends inside `{"name": "`; `auto`: free text, then calls once the tag appears.
+    `markup_token`: markup that is one special token in the vocabulary, by text (its id is
+    matched, since llguidance never spells a special token out of text).
+    """
+    if fmt.family not in CALL_OPENINGS or fmt.response_template is None:
+        return None
+    head, after_name = CALL_OPENINGS[fmt.family]
+    closing = CALL_CLOSINGS[fmt.family]
+    tokens = markup_token or {}
+
+    def literal(text: str) -> str:
+        for tag, token_id in tokens.items():
+            if tag in text:
+                before, _, after = text.partition(tag)
+                return " ".join(p for p in (literal(before) if before else "", f"<[{token_id}]>",
+                                            literal(after) if after else "") if p)
+        return _string(text)
+
+    rules = [f"args_{i}: %json {_json(schema)}" for i, (_, schema) in enumerate(names_and_args)]
+    if mode == "function":
+        return "\n".join([f"start: args_0 {literal(closing)}", *rules]) + "\n"
+    alternatives = " | ".join(f"call_{i}" for i in range(len(names_and_args)))
+    rules += [f"call_{i}: {_string(json.dumps(name, ensure_ascii=False)[1:-1] + after_name)} args_{i} "
+              f"{literal(closing)}" for i, (name, _) in enumerate(names_and_args)]
+    if mode == "required":
+        return "\n".join([f"start: {alternatives}", *rules]) + "\n"
+    trigger = CALL_TRIGGERS.get(fmt.family)
+    if trigger is None or trigger in tokens or not head.startswith(trigger):
+        return None  # a call that opens with no tag, or with a special token, cannot be told from text
+    again = f" ({literal(chr(10) + head)} calls)*" if parallel else ""  # calls are newline-separated
+    return "\n".join([
+        f"start: text | text_call {literal(head[len(trigger):])} calls{again}",
+        "text: /(?s:.*)/",
+        f"text_call[stop={_string(trigger)}]: /(?s:.*)/",
+        f"calls: {alternatives}", *rules]) + "\n"
+
+
+class Grammars:
+    """One tokenizer's grammar compiler: checks a Constraint (the 400's reason) and hands
+    each request a fresh matcher, copied from a compiled one cached by grammar text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._lltok: Any = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        # The server checks grammars on its loop while the engine thread takes matchers.
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def _llg_tokenizer(self) -> Any:
+        if self._lltok is None:  # 0.3 s for a 49k vocabulary: built once, on first use
+            import llguidance.hf
+
+            self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+        return self._lltok
+
+    def _compile(self, grammar: str) -> Any:
+        from llguidance import LLMatcher
+
+        with self._lock:
+            matcher = self._compiled.get(grammar)
+            if matcher is None:
+                matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+                self._compiled[grammar] = matcher
+                while len(self._compiled) > CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(grammar)
+            return matcher
+
+    def error(self, constraint: Constraint) -> str | None:
+        """Why `constraint` does not compile, or None when it does."""
+        matcher = self._compile(constraint.grammar)
+        if matcher.is_error():
+            with self._lock:
+                self._compiled.pop(constraint.grammar, None)
+            return matcher.get_error()
+        return None
+
+    def matcher(self, constraint: Constraint) -> Any:
+        """A fresh llguidance matcher at the reply's start (the compiled one stays pristine)."""
+        return self._compile(constraint.grammar).deep_copy()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's exact bytes (a byte-level piece of a character is not valid UTF-8 alone)."""
+        return self._llg_tokenizer().decode_bytes([token_id])
+
+    def markup_tokens(self, fmt: ChatFormat) -> dict[str, int]:
+        """The family's markup that is one special token here (Qwen's `<tool_call>`)."""
+        out = {}
+        for tag in fmt.markup:
+            token_id = self.tokenizer.convert_tokens_to_ids(tag)
+            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id \
+                    and tag in getattr(self.tokenizer, "added_tokens_encoder", {}):
+                out[tag] = token_id
+        return out
+
+    def tool_constraint(self, fmt: ChatFormat, tools: Sequence[dict], mode: str, name: str | None,
+                        parallel: bool) -> Constraint | None:
+        """The grammar of a reply under `tool_choice` (`mode`, and the function `name` it
+        names), or None where the reply stays free. A tool whose parameters schema llguidance
+        cannot compile still gets a call, with any JSON object as its arguments (logged)."""
+        chosen = [t["function"] for t in tools if mode != "function" or t["function"]["name"] == name]
+        grammar = call_grammar(fmt, [(f["name"], self._arguments(f)) for f in chosen], mode, parallel,
+                               self.markup_tokens(fmt))
+        return None if grammar is None else Constraint(grammar, "tool_call", "tool_choice" if mode != "auto" else "tools")
+
+    def _arguments(self, function: dict) -> dict:
+        schema = function.get("parameters") or ANY_OBJECT
+        reason = self.error(json_constraint(schema, "tools"))
+        if reason is None:
+            return closed(schema)
+        log.warning("tool %r: its parameters schema does not compile (%s); its calls take any JSON object",
+                    function["name"], reason.splitlines()[0])
+        return ANY_OBJECT

@@ -1,0 +1,100 @@
+"""Output that always parses, on a real daemon with the default model (issue 25): the
+official clients' parse helpers, and forced tool calls on all three APIs, 20 of 20 each."""
+
+from __future__ import annotations
+
+import json
+
+import pydantic
+import pytest
+
+from test_agent_apis_default_model import claude, oai  # noqa: F401 (the module-scoped client fixtures)
+
+pytestmark = pytest.mark.integration
+
+CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Rome", "Delhi", "Perth", "Accra",
+          "Hanoi", "Dakar", "Seoul", "Riga", "Bern", "Doha", "Kyiv", "Baku", "Suva", "Male"]
+RUNS = len(CITIES)
+# The strings are bounded: greedy SmolLM2 loops inside an unbounded string for 1 city of 20
+# ("Suva" -> "Savai-Savai-…") until max_tokens; a bounded one is closed by the grammar.
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"]}
+READ = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 60}}, "required": ["path"]}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                "parameters": WEATHER}},
+              {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                                "parameters": READ}}]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]
+MESSAGES_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                   "input_schema": t["function"]["parameters"]} for t in CHAT_TOOLS]
+ARGUMENTS = {"get_weather": ({"city", "unit"}, WEATHER), "read_file": ({"path"}, READ)}
+
+
+class CityFacts(pydantic.BaseModel):
+    city: str
+    country: str
+    coastal: bool
+
+
+def question(city: str) -> str:
+    return f"Give the facts about {city} as JSON."
+
+
+def test_chat_parse_gives_the_pydantic_model_20_of_20(oai):
+    parsed = []
+    for seed, city in enumerate(CITIES):
+        reply = oai.chat.completions.parse(model="default", messages=[{"role": "user", "content": question(city)}],
+                                           response_format=CityFacts, max_tokens=48, temperature=0.7, seed=seed)
+        assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
+        parsed.append(reply.choices[0].message.parsed)
+    assert sum(isinstance(p, CityFacts) for p in parsed) == RUNS
+
+
+def test_responses_parse_gives_the_pydantic_model_20_of_20(oai):
+    parsed = []
+    for city in CITIES:
+        reply = oai.responses.parse(model="default", input=question(city), text_format=CityFacts,
+                                    max_output_tokens=48, temperature=0)
+        assert reply.status == "completed", reply.output_text
+        parsed.append(reply.output_parsed)
+    assert sum(isinstance(p, CityFacts) for p in parsed) == RUNS
+
+
+def valid_call(name: str, arguments: dict, names: set[str]) -> bool:
+    keys, schema = ARGUMENTS[name]
+    return (name in names and set(arguments) == keys and all(isinstance(v, str) for v in arguments.values())
+            and arguments.get("unit", "celsius") in schema["properties"].get("unit", {"enum": ["celsius"]})["enum"])
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_tool_choice_gives_a_valid_call_20_of_20(oai, claude, api, choice):
+    names = {"get_weather", "read_file"} if choice == "required" else {"get_weather"}
+    valid = 0
+    for city in CITIES:
+        ask = f"What is the weather in {city}?"
+        if api == "chat":
+            reply = oai.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": ask}], tools=CHAT_TOOLS, max_tokens=48,
+                temperature=0, tool_choice="required" if choice == "required"
+                else {"type": "function", "function": {"name": "get_weather"}})
+            assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message
+            call = reply.choices[0].message.tool_calls[0].function
+            name, arguments = call.name, json.loads(call.arguments)
+        elif api == "responses":
+            reply = oai.responses.create(
+                model="default", input=ask, tools=RESPONSES_TOOLS, max_output_tokens=48, temperature=0,
+                tool_choice="required" if choice == "required" else {"type": "function", "name": "get_weather"})
+            call = reply.output[-1]
+            assert call.type == "function_call", reply.output
+            name, arguments = call.name, json.loads(call.arguments)
+        else:
+            reply = claude.messages.create(
+                model="default", max_tokens=48, messages=[{"role": "user", "content": ask}], tools=MESSAGES_TOOLS,
+                tool_choice={"type": "any"} if choice == "required" else {"type": "tool", "name": "get_weather"},
+                extra_body={"temperature": 0})
+            assert reply.stop_reason == "tool_use", reply.content
+            name, arguments = reply.content[-1].name, reply.content[-1].input
+        valid += valid_call(name, arguments, names)
+    assert valid == RUNS

@@ -1,0 +1,19 @@
+"""`memrad bench interleaved` on a tiny model: both arms run the same interleaved requests."""
+
+from memrad.bench.affinity_turns import client_arguments
+from memrad.bench.interleaved_turns import run
+from memrad.request import Identity
+
+
+def test_both_arms_run_the_agent_and_its_sub_agent_alternately_and_on_never_reuses_less(loaded):
+    args = client_arguments("x", turns=3, max_tokens=4).parse_args(["--chunk", "16"])
+    rows = run(loaded["llama"], args, 1, Identity("bench", "session_id"), system="You are a coding agent. " * 4,
+               tool="src/app.py: def main(): pass")
+    assert [(r["who"], r["turn"]) for r in rows] == [
+        ("agent", 1), ("sub-agent", 1), ("agent", 2), ("sub-agent", 2), ("agent", 3), ("sub-agent", 3)]
+    assert all(r["on"].text == r["off"].text for r in rows)
+    assert all(r["on"].cached_tokens >= r["off"].cached_tokens for r in rows)
+    assert rows[0]["on"].decision.render() == "cold (nothing parked for this model and cache_salt)"
+    # from turn 2 each resumes its own previous prompt in the on arm
+    assert all(r["on"].decision.outcome == "resumed" and "forked" not in r["on"].decision.render()
+               for r in rows[2:])
