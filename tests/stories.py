@@ -62,11 +62,16 @@ class Client:
 
 def layer_contents(layer):
     """Everything a cache layer holds, comparable: tensors by name (with dtype and shape), and
-    its plain attributes. A SlabLayer is its visible rows and length."""
+    its plain attributes. A SlabLayer is its visible rows and length; a WindowLayer its visible
+    window and the tokens it has seen (where the window sits in its buffer is not state)."""
     from memrad.engine.state.kv import SlabLayer
+    from memrad.engine.state.window import WindowLayer
 
     if isinstance(layer, SlabLayer):
         return ({"keys": layer.keys, "values": layer.values} if layer.is_initialized else {}), {"length": layer.length}
+    if isinstance(layer, WindowLayer):
+        return (({"keys": layer.keys, "values": layer.values} if layer.is_initialized else {}),
+                {"length": layer.cumulative_length, "initialized": layer.is_initialized})
     tensors, plain = {}, {}
     for name, value in vars(layer).items():
         if isinstance(value, torch.Tensor):

@@ -152,7 +152,7 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
     for rep in range(args.reps):
         for arm in arms if rep % 2 == 0 else reversed(arms):
             row = cells[arm.name]
-            cache, seen = arm.prefill_marks(ids[:longest], marks)
+            cache, seen = arm.prefill_marks(ids[:longest], marks, keep=args.decode_at)
             for mark in marks:
                 row[f"prefill {mark} tok/s"].append(mark / seen[mark])
                 row[f"cold prefill {mark} s"].append(seen[mark])

@@ -16,13 +16,15 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from memrad.engine.decode.step import attention_shape
 from memrad.engine.engine import Engine
-from memrad.engine.forward import crop_to, decode_one_token, prefill
+from memrad.engine.forward import cache_length, crop_to, decode_one_token, prefill
 from memrad.engine.model.loader import LoadedModel
+from memrad.engine.state.snapshot import ParkedState, Snapshot, is_croppable
 
 
 def median_s(fn: Callable[[], object], reps: int) -> float:
@@ -73,37 +75,60 @@ class Arm:
         self.feed = (self.engine.decoder.feeder() if decode != "transformers"
                      else lambda cache, token, position: decode_one_token(loaded.model, cache, token, position))
         self.chunk = chunk
+        self._snapshots: dict[int, Snapshot] = {}  # where a cache that cannot be cropped rewinds to
 
-    def prefill_marks(self, ids: Sequence[int], marks: Sequence[int]) -> tuple[object, dict[int, float]]:
+    def prefill_marks(self, ids: Sequence[int], marks: Sequence[int], keep: Sequence[int] = ()
+                      ) -> tuple[object, dict[int, float]]:
         """Prime `ids` cold on the grid; seconds from the start to each position in `marks`
-        (each a multiple of the chunk). Returns the cache and {mark: seconds}."""
+        (each a multiple of the chunk). Returns the cache and {mark: seconds}. A cache that
+        cannot be cropped (sliding-window, recurrent state) is snapshotted at the end and at
+        the positions in `keep`, the ones it is rewound to later (`_rewind`), as the engine
+        snapshots boundaries."""
         cache = self.engine.new_cache()
-        wanted = set(marks)
+        wanted, kept = set(marks), {*keep, len(ids)}
+        snapshot = not is_croppable(cache)
+        self._snapshots = {}
         seen: dict[int, float] = {}
         started = time.perf_counter()
 
         def after_chunk(end: int) -> None:
             if end in wanted:
                 seen[end] = time.perf_counter() - started
+            if snapshot and end in kept:
+                self._snapshots[end] = Snapshot.take(cache, end)
 
-        prefill(self.loaded.model, cache, ids, 0, self.chunk, after_chunk=after_chunk)
+        prefill(self.loaded.model, cache, ids, 0, self.chunk, after_chunk=after_chunk,
+                anchors=tuple(sorted(kept)) if snapshot else ())
         return cache, seen
+
+    def _rewind(self, cache: Any, at: int) -> None:
+        """`cache` back at `at` tokens: cropped, or rebuilt from the snapshot taken there."""
+        if is_croppable(cache):
+            crop_to(cache, at)
+            return
+        if cache_length(cache) == at and at in self._snapshots:
+            return
+        if at not in self._snapshots:
+            raise SystemExit(f"{type(self.loaded.model).__name__}'s cache cannot be cut back: measure at a "
+                             f"--prefill length or the end (here {sorted(self._snapshots)}), not {at}")
+        parked = ParkedState(self._snapshots[at], dict(self._snapshots), croppable=False)
+        cache.layers = parked.rebuild(self.loaded.model.config, at).layers
 
     def resume_s(self, cache: object, ids: Sequence[int], at: int) -> float:
         """Seconds to prime ids[at:] after a cache rewound to `at` (a resumed turn's prefill)."""
-        crop_to(cache, at)
+        self._rewind(cache, at)
         started = time.perf_counter()
         prefill(self.loaded.model, cache, ids[at:], at, self.chunk)
         return time.perf_counter() - started
 
     def decode_rate(self, cache: object, at: int, steps: int) -> float:
         """Tokens per second of `steps` one-token decode steps after a cache rewound to `at`."""
-        crop_to(cache, at)
+        self._rewind(cache, at)
         started = time.perf_counter()
         for i in range(steps):
             self.feed(cache, 5, at + i)
         rate = steps / (time.perf_counter() - started)
-        crop_to(cache, at)
+        self._rewind(cache, at)
         return rate
 
 

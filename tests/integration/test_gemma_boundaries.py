@@ -39,7 +39,7 @@ def test_gemma_has_non_croppable_state_and_memra_supplies_its_turn_template(gemm
     assert tokens(list(engine.openers)) == ["<start_of_turn>"]
     assert tokens(list(engine.reply_header)) == ["<start_of_turn>", "model", "\n"]
     kinds = [type(layer).__name__ for layer in engine.new_cache().layers]
-    assert kinds.count("DynamicSlidingWindowLayer") == 15 and kinds.count("SlabLayer") == 3
+    assert kinds.count("WindowLayer") == 15 and kinds.count("SlabLayer") == 3
     assert gemma_loaded.tokenizer.convert_tokens_to_ids("<end_of_turn>") in gemma_loaded.eos_ids
 
 

@@ -50,14 +50,17 @@ def test_crop_shortens_the_view_and_a_full_buffer_grows_keeping_every_row():
         layer.crop(3)
 
 
-def test_install_swaps_only_plain_attention_layers():
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+def test_install_swaps_plain_and_sliding_attention_layers_and_nothing_else():
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+
+    from memrad.engine.state.window import WindowLayer
 
     class FakeCache:
-        layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=8), DynamicLayer()]
+        layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=8), LinearAttentionLayer(), DynamicLayer()]
 
     cache = install(FakeCache(), 128)
-    assert [type(layer) for layer in cache.layers] == [SlabLayer, DynamicSlidingWindowLayer, SlabLayer]
+    assert [type(layer) for layer in cache.layers] == [SlabLayer, WindowLayer, LinearAttentionLayer, SlabLayer]
+    assert cache.layers[1].sliding_window == 8
 
 
 def _resident_bytes() -> int:

@@ -13,7 +13,7 @@ from stories import ask, make_engine
 
 CHUNK = 16
 SYSTEM = {"role": "system", "content": "You are a helpful coding assistant. Read the file, then answer."}
-KINDS = ["llama", "qwen3_next", "falcon_h1"]
+KINDS = ["llama", "qwen3_next", "falcon_h1", "gemma3"]
 
 
 def engine_for(loaded, kind, mode="exact", pool=True, max_bytes=10**9, max_sessions=16, **flags):

@@ -123,17 +123,28 @@ def build_falcon_h1(vocab_size: int, seed: int = 0):
     return model
 
 
-def build_gemma3(vocab_size: int, seed: int = 0):
-    """Sliding-window attention layers (DynamicSlidingWindowLayer) beside full attention, as gemma3-270m."""
+def build_gemma3(vocab_size: int, seed: int = 0, window: int = 8):
+    """Gemma 3 (text): sliding-window layers of `window` tokens beside full attention, two rope
+    bases, q/k norms, GeGLU; the +1 norm weights and the rope bases randomised so a step that
+    dropped one would differ; the final logits soft-capped."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=1024, eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    return Gemma3ForCausalLM(config).eval()
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+        sliding_window=window, max_position_embeddings=1024,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        final_logit_softcapping=30.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+    return model
 
 
 def save_tiny(folder: Path, kind: str) -> Path:

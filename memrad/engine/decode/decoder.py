@@ -40,7 +40,8 @@ from memrad.engine.decode import cpu_attention
 from memrad.engine.decode import step as decode_step
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.cpu_attention import cxx_compiler
-from memrad.engine.decode.step import DecodeStep, attended_rows, attention_shape, support
+from memrad.engine.decode.step import attended_rows
+from memrad.engine.decode.steps import new_step, support
 from memrad.engine.forward import decode_one_token
 from memrad.engine.model.hardware import Choice
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
@@ -121,7 +122,7 @@ class Decoder:
             if mode == "on":
                 raise CompileFailed(f"compile = on, but {unsupported}: set compile = auto or off")
             return
-        self.eager = DecodeStep(model, context_len)
+        self.eager = new_step(model, context_len)
         # A kernel built by an earlier start loads in milliseconds: the eager step uses it.
         kernel = mode == "auto" and cpu_attention.load(cxx_compiler(), build_missing=False) is None
         self.current = (self.eager, kernel)
@@ -130,7 +131,8 @@ class Decoder:
 
     @property
     def step(self) -> Any:
-        """The DecodeStep, or its compiled form once ready; None when transformers decodes."""
+        """The step (memrad.engine.decode.steps), or its compiled form once ready; None when
+        transformers decodes."""
         return self.current[0]
 
     def start(self) -> None:
@@ -235,13 +237,7 @@ class Decoder:
 
     def _trace(self, compiled: Any, kernel: bool) -> None:
         """Run every graph the step has on scratch slabs."""
-        _, kv_heads, head_dim = attention_shape(self.model.config)
         param = next(self.model.parameters())
-        shape = (1, kv_heads, self.capacity, head_dim)
-        layers = len(self.eager.layers)
-        # Their contents do not matter (never read back); CPU reservations are zero pages.
-        keys = [reserve(shape, param.dtype, param.device) for _ in range(layers)]
-        values = [reserve(shape, param.dtype, param.device) for _ in range(layers)]
         # One trace per graph: the attended length is marked dynamic, every other size static.
         split = decode_step.SPLIT_ROWS
         lengths = [3] + ([split + 1] if split + 2 <= self.capacity and not kernel else [])
@@ -251,6 +247,11 @@ class Decoder:
                 position = torch.tensor([length - 1], device=param.device)
                 rows = attended_rows(length, param.device)
                 torch._dynamo.mark_dynamic(rows, 0)
+                # Contents never read back; CPU reservations are zero pages.
+                keys, values, windowed = step_package.example_buffers(self.eager, self.model.config, self.capacity,
+                                                                      length, reserve)
+                for buffer in windowed:
+                    torch._dynamo.mark_dynamic(buffer, 2)
                 compiled(token, position, rows, keys, values, self.eager.owner, kernel)
 
     def feeder(self) -> Feed:

@@ -10,6 +10,7 @@ inductor compiles it into a shared library, and a later start only opens the lib
     compile/decode-step-{model}-{weights}-{dtype}-attn-{memra|torch}-torch{version}-{cpu}-{key}.pt2
         with memra's attention kernel (memrad.engine.decode.cpu_attention):
             graph "kernel" attended length in [2, capacity - 2]
+                           (Gemma 3: and the sliding layers' window rows in [2, W], a second size)
         with torch's attention:
             graph "short"  attended length in [2, SPLIT_ROWS - 1]
             graph "split"  attended length in [SPLIT_ROWS, capacity - 2]   (if the slabs reach it)
@@ -24,9 +25,9 @@ The weights are not in the package: a start hands the library the step's own ten
 reference (`user_managed`), so nothing is copied and resident memory does not grow. So the
 key names everything the compiled code was made for besides their values: the step's code,
 torch and transformers, the CPU, the model's config, each weight's name, dtype, shape and
-strides, the slab capacity, SPLIT_ROWS and the attention (with the kernel's source). Any
-change is another file, never a wrong graph; the directory keeps the 8 most recently used
-(`prune`).
+strides, the slab capacity (and the window buffers' rows), SPLIT_ROWS and the attention
+(with the kernel's source). Any change is another file, never a wrong graph; the directory
+keeps the 8 most recently used (`prune`).
 
 The attended length stays symbolic within each graph's range, every other size is static.
 Lengths outside the ranges (a one-token prompt's first step, the slab's last row, a slab that
@@ -50,10 +51,13 @@ import torch
 from torch import nn
 
 from memrad.engine.decode import cpu_attention
+from memrad.engine.decode import gemma_step, steps
 from memrad.engine.decode import step as decode_step
 from memrad.engine.model import quant
 from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS
+from memrad.engine.state import window as window_state
+from memrad.engine.state.window import buffer_rows
 
 # What AOTInductor is asked for: the weights stay out of the library (supplied at load), and
 # the constants it makes itself come back to the caller so they can be kept beside it.
@@ -83,7 +87,7 @@ def package_path(step: DecodeStep, config: Any, capacity: int, kernel: bool, dir
     """Where the package for this step, model config, slab capacity and attention (`kernel`:
     memra's) lives in `directory`."""
     weights = "int4" if any(isinstance(m, quant.Int4Linear) for m in step.modules()) else "float"
-    dtype = str(step.cos.dtype).removeprefix("torch.")
+    dtype = str(_param(step).dtype).removeprefix("torch.")
     label = Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model"
     attention = "memra" if kernel else "torch"
     return directory / (f"decode-step-{_safe(label)}-{weights}-{dtype}-attn-{attention}-torch{_safe(torch.__version__)}-"
@@ -102,13 +106,22 @@ class PackagedStep:
         self.eager, self.runners, self.capacity, self.kernel = eager, runners, capacity, kernel
         self._made = made  # the library holds pointers into these (user_managed): keep them alive
         self._ranges = [(low, high, runners[graph]) for graph, (low, high) in graph_ranges(capacity, kernel).items()]
+        # A full-attention layer's slab: its rows are the capacity the graphs were made for;
+        # a sliding layer's buffer: its rows are fixed (buffer_rows), checked all the same.
+        windows = steps.windows(eager)
+        self._slab = next((i for i, window in enumerate(windows) if window is None), None)
+        self._window = next(((i, buffer_rows(w)) for i, w in enumerate(windows) if w is not None), None)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
                  keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool) -> torch.Tensor:
         assert owner == self.eager.owner and kernel == self.kernel, (owner, kernel)
         length = rows.shape[0]
         runner = next((r for low, high, r in self._ranges if low <= length <= high), None)
-        if runner is None or keys[0].shape[2] != self.capacity:  # outside the ranges, a grown slab
+        grown = self._slab is not None and keys[self._slab].shape[2] != self.capacity
+        if self._window is not None:
+            at, buffer = self._window
+            grown = grown or keys[at].stride(1) != buffer * keys[at].shape[3]
+        if runner is None or grown:  # outside the ranges, a grown slab
             return self.eager(token, position, rows, keys, values, owner, kernel)
         return runner.boxed_run([token, position, rows, *keys, *values])[0]  # logits [V]
 
@@ -144,18 +157,19 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
     from torch._inductor.package import package_aoti
 
     exported = _Exported(_twin(step), kernel)
-    _, kv_heads, head_dim = decode_step.attention_shape(config)
-    dtype, device = step.cos.dtype, step.cos.device
-    # Export reads only their shapes: untouched memory, never written.
-    keys = [torch.empty(1, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in step.layers]
-    values = [torch.empty(1, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in step.layers]
     files, weights = {}, {}
     for graph, (low, high) in graph_ranges(capacity, kernel).items():
         length = low + 1
+        device = _param(step).device
+        # Export reads only their shapes: untouched memory, never written.
+        keys, values, windowed = example_buffers(step, config, capacity, length, _untouched)
         args = (torch.zeros(1, dtype=torch.long, device=device), torch.tensor([length - 1], device=device),
                 attended_rows(length, device), keys, values)
-        dims = ({}, {}, {0: torch.export.Dim(f"length_{graph}", min=low, max=high)},
-                [{}] * len(keys), [{}] * len(values))
+        window = [w for w in steps.windows(step) if w is not None]
+        # The window views' rows: their own symbol (min(position + 1, W)), shared by every sliding layer.
+        rows_of_window = torch.export.Dim(f"window_{graph}", min=2, max=window[0]) if window else None
+        per_layer = [{2: rows_of_window} if w is not None else {} for w in steps.windows(step)]
+        dims = ({}, {}, {0: torch.export.Dim(f"length_{graph}", min=low, max=high)}, per_layer, per_layer)
         with torch.no_grad():
             program = torch.export.export(exported, args, dynamic_shapes=dims, strict=False)
         compiled = aot_compile(program.module(check_guards=False), *program.example_inputs, options=_AOTI_OPTIONS)
@@ -180,6 +194,39 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
         staging.unlink(missing_ok=True)
         staged_constants.unlink(missing_ok=True)
     prune(path.parent)
+
+
+def example_buffers(step: Any, config: Any, capacity: int, length: int, make: Any
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Keys and values as the step is handed them at attended `length`: a slab of `capacity`
+    rows per full-attention layer, a window view per sliding one (memrad.engine.state.window),
+    made by `make(shape, dtype, device)`; and the window views (their rows are symbolic). A
+    view's example rows differ from `length` (3 if it is 2, else 2) so that export never takes
+    the two sizes for one; a view is cut from a buffer of the window's real rows, since the
+    compiled code is made for the strides it is shown."""
+    kv_heads, head_dim = steps.kv_shape(config)
+    param = _param(step)
+    keys, values, windowed = [], [], []
+    for window in steps.windows(step):
+        if window is None:
+            pair = [make((1, kv_heads, capacity, head_dim), param.dtype, param.device) for _ in range(2)]
+        else:
+            rows = 3 if length == 2 else 2
+            pair = [make((1, kv_heads, buffer_rows(window), head_dim), param.dtype, param.device)[:, :, :rows]
+                    for _ in range(2)]
+        keys.append(pair[0])
+        values.append(pair[1])
+        if window is not None:
+            windowed.extend(pair)
+    return keys, values, windowed
+
+
+def _untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _param(step: Any) -> torch.Tensor:
+    return next(step.parameters())
 
 
 def prune(directory: Path, keep: int = KEEP_PACKAGES) -> list[Path]:
@@ -256,7 +303,7 @@ def main(argv: list[str]) -> int:
         print("memra's attention kernel is not available to the child", file=sys.stderr)
         return 2
     capacity = min(int(context_len), MAX_RESERVED_TOKENS)
-    step = DecodeStep(loaded.model, int(context_len))
+    step = steps.new_step(loaded.model, int(context_len))
     mine = package_path(step, loaded.model.config, capacity, kernel, Path(path).parent)
     if mine != Path(path):  # another load would make another step: never build it under this name
         print(f"the child's step is {mine.name}, not {Path(path).name}", file=sys.stderr)
@@ -297,7 +344,9 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool) -> str:
                  _cpu_flags(), capacity, decode_step.SPLIT_ROWS, kernel, config.to_json_string(use_diff=False)):
         digest.update(f"{part}\n".encode())
     kernel_source = [cpu_attention.__file__, cpu_attention.SOURCE] if kernel else []
-    for source in (decode_step.__file__, quant.__file__, __file__, *kernel_source):
+    # window_state: the window views' strides (buffer_rows) are compiled in.
+    for source in (decode_step.__file__, gemma_step.__file__, window_state.__file__, quant.__file__, __file__,
+                   *kernel_source):
         digest.update(Path(source).read_bytes())
     for name, module in step.named_modules():
         digest.update(f"{name} {type(module).__module__}.{type(module).__qualname__}\n".encode())

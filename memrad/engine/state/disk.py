@@ -19,7 +19,8 @@ ReusePool of their own (its byte cap is the disk's, LRU), so the same prefix ind
 both tiers.
 
 Attention rows a snapshot shares with the final state (SlabLayer views of one buffer) are
-written once: a snapshot records only its row count.
+written once: a snapshot records only its row count. A WindowLayer (sliding window) is its
+window's rows and its token count.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from memrad.private import FILE_MODE
 from memrad.engine.state.sessionfile import (FORMAT, Header, Unusable, file_name, header_checksum, is_stray_temp,
                                              read_header, read_int64s, session_id_of, unlink_inside)
 from memrad.engine.state.snapshot import ParkedState, Snapshot
+from memrad.engine.state.window import WindowLayer
 from memrad.request import Identity
 from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
 
@@ -100,6 +102,12 @@ def _layer_entries(prefix: str, layer: Any, final: Any) -> tuple[dict, dict[str,
             return desc, {}
         return desc, {f"{prefix}.keys": _owned(layer.keys),
                       f"{prefix}.values": _owned(layer.values)}
+    if isinstance(layer, WindowLayer):
+        desc = {"kind": "WindowLayer", "length": layer.cumulative_length, "initialized": layer.is_initialized}
+        if not layer.is_initialized:
+            return desc, {}
+        return desc, {f"{prefix}.keys": _owned(layer.keys),
+                      f"{prefix}.values": _owned(layer.values)}
     desc: dict[str, Any] = {"kind": type(layer).__name__, "attrs": {}, "dicts": {}, "types": {}}
     tensors = {}
     for name, value in vars(layer).items():
@@ -127,6 +135,10 @@ def _restore_layer(prefix: str, desc: dict, blank: Any, final: Any, tensors: dic
             return final.rewound(desc["length"]) if final is not None else blank
         if f"{prefix}.keys" in tensors:
             blank.update(tensors[f"{prefix}.keys"].to(device), tensors[f"{prefix}.values"].to(device))
+        return blank
+    if desc["kind"] == "WindowLayer" and isinstance(blank, WindowLayer):
+        if desc["initialized"]:
+            blank.restore(tensors[f"{prefix}.keys"].to(device), tensors[f"{prefix}.values"].to(device), desc["length"])
         return blank
     if type(blank).__name__ != desc["kind"]:
         raise Unusable(f"layer {prefix} was a {desc['kind']}, this model builds a {type(blank).__name__}")

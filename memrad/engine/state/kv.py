@@ -74,6 +74,8 @@ class _Slab:
 class SlabLayer(DynamicLayer):
     """A full-attention cache layer that appends in place (see the module docstring)."""
 
+    steps_in_place = True  # the decode step writes its row itself (`all_slabs`)
+
     def __init__(self, capacity: int) -> None:
         super().__init__()
         self.capacity = min(capacity, MAX_RESERVED_TOKENS)
@@ -167,14 +169,27 @@ class SlabLayer(DynamicLayer):
 
 
 def install(cache, capacity: int):
-    """Swap `cache`'s plain full-attention layers for SlabLayers; returns `cache`."""
-    cache.layers = [SlabLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    """Swap `cache`'s plain full-attention layers for SlabLayers and its sliding-window layers
+    for WindowLayers (memrad.engine.state.window); returns `cache`."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from memrad.engine.state.window import WindowLayer
+
+    def in_place(layer):
+        if type(layer) is DynamicLayer:
+            return SlabLayer(capacity)
+        if type(layer) is DynamicSlidingWindowLayer:
+            return WindowLayer(layer.sliding_window)
+        return layer
+
+    cache.layers = [in_place(layer) for layer in cache.layers]
     return cache
 
 
 def all_slabs(cache) -> bool:
-    """Whether every layer of `cache` is an initialised SlabLayer (what the decode step needs)."""
-    return all(type(layer) is SlabLayer and layer.is_initialized for layer in cache.layers)
+    """Whether every layer of `cache` is an initialised in-place layer (SlabLayer,
+    WindowLayer): what the decode step needs."""
+    return all(getattr(layer, "steps_in_place", False) and layer.is_initialized for layer in cache.layers)
 
 
 def resident_bytes(layer: SlabLayer) -> tuple[int, int]:

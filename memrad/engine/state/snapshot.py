@@ -13,7 +13,9 @@ The only code that knows transformers' cache-layer internals (5.x):
     recurrent state in place and have no per-position index: a snapshot must clone them,
     and a rebuild must clone again so the parked copy stays intact. `Cache.crop` cannot be
     trusted for them (it raises, or after activate_past_recording rewinds only conv state).
-  - Sliding-window layers keep only the last window: not croppable; snapshots only.
+  - Sliding-window layers keep only the last window: not croppable; snapshots only. A
+    WindowLayer (memrad.engine.state.window; CPU) appends in place like a SlabLayer, so a
+    snapshot shares its buffer and a fork copies its window.
 
 Shapes: keys/values [B=1, H_kv, T, D]; conv state [1, C, K]; recurrent state model-specific.
 """
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from memrad.engine.state.kv import SlabLayer, resident_bytes
+from memrad.engine.state.window import WindowLayer
 
 RECENT_BOUNDARIES = 4  # the newest boundary checkpoints kept at full density
 
@@ -95,10 +98,10 @@ class ParkedState:
     def rebuild(self, config: Any, position: int, copy: bool = False) -> Any:
         """A cache holding exactly the state after `position` tokens.
 
-        Without `copy`, consumes self where the attention layers are SlabLayers: the rebuilt
+        Without `copy`, consumes self where the attention layers are SlabLayers or WindowLayers: the rebuilt
         cache appends into the same buffers from `position` on. With `copy` (a fork), those
         rows are copied into new buffers and self stays intact. Cloned linear state is never
-        shared; other layers (DynamicLayer, sliding window) never write in place.
+        shared; other layers (DynamicLayer, DynamicSlidingWindowLayer) never write in place.
         """
         from transformers import DynamicCache
 
@@ -107,7 +110,8 @@ class ParkedState:
         cache = DynamicCache(config=config)
         layers = [_copy_layer(layer) for layer in source.layers]
         if copy:
-            layers = [layer.copied(position) if isinstance(layer, SlabLayer) else layer for layer in layers]
+            layers = [layer.copied(position) if isinstance(layer, (SlabLayer, WindowLayer)) else layer
+                      for layer in layers]
         if source.num_tokens != position:  # croppable: plain attention, views are free
             layers = [_rewound(layer, position) for layer in layers]
         cache.layers = layers
@@ -169,7 +173,7 @@ def state_bytes(snapshots: list[Snapshot]) -> int:
     seen: dict[int, int] = {}
     for snap in snapshots:
         for layer in snap.layers:
-            if isinstance(layer, SlabLayer):
+            if isinstance(layer, (SlabLayer, WindowLayer)):
                 key, num_bytes = resident_bytes(layer)
                 seen[key] = num_bytes
                 continue

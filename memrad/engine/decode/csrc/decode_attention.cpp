@@ -147,6 +147,7 @@ Task pick(int64_t G, int64_t D) {
     case 32: return pick_group<T, 32>(G);
     case 64: return pick_group<T, 64>(G);
     case 128: return pick_group<T, 128>(G);
+    case 256: return pick_group<T, 256>(G);  // Gemma 3
     default: return nullptr;
   }
 }

@@ -1,0 +1,152 @@
+"""One-token decode for Gemma 3 (text), written as one function over the KV slabs and windows.
+
+The llama step (memrad.engine.decode.step) with Gemma 3's differences, so it compiles and
+packages the same way (memrad.engine.decode.package):
+
+    token [1] -> embed (scaled by sqrt(hidden), inside transformers' embedding) -> x [1, 1, hidden]
+      per layer:  h = norm(x);  q, k, v = qkv(h)                     (one fused matmul)
+                  q, k = q_norm(q), k_norm(k);  rope(q, k) at `position` with the layer
+                  kind's base (local 10k, global 1M for 270m)
+                  global:  write row `position` of the slab, attend rows [0, position]
+                  sliding: write the last row of the window view, attend the view (<= W rows)
+                  x += post_attn_norm(o_proj(o))
+                  x += post_ff_norm(down(gelu_tanh(gate) * up)) of gate_up(pre_ff_norm(x))
+    -> norm -> head -> final soft-cap (where configured) -> logits [V]
+
+Gemma's norms are transformers' own modules (RMSNorm in float32 with the +1 weight), called
+as they are. The attention scale is query_pre_attn_scalar^-1/2. The step computes what
+transformers' Gemma 3 computes, which soft-caps the final logits where the config says and never
+the attention scores (its attention is not handed attn_logit_softcapping), so neither does
+the step.
+
+Sliding-window layers hand the step a view of their window in a WindowLayer
+(memrad.engine.state.window): [1, H_kv, n, D] with n = min(position + 1, W), the new row
+last. Its size n is the graph's second symbolic size (every sliding layer's view has it); no
+row of the window is copied. The rope angles are computed in the graph from each kind's
+inverse frequencies as transformers computes them (float32, then the model's dtype): two
+tables of 256-wide rows for 32k positions would cost more memory than the layers' KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from memrad.engine.decode.step import _Layer, attend, rope
+
+_GEMMA = ("Gemma3ForCausalLM",)
+_LAYER_KINDS = ("sliding_attention", "full_attention")
+_STEP_IDS = itertools.count()
+
+
+def support(model: nn.Module, context_len: int) -> str | None:
+    """None if the Gemma step computes `model`'s decode, else why not; a model that is not
+    Gemma 3 gets None from `is_gemma` and is not asked."""
+    name = type(model).__name__
+    config = model.config
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds <= set(_LAYER_KINDS):
+        return f"{name} has layers of kinds {sorted(kinds - set(_LAYER_KINDS))}"
+    rotary = model.model.rotary_emb
+    dynamic = {kind: rope for kind, rope in rotary.rope_type.items() if rope not in ("default", "linear")}
+    if dynamic:
+        return f"{name} uses {sorted(dynamic.values())} rope, whose frequencies depend on the sequence length"
+    if getattr(config, "use_bidirectional_attention", False):
+        return f"{name} attends bidirectionally"
+    return None
+
+
+def is_gemma(model: nn.Module) -> bool:
+    return type(model).__name__ in _GEMMA
+
+
+class _GemmaLayer(_Layer):
+    """One Gemma3DecoderLayer's decode-step view; `window` is W for a sliding layer. The
+    llama layer's projections (fused alike), with Gemma's q/k and feed-forward norms;
+    `post_norm` is Gemma's post-attention norm."""
+
+    def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:
+        super().__init__(layer, heads, kv_heads, head_dim)
+        self.window = window
+        self.pre_ff_norm, self.post_ff_norm = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
+        self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
+                length: int, key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
+        # x [1, 1, hidden]; key_rows, value_rows: the slab [1, H_kv, capacity, D] (global) or
+        # the window view [1, H_kv, n, D] whose last row is this token's (sliding)
+        d, h_kv = self.head_dim, self.kv_heads
+        q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
+        q = rope(self.q_norm(q.view(self.heads, d)), cos, sin)  # [H, D]
+        k = rope(self.k_norm(k.view(h_kv, d)), cos, sin)  # [H_kv, D]
+        k, v = k.view(1, h_kv, 1, d), v.view(1, h_kv, 1, d)
+        q = q.view(1, h_kv, self.heads // h_kv, d)  # the G query heads of a KV head as rows
+        if self.window is None:
+            key_rows.index_copy_(2, position, k)
+            value_rows.index_copy_(2, position, v)
+            o = attend(q, key_rows, value_rows, length, self.scale, kernel)
+        else:
+            n = key_rows.shape[2]
+            key_rows.narrow(2, n - 1, 1).copy_(k)
+            value_rows.narrow(2, n - 1, 1).copy_(v)
+            if kernel:
+                o = torch.ops.memra.decode_attention(q, key_rows, value_rows, self.scale)
+            else:
+                o = F.scaled_dot_product_attention(q, key_rows, value_rows, scale=self.scale)
+        x = x + self.post_norm(self.o_proj(o.reshape(1, 1, self.heads * d)))
+        gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
+        return x + self.post_ff_norm(self.down_proj(self.act(gate) * up))
+
+
+class GemmaStep(nn.Module):
+    """The step for a Gemma 3 model `support` accepts; shares every weight with the model.
+    Called exactly as memrad.engine.decode.step.DecodeStep (the decoder and the package
+    treat both alike); `keys`, `values` hold a window view for each sliding layer."""
+
+    def __init__(self, model: nn.Module, max_positions: int) -> None:
+        super().__init__()
+        self.owner = f"gemma-step-{next(_STEP_IDS)}"  # unique in the process, never reused
+        config, body = model.config, model.model
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = config.head_dim
+        self.embed, self.norm, self.head = body.embed_tokens, body.norm, model.lm_head
+        self.final_softcap = config.final_logit_softcapping
+        kinds = list(config.layer_types)
+        self.layers = nn.ModuleList(
+            _GemmaLayer(layer, heads, kv_heads, head_dim, config.sliding_window if kind == "sliding_attention" else None)
+            for layer, kind in zip(body.layers, kinds))
+        self.sliding = tuple(kind == "sliding_attention" for kind in kinds)
+        rotary = body.rotary_emb
+        # Inverse frequencies [D/2] and scaling per layer kind, as transformers' rotary module holds them.
+        self.register_buffer("global_inv_freq", rotary.full_attention_inv_freq.detach().clone().float()
+                             if "full_attention" in rotary.rope_type else torch.zeros(head_dim // 2), persistent=False)
+        self.register_buffer("local_inv_freq", rotary.sliding_attention_inv_freq.detach().clone().float()
+                             if "sliding_attention" in rotary.rope_type else torch.zeros(head_dim // 2), persistent=False)
+        self.global_scaling = float(getattr(rotary, "full_attention_attention_scaling", 1.0))
+        self.local_scaling = float(getattr(rotary, "sliding_attention_attention_scaling", 1.0))
+        self.dtype = next(model.parameters()).dtype
+
+    def _angles(self, inv_freq: torch.Tensor, scaling: float, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position.float()[:, None] * inv_freq[None, :]  # [1, D/2], float32 as transformers
+        emb = torch.cat((freqs, freqs), dim=-1)  # [1, D]
+        return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+
+    def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool = False) -> torch.Tensor:
+        """Logits [V] (model dtype) after `token` [1] at `position` [1]; writes its KV rows.
+        `rows`, `owner`, `kernel`: as DecodeStep.forward."""
+        assert owner == self.owner, f"{owner} called {self.owner}"
+        length = rows.shape[0]
+        x = self.embed(token).view(1, 1, -1)  # [1, 1, hidden]
+        local = self._angles(self.local_inv_freq, self.local_scaling, position)
+        full = self._angles(self.global_inv_freq, self.global_scaling, position)
+        for layer, sliding, key_rows, value_rows in zip(self.layers, self.sliding, keys, values):
+            cos, sin = local if sliding else full
+            x = layer(x, cos, sin, position, length, key_rows, value_rows, kernel)
+        logits = self.head(self.norm(x)).view(-1)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
