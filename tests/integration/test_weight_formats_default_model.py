@@ -53,7 +53,11 @@ def test_auto_runs_the_shipped_4_bit_blocks_in_the_dtype_the_cpu_is_fast_at(load
 
 
 def test_the_q8_0_head_answers_a_short_question_sensibly(loaded):
-    engine = make_engine(loaded("auto", "auto"), CHUNK, 2, max_sessions=8, max_bytes=2**31, mode="exact")
+    # At the model's native 8,192: under the default 32k (yarn x4) SmolLM2 answers this one
+    # in French gibberish ("La femme à France, …"; docs/BENCHMARKS.md, Long context), which
+    # says nothing about the head. The head's sense is this test's point.
+    engine = make_engine(load_model("default", device="cpu", dtype="auto", weights="auto", context=8192),
+                         CHUNK, 2, max_sessions=8, max_bytes=2**31, mode="exact")
     reply, _ = _ask(engine, [{"role": "user", "content": "What is the capital of France?"}], "paris")
     assert "Paris" in reply.text
 
