@@ -112,6 +112,7 @@ class LimitSettings:
     max_body_bytes: int = _key(16 * 1024 * 1024, "MEMRA_MAX_BODY_BYTES")
     max_messages: int = _key(4096, "MEMRA_MAX_MESSAGES")
     max_tokens: int = _key(0, "MEMRA_MAX_TOKENS")
+    max_reply_tokens: int = _key(4096, "MEMRA_MAX_REPLY_TOKENS")
     max_stop_chars: int = _key(256, "MEMRA_MAX_STOP_CHARS")
     max_schema_depth: int = _key(32, "MEMRA_MAX_SCHEMA_DEPTH")
     max_preparing_bytes: int = _key(64 * 1024 * 1024, "MEMRA_MAX_PREPARING_BYTES")
@@ -154,6 +155,7 @@ _MINIMUM = {
     "limits.max_body_bytes": 1024,
     "limits.max_messages": 1,
     "limits.max_tokens": 0,
+    "limits.max_reply_tokens": 0,
     "limits.max_stop_chars": 1,
     "limits.max_schema_depth": 2,
     "disk.max_bytes": 0,

@@ -55,15 +55,21 @@ def check_model(request: web.Request, requested: str | None) -> None:
                  quoted(requested), ctx.engine.model_id)
 
 
+def reply_cap(ctx) -> int | None:
+    """The most tokens one reply runs to (limits.max_reply_tokens; 0: the context bounds it)."""
+    return ctx.settings.limits.max_reply_tokens or None
+
+
 async def fitted(request: web.Request, parsed: ParsedRequest, param: str) -> tuple[ParsedRequest, str, list[int]]:
     """Render a chat-shaped request off the event loop and fit it to the context:
     (request, prompt text, ids)."""
     ctx = request.app[CONTEXT]
     check_model(request, parsed.model)
     text, ids = await prepared(request, render, ctx, parsed)
+    parsed = fit(parsed, len(ids), ctx.engine.context_len, error_style(request.path), param, reply_cap(ctx))
     for note in parsed.notes:
         log.info("%s %s: %s", request.method, request.path, note)
-    return fit(parsed, len(ids), ctx.engine.context_len, error_style(request.path), param), text, ids
+    return parsed, text, ids
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -88,7 +94,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if bad:
             raise invalid(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
         text = ctx.engine.chat.decode(ids)
-    parsed = fit(parsed, len(ids), ctx.engine.context_len, "openai", "prompt")
+    parsed = fit(parsed, len(ids), ctx.engine.context_len, "openai", "prompt", reply_cap(ctx))
     request_id = new_request_id("completion")
     shape = OpenAIShape(Envelope.new("completion", request_id, ctx.engine.model_id), parsed.include_usage,
                         parsed.notes)

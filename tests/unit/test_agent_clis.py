@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 
 from memrad.chat.chat import Chat
 from memrad.chat.render import fold_systems
-from memrad.config import ServerSettings, Settings
+from memrad.config import LimitSettings, ServerSettings, Settings
 from memrad.server.app import make_app
 from memrad.server.messages_api import signature
 from memrad.server.metrics import parse_samples
@@ -257,7 +257,7 @@ async def test_claude_moves_cache_control_and_the_rendered_bytes_stay_a_prefix(s
 
 async def test_claude_max_tokens_beyond_the_context_is_lowered_and_said(chat):
     engine = ScriptedChatEngine(chat, context_len=30_000)
-    async with serving(engine) as server:
+    async with serving(engine, Settings(limits=LimitSettings(max_reply_tokens=0))) as server:
         status, events = await replay(server, "claude_tool_003")
     assert status == 200
     num_prompt = len(engine.requests[-1].prompt_ids)
@@ -265,6 +265,18 @@ async def test_claude_max_tokens_beyond_the_context_is_lowered_and_said(chat):
     assert engine.requests[-1].sampling.max_tokens == room
     assert events[0][1]["message"]["memra"]["notes"] == [
         f"max_tokens 32000 lowered to {room}: the prompt's {num_prompt} tokens leave {room} of this model's 30000"]
+
+
+async def test_claude_max_tokens_past_the_reply_cap_is_lowered_to_it_and_said(chat):
+    # The default cap (4,096) is below the room the prompt leaves (5,965): the cap decides.
+    engine = ScriptedChatEngine(chat, context_len=30_000)
+    async with serving(engine) as server:
+        status, events = await replay(server, "claude_tool_003")
+    assert status == 200
+    assert 30_000 - len(engine.requests[-1].prompt_ids) > 4096
+    assert engine.requests[-1].sampling.max_tokens == 4096
+    assert events[0][1]["message"]["memra"]["notes"] == [
+        "max_tokens 32000 lowered to 4096: this server's reply cap (limits.max_reply_tokens)"]
 
 
 async def test_messages_thinking_signature_server_tools_media_and_many_stops(server, engine):
