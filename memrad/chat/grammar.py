@@ -156,11 +156,9 @@ class Grammars:
     def error(self, constraint: Constraint) -> str | None:
         """Why `constraint` does not compile, or None when it does."""
         matcher = self._compile(constraint.grammar)
-        if matcher.is_error():
-            with self._lock:
-                self._compiled.pop(constraint.grammar, None)
-            return matcher.get_error()
-        return None
+        # A grammar that does not compile stays cached too: compiling is deterministic, and an
+        # agent CLI re-sends the same failing tool schema every turn (Claude Code's TaskCreate).
+        return matcher.get_error() if matcher.is_error() else None
 
     def matcher(self, constraint: Constraint) -> Any:
         """A fresh llguidance matcher at the reply's start (the compiled one stays pristine)."""
@@ -192,9 +190,13 @@ class Grammars:
 
     def _arguments(self, function: dict) -> dict:
         schema = function.get("parameters") or ANY_OBJECT
-        reason = self.error(json_constraint(schema, "tools"))
+        constraint = json_constraint(schema, "tools")
+        with self._lock:
+            known = constraint.grammar in self._compiled
+        reason = self.error(constraint)
         if reason is None:
             return closed(schema)
-        log.warning("tool %r: its parameters schema does not compile (%s); its calls take any JSON object",
-                    function["name"], reason.splitlines()[0])
+        if not known:  # said once per schema, not on every request that re-sends it
+            log.warning("tool %r: its parameters schema does not compile (%s); its calls take any JSON object",
+                        function["name"], reason.splitlines()[0])
         return ANY_OBJECT

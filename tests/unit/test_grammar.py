@@ -102,6 +102,17 @@ def test_a_tool_schema_llguidance_cannot_compile_still_gets_a_call_with_any_obje
     assert accepts(grammars, tokenizer, constraint, '{"anything": [1]}}\n</tool_call>')
 
 
+def test_a_tool_schema_that_does_not_compile_is_logged_once_not_on_every_request(tokenizer, caplog):
+    # Claude Code re-sends its TaskCreate schema (propertyNames) on every turn.
+    fresh = Grammars(tokenizer)
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
+    with caplog.at_level("WARNING", logger="memrad.chat.grammar"):
+        for _ in range(3):
+            fresh.tool_constraint(chat_format(tokenizer), odd, "auto", None, True)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "tool 'f': its parameters schema does not compile"]
+
+
 def test_markup_that_is_one_special_token_is_matched_as_that_token(grammars, tokenizer):
     fmt = chat_format(tokenizer)
     special = tokenizer.convert_tokens_to_ids("<|im_end|>")  # standing in for Qwen's </tool_call> token
