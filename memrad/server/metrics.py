@@ -32,6 +32,8 @@ TOKENS_PER_S = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 500
 CLIENT_GONE = "499"  # nginx's code for "the client closed the connection first"
 # Set on a request whose client left (memrad.server.serving).
 CLIENT_GONE_KEY = web.RequestKey("memra_client_gone", bool) if hasattr(web, "RequestKey") else "memra_client_gone"
+# Set on a stream that failed after its 200 left: the status its error event carried.
+STREAM_FAILED_KEY = web.RequestKey("memra_stream_failed", int) if hasattr(web, "RequestKey") else "memra_stream_failed"
 
 
 class Metrics:
@@ -161,8 +163,9 @@ async def count_requests(request: web.Request, handler) -> web.StreamResponse:
     status: int | str = CLIENT_GONE
     try:
         response = await handler(request)
-        # A stream's status left as 200 before its client went: count what happened.
-        status = CLIENT_GONE if request.get(CLIENT_GONE_KEY) else response.status
+        # A stream's status left as 200 before its client went or its generation failed:
+        # count what happened.
+        status = CLIENT_GONE if request.get(CLIENT_GONE_KEY) else request.get(STREAM_FAILED_KEY, response.status)
         return response
     except web.HTTPException as exc:
         status = exc.status

@@ -30,7 +30,7 @@ from memrad.server.connections import connection_of
 from memrad.server.context import ServerContext
 from memrad.server.decoding import reply_sampling
 from memrad.server.errors import APIError, ErrorStyle, error_style, invalid, server_error, unavailable
-from memrad.server.metrics import CLIENT_GONE, CLIENT_GONE_KEY
+from memrad.server.metrics import CLIENT_GONE, CLIENT_GONE_KEY, STREAM_FAILED_KEY
 from memrad.server.tools import tool_names
 from memrad.server.validate import ParsedRequest
 
@@ -313,7 +313,9 @@ async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch
         # The status line already left as 200: the failure is the stream's error event.
         log.exception("%s failed %s %s while streaming: 500 generation failed: %s", run.request_id,
                       request.method, request.path, exc)
-        await send(shape.stream_error(server_error(f"generation failed: {exc}").body(run.style)))
+        failed = server_error(f"generation failed: {exc}")
+        request[STREAM_FAILED_KEY] = failed.status
+        await send(shape.stream_error(failed.body(run.style)))
         return response
     _log_request(run.request_id, job, completion, stream=True, gone=watch.gone)
     if watch.gone:
@@ -322,6 +324,7 @@ async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch
         cancelled = unavailable("the request was cancelled because memrad is shutting down")
         log.warning("%s failed %s %s while streaming: %d %s", run.request_id, request.method, request.path,
                     cancelled.status, cancelled.message)
+        request[STREAM_FAILED_KEY] = cancelled.status
         await send(shape.stream_error(cancelled.body(run.style)))
         return response
     deltas, reply = run.finish(completion)

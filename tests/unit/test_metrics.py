@@ -105,3 +105,28 @@ async def test_a_client_gone_before_its_answer_is_counted_as_499_not_an_internal
     response = await openai_errors(Request(), handler)
     assert response.status == 499
     assert "internal error" not in caplog.text and "client left before the answer" in caplog.text
+
+
+async def test_a_stream_whose_generation_fails_after_its_200_is_counted_as_500():
+    from fake_engine import FakeEngine
+
+    class Failing(FakeEngine):
+        def generate(self, request, emit, cancelled, on_decision=None):
+            emit("partial")
+            raise RuntimeError("the model broke")
+
+    server = TestServer(make_app(Settings(), Failing(), "cpu", "float32"), host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"messages": USER, "max_tokens": 6, "stream": True}
+            async with session.post(server.make_url("/v1/chat/completions"), json=body) as resp:
+                assert resp.status == 200
+                assert b"generation failed: the model broke" in await resp.read()
+            async with session.get(server.make_url("/metrics")) as resp:
+                got = samples(await resp.text())
+    finally:
+        await server.close()
+    counted = {dict(labels)["status"]: value for (name, labels), value in got.items()
+               if name == "memra_http_requests_total" and dict(labels)["route"] == "/v1/chat/completions"}
+    assert counted == {"500": 1.0}
