@@ -31,6 +31,7 @@ from scripted_chat import ScriptedChatEngine
 from tiny import build_tokenizer
 
 BIN = Path(__file__).resolve().parents[1] / "agent_clis" / "node_modules" / ".bin"
+REPLY_CAP = Settings().limits.max_reply_tokens  # what a max_tokens past it is lowered to
 ANSWER = "The sandbox holds README.md and hello.py."
 
 
@@ -143,7 +144,7 @@ async def test_claude_code_runs_bash_and_answers(tmp_path):
     assert len(main) == 2  # the call, then the answer after the result (cache_control moved, bytes did not)
     assert "<tool_response>\nREADME.md\nhello.py" in main[1].prompt_text
     assert {r.identity.source for r in main} == {"metadata.user_id"}
-    assert [r.sampling.max_tokens for r in main] == [100_000 - len(r.prompt_ids) for r in main]
+    assert [r.sampling.max_tokens for r in main] == [min(REPLY_CAP, 100_000 - len(r.prompt_ids)) for r in main]
 
 
 async def test_codex_exec_runs_exec_command_and_answers(tmp_path):
@@ -157,7 +158,7 @@ async def test_qwen_code_lists_the_directory_and_answers(tmp_path):
     # Its ~53k-token prompt fits in 60k, its max_tokens 8000 does not.
     _, main, _ = await run_task("qwen", tmp_path, "list_directory", {"path": str(tmp_path / "sandbox")},
                                 context_len=60_000)
-    assert main[0].sampling.max_tokens == 60_000 - len(main[0].prompt_ids)
+    assert main[0].sampling.max_tokens == min(REPLY_CAP, 60_000 - len(main[0].prompt_ids))
     assert main[0].identity is None  # Qwen Code names no session
 
 
@@ -167,7 +168,7 @@ async def test_opencode_reads_the_directory_and_answers(tmp_path):
                                      context_len=40_000)
     assert len(main) == 2
     assert {r.identity.source for r in engine.requests} == {"x-session-id"}
-    assert [r.sampling.max_tokens for r in main] == [40_000 - len(r.prompt_ids) for r in main]
+    assert [r.sampling.max_tokens for r in main] == [min(REPLY_CAP, 40_000 - len(r.prompt_ids)) for r in main]
 
 
 @pytest.mark.parametrize("cli, said, counts", [
