@@ -44,12 +44,13 @@ def all_2xx(counts: dict) -> bool:
     return bool(counts) and all(status.startswith("2") for _, status in counts)
 
 
-def reply_for(shell_tool: str, arguments: str):
-    """The scripted model: call the shell tool once, then answer from its result."""
+def reply_for(shell_tool: str, arguments: str, result_marker: str = "<tool_response>"):
+    """The scripted model: call the shell tool once, then answer from its result (what
+    follows the last `result_marker`)."""
 
     def reply(request) -> str:
         text = request.prompt_text
-        if "<tool_response>" in text and "hello.py" in text.rsplit("<tool_response>", 1)[1]:
+        if result_marker in text and "hello.py" in text.rsplit(result_marker, 1)[1]:
             return ANSWER
         if f'"name": "{shell_tool}"' in text:
             return f'<tool_call>\n{{"name": "{shell_tool}", "arguments": {arguments}}}\n</tool_call>'
@@ -121,18 +122,23 @@ async def run_cli(engine, cli: str, tmp_path: Path) -> tuple[int, str, str, dict
     return proc.returncode, out.decode(), err.decode(), counts
 
 
-async def run_task(cli: str, tmp_path: Path, tool: str, arguments: dict, context_len: int = 1_000_000) -> tuple:
+async def run_task(cli: str, tmp_path: Path, tool: str, arguments: dict, context_len: int = 1_000_000,
+                   chat: Chat | None = None, generation_prompt: str = "<|im_start|>assistant\n",
+                   result_marker: str = "<tool_response>") -> tuple:
     """The tool task: the CLI exits 0, prints the answer, and every request was 2xx; (engine,
-    the requests whose prompt offers `tool`, request counts)."""
-    engine = ScriptedChatEngine(Chat(build_tokenizer()), context_len=context_len,
-                                reply_for=reply_for(tool, json.dumps(arguments)))
+    the requests whose prompt offers `tool`, request counts). `chat`: the tokenizer and
+    template (the tiny ChatML one unless given), whose reply opens with `generation_prompt`
+    and whose tool results follow `result_marker`."""
+    engine = ScriptedChatEngine(chat or Chat(build_tokenizer()), context_len=context_len,
+                                reply_for=reply_for(tool, json.dumps(arguments), result_marker))
     code, out, err, counts = await run_cli(engine, cli, tmp_path)
     assert code == 0, err
     assert ANSWER in out and all_2xx(counts), counts
     main = [r for r in engine.requests if f'"name": "{tool}"' in r.prompt_text]
-    assert len(main) >= 2 and "<tool_response>" in main[1].prompt_text
+    assert len(main) >= 2 and result_marker in main[1].prompt_text
     # Turn 2 renders turn 1 as an exact prefix.
-    assert main[1].prompt_text.startswith(main[0].prompt_text[:-len("<|im_start|>assistant\n")])
+    assert main[0].prompt_text.endswith(generation_prompt)
+    assert main[1].prompt_text.startswith(main[0].prompt_text[:-len(generation_prompt)])
     return engine, main, counts
 
 
@@ -185,3 +191,36 @@ async def test_a_prompt_that_alone_overflows_stops_the_cli_without_a_loop(tmp_pa
     code, out, err, got = await run_cli(engine, cli, tmp_path)
     assert code == 1 and said in out + err
     assert got == counts
+
+
+@pytest.fixture(scope="module")
+def gemma_chat():
+    """gemma3-270m's real tokenizer and template (no tool format: memra's tool convention)."""
+    from memrad.engine.model.catalog import GEMMA3_270M
+    from memrad.engine.model.pull import model_dir
+
+    folder = model_dir(GEMMA3_270M)
+    if not (folder / "tokenizer.json").exists():
+        pytest.skip("gemma3-270m is not pulled: run `memrad pull gemma3-270m` (.ci/run does)")
+    from transformers import AutoTokenizer
+
+    return Chat(AutoTokenizer.from_pretrained(folder))
+
+
+# Claude Code's first prompt is 32,801 tokens of Gemma's: past gemma3-270m's 32,768 (a finding of
+# issue 21: it cannot serve Claude Code's default tools); the other three fit.
+@pytest.mark.parametrize("cli, tool, arguments", [
+    ("codex", "exec_command", {"cmd": "ls"}),
+    ("qwen", "list_directory", {"path": "SANDBOX"}),
+    ("opencode", "read", {"filePath": "SANDBOX"}),
+])
+async def test_every_cli_runs_its_tool_on_gemma3_through_memras_tool_convention(tmp_path, gemma_chat, cli, tool,
+                                                                                 arguments):
+    # Gemma 3's template has no tool format: the definitions go with the system text (which opens
+    # the first user turn), calls are <tool_call> JSON in the model's turn, results a `tool` turn
+    # in Gemma's own markup.
+    arguments = {k: str(tmp_path / "sandbox") if v == "SANDBOX" else v for k, v in arguments.items()}
+    _, main, _ = await run_task(cli, tmp_path, tool, arguments, context_len=32_768, chat=gemma_chat,
+                                generation_prompt="<start_of_turn>model\n", result_marker="<start_of_turn>tool\n")
+    assert "# Tools" in main[0].prompt_text.split("<start_of_turn>model\n", 1)[0]
+    assert f'<start_of_turn>model\n<tool_call>\n{{"name": "{tool}"' in main[1].prompt_text
