@@ -98,6 +98,7 @@ class Engine:
         self.max_batch = max_batch
         self.prefill_budget = prefill_budget or prefill_chunk
         self._flights: list[Flight] = []
+        self._steps = 0  # prefill turns handed out (the round-robin's clock)
         self.chat = Chat(loaded.tokenizer, tool_fallback=tool_fallback)
         # Next-token choice; a test engine passes a token script (prefill, reuse stay real).
         self.sampler = sampler
@@ -128,7 +129,21 @@ class Engine:
         return {"dtype": {"value": loaded.dtype_name, "reason": loaded.dtype_choice.reason},
                 "weights": {"value": loaded.weights_name, "reason": loaded.weights.reason},
                 "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason},
-                "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()}}
+                "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()},
+                "batch": self._batch_choice()}
+
+    def _batch_choice(self) -> dict[str, str]:
+        """How requests in flight together decode (`memrad status`, /health)."""
+        if self.max_batch == 1:
+            return {"value": "one at a time", "reason": "max_batch = 1: one request on the model, the one-row step"}
+        if self.decoder.batch_step(self.max_batch) is not None:
+            return {"value": f"batched, {self.max_batch} rows",
+                    "reason": f"max_batch = {self.max_batch}: one eager step of {self.max_batch} rows (padded, so a "
+                              "request's bits do not depend on its neighbours); the compiled step decodes one row "
+                              "and serves max_batch = 1"}
+        return {"value": f"{self.max_batch} in flight, one row each",
+                "reason": f"max_batch = {self.max_batch}: {self.decoder.choice.value} decode has no batched step "
+                          "for this model; the requests in flight decode one after another in each step"}
 
     @property
     def compiling(self) -> bool:
@@ -237,8 +252,9 @@ class Engine:
 
     def step(self) -> list[Flight]:
         """One iteration of the scheduler: one decode step for every decoding flight (one token
-        each, batched where their step batches), then prefill chunks of the oldest flight still
-        prefilling, up to `prefill_budget` tokens. Flights that ended are parked and
+        each, batched where their step batches), then prefill chunks of one flight still
+        prefilling, up to `prefill_budget` tokens: the one that prefilled least recently (a new
+        one first), so a short prompt is not stuck behind a long one and none starves. Flights that ended are parked and
         returned (`completion` or `error` set)."""
         decoding = [f for f in self._flights if f.phase == "decode" and f.pending is not None]
         for feed, group in _by_feed(decoding):
@@ -256,8 +272,10 @@ class Engine:
                 for flight in group:
                     if flight.phase != "done":
                         flight.fail(exc)
-        prefilling = next((f for f in self._flights if f.phase == "prefill"), None)
+        prefilling = min((f for f in self._flights if f.phase == "prefill"), key=lambda f: f.prefilled_at, default=None)
         if prefilling is not None:
+            self._steps += 1
+            prefilling.prefilled_at = self._steps
             try:
                 prefilling.prefill(self.loaded.model, self.prefill_budget)
             except Exception as exc:

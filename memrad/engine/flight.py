@@ -79,6 +79,7 @@ class Flight:
         self.max_tokens = max_tokens
         self.started = started
         self.phase: Phase = "prefill"
+        self.prefilled_at = -1  # the engine's prefill turn this flight last had (-1: none yet)
         self.out = Reply()
         self.pending: int | None = None  # the sampled token the next decode step feeds
         self.error: BaseException | None = None
