@@ -15,7 +15,7 @@ import torch
 
 from memrad.engine.decode.batch import BatchStep
 from memrad.request import GenerationRequest, SamplingParams
-from stories import make_engine
+from stories import make_engine, recording, run_together
 
 CHUNK = 16
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -35,18 +35,6 @@ def request(engine, messages, rid, max_tokens=8):
                              SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2))
 
 
-def recording(engine):
-    """Greedy sampling that keeps every step's logits [V] per request (by its SamplingParams)."""
-    engine.scores = {}
-
-    def sampler(scores, params, generator):
-        engine.scores.setdefault(id(params), []).append(scores.clone())
-        return int(scores.argmax())
-
-    engine.sampler = sampler
-    return engine
-
-
 def engine_with_parked(tiny_loaded, **flags):
     """A batching engine whose pool holds turn 1 of conversations "a" and "b" (served alone)."""
     engine = recording(make_engine(tiny_loaded, CHUNK, max_batch=4, **flags))
@@ -61,28 +49,6 @@ def second_turns(engine):
             request(engine, conversation("c", 1)[:-1], "c-1", max_tokens=5),
             request(engine, conversation("b", 2)[:-1], "b-2", max_tokens=11),
             request(engine, conversation("d", 3)[:-1], "d-3", max_tokens=6)]
-
-
-def run_together(engine, requests, cancel_after=None):
-    """Admit `requests` at once and step until all are done: {rid: (completion, finished)}.
-    `cancel_after` {rid: n}: that request is cancelled once it has emitted n deltas."""
-    cancel_after = cancel_after or {}
-    emitted = {r.request_id: 0 for r in requests}
-
-    def emit_for(rid):
-        def emit(_):
-            emitted[rid] += 1
-        return emit
-
-    flights = [engine.admit(r, emit_for(r.request_id),
-                            lambda rid=r.request_id: rid in cancel_after and emitted[rid] >= cancel_after[rid])
-               for r in requests]
-    while any(f.completion is None and f.error is None for f in flights):
-        engine.step()
-    states = {state.request.request_id: state for state in engine.finished}
-    return {f.request.request_id: (f.completion, states.get(f.request.request_id),
-                                   torch.stack(engine.scores[id(f.request.sampling)]))
-            for f in flights}
 
 
 def summary(completion, state, scores):
