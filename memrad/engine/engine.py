@@ -38,7 +38,7 @@ from memrad.engine.sampling import Shaper, sample, shapes
 from memrad.engine.state.kv import install as install_slabs
 from memrad.engine.state.snapshot import Snapshot, is_croppable
 from memrad.grid import find_anchors
-from memrad.protocol import Decision, SessionInfo, TurnEvent
+from memrad.protocol import Decision, FlightEvent, FlightInfo, SessionInfo, TurnEvent
 from memrad.request import Completion, GenerationRequest
 from memrad.reuse.fingerprint import Segment, chain, derive_openers, derive_reply_header, segments
 from memrad.reuse.planner import Mode, Plan, RequestView
@@ -46,6 +46,8 @@ from memrad.reuse.pool import Namespace, ParkedSession, ParkingStats, ReusePool
 from memrad.reuse.report import decision_event
 
 log = logging.getLogger("memrad.engine")
+
+REPORT_EVERY = 16  # decoded tokens between two FlightEvents of one request
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,23 @@ class Engine:
             self.parking.resume_failed(decided)
             raise
         self._flights.append(flight)
+        self._report(flight)
         return flight
+
+    def flight_infos(self) -> list[FlightInfo]:
+        """The requests on the model now, in admission order (the control snapshot)."""
+        return [flight.info() for flight in tuple(self._flights)]
+
+    def _report(self, flight: Flight) -> None:
+        """Publish a FlightEvent when the flight changed phase, ran a prefill chunk, or
+        decoded REPORT_EVERY tokens since the last one (bounded: a few events per second)."""
+        now = (flight.phase, flight.tokens_so_far)
+        last = flight.reported
+        if last is not None and last[0] == now[0] and (now[0] == "decode" and now[1] - last[1] < REPORT_EVERY
+                                                       or now[1] == last[1]):
+            return
+        flight.reported = now
+        self.events(lambda: FlightEvent(time.time(), flight.info()))
 
     def step(self) -> list[Flight]:
         """One iteration of the scheduler: one decode step for every decoding flight (one token
@@ -284,6 +302,8 @@ class Engine:
         for flight in ended:
             self._flights.remove(flight)
             self._finish(flight)
+        for flight in (*self._flights, *ended):
+            self._report(flight)
         return ended
 
     def _feed(self) -> Any:

@@ -24,6 +24,7 @@ from memrad.chat.stops import StopMatcher
 from memrad.engine.forward import cache_length, prefill_span
 from memrad.engine.parking import Prefilled
 from memrad.engine.sampling import Shaper, make_generator, token_logprob
+from memrad.protocol import FlightInfo
 from memrad.request import Completion, FinishReason, GenerationRequest, TokenLogprob
 from memrad.reuse.fingerprint import Segment
 from memrad.reuse.planner import Plan
@@ -80,6 +81,7 @@ class Flight:
         self.started = started
         self.phase: Phase = "prefill"
         self.prefilled_at = -1  # the engine's prefill turn this flight last had (-1: none yet)
+        self.reported: tuple[Phase, int] | None = None  # (phase, tokens) the last FlightEvent said
         self.out = Reply()
         self.pending: int | None = None  # the sampled token the next decode step feeds
         self.error: BaseException | None = None
@@ -104,6 +106,13 @@ class Flight:
     def tokens_so_far(self) -> int:
         """Prompt tokens primed while prefilling; generated tokens while decoding."""
         return self.pre.primed_to if self.phase == "prefill" else len(self.out.generated)
+
+    def info(self) -> FlightInfo:
+        """This flight as the control socket's record (memra-tui's in-flight rows)."""
+        request, session = self.request, self.decided.session
+        return FlightInfo(request.request_id, request.identity.name if request.identity else None,
+                          session.session_id if session is not None else None, self.phase, self.checkpoint,
+                          self.pre.primed_to, len(self.out.generated), round(time.perf_counter() - self.started, 3))
 
     def prefill(self, model: Any, budget: int) -> int:
         """Run grid chunks until `budget` tokens ran (at least one chunk); returns the tokens
