@@ -1,4 +1,8 @@
-"""The engine: one request at a time, plan reuse, prefill on the grid, decode, park.
+"""The engine: plan reuse, prefill on the grid, decode, park; several requests in flight.
+
+Each request is a Flight (memrad.engine.flight): admitted (planned, its state checked out),
+then moved by `step`: one batched decode step for every decoding flight, then prefill
+chunks of one flight still priming (round-robin). For one request:
 
     plan -> rebuild state at checkpoint c (or cold: c = 0)
          -> prefill(prompt[c:]) on the grid -> [prompt checkpoint P] -> sample -> feed -> ...
