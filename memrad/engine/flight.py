@@ -72,6 +72,7 @@ class Flight:
                  device: torch.device) -> None:
         self.request, self.emit, self.cancelled = request, emit, cancelled
         self.decided, self.cache, self.pre = decided, cache, pre
+        assert spans, "a flight primes at least one token (the planner leaves a suffix)"
         self.spans = list(spans)  # grid chunks still to prefill, in order
         self.after_chunk = after_chunk
         self.feed = feed  # a BatchStep (grouped with others) or a one-row Feed, for the whole reply
