@@ -55,6 +55,7 @@ class EngineSettings:
     prefill_chunk: int = _key(256, "MEMRA_PREFILL_CHUNK")
     compile: str = _key("auto", "MEMRA_COMPILE")
     prefill_budget: int = _key(0, "MEMRA_PREFILL_BUDGET")
+    batch_decode: str = _key("batched", "MEMRA_BATCH_DECODE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +143,7 @@ _CHOICES = {
     "log.level": ("debug", "info", "warning", "error"),
     "reuse.mode": ("exact", "fast"),
     "engine.compile": ("auto", "on", "off"),
+    "engine.batch_decode": ("batched", "rows"),
 }
 _MINIMUM = {
     "server.port": 0,

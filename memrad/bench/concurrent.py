@@ -1,7 +1,8 @@
 """`memrad bench concurrent`: many requests at once, as agent CLIs send them.
 
     memrad bench concurrent [--agents 1 2 4] [--replies 48 400] [--turns 3] [--prime-lines 440]
-                            [--max-batch 4 1] [--threads 2] [--peer LLAMA_SERVER --gguf GGUF]
+                            [--max-batch 4 1] [--batch-decode batched rows] [--threads 2]
+                            [--peer LLAMA_SERVER --gguf GGUF]
 
 For each server (a throwaway memrad per --max-batch value, started through the real CLI, and
 llama.cpp's llama-server -np 4 on the same GGUF with --peer):
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prime-lines", type=int, default=440, help="lines of the cold prime (0: skip it)")
     parser.add_argument("--side-delay-s", type=float, default=1.0, help="when the side query follows the prime")
     parser.add_argument("--max-batch", type=int, nargs="+", default=[4], help="one memrad arm per value")
+    parser.add_argument("--batch-decode", nargs="+", default=["batched"], choices=("batched", "rows"),
+                        help="engine.batch_decode: one memrad arm per value (for max_batch > 1)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--url", help="measure this running server instead of starting memrad arms")
@@ -204,12 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         arms.append((args.url, lambda: (args.url, lambda: None)))
     else:
         for max_batch in args.max_batch:
-            def start(max_batch=max_batch):
-                daemon = Daemon.create()
-                daemon.start("--threads", str(args.threads), "--max-batch", str(max_batch),
-                             "--compile", args.compile)
-                return daemon.url, daemon.stop
-            arms.append((f"memrad max_batch={max_batch}", start))
+            for how in args.batch_decode if max_batch > 1 else ["batched"]:
+                def start(max_batch=max_batch, how=how):
+                    daemon = Daemon.create({"MEMRA_BATCH_DECODE": how})
+                    daemon.start("--threads", str(args.threads), "--max-batch", str(max_batch),
+                                 "--compile", args.compile)
+                    return daemon.url, daemon.stop
+                arms.append((f"memrad max_batch={max_batch}" + (f" {how}" if max_batch > 1 else ""), start))
     if args.peer is not None:
         def peer():
             server = LlamaServer(args.peer, args.gguf, args.threads, 4, 18432)

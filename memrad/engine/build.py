@@ -68,7 +68,8 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
     return Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
                   settings.affinity.enabled, settings.affinity.longest_prefix, disk,
                   compile=settings.engine.compile, on_finished=on_finished, tool_fallback=settings.tools.fallback,
-                  max_batch=settings.server.max_batch, prefill_budget=settings.engine.prefill_budget or None)
+                  max_batch=settings.server.max_batch, prefill_budget=settings.engine.prefill_budget or None,
+                  batch_decode=settings.engine.batch_decode)
 
 
 def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None = None, affinity: bool = True,

@@ -87,7 +87,7 @@ class Engine:
                  longest_prefix: bool = True, disk: Any = None, compile: str = "off", *,
                  events: Publisher | None = None, on_finished: FinishHook | None = None,
                  sampler: Sampler = sample, tool_fallback: bool = True, max_batch: int = 1,
-                 prefill_budget: int | None = None) -> None:
+                 prefill_budget: int | None = None, batch_decode: str = "batched") -> None:
         self.loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.threads = threads
@@ -102,6 +102,10 @@ class Engine:
         # Requests in flight together (memrad.engine.flight); 1 runs one at a time. Each
         # iteration prefills at least one chunk and more while under `prefill_budget` tokens.
         self.max_batch = max_batch
+        # "batched": one step of max_batch rows for the llama-shaped models (weights read once);
+        # "rows": each flight on the one-row step (compiled once ready), one after another.
+        assert batch_decode in ("batched", "rows"), batch_decode
+        self.batch_decode = batch_decode
         self.prefill_budget = prefill_budget or prefill_chunk
         self._flights: list[Flight] = []
         self._steps = 0  # prefill turns handed out (the round-robin's clock)
@@ -142,14 +146,19 @@ class Engine:
         """How requests in flight together decode (`memrad status`, /health)."""
         if self.max_batch == 1:
             return {"value": "one at a time", "reason": "max_batch = 1: one request on the model, the one-row step"}
-        if self.decoder.batch_step(self.max_batch) is not None:
+        if self._batches() and self.decoder.batch_step(self.max_batch) is not None:
             return {"value": f"batched, {self.max_batch} rows",
                     "reason": f"max_batch = {self.max_batch}: one eager step of {self.max_batch} rows (padded, so a "
                               "request's bits do not depend on its neighbours); the compiled step decodes one row "
                               "and serves max_batch = 1"}
+        why = ("batch_decode = rows" if self.batch_decode == "rows"
+               else f"{self.decoder.choice.value} decode has no batched step for this model")
         return {"value": f"{self.max_batch} in flight, one row each",
-                "reason": f"max_batch = {self.max_batch}: {self.decoder.choice.value} decode has no batched step "
-                          "for this model; the requests in flight decode one after another in each step"}
+                "reason": f"max_batch = {self.max_batch}: {why}; the requests in flight decode one after another "
+                          "in each step, each on the one-row step"}
+
+    def _batches(self) -> bool:
+        return self.max_batch > 1 and self.batch_decode == "batched"
 
     @property
     def compiling(self) -> bool:
@@ -314,7 +323,7 @@ class Engine:
         """The step a new flight decodes with, from its first token to its last: the batched
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
         the decoder's one-row step (flights then run one after another in each iteration)."""
-        batched = self.decoder.batch_step(self.max_batch) if self.max_batch > 1 else None
+        batched = self.decoder.batch_step(self.max_batch) if self._batches() else None
         return batched if batched is not None else self.decoder.feeder()
 
     def _finish(self, flight: Flight) -> None:

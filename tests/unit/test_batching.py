@@ -151,3 +151,24 @@ def test_a_short_request_gets_its_first_token_before_a_long_prefill_ends(tiny_lo
     # (two chunks) is primed in the two steps after it arrives, while the long one has chunks left.
     assert order[0] == ("short", "first token"), order
     assert quick.completion.completion_tokens == 4 and slow.completion.completion_tokens == 4
+
+
+def test_batch_decode_rows_runs_each_flight_on_the_one_row_step_with_the_same_bits(tiny_loaded):
+    engine = recording(make_engine(tiny_loaded, CHUNK, max_batch=4, batch_decode="rows"))
+    assert engine.runtime_choices["batch"]["value"] == "4 in flight, one row each"
+    assert "batch_decode = rows" in engine.runtime_choices["batch"]["reason"]
+    requests = [request(engine, conversation(t, 1)[:-1], f"{t}-1", max_tokens=6) for t in "ce"]
+    probe = engine.admit(request(engine, conversation("p", 1)[:-1], "p-1", max_tokens=2), lambda _: None, lambda: False)
+    assert probe.feed is not None and not isinstance(probe.feed, BatchStep)
+    while probe.completion is None:
+        engine.step()
+    together = run_together(engine, requests)
+    for req in requests:
+        alone_engine = recording(make_engine(tiny_loaded, CHUNK, max_batch=4, batch_decode="rows"))
+        alone = run_together(alone_engine, [request(alone_engine, conversation(req.request_id[0], 1)[:-1],
+                                                    req.request_id, max_tokens=6)])[req.request_id]
+        assert together[req.request_id][1].generated_ids == alone[1].generated_ids
+        assert torch.equal(together[req.request_id][2], alone[2])
+    batched = make_engine(tiny_loaded, CHUNK, max_batch=4)
+    assert batched.runtime_choices["batch"]["value"] == "batched, 4 rows"
+    assert make_engine(tiny_loaded, CHUNK).runtime_choices["batch"]["value"] == "one at a time"
