@@ -15,7 +15,7 @@ weights once for all of them, while attention stays per row, over that request's
 Batch invariance (a request's tokens are the same bits alone or beside any others): every
 op but the matmuls is per row, and attention reads only the row's own slab with the call the
 one-row step makes. A matmul's row, measured on this machine's torch (docs/BENCHMARKS.md,
-Concurrent requests): the int4 weight-only kernel and bf16 give every row the same bits at any
+Many requests at once): the int4 weight-only kernel and bf16 give every row the same bits at any
 M; fp32 takes another path at M = 1 (and for small shapes at M = 2) than at M = 4, but at one
 M a row never depends on its neighbours. So the step always runs `rows` rows (max_batch):
 rows without a request are dummies (token 0 at position 0, no attention, output dropped),
