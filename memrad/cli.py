@@ -37,6 +37,7 @@ FLAGS = {
     "compile": "engine.compile",
     "reuse_mode": "reuse.mode",
     "max_queue": "server.max_queue",
+    "max_batch": "server.max_batch",
     "log_level": "log.level",
     "record": "control.record",
     "api_key": "security.api_key",
@@ -47,7 +48,8 @@ FLAGS = {
 # `memrad bench NAME` -> the module under memrad.bench that runs it (each has main(argv)).
 BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk_probe", "fuzz": "fuzz",
                    "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
-                   "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns"}
+                   "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns",
+                   "concurrent": "concurrent"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--longest-prefix", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse the longest common prefix with any parked session (MEMRA_LONGEST_PREFIX)")
     start.add_argument("--max-queue", type=int, help="requests that may wait for the model")
+    start.add_argument("--max-batch", type=int, help="requests on the model together (1: one at a time)")
     start.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     start.add_argument("--record", help="append the control socket's events to this JSONL file")
     start.add_argument("--api-key", help="require this key (Bearer or x-api-key) on every route but /health")

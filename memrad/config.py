@@ -31,6 +31,7 @@ class ServerSettings:
     host: str = _key("127.0.0.1", "MEMRA_HOST")
     port: int = _key(8765, "MEMRA_PORT")
     max_queue: int = _key(16, "MEMRA_MAX_QUEUE")
+    max_batch: int = _key(4, "MEMRA_MAX_BATCH")
     shutdown_grace_s: float = _key(10.0, "MEMRA_SHUTDOWN_GRACE_S")
     strict_model_names: bool = _key(False, "MEMRA_STRICT_MODEL_NAMES")
     max_connections: int = _key(256, "MEMRA_MAX_CONNECTIONS")
@@ -53,6 +54,8 @@ class ModelSettings:
 class EngineSettings:
     prefill_chunk: int = _key(256, "MEMRA_PREFILL_CHUNK")
     compile: str = _key("auto", "MEMRA_COMPILE")
+    prefill_budget: int = _key(0, "MEMRA_PREFILL_BUDGET")
+    batch_decode: str = _key("batched", "MEMRA_BATCH_DECODE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +144,13 @@ _CHOICES = {
     "log.level": ("debug", "info", "warning", "error"),
     "reuse.mode": ("exact", "fast"),
     "engine.compile": ("auto", "on", "off"),
+    "engine.batch_decode": ("batched", "rows"),
 }
 _MINIMUM = {
     "server.port": 0,
     "server.max_queue": 0,
+    "server.max_batch": 1,
+    "engine.prefill_budget": 0,
     "server.shutdown_grace_s": 0,
     "model.threads": 0,
     "model.context": 0,

@@ -106,6 +106,21 @@ class PoolStats:
 
 
 @dataclass(frozen=True, slots=True)
+class FlightInfo:
+    """A request on the model now (max_batch of them at most): which conversation it
+    continues, whether it is still priming its prompt or decoding, and how far it got."""
+
+    request_id: str
+    identity: str | None
+    conversation: str | None  # the parked session it resumes or forks (None: a cold start)
+    phase: Literal["prefill", "decode", "done"]
+    prompt_tokens: int
+    primed_tokens: int  # of the prompt, reused or prefilled so far
+    generated_tokens: int
+    age_s: float  # since it was admitted to the model
+
+
+@dataclass(frozen=True, slots=True)
 class StateSnapshot:
     """The answer to `{"op": "snapshot"}`: every parked session, stats, flags in force."""
 
@@ -117,6 +132,7 @@ class StateSnapshot:
     flags: tuple[tuple[str, str], ...]  # (name, value): mode, affinity, prefill_chunk, ...
     sessions: tuple[SessionInfo, ...]
     dropped: int = 0  # events this connection lost while subscribed (always 0 here)
+    flights: tuple[FlightInfo, ...] = ()  # the requests on the model now, in admission order
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +168,14 @@ class TurnEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class FlightEvent:
+    """A request on the model moved on: admitted, a prefill chunk, every few tokens, done."""
+
+    at: float
+    flight: FlightInfo
+
+
+@dataclass(frozen=True, slots=True)
 class ParkEvent:
     at: float
     session: SessionInfo
@@ -180,8 +204,8 @@ class ProtocolError:
 
 
 RECORDS = {cls.__name__: cls for cls in (
-    Alternative, Decision, SegmentInfo, SessionInfo, PoolStats, StateSnapshot, DecisionEvent, TurnEvent,
-    ParkEvent, EvictEvent, Dropped, ProtocolError)}
+    Alternative, Decision, SegmentInfo, SessionInfo, PoolStats, FlightInfo, StateSnapshot, DecisionEvent, TurnEvent,
+    FlightEvent, ParkEvent, EvictEvent, Dropped, ProtocolError)}
 
 
 def _encode(value):

@@ -1,9 +1,13 @@
-"""One request on the model at a time; the rest wait in a bounded FIFO queue.
+"""Requests on the model: up to max_batch in flight together, the rest in a bounded FIFO.
 
-The engine runs on a single worker thread (torch releases the GIL), so the event loop
-keeps serving /health, errors and streaming while a request decodes. Text deltas cross
-back to the loop with call_soon_threadsafe. Admission is check-then-act: `submit` either
-queues the job or raises QueueFull, never half of each.
+The engine runs on one worker thread (torch releases the GIL), so the event loop keeps
+serving /health, errors and streaming while requests decode. An engine that batches
+(memrad.engine.engine: `admit`, `step`, max_batch > 1) is driven one iteration at a time: jobs are admitted
+in arrival order while it has room, and each `step` decodes one token for every decoding
+request and prefills a chunk of the oldest one still prefilling. Otherwise (max_batch 1,
+test fakes with `generate` only) one job runs at a time through `generate`. Text deltas cross back to the loop with
+call_soon_threadsafe. Admission is check-then-act: `submit` either queues the job or raises
+QueueFull, never half of each.
 """
 
 from __future__ import annotations
@@ -14,9 +18,8 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from memrad.protocol import Decision
 from memrad.request import Completion, GenerationRequest
@@ -69,24 +72,35 @@ class Scheduler:
     def __init__(self, engine: EngineLike, max_queue: int) -> None:
         self._engine = engine
         self._max_queue = max_queue
-        self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="memrad-engine", initializer=engine.init_worker_thread
-        )
-        self._jobs: list[Job] = []  # FIFO: [running?, waiting...]
+        # Engines that batch expose admit / step and a max_batch over 1; the rest (max_batch 1,
+        # test fakes with `generate` only) run one job at a time through `generate`.
+        self.max_batch = max(1, int(getattr(engine, "max_batch", 1)))
+        self._batches = self.max_batch > 1 and hasattr(engine, "admit") and hasattr(engine, "step")
+        if not self._batches:
+            self.max_batch = 1
+        self._jobs: list[Job] = []  # FIFO: [running..., waiting...]; guarded by _wake
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._flights: dict[int, Job] = {}  # id(flight) -> its job (engine thread only)
         self._closing = False
+        self._stopped = False
         self._mean_job_s = 5.0
         self.requests_served = 0
 
     @property
-    def running(self) -> Job | None:
-        return next((j for j in self._jobs if j.started_at is not None), None)
+    def running(self) -> list[Job]:
+        """The jobs on the model now, in admission order."""
+        with self._wake:
+            return [j for j in self._jobs if j.started_at is not None]
 
     @property
     def waiting(self) -> int:
-        return sum(1 for j in self._jobs if j.started_at is None)
+        with self._wake:
+            return sum(1 for j in self._jobs if j.started_at is None)
 
     def can_admit(self) -> bool:
-        return not self._closing and len(self._jobs) < 1 + self._max_queue
+        return not self._closing and len(self._jobs) < self.max_batch + self._max_queue
 
     def submit(self, request: GenerationRequest) -> Job:
         """Queue `request` or raise QueueFull / ShuttingDown."""
@@ -94,36 +108,93 @@ class Scheduler:
             raise ShuttingDown()
         if not self.can_admit():
             waiting = self.waiting
-            raise QueueFull(waiting, max(1, math.ceil(self._mean_job_s * (waiting + 1))))
+            raise QueueFull(waiting, max(1, math.ceil(self._mean_job_s * (waiting + 1) / self.max_batch)))
         loop = asyncio.get_running_loop()
-        job = Job(request=request, submitted_at=time.monotonic())
-        self._jobs.append(job)
-        job.result = loop.run_in_executor(self._executor, self._run, job, loop)
+        job = Job(request=request, submitted_at=time.monotonic(), result=loop.create_future())
         job.result.add_done_callback(lambda _: self._finished(job))
+        with self._wake:
+            self._jobs.append(job)
+            if self._thread is None:
+                self._loop = loop
+                self._thread = threading.Thread(target=self._run, name="memrad-engine", daemon=True)
+                self._thread.start()
+            self._wake.notify()
         return job
 
-    def _run(self, job: Job, loop: asyncio.AbstractEventLoop) -> Completion | None:
-        """Worker thread: run one job; always ends its delta stream with None."""
-        job.started_at = time.monotonic()
+    def _run(self) -> None:
+        """The engine thread: admit in arrival order while there is room, step the engine."""
+        self._engine.init_worker_thread()
+        while True:
+            with self._wake:
+                while not self._stopped and not self._flights and not self._next_waiting():
+                    self._wake.wait()
+                if self._stopped and not self._flights:
+                    return
+                admitted = []
+                while len(self._flights) + len(admitted) < self.max_batch and (job := self._next_waiting()):
+                    job.started_at = time.monotonic()
+                    admitted.append(job)
+            for job in admitted:
+                self._start(job)
+            if self._flights:
+                for flight in self._step():
+                    job = self._flights.pop(id(flight))
+                    self._resolve(job, flight.completion, flight.error)
+
+    def _next_waiting(self) -> Job | None:
+        return next((j for j in self._jobs if j.started_at is None), None)
+
+    def _start(self, job: Job) -> None:
+        if job.cancelled:
+            return self._resolve(job, None)
+        loop = self._loop
+        put = lambda item: loop.call_soon_threadsafe(job.deltas.put_nowait, item)  # noqa: E731
         try:
-            if job.cancelled:
-                return None
-            put = lambda item: loop.call_soon_threadsafe(job.deltas.put_nowait, item)  # noqa: E731
-            return self._engine.generate(job.request, put, job.cancel_event.is_set, on_decision=put)
-        finally:
-            loop.call_soon_threadsafe(job.deltas.put_nowait, None)
+            if self._batches:
+                flight = self._engine.admit(job.request, put, job.cancel_event.is_set, on_decision=put)
+                self._flights[id(flight)] = job
+            else:
+                self._resolve(job, self._engine.generate(job.request, put, job.cancel_event.is_set, on_decision=put))
+        except Exception as exc:
+            self._resolve(job, None, exc)
+
+    def _step(self) -> list[Any]:
+        try:
+            return self._engine.step()
+        except Exception as exc:  # the engine's own failures are per flight; this is the loop's
+            log.exception("engine step failed: failing the requests in flight")
+            ended = [job for job in self._flights.values()]
+            self._flights.clear()
+            for job in ended:
+                self._resolve(job, None, exc)
+            return []
+
+    def _resolve(self, job: Job, completion: Completion | None, error: BaseException | None = None) -> None:
+        """End a job's delta stream and settle its result (engine thread)."""
+        def settle() -> None:
+            job.deltas.put_nowait(None)
+            if job.result.done():
+                return
+            if error is not None:
+                job.result.set_exception(error)
+            else:
+                job.result.set_result(completion)
+
+        self._loop.call_soon_threadsafe(settle)
 
     def _finished(self, job: Job) -> None:
-        self._jobs.remove(job)
+        with self._wake:
+            self._jobs.remove(job)
         if job.started_at is not None:
             self.requests_served += 1
             elapsed = time.monotonic() - job.started_at
             self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * elapsed
 
     async def close(self, grace_s: float) -> None:
-        """Stop admitting; cancel waiting jobs; give the running one `grace_s`, then cancel it."""
+        """Stop admitting; cancel waiting jobs; give the running ones `grace_s`, then cancel them."""
         self._closing = True
-        jobs = list(self._jobs)
+        with self._wake:
+            jobs = list(self._jobs)
         for job in jobs:
             if job.started_at is None:
                 job.cancel()
@@ -131,8 +202,12 @@ class Scheduler:
         if pending:
             done, not_done = await asyncio.wait(pending, timeout=grace_s)
             if not_done:
-                log.info("shutdown: cancelling the in-flight request after %.1f s", grace_s)
+                log.info("shutdown: cancelling the in-flight requests after %.1f s", grace_s)
                 for job in jobs:
                     job.cancel()
                 await asyncio.wait(not_done)
-        self._executor.shutdown(wait=True)
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)

@@ -99,3 +99,38 @@ def assert_same_state(loaded_state, parked_state):
             for name in wt:
                 assert gt[name].dtype == wt[name].dtype and gt[name].shape == wt[name].shape, (tag, i, name)
                 assert torch.equal(gt[name], wt[name]), (tag, i, name)
+
+
+def recording(engine):
+    """Greedy sampling that keeps every step's logits [V] per request (by its SamplingParams)."""
+    engine.scores = {}
+
+    def sampler(scores, params, generator):
+        engine.scores.setdefault(id(params), []).append(scores.clone())
+        return int(scores.argmax())
+
+    engine.sampler = sampler
+    return engine
+
+
+def run_together(engine, requests, cancel_after=None):
+    """Admit `requests` at once on a `recording` engine and step until all are done:
+    {rid: (completion, finished state, every step's logits [steps, V])}. `cancel_after`
+    {rid: n}: that request is cancelled once it has emitted n deltas."""
+    cancel_after = cancel_after or {}
+    emitted = {r.request_id: 0 for r in requests}
+
+    def emit_for(rid):
+        def emit(_):
+            emitted[rid] += 1
+        return emit
+
+    flights = [engine.admit(r, emit_for(r.request_id),
+                            lambda rid=r.request_id: rid in cancel_after and emitted[rid] >= cancel_after[rid])
+               for r in requests]
+    while any(f.completion is None and f.error is None for f in flights):
+        engine.step()
+    states = {state.request.request_id: state for state in engine.finished}
+    return {f.request.request_id: (f.completion, states.get(f.request.request_id),
+                                   torch.stack(engine.scores[id(f.request.sampling)]))
+            for f in flights}

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Footer, Static
 
@@ -18,6 +19,7 @@ from tui.model import OUTCOMES, InspectorState
 from tui.screens import DecisionScreen, HelpScreen
 from tui.widgets.chains import ChainView
 from tui.widgets.decisions import DecisionLog
+from tui.widgets.flights import FlightsTable
 from tui.widgets.sessions import SessionsTable
 from tui.widgets.ttft import TtftChart
 
@@ -51,7 +53,9 @@ class MemraApp(App):
 
     def compose(self) -> ComposeResult:
         yield Static(self.status_text, id="status")
-        yield SessionsTable(id="sessions")
+        with Vertical(id="top-left"):
+            yield FlightsTable(id="flights")
+            yield SessionsTable(id="sessions")
         yield ChainView(id="chains")
         yield DecisionLog(id="decisions")
         yield TtftChart(id="ttft")
@@ -94,6 +98,7 @@ class MemraApp(App):
         self.query_one("#status", Static).update(
             f"{self.status_text} · {state.model} on {state.device} · {flags}{dropped}")
         self._redraw_sessions()
+        self.query_one(FlightsTable).show(list(state.flights.values()))
         self.query_one(DecisionLog).show(state.decisions_for(self.outcome), self.outcome)
         self.query_one(TtftChart).show(state.turns, state.names)
         self._redraw_chains()

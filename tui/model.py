@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from memrad.protocol import (
-    DecisionEvent, Dropped, EvictEvent, ParkEvent, SessionInfo, StateSnapshot, TurnEvent,
+    DecisionEvent, Dropped, EvictEvent, FlightEvent, FlightInfo, ParkEvent, SessionInfo, StateSnapshot, TurnEvent,
 )
 
 OUTCOMES = ("all", "resumed", "declined", "cold")
@@ -27,6 +27,7 @@ class InspectorState:
     names: dict[str, str] = field(default_factory=dict)             # conversation -> label
     dropped: int = 0
     seen_at: dict[str, float] = field(default_factory=dict)         # session -> monotonic arrival
+    flights: OrderedDict[str, FlightInfo] = field(default_factory=OrderedDict)  # request -> on the model now
 
     def age_s(self, session: SessionInfo, now: float | None = None) -> float:
         """The session's age now: its age when reported plus the time since."""
@@ -40,6 +41,13 @@ class InspectorState:
             for s in record.sessions:
                 self.root_of.setdefault(s.session_id, s.session_id)
                 self.seen_at[s.session_id] = time.monotonic()
+            self.flights = OrderedDict((f.request_id, f) for f in record.flights)
+        elif isinstance(record, FlightEvent):
+            flight = record.flight
+            if flight.phase == "done":
+                self.flights.pop(flight.request_id, None)
+            else:
+                self.flights[flight.request_id] = flight
         elif isinstance(record, ParkEvent):
             session = record.session
             if record.replaced is not None:
@@ -54,6 +62,7 @@ class InspectorState:
         elif isinstance(record, DecisionEvent):
             self.decisions.append(record)
         elif isinstance(record, TurnEvent):
+            self.flights.pop(record.request_id, None)
             key = self.root_of.get(record.conversation, record.conversation) if record.conversation else \
                 f"unparked {record.request_id[-6:]}"
             self.turns.setdefault(key, []).append(record)

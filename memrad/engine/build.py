@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from memrad.config import (AffinitySettings, DiskSettings, EngineSettings, PoolSettings, ReuseSettings,
-                           Settings)
+                           ServerSettings, Settings)
 from memrad.engine.state.disk import DiskTier, state_format
 from memrad.engine.engine import Engine, FinishHook
 from memrad.engine.model.loader import LoadedModel, default_pool_bytes, load_model, resolve_threads
@@ -67,14 +67,17 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
         log.info("reuse pool disabled: every request runs cold")
     return Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
                   settings.affinity.enabled, settings.affinity.longest_prefix, disk,
-                  compile=settings.engine.compile, on_finished=on_finished, tool_fallback=settings.tools.fallback)
+                  compile=settings.engine.compile, on_finished=on_finished, tool_fallback=settings.tools.fallback,
+                  max_batch=settings.server.max_batch, prefill_budget=settings.engine.prefill_budget or None,
+                  batch_decode=settings.engine.batch_decode)
 
 
 def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None = None, affinity: bool = True,
                longest_prefix: bool = True, max_bytes: int = 2**33) -> Settings:
-    """Settings for an engine a bench drives in process: no disk tier, eager decode;
-    `max_sessions` None: no reuse pool (every run cold)."""
+    """Settings for an engine a bench drives in process: no disk tier, eager one-row decode
+    (one request at a time); `max_sessions` None: no reuse pool (every run cold)."""
     return Settings(engine=EngineSettings(prefill_chunk=prefill_chunk, compile="off"),
+                    server=ServerSettings(max_batch=1),
                     pool=PoolSettings(enabled=max_sessions is not None, max_sessions=max_sessions or 0,
                                       max_bytes=max_bytes),
                     reuse=ReuseSettings(mode=mode), affinity=AffinitySettings(affinity, longest_prefix),

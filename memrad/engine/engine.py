@@ -1,4 +1,8 @@
-"""The engine: one request at a time, plan reuse, prefill on the grid, decode, park.
+"""The engine: plan reuse, prefill on the grid, decode, park; several requests in flight.
+
+Each request is a Flight (memrad.engine.flight): admitted (planned, its state checked out),
+then moved by `step`: one batched decode step for every decoding flight, then prefill
+chunks of one flight still priming (round-robin). For one request:
 
     plan -> rebuild state at checkpoint c (or cold: c = 0)
          -> prefill(prompt[c:]) on the grid -> [prompt checkpoint P] -> sample -> feed -> ...
@@ -21,31 +25,33 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from memrad.chat.chat import Chat
-from memrad.chat.detokenize import IncrementalDetokenizer
-from memrad.chat.stops import StopMatcher
 from memrad.engine.decode import package as step_package
+from memrad.engine.decode.batch import BatchStep
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.forward import cache_length, prefill
+from memrad.engine.flight import Flight, Sampling
+from memrad.engine.forward import prefill_spans
 from memrad.engine.model.loader import LoadedModel
 from memrad.engine.parking import NoParking, Parking, Prefilled, Publisher, essential
-from memrad.engine.sampling import Shaper, make_generator, sample, shapes, token_logprob
+from memrad.engine.sampling import Shaper, sample, shapes
 from memrad.engine.state.kv import install as install_slabs
 from memrad.engine.state.snapshot import Snapshot, is_croppable
 from memrad.grid import find_anchors
-from memrad.protocol import Decision, SessionInfo, TurnEvent
-from memrad.request import Completion, FinishReason, GenerationRequest, TokenLogprob
+from memrad.protocol import Decision, FlightEvent, FlightInfo, SessionInfo, TurnEvent
+from memrad.request import Completion, GenerationRequest
 from memrad.reuse.fingerprint import Segment, chain, derive_openers, derive_reply_header, segments
 from memrad.reuse.planner import Mode, Plan, RequestView
 from memrad.reuse.pool import Namespace, ParkedSession, ParkingStats, ReusePool
 from memrad.reuse.report import decision_event
 
 log = logging.getLogger("memrad.engine")
+
+REPORT_EVERY = 16  # decoded tokens between two FlightEvents of one request
 
 
 @dataclass(frozen=True)
@@ -72,21 +78,6 @@ FinishHook = Callable[[FinishedState], None]
 Sampler = Callable[..., int]  # (logits [V], SamplingParams, generator) -> token id
 
 
-@dataclass
-class _Decoded:
-    """What prefill and decode produced for one request."""
-
-    prompt_logits: torch.Tensor | None  # [V]; None if cancelled during prefill
-    generated: list[int] = field(default_factory=list)
-    num_fed: int = 0  # generated tokens fed back into the cache (decode steps run)
-    text: str = ""  # what the client was sent
-    ttft_s: float | None = None
-    finish: FinishReason = "cancelled"
-    stop_sequence: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, if asked
-
-
-
 class Engine:
     """The generation loop over one loaded model; reuse bookkeeping is `parking`'s
     (memrad.engine.parking), chat text is `chat`'s (memrad.chat.chat)."""
@@ -95,7 +86,8 @@ class Engine:
                  pool: ReusePool | None = None, mode: Mode = "exact", affinity: bool = True,
                  longest_prefix: bool = True, disk: Any = None, compile: str = "off", *,
                  events: Publisher | None = None, on_finished: FinishHook | None = None,
-                 sampler: Sampler = sample, tool_fallback: bool = True) -> None:
+                 sampler: Sampler = sample, tool_fallback: bool = True, max_batch: int = 1,
+                 prefill_budget: int | None = None, batch_decode: str = "batched") -> None:
         self.loaded = loaded
         self.prefill_chunk = prefill_chunk
         self.threads = threads
@@ -107,9 +99,21 @@ class Engine:
         # Exact mode also cuts prefill right after each reply header (memrad.grid).
         self.reply_header = derive_reply_header(loaded.tokenizer) if mode == "exact" else ()
         self.on_finished = on_finished
+        # Requests in flight together (memrad.engine.flight); 1 runs one at a time. Each
+        # iteration prefills at least one chunk and more while under `prefill_budget` tokens.
+        self.max_batch = max_batch
+        # "batched": one step of max_batch rows for the llama-shaped models (weights read once);
+        # "rows": each flight on the one-row step (compiled once ready), one after another.
+        assert batch_decode in ("batched", "rows"), batch_decode
+        self.batch_decode = batch_decode
+        self.prefill_budget = prefill_budget or prefill_chunk
+        self._flights: list[Flight] = []
+        self._steps = 0  # prefill turns handed out (the round-robin's clock)
         self.chat = Chat(loaded.tokenizer, tool_fallback=tool_fallback)
         # Next-token choice; a test engine passes a token script (prefill, reuse stay real).
         self.sampler = sampler
+        self._sampling = Sampling(lambda *args: self.sampler(*args), loaded.eos_ids, loaded.tokenizer,
+                                  self.chat.format.markup_ids, self.chat.grammars.token_bytes, self._shaper)
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
         self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile, step_package.Recipe(
             str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len))
@@ -135,7 +139,26 @@ class Engine:
         return {"dtype": {"value": loaded.dtype_name, "reason": loaded.dtype_choice.reason},
                 "weights": {"value": loaded.weights_name, "reason": loaded.weights.reason},
                 "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason},
-                "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()}}
+                "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()},
+                "batch": self._batch_choice()}
+
+    def _batch_choice(self) -> dict[str, str]:
+        """How requests in flight together decode (`memrad status`, /health)."""
+        if self.max_batch == 1:
+            return {"value": "one at a time", "reason": "max_batch = 1: one request on the model, the one-row step"}
+        if self._batches() and self.decoder.batch_step(self.max_batch) is not None:
+            return {"value": f"batched, {self.max_batch} rows",
+                    "reason": f"max_batch = {self.max_batch}: one eager step of {self.max_batch} rows (padded, so a "
+                              "request's bits do not depend on its neighbours); the compiled step decodes one row "
+                              "and serves max_batch = 1"}
+        why = ("batch_decode = rows" if self.batch_decode == "rows"
+               else f"{self.decoder.choice.value} decode has no batched step for this model")
+        return {"value": f"{self.max_batch} in flight, one row each",
+                "reason": f"max_batch = {self.max_batch}: {why}; the requests in flight decode one after another "
+                          "in each step, each on the one-row step"}
+
+    def _batches(self) -> bool:
+        return self.max_batch > 1 and self.batch_decode == "batched"
 
     @property
     def compiling(self) -> bool:
@@ -184,12 +207,33 @@ class Engine:
     def generate(self, request: GenerationRequest, emit: Callable[[str], None],
                  cancelled: Callable[[], bool],
                  on_decision: Callable[[Decision], None] | None = None) -> Completion:
-        """Run `request` to completion, calling `emit` with each text delta.
+        """Run `request` to completion, calling `emit` with each text delta: `admit` it, then
+        `step` until it is done (alongside any other flight admitted before).
 
         Blocking; call from the engine's single worker thread. `cancelled` is polled between
         prefill chunks and before every decode step; `on_decision` hears the reuse decision
         before any prefill work starts.
         """
+        flight = self.admit(request, emit, cancelled, on_decision)
+        while flight.completion is None and flight.error is None:
+            self.step()
+        if flight.error is not None:
+            raise flight.error
+        return flight.completion
+
+    @property
+    def flights(self) -> tuple[Flight, ...]:
+        """The requests in flight, in admission order."""
+        return tuple(self._flights)
+
+    def has_room(self) -> bool:
+        return len(self._flights) < self.max_batch
+
+    def admit(self, request: GenerationRequest, emit: Callable[[str], None], cancelled: Callable[[], bool],
+              on_decision: Callable[[Decision], None] | None = None) -> Flight:
+        """Plan `request`, check out the state it resumes from and put it in flight (engine
+        thread; `has_room` first). Its prefill and decode run in later `step`s."""
+        assert self.has_room(), f"{len(self._flights)} requests in flight, max_batch {self.max_batch}"
         started = time.perf_counter()
         prompt = request.prompt_ids
         checkpoint = len(prompt)
@@ -211,21 +255,99 @@ class Engine:
                                            prompt_segments, self.parking.get(decided.decision.candidate)))
         cache, pre = self.parking.check_out(decided, anchors)
         try:
-            out = self._prefill_and_decode(request, max_tokens, cache, pre, emit, cancelled, started)
+            spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
+            flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
+                            self._snapshotter(cache, pre, checkpoint), self._feed(), self._sampling,
+                            prompt_segments, max_tokens, started, self.loaded.device)
         except BaseException:
             self.parking.resume_failed(decided)
             raise
+        self._flights.append(flight)
+        self._report(flight)
+        return flight
 
-        fed = tuple(out.generated[: out.num_fed])
-        completion = Completion(
-            text=out.text, finish_reason=out.finish, prompt_tokens=checkpoint,
-            completion_tokens=len(out.generated), cached_tokens=pre.start, ttft_s=out.ttft_s,
-            total_s=time.perf_counter() - started, decision=replace(decided.decision, ttft_s=out.ttft_s),
-            stop_sequence=out.stop_sequence,
-            logprobs=tuple(out.logprobs) if request.sampling.logprobs is not None else None,
-        )
-        session = self.parking.park(request, self.namespace(request), decided, cache, pre, fed, out.text,
-                                    prompt_segments)
+    def flight_infos(self) -> list[FlightInfo]:
+        """The requests on the model now, in admission order (the control snapshot)."""
+        return [flight.info() for flight in tuple(self._flights)]
+
+    def _report(self, flight: Flight) -> None:
+        """Publish a FlightEvent when the flight changed phase, ran a prefill chunk, or
+        decoded REPORT_EVERY tokens since the last one (bounded: a few events per second)."""
+        now = (flight.phase, flight.tokens_so_far)
+        last = flight.reported
+        if last is not None and last[0] == now[0] and (now[0] == "decode" and now[1] - last[1] < REPORT_EVERY
+                                                       or now[1] == last[1]):
+            return
+        flight.reported = now
+        self.events(lambda: FlightEvent(time.time(), flight.info()))
+
+    def step(self) -> list[Flight]:
+        """One iteration of the scheduler: one decode step for every decoding flight (one token
+        each, batched where their step batches), then prefill chunks of one flight still
+        prefilling, up to `prefill_budget` tokens: the one that prefilled least recently (a new
+        one first), so a short prompt is not stuck behind a long one and none starves. Flights that ended are parked and
+        returned (`completion` or `error` set)."""
+        decoding = [f for f in self._flights if f.phase == "decode" and f.pending is not None]
+        for feed, group in _by_feed(decoding):
+            try:
+                if isinstance(feed, BatchStep):
+                    for start in range(0, len(group), feed.rows):
+                        rows = group[start : start + feed.rows]
+                        logits = feed([f.cache for f in rows], [f.pending for f in rows], [f.position for f in rows])
+                        for flight, row in zip(rows, logits):
+                            flight.fed(row)
+                else:
+                    for flight in group:
+                        flight.fed(feed(flight.cache, flight.pending, flight.position))
+            except Exception as exc:  # a step that fails fails the requests it was computing
+                for flight in group:
+                    if flight.phase != "done":
+                        flight.fail(exc)
+        prefilling = min((f for f in self._flights if f.phase == "prefill"), key=lambda f: f.prefilled_at, default=None)
+        if prefilling is not None:
+            self._steps += 1
+            prefilling.prefilled_at = self._steps
+            try:
+                prefilling.prefill(self.loaded.model, self.prefill_budget)
+            except Exception as exc:
+                prefilling.fail(exc)
+        ended = [f for f in self._flights if f.phase == "done"]
+        for flight in ended:
+            self._flights.remove(flight)
+            self._finish(flight)
+        for flight in (*self._flights, *ended):
+            self._report(flight)
+        return ended
+
+    def _feed(self) -> Any:
+        """The step a new flight decodes with, from its first token to its last: the batched
+        step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
+        the decoder's one-row step (flights then run one after another in each iteration)."""
+        batched = self.decoder.batch_step(self.max_batch) if self._batches() else None
+        return batched if batched is not None else self.decoder.feeder()
+
+    def _finish(self, flight: Flight) -> None:
+        """Park a flight that ended and publish its turn; on an error, give its state back."""
+        request, decided, cache, pre, out = flight.request, flight.decided, flight.cache, flight.pre, flight.out
+        if flight.error is not None:
+            self.parking.resume_failed(decided)
+            return
+        try:
+            checkpoint = len(request.prompt_ids)
+            fed = tuple(out.generated[: out.num_fed])
+            completion = Completion(
+                text=out.text, finish_reason=out.finish, prompt_tokens=checkpoint,
+                completion_tokens=len(out.generated), cached_tokens=pre.start, ttft_s=out.ttft_s,
+                total_s=time.perf_counter() - flight.started,
+                decision=replace(decided.decision, ttft_s=out.ttft_s), stop_sequence=out.stop_sequence,
+                logprobs=tuple(out.logprobs) if request.sampling.logprobs is not None else None,
+            )
+            session = self.parking.park(request, self.namespace(request), decided, cache, pre, fed, out.text,
+                                        flight.prompt_segments)
+        except Exception as exc:  # as before batching: the request fails, its state is not parked
+            flight.error = exc
+            return
+        flight.completion = completion
         self.events(lambda: TurnEvent(
             at=time.time(), request_id=request.request_id, conversation=session.session_id if session else None,
             identity=request.identity.name if request.identity else None, prompt_tokens=checkpoint,
@@ -233,72 +355,10 @@ class Engine:
             outcome=decided.decision.outcome, finish_reason=out.finish,
             total_s=completion.total_s))
         self._hand_on(FinishedState(
-            request=request, cache=cache, cache_token_ids=tuple(prompt[: pre.primed_to]) + fed,
+            request=request, cache=cache, cache_token_ids=tuple(request.prompt_ids[: pre.primed_to]) + fed,
             generated_ids=tuple(out.generated), prompt_checkpoint=pre.primed_to,
             committed_text=request.prompt_text + out.text, completion=completion,
             prompt_logits=out.prompt_logits, session=session))
-        return completion
-
-    def _prefill_and_decode(self, request: GenerationRequest, max_tokens: int, cache: Any, pre: Prefilled,
-                            emit: Callable[[str], None], cancelled: Callable[[], bool], started: float) -> _Decoded:
-        model, tokenizer = self.loaded.model, self.loaded.tokenizer
-        params = request.sampling
-        prompt = request.prompt_ids
-        checkpoint = len(prompt)
-        logits = prefill(model, cache, prompt[pre.start:], pre.start, self.prefill_chunk, cancelled,
-                         after_chunk=self._snapshotter(cache, pre, checkpoint), on_grid=self.mode == "exact",
-                         anchors=pre.anchors)
-        out = _Decoded(prompt_logits=logits)
-        if logits is None:
-            out.finish = "cancelled"
-            return out
-        # The prompt checkpoint: state after prompt[:checkpoint], before the init feed.
-        assert pre.primed_to == checkpoint, "prompt checkpoint must equal the prompt length"
-        assert cache_length(cache) in (None, checkpoint), "cache must hold exactly the prompt"
-        generator = make_generator(params.seed)
-        feed = self.decoder.feeder()  # one step for the whole reply (memrad.engine.decode.decoder)
-        detok = IncrementalDetokenizer(tokenizer, self.chat.format.markup_ids)
-        stops = StopMatcher(params.stop)
-        sent: list[str] = []
-        shaper = self._shaper(request, logits)  # penalties, bias, the grammar's mask; None: none asked
-        while True:
-            scores = logits if shaper is None else shaper(logits)
-            token = self.sampler(scores, params, generator)
-            if out.ttft_s is None:
-                out.ttft_s = time.perf_counter() - started
-            if token in self.loaded.eos_ids:
-                out.finish = "stop"
-                break
-            out.generated.append(token)
-            if shaper is not None:
-                shaper.accept(token)
-            if params.logprobs is not None:
-                out.logprobs.append(token_logprob(scores, token, params.logprobs, self.chat.grammars.token_bytes))
-            text = stops.feed(detok.push(token))
-            if text:
-                sent.append(text)
-                emit(text)
-            if stops.stopped:
-                out.finish, out.stop_sequence = "stop", stops.matched
-                break
-            if shaper is not None and shaper.complete:  # the grammar allows nothing more: the reply is whole
-                out.finish = "stop"
-                break
-            if len(out.generated) >= max_tokens:
-                out.finish = "length"
-                break
-            if cancelled():
-                out.finish = "cancelled"
-                break
-            logits = feed(cache, token, checkpoint + out.num_fed)
-            out.num_fed += 1
-        if out.finish != "cancelled":
-            tail = stops.feed(detok.flush()) + stops.flush()
-            if tail:
-                sent.append(tail)
-                emit(tail)
-        out.text = "".join(sent)
-        return out
 
     def _shaper(self, request: GenerationRequest, logits: torch.Tensor) -> Shaper | None:
         """The request's logits shaping, from its own tokens and its grammar's fresh matcher:
@@ -339,3 +399,11 @@ class Engine:
             self.on_finished(state)
         except Exception:  # a hook failure must not fail the request it came from
             log.exception("on_finished hook failed for %s", state.request.request_id)
+
+
+def _by_feed(flights: list[Flight]) -> list[tuple[Any, list[Flight]]]:
+    """Decoding flights grouped by the step they decode with, in admission order."""
+    groups: dict[int, tuple[Any, list[Flight]]] = {}
+    for flight in flights:
+        groups.setdefault(id(flight.feed), (flight.feed, []))[1].append(flight)
+    return list(groups.values())

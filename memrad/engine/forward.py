@@ -50,22 +50,32 @@ def prefill(model, cache, token_ids: Sequence[int], start: int, chunk: int,
     """
     _check_position(cache, start)
     assert len(token_ids) > 0, "prefill needs at least one token"
-    device = model.device
-    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=model.device)
     logits = None
-    end = start + len(token_ids)
-    spans = canonical_chunks(start, end, chunk, anchors) if on_grid else relative_chunks(start, end, chunk)
-    for a, b in spans:
+    for a, b in prefill_spans(start, start + len(token_ids), chunk, on_grid, anchors):
         if cancelled():
             return None
-        input_ids = ids[a - start : b - start].unsqueeze(0)  # [1, T]
-        position_ids = torch.arange(a, b, device=device).unsqueeze(0)  # [1, T]
-        out = model(input_ids=input_ids, position_ids=position_ids, cache=cache,
-                    use_cache=True, logits_to_keep=1)
-        logits = out.logits[0, -1]  # [V]
+        logits = prefill_span(model, cache, ids, start, a, b)
         if after_chunk is not None:
             after_chunk(b)
     return logits.float()
+
+
+def prefill_spans(start: int, end: int, chunk: int, on_grid: bool = True,
+                  anchors: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+    """The chunks `prefill` runs for absolute positions [start, end): on the grid (exact) or
+    counted from `start` (fast). The engine's scheduler runs them one iteration at a time."""
+    return canonical_chunks(start, end, chunk, anchors) if on_grid else relative_chunks(start, end, chunk)
+
+
+@torch.inference_mode()
+def prefill_span(model, cache, ids: torch.Tensor, offset: int, a: int, b: int) -> torch.Tensor:
+    """Prime absolute positions [a, b) of `ids` [N] (ids[0] is position `offset`) into `cache`,
+    which holds exactly `a` tokens; the last position's logits [V] in the model's dtype."""
+    input_ids = ids[a - offset : b - offset].unsqueeze(0)  # [1, T]
+    position_ids = torch.arange(a, b, device=ids.device).unsqueeze(0)  # [1, T]
+    out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1]  # [V]
 
 
 @torch.inference_mode()

@@ -105,7 +105,7 @@ def connection_limits(settings: Settings) -> connections.ConnectionLimits:
 
 def _gauges(ctx: ServerContext) -> dict:
     """What /metrics reads at scrape time (memrad.server.metrics.GAUGES names the keys)."""
-    running = 1 if ctx.scheduler.running is not None else 0
+    running = len(ctx.scheduler.running)
     values: dict = {"queue_depth": ctx.scheduler.waiting, "running_requests": running}
     stats = ctx.engine.stats()
     if stats is not None:

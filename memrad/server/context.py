@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from aiohttp import web
 
 from memrad.config import Settings
-from memrad.protocol import PoolStats, SessionInfo, StateSnapshot
+from memrad.protocol import FlightInfo, PoolStats, SessionInfo, StateSnapshot
 from memrad.request import Constraint
 from memrad.reuse.pool import ParkingStats
 from memrad.scheduler import EngineLike, Scheduler
@@ -51,6 +51,7 @@ class ServingEngine(EngineLike, Protocol):
 
     def stats(self) -> ParkingStats | None: ...  # None: the pool is off
     def infos(self) -> list[SessionInfo]: ...
+    def flight_infos(self) -> list[FlightInfo]: ...  # the requests on the model now
     def close(self) -> list[str]: ...  # one line per parked session not saved to disk
 
 
@@ -89,4 +90,4 @@ def state_snapshot(ctx: ServerContext) -> StateSnapshot:
              ("prefill_chunk", str(settings.engine.prefill_chunk)), ("dtype", ctx.dtype))
     return StateSnapshot(model=ctx.engine.model_id, device=ctx.device, uptime_s=round(time.time() - ctx.started_at, 3),
                          requests_served=ctx.scheduler.requests_served, pool=stats, flags=flags,
-                         sessions=tuple(ctx.engine.infos()))
+                         sessions=tuple(ctx.engine.infos()), flights=tuple(ctx.engine.flight_infos()))

@@ -144,7 +144,7 @@ GAUGES = {
     "pool_max_sessions": ("The pool's session cap", None),
     "pool_bytes_ledger": ("Parked bytes in memory per the park/evict events alone (checks pool_bytes)", None),
     "queue_depth": ("Requests waiting for the model", None),
-    "running_requests": ("Requests on the model now (0 or 1)", None),
+    "running_requests": ("Requests on the model now (0 to max_batch)", None),
 }
 
 METRICS = web.AppKey("metrics", Metrics)

@@ -184,7 +184,9 @@ async def health(request: web.Request) -> web.Response:
         "started_at": ctx.started_at,
         "uptime_s": round(time.time() - ctx.started_at, 3),
         "requests_served": ctx.scheduler.requests_served,
-        "running": running.request.request_id if running else None,
+        "running": running[0].request.request_id if running else None,  # the oldest in flight
+        "in_flight": [job.request.request_id for job in running],
+        "max_batch": ctx.scheduler.max_batch,
         "waiting": ctx.scheduler.waiting,
     })
 

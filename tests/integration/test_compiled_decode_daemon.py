@@ -28,6 +28,7 @@ def test_compiled_decode_resumes_exactly_and_a_second_start_reuses_the_compiled_
     daemon = make_daemon()
     daemon.env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "compile")  # an empty compile cache
     daemon.env["MEMRA_COMPILE"] = "on"
+    daemon.env["MEMRA_MAX_BATCH"] = "1"  # one at a time: requests decode on the compiled one-row step
     assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
     first_compile_s = compiled_in_s(daemon)
     client = client_for(daemon)

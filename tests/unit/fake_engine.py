@@ -82,6 +82,9 @@ class FakeEngine:
     def infos(self):
         return []
 
+    def flight_infos(self):
+        return []
+
     def close(self):
         return []
 

@@ -1,7 +1,7 @@
 import pytest
 
 from memrad.protocol import (
-    RECORDS, Alternative, Decision, DecisionEvent, Dropped, EvictEvent, ParkEvent, PoolStats, ProtocolError, SegmentInfo,
+    RECORDS, Alternative, Decision, DecisionEvent, Dropped, EvictEvent, FlightEvent, FlightInfo, ParkEvent, PoolStats, ProtocolError, SegmentInfo,
     SessionInfo, StateSnapshot, TurnEvent, from_line, to_line,
 )
 
@@ -14,6 +14,7 @@ WEIGHED = Decision("chatcmpl-2", "resumed", "longest prefix with s5, 2,654 of 2,
                    "at 1,886, prefix s5 at 2,654: most reuse", 2654, 46, tier="prefix", candidate="s5",
                    checkpoint=2654, weighed=(Alternative("affinity", "s3", 1886), Alternative("prefix", "s5", 2654),
                                              Alternative("text-prefix", "s2", None)), won_by="most reuse")
+FLIGHT = FlightInfo("chatcmpl-2", "agent-1", "s3", "decode", 12300, 12300, 37, 4.2)
 EXAMPLES = [
     DECISION,
     WEIGHED,
@@ -23,6 +24,9 @@ EXAMPLES = [
     PoolStats(3, 10_000, 32, 2**30),
     StateSnapshot("SmolLM2", "cpu", 12.5, 9, PoolStats(1, 5, 32, 6), (("reuse.mode", "exact"),), (SESSION,)),
     StateSnapshot("SmolLM2", "cpu", 1.0, 0, None, (), ()),
+    StateSnapshot("SmolLM2", "cpu", 1.0, 0, None, (), (), flights=(FLIGHT,)),
+    FLIGHT,
+    FlightEvent(2.0, FlightInfo("chatcmpl-3", None, None, "prefill", 16806, 512, 0, 0.8)),
     DecisionEvent(1.5, DECISION, 12300, None, (SEG,), ("…user said ▸ this", "…user said ▸ that")),
     TurnEvent(2.5, "chatcmpl-1", "s4", "agent-1", 12300, 12288, 40, 0.42, "resumed", "stop"),
     ParkEvent(3.0, SESSION, "s2"),

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from memrad.protocol import (
-    Decision, DecisionEvent, EvictEvent, ParkEvent, PoolStats, SegmentInfo, SessionInfo, StateSnapshot, TurnEvent,
+    Decision, DecisionEvent, EvictEvent, FlightEvent, FlightInfo, ParkEvent, PoolStats, SegmentInfo, SessionInfo, StateSnapshot, TurnEvent,
     to_line,
 )
 from tui.app import MemraApp
@@ -248,3 +248,41 @@ def test_the_decision_screen_lists_what_was_weighed():
     rows = dict(zip((str(c) for c in table.columns[0]._cells), (str(c) for c in table.columns[1]._cells)))
     assert (rows["  affinity"], rows["  prefix"], rows["won by"]) == ("s3: 1,886 tokens", "s5: 2,654 tokens ◂ won",
                                                                      "most reuse")
+
+
+def flight(rid, phase, primed, generated, conversation=None, identity="agent"):
+    return FlightInfo(rid, identity, conversation, phase, 9310, primed, generated, 1.5)
+
+
+async def test_in_flight_rows_follow_the_requests_on_the_model():
+    from tui.widgets.flights import FlightsTable
+
+    snapshot = StateSnapshot("SmolLM2-135M-Instruct", "cpu", 60.0, 3, None, (), (),
+                             flights=(flight("req-main", "decode", 9310, 12, conversation="s3"),))
+    stream = [snapshot,
+              FlightEvent(T0 + 1, flight("req-side", "prefill", 256, 0)),
+              FlightEvent(T0 + 2, flight("req-side", "prefill", 512, 0)),
+              FlightEvent(T0 + 3, flight("req-main", "decode", 9310, 28, conversation="s3"))]
+    later = [FlightEvent(T0 + 4, flight("req-side", "done", 9310, 3)),
+             TurnEvent(T0 + 5, "req-main", "s5", "agent", 9310, 9000, 40, 0.3, "resumed", "stop")]
+    feed = list(stream)
+
+    def records():
+        async def gen():
+            for record in feed:
+                yield record
+        return gen()
+
+    app = MemraApp(records)
+    async with app.run_test(size=(150, 44)) as pilot:
+        await settle(pilot)
+        table = app.query_one(FlightsTable)
+        rows = [table.get_row_at(i) for i in range(table.row_count)]
+        assert rows == [["req-main", "agent", "s3", "decode", "decoded 28"],
+                        ["req-side", "agent", "new", "prefill", "primed 512 of 9,310"]]
+        assert table.border_subtitle == "2 on the model"
+        for record in later:
+            app.state.apply(record)
+        app.redraw()
+        await settle(pilot)
+        assert table.row_count == 0 and table.border_subtitle == "idle"

@@ -40,7 +40,8 @@ from memrad.engine.decode import cpu_attention
 from memrad.engine.decode import step as decode_step
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.cpu_attention import cxx_compiler
-from memrad.engine.decode.step import attended_rows
+from memrad.engine.decode.batch import BatchStep
+from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.decode.steps import new_step, support
 from memrad.engine.forward import decode_one_token
 from memrad.engine.model.hardware import Choice
@@ -115,6 +116,7 @@ class Decoder:
         # (step, attend with memra's kernel), read and replaced as one, so a request never
         # pairs one step with the other's attention; no step: transformers decodes.
         self.current: tuple[Any, bool] = (None, False)
+        self._batched: dict[tuple[int, bool], BatchStep] = {}  # (rows, kernel) -> the batched step
         unsupported = support(model, context_len) if device.type == "cpu" else (
             "the step runs over CPU slabs; CUDA decodes with transformers' forward")
         if unsupported is not None:
@@ -253,6 +255,25 @@ class Decoder:
                 for buffer in windowed:
                     torch._dynamo.mark_dynamic(buffer, 2)
                 compiled(token, position, rows, keys, values, self.eager.owner, kernel)
+
+    # -- batched decode (memrad.engine.decode.batch): several requests' tokens in one step --
+
+    def batch_step(self, rows: int) -> BatchStep | None:
+        """The batched step of `rows` rows a new request decodes with, or None where this
+        model has none (Gemma 3, transformers' forward: those decode one row at a time). It
+        runs the eager llama-shaped step's weights with the attention the current step uses;
+        one BatchStep per attention, so a request keeps its bits from first token to last."""
+        if not isinstance(self.eager_step, DecodeStep):
+            return None
+        kernel = self.current[1]
+        key = (rows, kernel)
+        if key not in self._batched:
+            self._batched[key] = BatchStep(self.eager_step, rows, kernel)
+        return self._batched[key]
+
+    @property
+    def eager_step(self) -> Any:
+        return getattr(self, "eager", None)
 
     def feeder(self) -> Feed:
         """The step one request decodes with, from its first token to its last."""

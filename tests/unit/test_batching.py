@@ -1,0 +1,174 @@
+"""Continuous batching: several requests in flight on one engine, with the same bits as alone.
+
+The same greedy requests (prompts of different lengths, two resumed from parked sessions) run
+alone and in batches of 2, 3 and 4: identical tokens, identical first-token logits and
+identical per-token log probabilities (which read every decode step's logits). A resumed
+request batched with others still equals its cold run; cancelling one batched request
+leaves the others' replies as they were alone; a short request admitted during a long
+prefill gets its first token before that prefill ends (ordered by engine steps, not time).
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from memrad.engine.decode.batch import BatchStep
+from memrad.request import GenerationRequest, SamplingParams
+from stories import make_engine, recording, run_together
+
+CHUNK = 16
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def conversation(topic: str, turns: int) -> list[dict]:
+    messages = [SYSTEM]
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"{topic} question {i}: " + "tell me more " * (3 + 4 * i)})
+        messages.append({"role": "assistant", "content": f"{topic} answer {i} " * (2 + i)})
+    return messages
+
+
+def request(engine, messages, rid, max_tokens=8):
+    text, ids = engine.chat.render(messages, None)
+    return GenerationRequest(rid, engine.model_id, tuple(ids), text,
+                             SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2))
+
+
+def engine_with_parked(tiny_loaded, **flags):
+    """A batching engine whose pool holds turn 1 of conversations "a" and "b" (served alone)."""
+    engine = recording(make_engine(tiny_loaded, CHUNK, max_batch=4, **flags))
+    for topic in ("a", "b"):
+        engine.generate(request(engine, conversation(topic, 1)[:-1], f"{topic}-1"), lambda _: None, lambda: False)
+    return engine
+
+
+def second_turns(engine):
+    """Four requests: two resume turn 1 of "a" / "b", two are fresh prompts of other lengths."""
+    return [request(engine, conversation("a", 2)[:-1], "a-2"),
+            request(engine, conversation("c", 1)[:-1], "c-1", max_tokens=5),
+            request(engine, conversation("b", 2)[:-1], "b-2", max_tokens=11),
+            request(engine, conversation("d", 3)[:-1], "d-3", max_tokens=6)]
+
+
+def summary(completion, state, scores):
+    return (state.generated_ids, completion.finish_reason, completion.cached_tokens,
+            tuple(lp.logprob for lp in completion.logprobs), scores.shape)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_loaded):
+    """Each second-turn request run alone on its own engine (padded to 4 rows)."""
+    out = {}
+    for index in range(4):
+        engine = engine_with_parked(tiny_loaded)
+        req = second_turns(engine)[index]
+        out[req.request_id] = run_together(engine, [req])[req.request_id]
+    return out
+
+
+@pytest.mark.parametrize("group", [g for size in (2, 3, 4) for g in itertools.combinations(range(4), size)][::2])
+def test_a_request_decodes_the_same_bits_alone_and_batched(tiny_loaded, alone, group):
+    engine = engine_with_parked(tiny_loaded)
+    requests = [second_turns(engine)[i] for i in group]
+    together = run_together(engine, requests)
+    for req in requests:
+        completion, state, scores = together[req.request_id]
+        alone_completion, alone_state, alone_scores = alone[req.request_id]
+        assert summary(completion, state, scores) == summary(alone_completion, alone_state, alone_scores)
+        assert torch.equal(state.prompt_logits, alone_state.prompt_logits), req.request_id
+        assert torch.equal(scores, alone_scores), req.request_id  # every decode step's logits, bit for bit
+    resumed = {rid for rid, (c, _, _) in together.items() if c.decision.outcome == "resumed"}
+    assert resumed == {"a-2", "b-2"} & {r.request_id for r in requests}
+
+
+def test_every_row_of_the_batched_step_is_its_own_at_any_neighbours(tiny_loaded):
+    """The fixed-shape claim itself: a row's logits do not change with the other rows' tokens."""
+    engine = make_engine(tiny_loaded, CHUNK, max_batch=4)
+    step = engine.decoder.batch_step(4)
+    assert isinstance(step, BatchStep) and step.rows == 4
+    assert engine.decoder.batch_step(4) is step  # one per (rows, attention): a request keeps its step
+    prompts = [list(range(5, 45)), list(range(7, 20)), list(range(9, 90)), list(range(3, 33))]
+
+    def logits(rows):
+        from memrad.engine.forward import prefill
+        caches = []
+        for i in rows:
+            cache = engine.new_cache()
+            prefill(tiny_loaded.model, cache, prompts[i], 0, CHUNK)
+            caches.append(cache)
+        return step(caches, [11 + i for i in rows], [len(prompts[i]) for i in rows])
+
+    first = logits([0])[0]
+    assert torch.equal(logits([0, 1])[0], first)
+    assert torch.equal(logits([0, 3, 2, 1])[0], first)
+    assert torch.equal(logits([2, 0])[1], first)
+
+
+def test_a_resumed_request_batched_with_others_equals_its_cold_run(tiny_loaded):
+    engine = engine_with_parked(tiny_loaded)
+    requests = second_turns(engine)
+    together = run_together(engine, requests)
+    completion, state, scores = together["a-2"]
+    assert completion.decision.outcome == "resumed" and completion.cached_tokens > 0
+    cold_engine = recording(make_engine(tiny_loaded, CHUNK, pool=False, max_batch=4))
+    cold = run_together(cold_engine, [request(cold_engine, conversation("a", 2)[:-1], "a-2")])["a-2"]
+    assert cold[0].cached_tokens == 0
+    assert state.generated_ids == cold[1].generated_ids
+    assert torch.equal(state.prompt_logits, cold[1].prompt_logits)
+    assert [lp.logprob for lp in completion.logprobs] == [lp.logprob for lp in cold[0].logprobs]
+    assert torch.equal(scores, cold[2])
+
+
+def test_cancelling_one_batched_request_leaves_the_others_as_they_were_alone(tiny_loaded, alone):
+    engine = engine_with_parked(tiny_loaded)
+    requests = second_turns(engine)
+    together = run_together(engine, requests, cancel_after={"b-2": 2})
+    cancelled, _, _ = together["b-2"]
+    assert cancelled.finish_reason == "cancelled" and cancelled.completion_tokens < 11
+    for rid in ("a-2", "c-1", "d-3"):
+        assert summary(*together[rid]) == summary(*alone[rid]), rid
+        assert torch.equal(together[rid][2], alone[rid][2]), rid
+
+
+def test_a_short_request_gets_its_first_token_before_a_long_prefill_ends(tiny_loaded):
+    engine = make_engine(tiny_loaded, CHUNK, max_batch=4)
+    long = request(engine, [SYSTEM, {"role": "user", "content": "go on " * 120}], "long", max_tokens=4)
+    short = request(engine, [SYSTEM, {"role": "user", "content": "hi"}], "short", max_tokens=4)
+    assert len(long.prompt_ids) > 8 * CHUNK > 2 * CHUNK >= len(short.prompt_ids)
+    order = []
+    slow = engine.admit(long, lambda _: None, lambda: False)
+    engine.step()  # the long prompt's first chunk
+    quick = engine.admit(short, lambda _: None, lambda: False)
+    for step in range(200):
+        engine.step()
+        for name, flight in (("long", slow), ("short", quick)):
+            if flight.out.ttft_s is not None and (name, "first token") not in order:
+                order.append((name, "first token"))
+        if slow.completion is not None and quick.completion is not None:
+            break
+    # Prefill turns go round the flights still prefilling, a new one first: the short prompt
+    # (two chunks) is primed in the two steps after it arrives, while the long one has chunks left.
+    assert order[0] == ("short", "first token"), order
+    assert quick.completion.completion_tokens == 4 and slow.completion.completion_tokens == 4
+
+
+def test_batch_decode_rows_runs_each_flight_on_the_one_row_step_with_the_same_bits(tiny_loaded):
+    engine = recording(make_engine(tiny_loaded, CHUNK, max_batch=4, batch_decode="rows"))
+    assert engine.runtime_choices["batch"]["value"] == "4 in flight, one row each"
+    assert "batch_decode = rows" in engine.runtime_choices["batch"]["reason"]
+    requests = [request(engine, conversation(t, 1)[:-1], f"{t}-1", max_tokens=6) for t in "ce"]
+    probe = engine.admit(request(engine, conversation("p", 1)[:-1], "p-1", max_tokens=2), lambda _: None, lambda: False)
+    assert probe.feed is not None and not isinstance(probe.feed, BatchStep)
+    while probe.completion is None:
+        engine.step()
+    together = run_together(engine, requests)
+    for req in requests:
+        alone_engine = recording(make_engine(tiny_loaded, CHUNK, max_batch=4, batch_decode="rows"))
+        alone = run_together(alone_engine, [request(alone_engine, conversation(req.request_id[0], 1)[:-1],
+                                                    req.request_id, max_tokens=6)])[req.request_id]
+        assert together[req.request_id][1].generated_ids == alone[1].generated_ids
+        assert torch.equal(together[req.request_id][2], alone[2])
+    batched = make_engine(tiny_loaded, CHUNK, max_batch=4)
+    assert batched.runtime_choices["batch"]["value"] == "batched, 4 rows"
+    assert make_engine(tiny_loaded, CHUNK).runtime_choices["batch"]["value"] == "one at a time"
