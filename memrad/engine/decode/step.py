@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memrad.engine.model.quant import Int4Linear
+from memrad.engine.model.quant import Int4Linear, Q8Linear
 
 # Model classes whose layers are exactly llama's: pre-norm RMSNorm, q/k/v/o, gated MLP, rope.
 _LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -86,13 +86,14 @@ def fuse(linears: list[nn.Linear]) -> nn.Linear:
     """
     if all(type(layer) is nn.Linear for layer in linears):
         return _fuse_dense(linears)
-    if all(type(layer) is Int4Linear for layer in linears):
+    kinds = {type(layer) for layer in linears}
+    if len(kinds) == 1 and kinds <= {Int4Linear, Q8Linear}:  # Q8Linear: codes [N, 2K] (hi|lo), alike
         dense = _fuse_dense(linears)
         packed = torch.cat([layer.packed for layer in linears])  # [N, K/2] rows are independent
         scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in linears], dim=1)  # [K/32, N, 2]
         for layer, rows in zip(linears, _row_ranges(linears)):
             layer.packed = packed[rows]
-        return Int4Linear(dense, packed, scales_and_zeros)
+        return kinds.pop()(dense, packed, scales_and_zeros)
     return _Concatenated(linears)
 
 

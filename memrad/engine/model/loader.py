@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memrad.engine.model import catalog, context as served_context
+from memrad.engine.model import catalog, context as served_context, formats
 from memrad.engine.model.context import ServedContext
 from memrad.engine.model.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
 from memrad.engine.model.pull import ModelUnavailable, Progress, is_converted, model_dir, pull_gguf, pull_named
@@ -39,6 +39,8 @@ class LoadedModel:
     weights: Choice = Choice("float", "set by model.weights")
     packed_bytes: int = 0  # int4 / int8 codes and scales held besides the float weights
     head: str = "float"  # how the output head runs (memrad.engine.model.weights.head_format)
+    # What each group of linear weights runs as and why (memrad.engine.model.formats).
+    tensors: Choice = Choice("", "")
 
     @property
     def context_len(self) -> int:
@@ -152,6 +154,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         weights=weights_choice,
         packed_bytes=applied.packed_bytes,
         head=applied.head,
+        tensors=Choice(formats.summary(applied.groups), formats.describe(applied.groups)),
     )
 
 
