@@ -166,3 +166,20 @@ def test_status_names_what_each_group_runs_as_and_why_a_dense_one_is_dense(mixed
     q6 = formats.groups(model, {"model.layers.0.mlp.up_proj": "Q6_K"})
     assert {g.role: g.why for g in q6}["model.layers.*.mlp.up_proj"] == (
         "16-weight sub-blocks with their own scales: no exact form in the kernel's 32-weight groups")
+
+
+def test_block_files_of_an_older_layout_are_added_again_and_the_start_says_what_adds_them(tmp_path):
+    from safetensors.torch import save_file
+
+    from memrad.engine.model.loader import _int4_source
+    from memrad.engine.model.pull import has_block_caches
+
+    for name in (INT4_CACHE, Q8_CACHE):  # as memrad before Q4_K wrote them: no layout stamp
+        save_file({}, str(tmp_path / name), metadata={"source": "gemma-3-270m-q4_k_m.gguf"})
+    assert not has_block_caches(tmp_path)
+    assert _int4_source("gemma3-270m", tmp_path, 0) == (
+        "its GGUF's blocks were kept by an older memrad (no Q4_K / Q5_0): `memrad pull gemma3-270m` adds them")
+    for name in (INT4_CACHE, Q8_CACHE):
+        save_file({}, str(tmp_path / name), metadata={"layout": BLOCKS_LAYOUT})
+    assert has_block_caches(tmp_path)
+    assert _int4_source("gemma3-270m", tmp_path, 0) == "the GGUF ships no Q4_0/Q4_1/Q4_K linear weights"

@@ -13,7 +13,9 @@ import torch
 from memrad.engine.model import catalog, context as served_context, formats
 from memrad.engine.model.context import ServedContext
 from memrad.engine.model.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
-from memrad.engine.model.pull import ModelUnavailable, Progress, is_converted, model_dir, pull_gguf, pull_named
+from memrad.engine.model.pull import (
+    ModelUnavailable, Progress, has_block_caches, is_converted, model_dir, pull_gguf, pull_named,
+)
 
 log = logging.getLogger("memrad.engine")
 
@@ -164,8 +166,11 @@ def _int4_source(spec: str, folder: Path, int4_tensors: int) -> str:
         return "the GGUF" if spec != "default" else "the shipped Q4_1 GGUF"
     if spec == "default":
         return "the default model's int4 blocks are not cached yet: run `memrad pull`"
-    if Path(spec).expanduser().suffix == ".gguf":
-        return "no Q4_0/Q4_1 blocks were kept when the GGUF was converted"
+    from_gguf = Path(spec).expanduser().suffix == ".gguf" or catalog.lookup(spec) is not None
+    if from_gguf and not has_block_caches(folder):
+        return f"its GGUF's blocks were kept by an older memrad (no Q4_K / Q5_0): `memrad pull {spec}` adds them"
+    if from_gguf:
+        return "the GGUF ships no Q4_0/Q4_1/Q4_K linear weights"
     return "the model is not a GGUF (no 4-bit blocks shipped)"
 
 
