@@ -183,3 +183,28 @@ def test_block_files_of_an_older_layout_are_added_again_and_the_start_says_what_
         save_file({}, str(tmp_path / name), metadata={"layout": BLOCKS_LAYOUT})
     assert has_block_caches(tmp_path)
     assert _int4_source("gemma3-270m", tmp_path, 0) == "the GGUF ships no Q4_0/Q4_1/Q4_K linear weights"
+
+
+@pytest.mark.parametrize("rows", [(128, 64), (48, 16)])
+def test_fused_hi_lo_projections_compute_what_each_computes(rows):
+    """Rows in whole blocks of 64 (gemma3-270m's 1024 + 256 + 256) share one packed tensor;
+    others (the CPU packing interleaves 64 rows) are run one by one, never joined wrongly."""
+    from memrad.engine.decode.step import fuse
+
+    layers = []
+    for count, seed in zip(rows, (4, 5)):  # q and a smaller k, as a Q5_0 attention ships them
+        weights = np.random.default_rng(seed).standard_normal((count, 96)).astype(np.float32)
+        blocks = unpack_q5_0(quants.quantize(weights, GGMLQuantizationType.Q5_0))
+        linear = torch.nn.Linear(96, count, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(blocks.dequantize())
+        layers.append(Q8Linear.from_blocks(linear, blocks, torch.bfloat16))
+    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    apart = torch.cat([layer(x) for layer in layers], dim=-1)
+    fused = fuse(layers)
+    assert torch.equal(fused(x), apart)
+    if rows[0] % 64 == 0:
+        assert type(fused) is Q8Linear and fused.out_features == sum(rows)
+        assert layers[1].packed.data_ptr() == fused.packed[rows[0]:].data_ptr()  # a view, not a copy
+    else:
+        assert type(fused).__name__ == "_Concatenated"
