@@ -118,7 +118,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     weights_choice = pick_weights(weights, dev, int4_tensors, _int4_source(spec, folder, int4_tensors),
                                   q8_head=count_q8_cache(folder) > 0)
     if weights_choice.value == "int4" and int4_tensors == 0:
-        raise ModelUnavailable(f"--weights int4 needs a GGUF's Q4_0/Q4_1 blocks and {folder} has none "
+        raise ModelUnavailable(f"--weights int4 needs a GGUF's Q4_0/Q4_1/Q4_K blocks and {folder} has none "
                                f"({_int4_source(spec, folder, 0)}); use --weights auto or float")
     if dev.type == "cpu":
         # Unless told that torch's SDPA takes grouped KV heads with a mask (its CPU kernel
