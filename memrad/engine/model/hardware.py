@@ -10,11 +10,12 @@ nothing is measured at start and nothing needs caching per machine.
 
 Weights: a GGUF's Q4_0/Q4_1/Q4_K blocks (and Q8_0/Q5_0 as two int4 halves) run as packed
 int4 (memrad.engine.model.quant) on every device torch has an int4 kernel for: CUDA
-(tinygemm) and x86 CPUs. The CPU kernel is fast only with bf16 inputs (with fp32 inputs
-it loses to a dense GEMV; docs/BENCHMARKS.md, Weight formats), so Int4Linear hands it bf16 even when the activations are fp32; under AVX2-only kernels that
-still decodes faster than the fp32 dense model (docs/BENCHMARKS.md, AVX2-class CPUs). A Q8_0
-output head runs on the same
-kernel (Q8Linear), so with int4 weights the logits come out in bf16 whatever the activations.
+(tinygemm) and x86 CPUs. The CPU kernel is fast only with bf16 inputs (with fp32 inputs it
+loses to a dense GEMV; docs/BENCHMARKS.md, Weight formats), so Int4Linear hands it bf16 even
+when the activations are fp32; under AVX2-only kernels that still decodes faster than the
+fp32 dense model (docs/BENCHMARKS.md, AVX2-class CPUs). A Q8_0 output head runs on the same
+kernel (Q8Linear), so with int4 weights the logits come out in bf16 whatever the
+activations.
 """
 
 from __future__ import annotations
