@@ -163,6 +163,8 @@ def test_status_names_what_each_group_runs_as_and_why_a_dense_one_is_dense(mixed
     assert by_role["model.layers.*.self_attn.q_proj"].kind == "float"  # not in this GGUF
     assert formats.summary(found) == "dense float32 6, int4 1, int4 hi|lo 1"
     assert "mlp.down_proj Q4_K x1: int4; " in formats.describe(found)
+    unrecorded = {g.role: g.kind for g in formats.groups(model, {})}  # block files made before the types
+    assert unrecorded["model.layers.*.mlp.down_proj"] == "GGUF" and unrecorded["lm_head"] == "float"
     q6 = formats.groups(model, {"model.layers.0.mlp.up_proj": "Q6_K"})
     assert {g.role: g.why for g in q6}["model.layers.*.mlp.up_proj"] == (
         "16-weight sub-blocks with their own scales: no exact form in the kernel's 32-weight groups")

@@ -45,7 +45,7 @@ class TensorGroup:
     """Linear weights alike in role, shipped type and what they run as."""
 
     role: str  # "model.layers.*.mlp.down_proj", "lm_head"
-    kind: str  # the GGUF type ("Q4_K"), or "float" when the model came from no GGUF
+    kind: str  # the GGUF type ("Q4_K"); "float" from no GGUF; "GGUF" packed, type unrecorded
     runs: str  # "int4", "int4 hi|lo", "int8", "dense bfloat16"
     count: int
     why: str | None  # for a dense group: why no packed form
@@ -77,8 +77,9 @@ def groups(model: Any, kinds: dict[str, str]) -> tuple[TensorGroup, ...]:
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        kind = kinds.get(name, "float")
         runs = runs_as(module)
+        # a packed layer of a folder converted before memra kept the types: from a GGUF, type unrecorded
+        kind = kinds.get(name, "float" if runs.startswith("dense") else "GGUF")
         why = _why_dense(kind, module) if runs.startswith("dense") else None
         counted[(re.sub(r"\.\d+\.", ".*.", name), kind, runs, why)] += 1
     return tuple(TensorGroup(role, kind, runs, count, why) for (role, kind, runs, why), count in sorted(counted.items()))

@@ -60,7 +60,7 @@ INT8_KINDS = ("Q8_0", "Q5_0")  # int8-coded blocks, run hi|lo
 BLOCKS_LAYOUT = "2"
 # Next to the converted float weights: the GGUF's 4-bit blocks, as shipped (codes, d, m).
 INT4_CACHE = "memra-q4-blocks.safetensors"
-# Beside it: the output head's Q8_0 blocks (none when the GGUF ships the head otherwise).
+# Beside it: the Q8_0 / Q5_0 blocks, the head's among them (none when the GGUF ships none).
 Q8_CACHE = "memra-q8-blocks.safetensors"
 # What the packed file's layout means; a file stamped otherwise is packed again.
 # 2: Q4_0 zeros fixed (1 packed them as Q4_1 with m = 0), and the Q8_0 head.
