@@ -49,7 +49,7 @@ FLAGS = {
 BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk_probe", "fuzz": "fuzz",
                    "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
                    "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns",
-                   "concurrent": "concurrent"}
+                   "concurrent": "concurrent", "weights": "weight_formats"}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -138,6 +138,7 @@ class Engine:
         loaded = self.loaded
         return {"dtype": {"value": loaded.dtype_name, "reason": loaded.dtype_choice.reason},
                 "weights": {"value": loaded.weights_name, "reason": loaded.weights.reason},
+                "tensors": {"value": loaded.tensors.value, "reason": loaded.tensors.reason},
                 "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason},
                 "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()},
                 "batch": self._batch_choice()}

@@ -148,7 +148,7 @@ def test_int8_packs_every_linear_and_float_packs_none(q4_dir):
 
 
 def test_int4_without_cached_blocks_says_what_to_do(tiny_llama_dir):
-    with pytest.raises(ModelUnavailable, match="--weights int4 needs a GGUF's Q4_0/Q4_1 blocks"):
+    with pytest.raises(ModelUnavailable, match="--weights int4 needs a GGUF's Q4_0/Q4_1/Q4_K blocks"):
         _load(tiny_llama_dir, "int4", "float32")
     assert not (tiny_llama_dir / INT4_CACHE).exists() and not (tiny_llama_dir / Q8_CACHE).exists()
     assert _load(tiny_llama_dir, "auto", "float32").weights.value == "float"

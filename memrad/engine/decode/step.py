@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memrad.engine.model.quant import Int4Linear
+from memrad.engine.model.quant import Int4Linear, Q8Linear
 
 # Model classes whose layers are exactly llama's: pre-norm RMSNorm, q/k/v/o, gated MLP, rope.
 _LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -77,6 +77,9 @@ def attention_shape(config) -> tuple[int, int, int]:
     return heads, config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
+PACKED_ROW_BLOCK = 64  # rows torch's CPU int4 packing lays out together (a multiple of tinygemm's 8)
+
+
 def fuse(linears: list[nn.Linear]) -> nn.Linear:
     """One Linear whose output is the concatenated outputs of `linears` (same input).
 
@@ -86,13 +89,16 @@ def fuse(linears: list[nn.Linear]) -> nn.Linear:
     """
     if all(type(layer) is nn.Linear for layer in linears):
         return _fuse_dense(linears)
-    if all(type(layer) is Int4Linear for layer in linears):
+    kinds = {type(layer) for layer in linears}
+    # The CPU packing interleaves rows in blocks of 64: packed parts join only at a block's edge.
+    aligned = all(layer.out_features % PACKED_ROW_BLOCK == 0 for layer in linears[:-1])
+    if len(kinds) == 1 and kinds <= {Int4Linear, Q8Linear} and aligned:  # Q8Linear: codes [N, 2K] (hi|lo)
         dense = _fuse_dense(linears)
         packed = torch.cat([layer.packed for layer in linears])  # [N, K/2] rows are independent
         scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in linears], dim=1)  # [K/32, N, 2]
         for layer, rows in zip(linears, _row_ranges(linears)):
             layer.packed = packed[rows]
-        return Int4Linear(dense, packed, scales_and_zeros)
+        return kinds.pop()(dense, packed, scales_and_zeros)
     return _Concatenated(linears)
 
 

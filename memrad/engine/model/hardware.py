@@ -8,13 +8,14 @@ hardware. Detection reads CPU flags as torch reports them plus
 the two environment caps (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`): it is exact, so
 nothing is measured at start and nothing needs caching per machine.
 
-Weights: a GGUF's Q4_0/Q4_1 blocks run as packed int4 (memrad.engine.model.quant) on every device
-torch has an int4 kernel for: CUDA (tinygemm) and x86 CPUs. The CPU kernel is fast only with
-bf16 inputs (with fp32 inputs it loses to a dense GEMV; docs/BENCHMARKS.md, Weight formats),
-so Int4Linear hands it bf16 even when the activations are fp32; under AVX2-only kernels that
-still decodes faster than the fp32 dense model (docs/BENCHMARKS.md, AVX2-class CPUs). A Q8_0
-output head runs on the same
-kernel (Q8Linear), so with int4 weights the logits come out in bf16 whatever the activations.
+Weights: a GGUF's Q4_0/Q4_1/Q4_K blocks (and Q8_0/Q5_0 as two int4 halves) run as packed
+int4 (memrad.engine.model.quant) on every device torch has an int4 kernel for: CUDA
+(tinygemm) and x86 CPUs. The CPU kernel is fast only with bf16 inputs (with fp32 inputs it
+loses to a dense GEMV; docs/BENCHMARKS.md, Weight formats), so Int4Linear hands it bf16 even
+when the activations are fp32; under AVX2-only kernels that still decodes faster than the
+fp32 dense model (docs/BENCHMARKS.md, AVX2-class CPUs). A Q8_0 output head runs on the same
+kernel (Q8Linear), so with int4 weights the logits come out in bf16 whatever the
+activations.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def pick_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, Choic
 
 def pick_weights(requested: str, device: torch.device, int4_tensors: int, source: str,
                  q8_head: bool = False) -> Choice:
-    """The weight format for `requested`; `int4_tensors` counts the GGUF's Q4_0/Q4_1 linear
+    """The weight format for `requested`; `int4_tensors` counts the GGUF's Q4_0/Q4_1/Q4_K linear
     weights (0 when the model has no GGUF), `source` names where they come from, `q8_head`
     says its output head's Q8_0 blocks run on the same kernel (memrad.engine.model.quant.Q8Linear)."""
     if requested == "float":

@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
-from memrad.engine.model import catalog, context as served_context
+from memrad.engine.model import catalog, context as served_context, formats
 from memrad.engine.model.context import ServedContext
 from memrad.engine.model.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
-from memrad.engine.model.pull import ModelUnavailable, Progress, is_converted, model_dir, pull_gguf, pull_named
+from memrad.engine.model.pull import (
+    ModelUnavailable, Progress, has_block_caches, is_converted, model_dir, pull_gguf, pull_named,
+)
 
 log = logging.getLogger("memrad.engine")
 
@@ -39,6 +41,8 @@ class LoadedModel:
     weights: Choice = Choice("float", "set by model.weights")
     packed_bytes: int = 0  # int4 / int8 codes and scales held besides the float weights
     head: str = "float"  # how the output head runs (memrad.engine.model.weights.head_format)
+    # What each group of linear weights runs as and why (memrad.engine.model.formats).
+    tensors: Choice = Choice("", "")
 
     @property
     def context_len(self) -> int:
@@ -114,7 +118,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     weights_choice = pick_weights(weights, dev, int4_tensors, _int4_source(spec, folder, int4_tensors),
                                   q8_head=count_q8_cache(folder) > 0)
     if weights_choice.value == "int4" and int4_tensors == 0:
-        raise ModelUnavailable(f"--weights int4 needs a GGUF's Q4_0/Q4_1 blocks and {folder} has none "
+        raise ModelUnavailable(f"--weights int4 needs a GGUF's Q4_0/Q4_1/Q4_K blocks and {folder} has none "
                                f"({_int4_source(spec, folder, 0)}); use --weights auto or float")
     if dev.type == "cpu":
         # Unless told that torch's SDPA takes grouped KV heads with a mask (its CPU kernel
@@ -152,6 +156,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         weights=weights_choice,
         packed_bytes=applied.packed_bytes,
         head=applied.head,
+        tensors=Choice(formats.summary(applied.groups), formats.describe(applied.groups)),
     )
 
 
@@ -161,8 +166,11 @@ def _int4_source(spec: str, folder: Path, int4_tensors: int) -> str:
         return "the GGUF" if spec != "default" else "the shipped Q4_1 GGUF"
     if spec == "default":
         return "the default model's int4 blocks are not cached yet: run `memrad pull`"
-    if Path(spec).expanduser().suffix == ".gguf":
-        return "no Q4_0/Q4_1 blocks were kept when the GGUF was converted"
+    from_gguf = Path(spec).expanduser().suffix == ".gguf" or catalog.lookup(spec) is not None
+    if from_gguf and not has_block_caches(folder):
+        return f"its GGUF's blocks were kept by an older memrad (no Q4_K / Q5_0): `memrad pull {spec}` adds them"
+    if from_gguf:
+        return "the GGUF ships no Q4_0/Q4_1/Q4_K linear weights"
     return "the model is not a GGUF (no 4-bit blocks shipped)"
 
 

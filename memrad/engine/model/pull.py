@@ -151,10 +151,22 @@ def pull_gguf(gguf_path: Path, progress: Progress = print) -> Path:
 
 
 def has_block_caches(folder: Path) -> bool:
-    """Whether conversion kept the GGUF's Q4 blocks and looked at its head (memrad.engine.model.weights)."""
-    from memrad.engine.model.weights import INT4_CACHE, Q8_CACHE
+    """Whether conversion kept the GGUF's blocks in this memrad's layout (memrad.engine.model.weights):
+    a folder an older memrad converted holds no Q4_K / Q5_0 blocks and gets them again."""
+    from memrad.engine.model.weights import BLOCKS_LAYOUT, INT4_CACHE, Q8_CACHE
 
-    return (folder / INT4_CACHE).is_file() and (folder / Q8_CACHE).is_file()
+    return all(_safetensors_metadata(folder / name).get("layout") == BLOCKS_LAYOUT for name in (INT4_CACHE, Q8_CACHE))
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str]:
+    """A safetensors file's header metadata ({} when absent or unreadable), read without torch:
+    an 8-byte little-endian length, then that many bytes of JSON."""
+    try:
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    except (OSError, ValueError):
+        return {}
+    return header.get("__metadata__") or {}
 
 
 def _add_block_caches(gguf_path: Path, folder: Path, progress: Progress) -> None:
@@ -168,10 +180,9 @@ def _add_block_caches(gguf_path: Path, folder: Path, progress: Progress) -> None
 def _write_block_caches(gguf_path: Path, model, folder: Path, progress: Progress) -> None:
     from memrad.engine.model.weights import save_block_caches
 
-    progress(f"keeping {gguf_path.name}'s 4-bit blocks and Q8_0 head for int4 weights")
+    progress(f"keeping {gguf_path.name}'s 4-bit and 8-bit blocks for int4 weights")
     int4, q8 = save_block_caches(gguf_path, model, folder)
-    head = "and the Q8_0 head" if q8 else "(the head stays float: not shipped as Q8_0)"
-    progress(f"{int4} int4 weight matrices {head} kept (checked against the float weights)")
+    progress(f"{int4} int4 and {q8} Q8_0/Q5_0 weight matrices kept (checked against the float weights)")
 
 
 def pip_download(packages: list[str], dest: Path, show_pip_progress: bool) -> list[Path]:

@@ -32,6 +32,20 @@ kernel's own fp32 accumulator: faster than two calls summed and than the bf16 de
 as accurate as two calls (its error is the cost of bf16 scales, as for the int4 layers; both
 measured: docs/BENCHMARKS.md, Decode: the step's parts). Its logits are bf16 whatever the
 activation dtype.
+
+K-quants and Q5_0 (what a Q4_K_M GGUF ships besides Q8_0; gemma3-270m is one):
+
+    Q4_K  super-block of 256 = 8 sub-blocks of 32; fp16 d, dmin; 6-bit sc, m per sub-block;
+          w = q·(d·sc) − dmin·m, q in 0..15     ->  Int4Blocks, scale d·sc, min −dmin·m
+    Q5_0  32 weights, fp16 d, 5-bit q in 0..31; w = (q − 16)·d   ->  Int8Blocks, codes q − 16
+    Q6_K  16 sub-blocks of 16 with int8 scales: no 32-weight group has one scale, so it
+          cannot map onto the kernels' group 32 exactly; it stays dense (memrad.engine.model.weights)
+
+d·sc (11 + 6 significant bits) and −dmin·m are exact in float32, so the blocks dequantize to
+the float weights transformers makes of them bit for bit (gguf-py computes the same float32
+products); the int4 kernel then rounds scale and zero to bf16, as for Q4_1: each weight moves
+by at most 2^-8·(|q − 8|·|scale| + |zero|) (`kernel_error_bound`, tested). A Q5_0 tensor runs
+the Q8_0 way, hi|lo, its codes exact: 5 bits do not fit one int4 pass.
 """
 
 from __future__ import annotations
@@ -46,6 +60,9 @@ GROUP = 32
 # bytes per block of 32 weights, and where the 16 bytes of codes start in it
 _BLOCK_LAYOUT = {"Q4_0": (18, 2), "Q4_1": (20, 4)}
 _Q8_0_BLOCK_BYTES = 34
+_Q5_0_BLOCK_BYTES = 22  # d fp16 | qh: bit j = the high bit of weight j (uint32) | qs[16] as Q4_0
+_Q4_K_BLOCK_BYTES = 144  # d fp16 | dmin fp16 | 12 bytes of 6-bit sc, m | qs[128]
+_BF16_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding moves a value by <= 2^-8 of it
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +87,16 @@ class Int4Blocks:
         """The same blocks with output rows reordered (transformers un-permutes llama's Q/K)."""
         return Int4Blocks(self.codes[rows], self.scales[rows], None if self.mins is None else self.mins[rows])
 
+    def kernel_error_bound(self) -> torch.Tensor:
+        """[N, K] float32: how far the kernel's weights, (q − 8)·bf16(scale) + bf16(zero), may
+        lie from `dequantize()` (its scale and zero rounded to bf16: 2^-8 of each, at most)."""
+        n, k = self.codes.shape
+        zeros = torch.zeros_like(self.scales) if self.mins is None else self.mins + 8 * self.scales
+        q = self.codes.view(n, k // GROUP, GROUP).float()
+        bound = (q - 8).abs() * self.scales.abs()[..., None] + zeros.abs()[..., None]
+        # + 2^-20: the float32 sums (q·scale + min against (q − 8)·scale + zero) round too
+        return (bound * (_BF16_ROUNDOFF + 2.0 ** -20)).view(n, k)
+
 
 @dataclass(frozen=True, slots=True)
 class Int8Blocks:
@@ -82,6 +109,10 @@ class Int8Blocks:
         """The float weights [N, K] float32, computed as GGUF defines them (q·d)."""
         n, k = self.codes.shape
         return (self.codes.view(n, k // GROUP, GROUP).float() * self.scales[..., None]).view(n, k)
+
+    def permuted(self, rows: torch.Tensor) -> "Int8Blocks":
+        """The same blocks with output rows reordered (transformers un-permutes llama's Q/K)."""
+        return Int8Blocks(self.codes[rows], self.scales[rows])
 
     def halves(self) -> tuple[Int4Blocks, Int4Blocks]:
         """(high, low): int4 blocks whose weights sum to these exactly (module docstring)."""
@@ -123,6 +154,38 @@ def unpack_q8_0(raw: np.ndarray) -> Int8Blocks:
     d = blocks[..., 0:2].contiguous().view(torch.float16).view(n, nb).float()
     codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, nb * GROUP)  # [N, K]
     return Int8Blocks(codes, d)
+
+
+def unpack_q4_k(raw: np.ndarray) -> Int4Blocks:
+    """Split a GGUF Q4_K tensor's bytes [N, K/256 * 144] into codes, scales d·sc and mins −dmin·m
+    per 32-weight sub-block (float32 products, as gguf-py dequantizes them)."""
+    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(raw.shape[0], -1, _Q4_K_BLOCK_BYTES)
+    n, nb, _ = blocks.shape
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    packed = blocks[..., 4:16].reshape(n, nb, 3, 4)  # bytes 0-3: sc low 6 bits, 4-7: m, 8-11: the rest
+    low_sc, low_m, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = torch.cat([low_sc & 0x3F, (rest & 0x0F) | ((low_sc >> 2) & 0x30)], dim=-1)  # [N, nb, 8]
+    m = torch.cat([low_m & 0x3F, (rest >> 4) | ((low_m >> 2) & 0x30)], dim=-1)
+    # qs: 4 runs of 32 bytes; run i holds sub-block 2i in its low nibbles, 2i+1 in its high ones
+    qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(n, nb * 256)  # [N, K]
+    scales = (d * sc.float()).reshape(n, nb * 8)
+    mins = -(dmin * m.float()).reshape(n, nb * 8)
+    return Int4Blocks(codes.contiguous(), scales, mins)
+
+
+def unpack_q5_0(raw: np.ndarray) -> Int8Blocks:
+    """Split a GGUF Q5_0 tensor's bytes [N, K/32 * 22] into int8 codes q − 16 and d."""
+    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(raw.shape[0], -1, _Q5_0_BLOCK_BYTES)
+    n, nb, _ = blocks.shape
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(n, nb).float()
+    high = blocks[..., 2:6].contiguous().view(torch.int32)  # [N, nb, 1], little-endian as shipped
+    high_bits = ((high >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)  # [N, nb, 32]
+    qs = blocks[..., 6:]
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]
+    codes = ((low | (high_bits << 4)).to(torch.int16) - 16).to(torch.int8).reshape(n, nb * GROUP)
+    return Int8Blocks(codes.contiguous(), d)
 
 
 def _scales_and_zeros(blocks: Int4Blocks, dtype: torch.dtype) -> torch.Tensor:

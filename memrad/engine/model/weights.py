@@ -9,6 +9,11 @@ must equal the float32 weight transformers made of it, bit for bit. A tensor tha
 float, so a mapping error can cost speed but never change the weights. The checked blocks
 are kept as shipped (codes, d, m) in the converted folder, so a start reads no GGUF.
 
+Q4_K tensors (k-quant super-blocks) become the same int4 blocks, one scale and min per
+32-weight sub-block; Q8_0 and Q5_0 tensors become int8-coded blocks, run hi|lo on the same
+kernel (Q8Linear); Q6_K and unquantized tensors stay dense (memrad.engine.model.quant says why,
+memrad.engine.model.formats what each group runs as). All are checked as above.
+
 The output head gets the same treatment when the GGUF ships it as Q8_0 (llama.cpp's default
 for a tied head: `token_embd.weight`, which the head shares with the input embedding): its
 blocks are checked against the head's float weight, kept in a sibling file (Q8_CACHE: older
@@ -20,7 +25,9 @@ Packing for the kernels takes seconds, so the packed layers are kept too, one fi
 and torch build, stamped with the block files they were made from: new blocks, new packing.
 
     memra-q4-blocks.safetensors     {layer}.codes/.scales/.mins       the GGUF's Q4 blocks
-    memra-q8-blocks.safetensors     {head}.codes/.scales              its Q8_0 head (maybe none)
+    memra-q8-blocks.safetensors     {layer}.codes/.scales             its Q8_0 / Q5_0 tensors and
+                                                                      Q8_0 head (maybe none);
+                                    header: "kinds", every Linear's GGUF type
     memra-int4-{device}-{dtype}-torch{version}.safetensors
                                     {layer}.packed/.scales_and_zeros  Int4Linear
                                     {head}.q8_packed/.q8_scales_and_zeros  Q8Linear
@@ -28,25 +35,32 @@ and torch build, stamped with the block files they were made from: new blocks, n
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from memrad.engine.model import formats
 from memrad.engine.model.hardware import Choice
 from memrad.engine.model.quant import (
-    Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, packed_bytes, quantize_q4_1, unpack_blocks, unpack_q8_0,
+    Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, packed_bytes, quantize_q4_1, unpack_blocks, unpack_q4_k,
+    unpack_q5_0, unpack_q8_0,
 )
 
 log = logging.getLogger("memrad.engine")
 
-INT4_KINDS = ("Q4_0", "Q4_1")
+INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
+INT8_KINDS = ("Q8_0", "Q5_0")  # int8-coded blocks, run hi|lo
+# What the block files' contents mean; pull adds them again to a folder stamped otherwise.
+# 2: Q4_K, Q5_0 and every Q8_0 tensor (1: Q4_0/Q4_1 and the Q8_0 head only), the "kinds" header.
+BLOCKS_LAYOUT = "2"
 # Next to the converted float weights: the GGUF's 4-bit blocks, as shipped (codes, d, m).
 INT4_CACHE = "memra-q4-blocks.safetensors"
-# Beside it: the output head's Q8_0 blocks (none when the GGUF ships the head otherwise).
+# Beside it: the Q8_0 / Q5_0 blocks, the head's among them (none when the GGUF ships none).
 Q8_CACHE = "memra-q8-blocks.safetensors"
 # What the packed file's layout means; a file stamped otherwise is packed again.
 # 2: Q4_0 zeros fixed (1 packed them as Q4_1 with m = 0), and the Q8_0 head.
@@ -67,12 +81,21 @@ class WeightsApplied:
     packed_bytes: int
     note: str
     head: str = "float"
+    groups: tuple = ()  # memrad.engine.model.formats.TensorGroup: what each tensor group runs as
 
 
-def read_gguf_blocks(gguf_path: Path, model: Any) -> tuple[dict[str, Int4Blocks], dict[str, Int8Blocks], str]:
-    """The GGUF's blocks for `model`'s Linear layers, in model row order: Q4_0/Q4_1 weights
-    as {module name: Int4Blocks}, the output head's Q8_0 blocks as {head name: Int8Blocks}
-    (empty unless the head ships as Q8_0), and the head tensor's GGUF type ("none" if absent).
+@dataclass(frozen=True, slots=True)
+class GGUFBlocks:
+    """What `read_gguf_blocks` found: blocks in model row order, and every Linear's GGUF type."""
+
+    int4: dict[str, Int4Blocks]  # Q4_0 / Q4_1 / Q4_K
+    int8: dict[str, Int8Blocks]  # Q8_0 / Q5_0 (the head among them when it ships as Q8_0)
+    head_kind: str  # the head tensor's GGUF type ("none" if absent)
+    kinds: dict[str, str]  # {module name: GGUF type} for every Linear the GGUF holds
+
+
+def read_gguf_blocks(gguf_path: Path, model: Any) -> GGUFBlocks:
+    """The GGUF's blocks for `model`'s Linear layers, in model row order.
 
     Slow (gguf's reader parses all metadata; docs/BENCHMARKS.md, Startup and compile): run once, at
     conversion, and kept in the folder's block caches (`save_block_caches`).
@@ -85,7 +108,7 @@ def read_gguf_blocks(gguf_path: Path, model: Any) -> tuple[dict[str, Int4Blocks]
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
     arch_id = next((key for key, value in MODEL_ARCH_NAMES.items() if value == arch), None)
     if arch_id is None:
-        return {}, {}, "none"
+        return GGUFBlocks({}, {}, "none", {})
     name_map = get_tensor_name_map(arch_id, model.config.num_hidden_layers)
     gguf_to_module = {f"{name_map.get_name(name)}.weight": name for name, mod in model.named_modules()
                       if isinstance(mod, torch.nn.Linear) and name_map.get_name(name) is not None}
@@ -97,31 +120,31 @@ def read_gguf_blocks(gguf_path: Path, model: Any) -> tuple[dict[str, Int4Blocks]
         gguf_to_module.setdefault(f"{name_map.get_name(embedding_name)}.weight", head_name)
     int4: dict[str, Int4Blocks] = {}
     q8: dict[str, Int8Blocks] = {}
-    head_kind = "none"
+    kinds: dict[str, str] = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         module = gguf_to_module.get(tensor.name)
         if module is None:
             continue
-        if module == head_name:
-            head_kind = kind
-        if kind in INT4_KINDS:
-            blocks = unpack_blocks(np.array(tensor.data), kind)
-            rows = _row_order(processor, tensor.name, blocks.codes.shape[0])
-            int4[module] = blocks if rows is None else blocks.permuted(rows)
-        elif kind == "Q8_0" and module == head_name:  # vocab rows: never permuted
-            q8[module] = unpack_q8_0(np.array(tensor.data))
-    return int4, q8, head_kind
+        kinds[module] = kind
+        if kind not in INT4_KINDS + INT8_KINDS:
+            continue
+        raw = np.array(tensor.data)
+        blocks = {"Q4_K": unpack_q4_k, "Q5_0": unpack_q5_0, "Q8_0": unpack_q8_0}.get(
+            kind, lambda data: unpack_blocks(data, kind))(raw)
+        rows = _row_order(processor, tensor.name, blocks.codes.shape[0])
+        (int4 if kind in INT4_KINDS else q8)[module] = blocks if rows is None else blocks.permuted(rows)
+    return GGUFBlocks(int4, q8, kinds.get(head_name, "none"), kinds)
 
 
 def save_block_caches(gguf_path: Path, model: Any, folder: Path) -> tuple[int, int]:
     """Write the GGUF's int4 blocks and Q8_0 head that match `model`'s float weights bit for
     bit into `folder`; returns how many of each. `model` must hold the float32 weights the
     folder was made of (for a tied head: the embedding's)."""
-    int4, q8, head_kind = read_gguf_blocks(gguf_path, model)
-    int4, q8 = _matching(int4, model), _matching(q8, model)
+    found = read_gguf_blocks(gguf_path, model)
+    int4, q8 = _matching(found.int4, model), _matching(found.int8, model)
     write_int4_cache(int4, folder, gguf_path.name)
-    write_q8_cache(q8, folder, gguf_path.name, head_kind)
+    write_q8_cache(q8, folder, gguf_path.name, found.head_kind, found.kinds)
     return len(int4), len(q8)
 
 
@@ -144,10 +167,13 @@ def write_int4_cache(blocks: dict[str, Int4Blocks], folder: Path, source: str) -
     _write_blocks(folder / INT4_CACHE, blocks, {"source": source})
 
 
-def write_q8_cache(blocks: dict[str, Int8Blocks], folder: Path, source: str, head_kind: str) -> None:
-    """Store the head's Q8_0 blocks ({} when there are none) and the GGUF type the head was
-    shipped as: the file's presence says the head was looked at, its header why it is dense."""
-    _write_blocks(folder / Q8_CACHE, blocks, {"source": source, "head": head_kind})
+def write_q8_cache(blocks: dict[str, Int8Blocks], folder: Path, source: str, head_kind: str,
+                   kinds: dict[str, str] | None = None) -> None:
+    """Store the int8-coded blocks ({} when there are none), the GGUF type the head was
+    shipped as and every Linear's (`kinds`): the file's presence says the head was looked at,
+    its header why a layer is dense."""
+    _write_blocks(folder / Q8_CACHE, blocks, {"source": source, "head": head_kind,
+                                              "kinds": json.dumps(kinds or {}, sort_keys=True)})
 
 
 def _write_blocks(path: Path, blocks: dict[str, Int4Blocks | Int8Blocks], metadata: dict[str, str]) -> None:
@@ -156,11 +182,14 @@ def _write_blocks(path: Path, blocks: dict[str, Int4Blocks | Int8Blocks], metada
     tensors: dict[str, torch.Tensor] = {}
     for name, block in blocks.items():
         tensors[f"{name}.codes"] = block.codes.contiguous()  # [N, K] uint8 0..15 or int8
-        tensors[f"{name}.scales"] = block.scales.half()  # exact: they were fp16 in the GGUF
+        # fp16 where exact (Q4_0/Q4_1/Q5_0/Q8_0 ship fp16 d); Q4_K's d·sc needs float32
+        half = block.scales.half()
+        tensors[f"{name}.scales"] = half if torch.equal(half.float(), block.scales) else block.scales
         if getattr(block, "mins", None) is not None:
-            tensors[f"{name}.mins"] = block.mins.half()
+            half = block.mins.half()
+            tensors[f"{name}.mins"] = half if torch.equal(half.float(), block.mins) else block.mins
     staging = path.with_name(path.name + ".partial")
-    save_file(tensors, str(staging), metadata=metadata)
+    save_file(tensors, str(staging), metadata={**metadata, "layout": BLOCKS_LAYOUT})
     staging.rename(path)
 
 
@@ -236,6 +265,18 @@ def load_q8_cache(folder: Path) -> dict[str, Int8Blocks]:
     return {name: Int8Blocks(tensors[f"{name}.codes"], tensors[f"{name}.scales"].float()) for name in names}
 
 
+def load_kinds(folder: Path) -> dict[str, str]:
+    """{module name: GGUF type} for every Linear the folder's GGUF held ({} without a GGUF, or
+    for a folder converted before memra kept them)."""
+    path = folder / Q8_CACHE
+    if not path.is_file():
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return json.loads((f.metadata() or {}).get("kinds", "{}"))
+
+
 def head_format(model: Any) -> str:
     """How the output head runs: "q8_0" (its GGUF blocks), "int4", "int8" or "float". It
     decides the logits' bits, so the disk tier's compatibility key names it."""
@@ -260,13 +301,15 @@ def _row_order(processor: Any, gguf_name: str, num_rows: int) -> torch.Tensor | 
 def apply_weights(model: Any, choice: Choice, folder: Path, kernel_dtype: torch.dtype) -> WeightsApplied:
     """Replace `model`'s Linear layers as `choice` says (in place); returns what was done."""
     if choice.value == "int4":
-        return _apply_int4(model, folder, kernel_dtype)
-    if choice.value == "int8":
+        applied = _apply_int4(model, folder, kernel_dtype)
+    elif choice.value == "int8":
         targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is torch.nn.Linear]
         for name, mod in targets:
             _set_module(model, name, Int8Linear(mod))
-        return WeightsApplied(len(targets), 0, packed_bytes(model), "per-channel int8", head_format(model))
-    return WeightsApplied(0, 0, 0, "float")
+        applied = WeightsApplied(len(targets), 0, packed_bytes(model), "per-channel int8", head_format(model))
+    else:
+        applied = WeightsApplied(0, 0, 0, "float")
+    return replace(applied, groups=formats.groups(model, load_kinds(folder)))
 
 
 def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsApplied:

@@ -1,0 +1,99 @@
+"""What each group of a model's linear weights runs as, and why (`memrad status`, /health).
+
+A GGUF mixes block types by tensor (gemma3-270m's Q4_K_M: Q4_K, Q5_0, Q6_K and Q8_0), so one
+word for "the weights" hides what decodes how. After memrad.engine.model.weights has packed the
+layers, each Linear is named by its role (its module path with the layer number taken out), the
+GGUF type it was shipped as (conversion keeps every Linear's type in the Q8 block file's header)
+and what it runs as now:
+
+    int4          Int4Linear: the shipped 4-bit codes (Q4_0 / Q4_1 / Q4_K) on the int4 kernel
+    int4 hi|lo    Q8Linear: the shipped 8-bit or 5-bit codes (Q8_0 / Q5_0) as two int4 halves
+    int8          Int8Linear: per-channel int8 made from the float weights (opt-in)
+    dense DTYPE   the float weights transformers made of the blocks, in the model's dtype
+
+Only the dense ones need a reason: why no packed form was used.
+
+The choices themselves were measured per shape on the int4 kernel (docs/BENCHMARKS.md, "GGUF
+k-quants as shipped"): a packed form is used when it is exact as shipped, i.e. its error is only
+the bf16 rounding of the kernel's scales (memrad.engine.model.quant.Int4Blocks.kernel_error_bound);
+requantising a tensor to fewer bits is never picked by `auto`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
+
+# Why a tensor of this GGUF type stays dense.
+_DENSE_WHY = {
+    "Q6_K": "16-weight sub-blocks with their own scales: no exact form in the kernel's 32-weight groups",
+    "Q5_1": "no packed form yet", "Q5_K": "no packed form yet", "Q3_K": "no packed form yet",
+    "Q2_K": "no packed form yet", "Q8_K": "no packed form yet",
+    "F32": "shipped unquantized", "F16": "shipped unquantized", "BF16": "shipped unquantized",
+}
+_PACKED_KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorGroup:
+    """Linear weights alike in role, shipped type and what they run as."""
+
+    role: str  # "model.layers.*.mlp.down_proj", "lm_head"
+    kind: str  # the GGUF type ("Q4_K"); "float" from no GGUF; "GGUF" packed, type unrecorded
+    runs: str  # "int4", "int4 hi|lo", "int8", "dense bfloat16"
+    count: int
+    why: str | None  # for a dense group: why no packed form
+
+
+def runs_as(module: torch.nn.Module) -> str:
+    if isinstance(module, Q8Linear):
+        return "int4 hi|lo"
+    if isinstance(module, Int4Linear):
+        return "int4"
+    if isinstance(module, Int8Linear):
+        return "int8"
+    return f"dense {str(module.weight.dtype).removeprefix('torch.')}"
+
+
+def _why_dense(kind: str, module: torch.nn.Module) -> str:
+    if kind in _PACKED_KINDS:
+        if module.out_features % 16:
+            return f"the int4 kernel packs rows in sixteens and it has {module.out_features}"
+        return "its blocks did not match the float weights at conversion, or --weights float"
+    if kind == "float":
+        return "the model is not a GGUF"
+    return _DENSE_WHY.get(kind, f"{kind} has no packed form")
+
+
+def groups(model: Any, kinds: dict[str, str]) -> tuple[TensorGroup, ...]:
+    """The model's Linear weights grouped; `kinds` is {module name: GGUF type} (empty: no GGUF)."""
+    counted: Counter = Counter()
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        runs = runs_as(module)
+        # a packed layer of a folder converted before memra kept the types: from a GGUF, type unrecorded
+        kind = kinds.get(name, "float" if runs.startswith("dense") else "GGUF")
+        why = _why_dense(kind, module) if runs.startswith("dense") else None
+        counted[(re.sub(r"\.\d+\.", ".*.", name), kind, runs, why)] += 1
+    return tuple(TensorGroup(role, kind, runs, count, why) for (role, kind, runs, why), count in sorted(counted.items()))
+
+
+def describe(found: tuple[TensorGroup, ...]) -> str:
+    """One line: each group as `role kind xN: runs (why)`."""
+    return "; ".join(f"{g.role.removeprefix('model.layers.*.')} {g.kind} x{g.count}: {g.runs}"
+                     + (f" ({g.why})" if g.why else "") for g in found)
+
+
+def summary(found: tuple[TensorGroup, ...]) -> str:
+    """How many weight matrices run each way: "int4 27, int4 hi|lo 91, dense bfloat16 9"."""
+    totals: Counter = Counter()
+    for group in found:
+        totals[group.runs] += group.count
+    return ", ".join(f"{runs} {count}" for runs, count in totals.items())
