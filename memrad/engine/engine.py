@@ -112,7 +112,7 @@ class Engine:
         self.sampler = sampler
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
         self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile, step_package.Recipe(
-            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len))
+            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len), exact=mode == "exact")
         # Control-socket events (memrad.protocol records); published on the engine thread.
         self.events = events if events is not None else Publisher()
         # pool None: reuse disabled, nothing is parked or resumed. disk None: evicted state is dropped.

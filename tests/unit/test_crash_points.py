@@ -11,6 +11,9 @@ import pytest
 import torch
 
 import stories
+from memrad.engine.decode import cpu_attention
+from memrad.engine.decode import package as step_package
+from memrad.engine.decode.decoder import Decoder, cxx_compiler
 from memrad.engine.model.loader import load_model
 from memrad.engine.state.disk import DiskTier, state_format
 
@@ -120,3 +123,34 @@ def test_a_pull_that_is_running_keeps_its_files(tmp_path, monkeypatch):
     for folder in mine:
         folder.mkdir()
     assert sweep_abandoned(lambda _: None) == [] and sorted(models_dir().iterdir()) == sorted(mine)
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="building the package needs a C++ compiler")
+@pytest.mark.parametrize("point", ["package-staged", "package-rename"])
+def test_a_package_build_killed_mid_way_is_never_opened_and_the_next_build_cleans_up(q4_dir, tmp_path, monkeypatch,
+                                                                                     point):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty compile cache
+    torch.set_num_threads(1)
+    loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
+    recipe = step_package.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len)
+    kernel = cpu_attention.load(cxx_compiler()) is None
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", recipe)
+    path = decoder._package(kernel)
+    monkeypatch.setenv("MEMRA_FAULT_KILL", point)  # the child inherits it
+    with pytest.raises(RuntimeError, match="the package build exited with -9"):
+        step_package.build_in_child(recipe, kernel, path)
+    left = sorted(p.name for p in tmp_path.glob("decode-step-*"))
+    stem = path.name.removesuffix(".pt2")
+    pid = int(next(name for name in left if name.endswith(".partial.pt2")).split(".")[-3])
+    constants = [f"{stem}.constants.safetensors"] if point == "package-rename" else []  # staged: none yet
+    assert left == sorted([f"{stem}.{pid}.partial.pt2", *constants])  # no package at its own name
+    assert not decoder._open_package()  # nothing half-written is opened: the next start compiles again
+
+    monkeypatch.delenv("MEMRA_FAULT_KILL")
+    if point == "package-staged":
+        assert [p.name for p in step_package.prune(tmp_path)] == [f"{stem}.{pid}.partial.pt2"]  # its builder is gone
+        return
+    again = Decoder(loaded.model, loaded.context_len, loaded.device, "on", recipe)
+    again.start()  # builds anew over the stale constants, prunes the killed build's staging, opens it
+    assert again.choice.value == "compiled" and "package built" in again.choice.reason, again.choice.reason
+    assert sorted(p.name for p in tmp_path.glob("decode-step-*")) == [f"{stem}.constants.safetensors", path.name]
