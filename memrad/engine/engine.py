@@ -256,7 +256,7 @@ class Engine:
         assert pre.primed_to == checkpoint, "prompt checkpoint must equal the prompt length"
         assert cache_length(cache) in (None, checkpoint), "cache must hold exactly the prompt"
         generator = make_generator(params.seed)
-        feed = self.decoder.feeder()  # one step for the whole reply (memrad.engine.decode.decoder)
+        feed = self.decoder.feeder(cancelled)  # one step for the whole reply (memrad.engine.decode.decoder)
         detok = IncrementalDetokenizer(tokenizer, self.chat.format.markup_ids)
         stops = StopMatcher(params.stop)
         sent: list[str] = []

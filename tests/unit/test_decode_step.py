@@ -124,6 +124,21 @@ def test_in_exact_mode_a_reply_waits_for_the_compiled_step_and_never_decodes_eag
     landed.set()
 
 
+def test_a_request_cancelled_while_it_waits_for_the_compile_stops_waiting(tiny_llama_dir, monkeypatch):
+    import threading
+
+    loaded = fresh(tiny_llama_dir)
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", exact=True)
+    never = threading.Event()
+    monkeypatch.setattr(decoder, "_open_package", lambda: False)
+    monkeypatch.setattr(decoder, "_compile", lambda: never.wait(30))  # a build that outlasts the request
+    hung_up = threading.Timer(0.2, lambda: None)
+    hung_up.start()
+    decoder.feeder(cancelled=lambda: not hung_up.is_alive())  # `memrad stop` must not wait for the build
+    assert decoder.compiling() and decoder.choice.value == "compiling"
+    never.set()
+
+
 def test_the_slab_grows_when_a_step_writes_past_its_reservation(tiny_llama_dir):
     loaded = fresh(tiny_llama_dir)
     cache = new_cache(loaded)

@@ -243,6 +243,14 @@ class Decoder:
             path = self._build_package(kernel)
             step = step_package.load(self.eager, self.capacity, kernel, path)
             how = f"AOTInductor ({compiler}), package built"
+        except step_package.BuildKilled as exc:  # killed from outside: tracing in-process would not help
+            if self._closed:
+                return
+            if self.mode == "on":
+                raise CompileFailed(f"{exc}; start again") from exc
+            log.warning("%s: decoding with the eager step; the next start builds it again", exc)
+            self.choice = Choice("eager", f"auto: {exc}; the next start builds it again")
+            return
         except Exception as exc:  # export and inductor raise many types; try torch.compile
             if self._closed:
                 return
@@ -286,13 +294,15 @@ class Decoder:
                     torch._dynamo.mark_dynamic(buffer, 2)
                 compiled(token, position, rows, keys, values, self.eager.owner, kernel)
 
-    def feeder(self) -> Feed:
+    def feeder(self, cancelled: Callable[[], bool] = lambda: False) -> Feed:
         """The step one request decodes with, from its first token to its last. Exact mode
         under auto: waits until the compile has landed or failed (started here if the daemon
-        has not yet), so no reply decodes with a step a later start would not use."""
+        has not yet), so no reply decodes with a step a later start would not use; a request
+        cancelled meanwhile (a hang-up, `memrad stop`) stops waiting and is ended by its caller."""
         if self.exact and self.mode == "auto":
             self.start()
-            self.wait()
+            while self.compiling() and not cancelled():
+                self.wait(0.1)
         step, kernel = self.current
         if step is None:
             return lambda cache, token_id, position: decode_one_token(self.model, cache, token_id, position)

@@ -272,6 +272,11 @@ class Recipe:
 _children: set[subprocess.Popen] = set()  # builds running now (`stop_children`)
 
 
+class BuildKilled(RuntimeError):
+    """The build's child died of a signal (`memrad stop`, the OOM killer, a user's kill):
+    not a sign that AOTInductor cannot compile the step, so no fallback is tried."""
+
+
 def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 1800) -> None:
     """`build` in a child process that loads the model itself. Export and inductor are
     Python-heavy: on the daemon's own interpreter they held the GIL against the engine thread,
@@ -292,6 +297,8 @@ def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 
         raise RuntimeError(f"building the package took more than {timeout_s:.0f} s") from None
     finally:
         _children.discard(child)
+    if child.returncode < 0:
+        raise BuildKilled(f"the package build was killed (signal {-child.returncode})")
     if child.returncode != 0:
         last = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {child.returncode}"]
         raise RuntimeError(f"the package build exited with {child.returncode}: {last[0][:300]}")
