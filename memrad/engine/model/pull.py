@@ -11,7 +11,7 @@ A converted folder is published whole or not at all: everything (weights, tokeni
 caches, the row's template, the marker last) is written into `<folder>.<pid>.partial` and
 renamed into place, so a pull killed at any step (memrad.faultpoint: pull-staged,
 pull-publish) leaves no folder a start would load, only files the next pull deletes
-(`sweep_abandoned`). Measured: docs/RELIABILITY.md, Crash consistency.
+(`sweep_abandoned`). Measured: docs/RELIABILITY.md, Measured (kill -9 at a write step).
 
 torch and transformers are imported where a conversion needs them: `memrad start` asks
 `is_converted` before it starts the daemon, and importing torch for that was a needless part of
