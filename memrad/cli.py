@@ -47,7 +47,8 @@ FLAGS = {
 # `memrad bench NAME` -> the module under memrad.bench that runs it (each has main(argv)).
 BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk_probe", "fuzz": "fuzz",
                    "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
-                   "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns"}
+                   "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns",
+                   "step-bits": "step_bits"}
 
 
 def _parser() -> argparse.ArgumentParser:
