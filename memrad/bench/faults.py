@@ -385,10 +385,11 @@ def kill9_pull(daemon: Daemon, point: str) -> bool:
     from memrad.paths import cache_dir
 
     reference = cache_dir() / "models" / DEFAULT.model_id / "model.safetensors"  # the user's own pull
-    same = reference.is_file() and _digest(reference) == _digest(models / DEFAULT.model_id / "model.safetensors")
+    same = _digest(reference) == _digest(models / DEFAULT.model_id / "model.safetensors") if reference.is_file() \
+        else "none to compare"
     print(f"killed at {point} after {killed_s:.1f} s: models folder {left}")
     print(f"memrad start after the kill (pulls again): serving in {restart_s:.1f} s; answers: {bool(text)}; "
-          f"models folder then {after}; weights equal the user's own pull: {same if reference.is_file() else 'none to compare'}")
+          f"models folder then {after}; weights equal the user's own pull: {same}")
     return bool(text) and after == [DEFAULT.model_id] and "Traceback" not in daemon.log_path.read_text(errors="replace")
 
 

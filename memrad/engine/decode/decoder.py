@@ -54,6 +54,9 @@ from memrad.engine.state.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
 log = logging.getLogger("memrad.engine")
 
 COMPILE_MODES = ("auto", "on", "off")
+# What /health says while compile = auto builds the step, in exact mode and in fast mode.
+_WAITS = "compile = auto, exact mode: replies wait for the compiled step"
+_SERVES_EAGER = "compile = auto: the eager step serves until the compiled step is ready"
 
 
 class CompileFailed(RuntimeError):
@@ -154,8 +157,7 @@ class Decoder:
             if self.mode == "on":
                 self._compile()
                 return
-            self.choice = Choice("compiling", "compile = auto, exact mode: replies wait for the compiled step"
-                                 if self.exact else "compile = auto: the eager step serves until the compiled step is ready")
+            self.choice = Choice("compiling", _WAITS if self.exact else _SERVES_EAGER)
             self._thread = threading.Thread(target=self._compile, name="memrad-compile", daemon=True)
             self._thread.start()
 
