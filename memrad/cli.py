@@ -49,7 +49,7 @@ FLAGS = {
 BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk_probe", "fuzz": "fuzz",
                    "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
                    "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns",
-                   "concurrent": "concurrent", "weights": "weight_formats"}
+                   "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -452,6 +452,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         return 1
     print(f"ready: {folder}")
     _build_attention_kernel()
+    _build_decode_step(args.model if entry is not None else str(path))
     return 0
 
 
@@ -479,6 +480,27 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"{row['name']:<13} {state:<16} {context:<26} {row['summary']}")
     print("`memrad pull NAME` fetches one; `memrad start --model NAME` serves it")
     return 0
+
+
+def _build_decode_step(spec: str) -> None:
+    """Build the compiled decode step for `spec` as `memrad start` will serve it (the
+    configured device, dtype, weights and context), so a first start decodes compiled from
+    its first token: in exact mode its first reply would otherwise wait for the build, and
+    an eager step would answer differently (docs/ARCHITECTURE.md, "The decode step")."""
+    settings = load_settings({})
+    if settings.engine.compile == "off":
+        return
+    from memrad.engine.decode.decoder import Decoder
+    from memrad.engine.decode.package import Recipe
+    from memrad.engine.model.loader import load_model
+
+    loaded = load_model(spec, settings.model.device, settings.model.dtype, progress=lambda _: None,
+                        allow_pull=False, weights=settings.model.weights, context=settings.model.context)
+    recipe = Recipe(str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len)
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", recipe)
+    if decoder.step is not None:
+        print("building the compiled decode step (once per machine, model and torch; about a minute) ...")
+    print(f"decode step: {decoder.prepare()}")
 
 
 def _build_attention_kernel() -> None:

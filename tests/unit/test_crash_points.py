@@ -11,6 +11,9 @@ import pytest
 import torch
 
 import stories
+from memrad.engine.decode import cpu_attention
+from memrad.engine.decode import package as step_package
+from memrad.engine.decode.decoder import Decoder, cxx_compiler
 from memrad.engine.model.loader import load_model
 from memrad.engine.state.disk import DiskTier, state_format
 
@@ -65,3 +68,96 @@ def test_a_kill_at_each_spill_step_loses_at_most_that_session(tiny_dir, tmp_path
 
 def _pid(names):
     return int(names[0].split(".")[2]) if names and names[0].endswith(".tmp") else 0
+
+
+CONVERTING = """
+import sys
+sys.path[:0] = [{tests!r}]
+from pathlib import Path
+from tiny import build_llama, build_tokenizer, write_tiny_gguf
+from memrad.engine.model.pull import publish_converted
+from memrad.engine.model.weights import quantize_head_q8_0, quantize_layers_q4_1
+model = build_llama(400, tied=True)
+quantize_layers_q4_1(model)
+quantize_head_q8_0(model)
+gguf = write_tiny_gguf(Path({gguf!r}), model)
+publish_converted(model, build_tokenizer(), gguf, Path({target!r}), print)
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("point", ["pull-staged", "pull-publish"])
+def test_a_pull_killed_while_converting_publishes_nothing_and_the_next_pull_cleans_up(tmp_path, monkeypatch, point):
+    from memrad.engine.model.loader import load_model as load
+    from memrad.engine.model.pull import MARKER, ModelUnavailable, has_block_caches, models_dir, sweep_abandoned
+
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path / "cache"))
+    target = models_dir() / "tiny-converted"
+    tests = str(Path(__file__).resolve().parent)
+    script = CONVERTING.format(tests=tests, gguf=str(tmp_path / "tiny.gguf"), target=str(target))
+    env = dict(os.environ, MEMRA_FAULT_KILL=point, PYTHONPATH=os.getcwd())
+    crashed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    (staging,) = models_dir().iterdir()  # nothing at the model's own name
+    assert staging.name.startswith("tiny-converted.") and staging.name.endswith(".partial")
+    assert (staging / MARKER).exists() == (point == "pull-publish")  # pull-publish: whole, never renamed
+    with pytest.raises(ModelUnavailable, match="not found"):  # a start finds no model, loads nothing
+        load(str(target), device="cpu", dtype="float32")
+
+    said = []
+    assert sweep_abandoned(said.append) == [staging]  # its pull no longer runs
+    assert said == [f"deleted what an interrupted pull left: {staging.name}"] and list(models_dir().iterdir()) == []
+    again = subprocess.run([sys.executable, "-c", script], env=dict(env, MEMRA_FAULT_KILL=""), capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.endswith("survived\n"), again.stderr[-2000:]
+    assert [p.name for p in models_dir().iterdir()] == ["tiny-converted"] and has_block_caches(target)
+    assert load(str(target), device="cpu", dtype="float32").model.config.vocab_size == 400
+
+
+def test_a_pull_that_is_running_keeps_its_files(tmp_path, monkeypatch):
+    from memrad.engine.model.pull import models_dir, sweep_abandoned
+
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path / "cache"))
+    mine = [models_dir() / f"memra-pull-{os.getpid()}-abc", models_dir() / f"m.{os.getpid()}.partial",
+            models_dir() / "m", models_dir() / "m.partial"]  # a model, and staging of an older memrad: no pid
+    for folder in mine:
+        folder.mkdir()
+    assert sweep_abandoned(lambda _: None) == [] and sorted(models_dir().iterdir()) == sorted(mine)
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="building the package needs a C++ compiler")
+@pytest.mark.parametrize("point", ["package-staged", "package-rename"])
+def test_a_package_build_killed_mid_way_is_never_opened_and_the_next_build_cleans_up(q4_dir, tmp_path, monkeypatch,
+                                                                                     point):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty compile cache
+    torch.set_num_threads(1)
+    loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
+    recipe = step_package.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len)
+    kernel = cpu_attention.load(cxx_compiler()) is None
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", recipe)
+    path = decoder._package(kernel)
+    monkeypatch.setenv("MEMRA_FAULT_KILL", point)  # the child inherits it
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a killed build fell back to torch.compile in the serving process")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    decoder.start()
+    decoder.wait()
+    assert (decoder.choice.value, decoder.choice.reason) == (
+        "eager", "auto: the package build was killed (signal 9); the next start builds it again")
+    left = sorted(p.name for p in tmp_path.glob("decode-step-*"))
+    stem = path.name.removesuffix(".pt2")
+    pid = int(next(name for name in left if name.endswith(".partial.pt2")).split(".")[-3])
+    constants = [f"{stem}.constants.safetensors"] if point == "package-rename" else []  # staged: none yet
+    assert left == sorted([f"{stem}.{pid}.partial.pt2", *constants])  # no package at its own name
+    assert not decoder._open_package()  # nothing half-written is opened: the next start compiles again
+
+    monkeypatch.delenv("MEMRA_FAULT_KILL")
+    if point == "package-staged":
+        assert [p.name for p in step_package.prune(tmp_path)] == [f"{stem}.{pid}.partial.pt2"]  # its builder is gone
+        return
+    again = Decoder(loaded.model, loaded.context_len, loaded.device, "on", recipe)
+    again.start()  # builds anew over the stale constants, prunes the killed build's staging, opens it
+    assert again.choice.value == "compiled" and "package built" in again.choice.reason, again.choice.reason
+    assert sorted(p.name for p in tmp_path.glob("decode-step-*")) == [f"{stem}.constants.safetensors", path.name]

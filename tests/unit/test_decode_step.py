@@ -97,6 +97,48 @@ def test_without_a_cxx_compiler_auto_stays_eager_and_on_refuses(tiny_llama_dir, 
         Decoder(loaded.model, loaded.context_len, loaded.device, "on").start()
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_in_exact_mode_a_reply_waits_for_the_compiled_step_and_never_decodes_eager(tiny_llama_dir, monkeypatch,
+                                                                                   exact):
+    import inspect
+    import threading
+
+    loaded = fresh(tiny_llama_dir)
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", exact=exact)
+    landed = threading.Event()
+    compiled = object()  # what the build hands over: a step no eager call can be confused with
+
+    def build_slowly():
+        assert landed.wait(30)
+        decoder._ready(compiled, False, "a test's build", 0.0)
+
+    monkeypatch.setattr(decoder, "_open_package", lambda: False)  # an empty compile cache
+    monkeypatch.setattr(decoder, "_compile", build_slowly)
+    threading.Timer(0.3, landed.set).start()
+    feed = decoder.feeder()  # the daemon has not started the compile yet: exact mode starts it here
+    steps = [cell.cell_contents for cell in inspect.unwrap(feed).__closure__]  # what this reply decodes with
+    if exact:
+        assert compiled in steps and decoder.eager not in steps and decoder.choice.value == "compiled"
+    else:  # fast mode answers at once with the eager step; it never started the compile
+        assert decoder.eager in steps and decoder.choice.value == "eager" and not decoder._started
+    landed.set()
+
+
+def test_a_request_cancelled_while_it_waits_for_the_compile_stops_waiting(tiny_llama_dir, monkeypatch):
+    import threading
+
+    loaded = fresh(tiny_llama_dir)
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", exact=True)
+    never = threading.Event()
+    monkeypatch.setattr(decoder, "_open_package", lambda: False)
+    monkeypatch.setattr(decoder, "_compile", lambda: never.wait(30))  # a build that outlasts the request
+    hung_up = threading.Timer(0.2, lambda: None)
+    hung_up.start()
+    decoder.feeder(cancelled=lambda: not hung_up.is_alive())  # `memrad stop` must not wait for the build
+    assert decoder.compiling() and decoder.choice.value == "compiling"
+    never.set()
+
+
 def test_the_slab_grows_when_a_step_writes_past_its_reservation(tiny_llama_dir):
     loaded = fresh(tiny_llama_dir)
     cache = new_cache(loaded)

@@ -9,6 +9,8 @@ holds none of them). Another configuration names another file.
 """
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -89,15 +91,27 @@ def test_pruning_keeps_the_most_recently_used_packages(tmp_path):
         package.write_bytes(b"pt2")
         step_package.constants_path(package).write_bytes(b"constants")
         os.utime(package, (1000 - age, 1000 - age))  # a newest, d oldest
-    (tmp_path / "decode-step-x.123.partial.pt2").write_bytes(b"being built by another start")
-    abandoned = tmp_path / "decode-step-y.456.partial.pt2"
-    abandoned.write_bytes(b"a build stopped two hours ago")
+    building = f"decode-step-x.{os.getpid()}.partial.pt2"
+    (tmp_path / building).write_bytes(b"being built by a process that runs")
+    abandoned = tmp_path / f"decode-step-y.{os.getpid()}.partial.pt2"
+    abandoned.write_bytes(b"a build stopped two hours ago (its pid reused since)")
     os.utime(abandoned, (time.time() - 7200, time.time() - 7200))
+    killed = _dead_pid()
+    (tmp_path / f"decode-step-z.{killed}.partial.pt2").write_bytes(b"a child killed mid-build")
+    (tmp_path / f"decode-step-z.constants.{killed}.partial").write_bytes(b"its constants")
     gone = step_package.prune(tmp_path, keep=2)
-    assert sorted(p.name for p in gone) == ["decode-step-c.pt2", "decode-step-d.pt2", "decode-step-y.456.partial.pt2"]
+    assert sorted(p.name for p in gone) == [
+        "decode-step-c.pt2", "decode-step-d.pt2", f"decode-step-y.{os.getpid()}.partial.pt2",
+        f"decode-step-z.{killed}.partial.pt2", f"decode-step-z.constants.{killed}.partial"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "decode-step-a.constants.safetensors", "decode-step-a.pt2", "decode-step-b.constants.safetensors",
-        "decode-step-b.pt2", "decode-step-x.123.partial.pt2"]
+        "decode-step-b.pt2", building]
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)
 
 
 def test_packages_live_in_memras_cache_unless_a_directory_was_chosen(tmp_path, monkeypatch):

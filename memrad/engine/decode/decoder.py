@@ -14,11 +14,16 @@ Models the step does not cover, and caches that are not in-place slabs (CUDA), d
 transformers' forward; no C++ compiler or a failed compile (auto) leaves the eager step. Every
 choice carries a reason (/health, `memrad status`, the log).
 
-Compiled and eager steps are not bit-identical to each other; each is deterministic, and a
+Compiled and eager steps are not bit-identical to each other (inductor fuses the elementwise
+work and rounds once where eager rounds each op; emulating eager's casts was measured and still
+differs: docs/ARCHITECTURE.md, "The decode step"). So in exact mode (`exact=True`) under auto a
+reply never decodes with the eager step while the compiled one is coming: `feeder()` waits for
+the build (the prompt's prefill has run meanwhile), and a first start answers with the very
+step every later start opens. `memrad pull` builds the package (`prepare()`), so a first start
+after a pull waits for nothing. Fast mode promises no exactness and serves eager at once. Each
 request decodes with one step from its first token to its last (`feeder()`), so a resumed turn
-equals a cold one under the same step. In exact mode decoded KV is never reused (DESIGN:
-Exactness), so parked state does not depend on the step; fast mode reuses it and promises no
-exactness.
+equals a cold one under the same step; in exact mode decoded KV is never reused (DESIGN:
+Exactness), so parked state does not depend on the step.
 
 Why it compiles this way, and what was tried and dropped: docs/ARCHITECTURE.md, "The decode
 step". Measured: docs/BENCHMARKS.md, Decode and Startup and compile.
@@ -50,6 +55,9 @@ from memrad.engine.state.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
 log = logging.getLogger("memrad.engine")
 
 COMPILE_MODES = ("auto", "on", "off")
+# What /health says while compile = auto builds the step, in exact mode and in fast mode.
+_WAITS = "compile = auto, exact mode: replies wait for the compiled step"
+_SERVES_EAGER = "compile = auto: the eager step serves until the compiled step is ready"
 
 
 class CompileFailed(RuntimeError):
@@ -103,11 +111,13 @@ class Decoder:
     """
 
     def __init__(self, model: Any, context_len: int, device: torch.device, mode: str = "off",
-                 recipe: step_package.Recipe | None = None) -> None:
+                 recipe: step_package.Recipe | None = None, exact: bool = False) -> None:
         assert mode in COMPILE_MODES, mode
         self.model = model
         self.mode = mode
         self.recipe = recipe  # given: the package is built in a child process (step_package.build_in_child)
+        self.exact = exact  # under auto, replies wait for the compiled step rather than decode eager
+        self._start_lock = threading.Lock()  # the daemon's start and a waiting reply's, once
         self.capacity = min(context_len, MAX_RESERVED_TOKENS)  # the slabs' rows (memrad.engine.state.kv)
         self.compile_s: float | None = None
         self._thread: threading.Thread | None = None
@@ -140,17 +150,45 @@ class Decoder:
     def start(self) -> None:
         """Begin compiling as the mode says: now (on), on a background thread (auto). Once.
         A package an earlier start built is opened at once under either mode."""
-        if self.mode == "off" or self.step is None or self._started:
-            return
-        self._started = True
+        with self._start_lock:
+            if self.mode == "off" or self.step is None or self._started:
+                return
+            self._started = True
+            if self._open_package():
+                return
+            if self.mode == "on":
+                self._compile()
+                return
+            self.choice = Choice("compiling", _WAITS if self.exact else _SERVES_EAGER)
+            self._thread = threading.Thread(target=self._compile, name="memrad-compile", daemon=True)
+            self._thread.start()
+
+    def prepare(self) -> str:
+        """Build the package now unless the compile cache has it, as a start would (in a child
+        when there is a recipe), and say what happened (`memrad pull`). Never raises, and
+        never falls back to torch.compile, which leaves nothing a start opens."""
+        if self.step is None:
+            return f"not compiled: {self.choice.reason}"
         if self._open_package():
-            return
-        if self.mode == "on":
-            self._compile()
-            return
-        self.choice = Choice("compiling", "compile = auto: the eager step serves until the compiled step is ready")
-        self._thread = threading.Thread(target=self._compile, name="memrad-compile", daemon=True)
-        self._thread.start()
+            return f"already built: {self._package(self.current[1]).name}"
+        compiler = cxx_compiler()
+        if compiler is None:
+            return "not built: no C++ compiler (install g++, e.g. `apt install g++`)"
+        kernel = cpu_attention.load(compiler) is None
+        started = time.perf_counter()
+        try:
+            path = self._build_package(kernel)
+        except Exception as exc:  # export and inductor raise many types; a start tries again
+            return f"not built ({type(exc).__name__}: {_first_line(exc)}); a start compiles it"
+        return f"built {path.name} in {time.perf_counter() - started:.0f} s, {_attention(kernel)}"
+
+    def _build_package(self, kernel: bool) -> Path:
+        path = self._package(kernel)
+        if self.recipe is not None:
+            step_package.build_in_child(self.recipe, kernel, path)
+        else:
+            step_package.build(self.eager, self.model.config, self.capacity, kernel, path)
+        return path
 
     def compiling(self) -> bool:
         """A background compile is still running."""
@@ -206,13 +244,17 @@ class Decoder:
         if not kernel:
             log.warning("decode attention: torch's (%s)", no_kernel)
         try:
-            path = self._package(kernel)
-            if self.recipe is not None:
-                step_package.build_in_child(self.recipe, kernel, path)
-            else:
-                step_package.build(self.eager, self.model.config, self.capacity, kernel, path)
+            path = self._build_package(kernel)
             step = step_package.load(self.eager, self.capacity, kernel, path)
             how = f"AOTInductor ({compiler}), package built"
+        except step_package.BuildKilled as exc:  # killed from outside: tracing in-process would not help
+            if self._closed:
+                return
+            if self.mode == "on":
+                raise CompileFailed(f"{exc}; start again") from exc
+            log.warning("%s: decoding with the eager step; the next start builds it again", exc)
+            self.choice = Choice("eager", f"auto: {exc}; the next start builds it again")
+            return
         except Exception as exc:  # export and inductor raise many types; try torch.compile
             if self._closed:
                 return
@@ -275,8 +317,15 @@ class Decoder:
     def eager_step(self) -> Any:
         return getattr(self, "eager", None)
 
-    def feeder(self) -> Feed:
-        """The step one request decodes with, from its first token to its last."""
+    def feeder(self, cancelled: Callable[[], bool] = lambda: False) -> Feed:
+        """The step one request decodes with, from its first token to its last. Exact mode
+        under auto: waits until the compile has landed or failed (started here if the daemon
+        has not yet), so no reply decodes with a step a later start would not use; a request
+        cancelled meanwhile (a hang-up, `memrad stop`) stops waiting and is ended by its caller."""
+        if self.exact and self.mode == "auto":
+            self.start()
+            while self.compiling() and not cancelled():
+                self.wait(0.1)
         step, kernel = self.current
         if step is None:
             return lambda cache, token_id, position: decode_one_token(self.model, cache, token_id, position)

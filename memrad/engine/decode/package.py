@@ -58,6 +58,7 @@ from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS
 from memrad.engine.state import window as window_state
 from memrad.engine.state.window import buffer_rows
+from memrad.faultpoint import kill_point
 
 # What AOTInductor is asked for: the weights stay out of the library (supplied at load), and
 # the constants it makes itself come back to the caller so they can be kept beside it.
@@ -181,6 +182,7 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
     staged_constants = constants_path(path).with_suffix(f".{os.getpid()}.partial")
     try:
         package_aoti(str(staging), files)
+        kill_point("package-staged")
         # Keep what the step does not hold: the constants inductor made (named as it named them).
         state = _constants(step)
         made = {f"{graph}/{fqn}": weights[graph][fqn].detach().clone().contiguous()
@@ -189,6 +191,7 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
         # The package last: its presence says both files are complete.
         save_file(made, str(staged_constants))
         os.replace(staged_constants, constants_path(path))
+        kill_point("package-rename")
         os.replace(staging, path)
     finally:  # a failed build leaves nothing behind
         staging.unlink(missing_ok=True)
@@ -232,17 +235,27 @@ def _param(step: Any) -> torch.Tensor:
 def prune(directory: Path, keep: int = KEEP_PACKAGES) -> list[Path]:
     """Delete all but the `keep` most recently used packages (and their constants) in
     `directory`: each torch, model or code change writes a new one (4-8 MB) and nothing
-    else would ever remove the old. `load` marks a package used. Staging files an hour old
-    are a build that never finished (a daemon stopped mid-compile). Returns what went."""
+    else would ever remove the old. `load` marks a package used. Staging files whose builder
+    no longer runs (a build killed mid-way), or an hour old (its pid reused), are a build that
+    never finished. Returns what went."""
     packages = sorted(directory.glob("decode-step-*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
     gone = [p for p in packages if ".partial." not in p.name][keep:]
     for package in gone:
         constants_path(package).unlink(missing_ok=True)
         package.unlink(missing_ok=True)
-    abandoned = [p for p in directory.glob("decode-step-*.partial*") if time.time() - p.stat().st_mtime > 3600]
+    abandoned = [p for p in directory.glob("decode-step-*.partial*")
+                 if not _builder_runs(p.name) or time.time() - p.stat().st_mtime > 3600]
     for staging in abandoned:
         staging.unlink(missing_ok=True)
     return gone + abandoned
+
+
+def _builder_runs(name: str) -> bool:
+    """Whether the process named in a staging file (`<stem>.<pid>.partial[.pt2]`) still runs."""
+    from memrad.daemon import pid_alive
+
+    field = name.split(".partial")[0].rsplit(".", 1)[-1]
+    return not field.isdigit() or pid_alive(int(field))
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +270,11 @@ class Recipe:
 
 
 _children: set[subprocess.Popen] = set()  # builds running now (`stop_children`)
+
+
+class BuildKilled(RuntimeError):
+    """The build's child died of a signal (`memrad stop`, the OOM killer, a user's kill):
+    not a sign that AOTInductor cannot compile the step, so no fallback is tried."""
 
 
 def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 1800) -> None:
@@ -279,6 +297,8 @@ def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 
         raise RuntimeError(f"building the package took more than {timeout_s:.0f} s") from None
     finally:
         _children.discard(child)
+    if child.returncode < 0:
+        raise BuildKilled(f"the package build was killed (signal {-child.returncode})")
     if child.returncode != 0:
         last = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {child.returncode}"]
         raise RuntimeError(f"the package build exited with {child.returncode}: {last[0][:300]}")

