@@ -181,10 +181,11 @@ class Engine:
                            else anchors if anchors is not None else find_anchors(request.prompt_ids, self.reply_header))
         return self.parking.plan(view, self.affinity, self.longest_prefix)
 
-    def generate(self, request: GenerationRequest, emit: Callable[[str], None],
+    def generate(self, request: GenerationRequest, emit: Callable[[str | TokenLogprob], None],
                  cancelled: Callable[[], bool],
                  on_decision: Callable[[Decision], None] | None = None) -> Completion:
-        """Run `request` to completion, calling `emit` with each text delta.
+        """Run `request` to completion, calling `emit` with each text delta (and, where the
+        request asks for logprobs, each generated token's TokenLogprob before its text).
 
         Blocking; call from the engine's single worker thread. `cancelled` is polled between
         prefill chunks and before every decode step; `on_decision` hears the reuse decision
@@ -240,7 +241,7 @@ class Engine:
         return completion
 
     def _prefill_and_decode(self, request: GenerationRequest, max_tokens: int, cache: Any, pre: Prefilled,
-                            emit: Callable[[str], None], cancelled: Callable[[], bool], started: float) -> _Decoded:
+                            emit: Callable[[str | TokenLogprob], None], cancelled: Callable[[], bool], started: float) -> _Decoded:
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
         params = request.sampling
         prompt = request.prompt_ids
@@ -274,6 +275,7 @@ class Engine:
                 shaper.accept(token)
             if params.logprobs is not None:
                 out.logprobs.append(token_logprob(scores, token, params.logprobs, self.chat.grammars.token_bytes))
+                emit(out.logprobs[-1])  # ahead of the token's text: a stream carries it on the next chunk
             text = stops.feed(detok.push(token))
             if text:
                 sent.append(text)
