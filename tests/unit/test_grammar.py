@@ -110,8 +110,9 @@ def test_markup_that_is_one_special_token_is_matched_as_that_token(grammars, tok
     matcher = grammars.matcher(Constraint(grammar, "tool_call", "tool_choice"))
     assert matcher.consume_tokens(tokenizer.encode("{}}\n", add_special_tokens=False) + [special])
     assert matcher.is_accepting()
-    # auto mode cannot see a call open inside text when its tag is a special token: no grammar
-    assert call_grammar(fmt, [("f", {"type": "object"})], "auto", True, {"<tool_call>": 76}) is None
+    # auto mode: the special token itself opens the call (tests/unit/test_auto_tools.py)
+    auto = call_grammar(fmt, [("f", {"type": "object"})], "auto", True, {"<tool_call>": special})
+    assert auto.splitlines()[0] == f'start: text | text <[{special}]> "\\n{{\\"name\\": \\"" calls ("\\n" <[{special}]> "\\n{{\\"name\\": \\"" calls)*'
 
 
 def test_the_mask_allows_end_of_sequence_only_where_the_grammar_accepts(grammars, tokenizer):
