@@ -236,3 +236,36 @@ async def test_streamed_logprobs_are_the_whole_reply_s_token_for_token_on_respon
     assert len(expected) == whole.usage.output_tokens == 10
     assert entries(deltas) == expected and entries(done) == expected
     assert entries(final.output[-1].content[0].logprobs) == expected
+
+
+class Note(pydantic.BaseModel):
+    note: str  # no maxLength: nothing but max_tokens ends a model that never closes it
+
+
+async def test_a_reply_cut_by_max_tokens_under_a_schema_says_length_and_is_never_parsed(server, engine):
+    """memrad, like vLLM, llama.cpp and OpenAI, lets max_tokens end a schema's reply: the
+    finish says so on every API, so no client takes the cut JSON for a parsed object."""
+    client = oai(server)
+    with pytest.raises(openai.LengthFinishReasonError) as cut:
+        await client.chat.completions.parse(model="default", messages=ASK, response_format=Note, max_tokens=3)
+    choice = cut.value.completion.choices[0]
+    assert (choice.finish_reason, cut.value.completion.usage.completion_tokens) == ("length", 3)
+    assert choice.message.content.startswith('{"')  # the cut text, never a parsed object
+    chunks = [c async for c in await client.chat.completions.create(
+        model="default", messages=ASK, max_tokens=3, stream=True, response_format={
+            "type": "json_schema", "json_schema": {"name": "note", "schema": Note.model_json_schema()}})]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    responses = await client.responses.create(model="default", input="hi", max_output_tokens=3, text={"format": {
+        "type": "json_schema", "name": "note", "schema": Note.model_json_schema()}})
+    assert (responses.status, responses.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    with pytest.raises(pydantic.ValidationError):  # the SDK parses what it was given: the cut text is no Note
+        await client.responses.parse(model="default", input="hi", max_output_tokens=3, text_format=Note)
+    message = await claude(server).messages.create(model="default", max_tokens=3, messages=ASK, extra_body={
+        "output_config": {"format": {"type": "json_schema", "schema": Note.model_json_schema()}}})
+    assert message.stop_reason == "max_tokens" and message.content[0].text.startswith('{"')
+    forced = await client.chat.completions.create(model="default", messages=ASK, tools=CHAT_TOOLS, max_tokens=2,
+                                                  tool_choice={"type": "function", "function": {"name": "clock"}})
+    choice = forced.choices[0]
+    assert (choice.finish_reason, choice.message.tool_calls) == ("length", None)
+    # the cut call is content as written, from the opening memrad put in the prompt on
+    assert choice.message.content.startswith('{"name": "clock", "arguments": {')
