@@ -1,6 +1,7 @@
 """`memrad bench speed --grammar`: what constrained decoding costs a decode step.
 
-Arms on one loaded model, interleaved (order reversed every rep), at each --decode-at context:
+Arms on one loaded model, interleaved (order reversed every rep), at each --decode-at context
+(one prefill of the longest; each context's reps run before the next, shorter one):
 unconstrained, a JSON-schema grammar (structured outputs) and a tool-call grammar
 (tool_choice required), each grammar also with its mask computed ahead ("overlapped": token t
 accepted and step t+1's mask computed on a worker thread while step t+1's forward runs, the
@@ -79,12 +80,12 @@ def run(arm: Arm, decode_at: Sequence[int], steps: int, reps: int) -> None:
     rng = random.Random(0)
     context = [rng.randrange(3, chat.vocab_size) for _ in range(max(decode_at))]
     cells = {name: {at: _Cell() for at in decode_at} for name in names}
+    started = time.perf_counter()
+    cache, _ = arm.prefill_marks(context, [])  # once: every arm crops back to `at`, longest first
+    print(f"prefill {max(decode_at)} in {time.perf_counter() - started:.1f} s", flush=True)
     with ThreadPoolExecutor(1, thread_name_prefix="mask") as ahead:
-        for rep in range(reps + 1):  # rep 0 warms up and is not counted
-            started = time.perf_counter()
-            cache, _ = arm.prefill_marks(context, [])
-            print(f"rep {rep}/{reps}: prefill {max(decode_at)} in {time.perf_counter() - started:.1f} s", flush=True)
-            for at in sorted(decode_at, reverse=True):  # each arm crops back to `at`: longest first
+        for at in sorted(decode_at, reverse=True):
+            for rep in range(reps + 1):  # rep 0 warms up and is not counted
                 for name in names if rep % 2 == 0 else reversed(names):
                     base = name.removesuffix(OVERLAPPED)
                     rate, step_ms, shaping_ms = _decode(arm, cache, at, steps, grammars[base], tokens[base],
@@ -94,7 +95,7 @@ def run(arm: Arm, decode_at: Sequence[int], steps: int, reps: int) -> None:
                         cell.rates.append(rate)
                         cell.step_ms += step_ms
                         cell.shaping_ms += shaping_ms
-            print(f"rep {rep}/{reps} done" + (" (warm-up)" if rep == 0 else ""), flush=True)
+                print(f"at {at}: rep {rep}/{reps} done" + (" (warm-up)" if rep == 0 else ""), flush=True)
     _report(cells, names, sorted(decode_at), steps, reps)
 
 

@@ -137,8 +137,9 @@ WHITESPACE = "[ \\t\\r\\n]"  # in a lark regex
 def _bare_call_grammar(fmt: ChatFormat, head: str, alternatives: str, again: str, rules: list[str],
                        tokens: dict[str, int]) -> str | None:
     """`auto` for a family whose call is the whole reply, a JSON object with no tag before it
-    (Llama-3's, after an optional `<|python_tag|>` token and whitespace): text is any reply
-    whose first non-blank character is not `{` (the parser would read one that is as a call)."""
+    (Llama-3's, after an optional `<|python_tag|>` token and whitespace, and after a `<think>`
+    block if any): text is any reply the parser would not read as a call, one whose first
+    non-blank character (or the first after `</think>`) is not `{`."""
     tag = BARE_CALL_TAG.get(fmt.family or "")
     if tag is None:
         return None
@@ -146,11 +147,14 @@ def _bare_call_grammar(fmt: ChatFormat, head: str, alternatives: str, again: str
     opening = f"/{WHITESPACE}{{1,4}}/"
     if tag in tokens:
         opening += f" | /{WHITESPACE}{{0,4}}/ <[{tokens[tag]}]>"
+    # `thought` is lazy: at `</think>` the reply goes on as text or as a call.
     return "\n".join([
-        f"start: text | opening? {head} calls{again}",
+        f"start: text | thought text | thought? opening? {head} calls{again}",
+        'thought[stop="</think>"]: /(?s:<think>.*)/',
         f"opening: {opening}",
         "text: TEXT",  # nor does it open with the tag spelled out of plain tokens
-        f"TEXT: /(?s:{WHITESPACE}*([^{{ \\t\\r\\n].*)?)/ & ~/(?s:{WHITESPACE}*{re.escape(tag)}.*)/",
+        f"TEXT: /(?s:{WHITESPACE}*([^{{ \\t\\r\\n].*)?)/ & ~/(?s:{WHITESPACE}*{re.escape(tag)}.*)/"
+        f" & ~/(?s:.*<\\/think>{WHITESPACE}*\\{{.*)/",
         f"calls: {alternatives}", *rules]) + "\n"
 
 

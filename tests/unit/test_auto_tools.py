@@ -44,6 +44,7 @@ FAMILIES = {
     "qwen3 (text tag)": (lambda: family_tokenizer("qwen3"), 'Sure.\n<tool_call>\n{"name": "clock", "arguments": {"tz": "utc"}}\n</tool_call>', "<tool_call>"),
     "qwen (tag is a token)": (qwen_with_tag_tokens, 'Sure.\n<tool_call>\n{"name": "clock", "arguments": {"tz": "utc"}}\n</tool_call>', "<tool_call>"),
     "llama3.1 (no tag)": (lambda: family_tokenizer("llama31"), '{"name": "clock", "parameters": {"tz": "utc"}}', "{"),
+    "llama3.1 (after reasoning)": (lambda: family_tokenizer("llama31"), '<think>\nA time question.\n</think>\n{"name": "clock", "parameters": {"tz": "utc"}}', "<think>\nA time question.\n</think>\n{"),
     "llama3.1 (python tag)": (lambda: family_tokenizer("llama31"), '<|python_tag|>{"name": "clock", "parameters": {"tz": "utc"}}', "<|python_tag|>"),
     "mistral (tag is a token)": (lambda: family_tokenizer("mistral"), 'Sure. [TOOL_CALLS][{"name": "clock", "arguments": {"tz": "utc"}}]', "[TOOL_CALLS]"),
 }
@@ -70,6 +71,7 @@ def test_auto_takes_text_or_a_call_of_a_given_tool_and_nothing_else(family):
     constraint = grammars.tool_constraint(fmt, TOOLS, "auto", None, parallel=True)
     assert constraint is not None and grammars.error(constraint) is None, name
     assert consumed(grammars, tok, constraint, "It is noon, I think.") == (True, True)
+    assert consumed(grammars, tok, constraint, "<think>\nEasy.\n</think>\n\nIt is noon.") == (True, True)
     assert consumed(grammars, tok, constraint, call) == (True, True)
     reply = parse_reply(fmt, prompt, call, True, frozenset(SCHEMAS))
     assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [("clock", {"tz": "utc"})]

@@ -21,7 +21,7 @@ def test_the_grammar_bench_prints_every_arm_at_every_context(tiny_loaded, capsys
     assert [row.split(" | ")[0] for row in table[2:]] == [
         "| unconstrained", "| json schema", "| json schema overlapped", "| tool call", "| tool call overlapped"]
     assert all(row.count(" of a step)") == 2 for row in table[3:])
-    assert "json schema: first compile" in out and "rep 1/1 done" in out
+    assert "json schema: first compile" in out and "at 32: rep 1/1 done" in out
 
 
 def test_a_mask_computed_ahead_on_the_worker_is_the_one_computed_in_line(tiny_loaded):
