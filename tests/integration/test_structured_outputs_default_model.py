@@ -143,3 +143,23 @@ def test_an_unbounded_string_cut_by_max_tokens_says_length_on_each_api_and_is_ne
                                      tools=[{"name": "write_file", "input_schema": WRITE}],
                                      tool_choice={"type": "any"}, extra_body={"temperature": 0})
     assert message.stop_reason == "max_tokens" and all(block.type != "tool_use" for block in message.content)
+
+
+def test_streamed_logprobs_are_the_whole_reply_s_on_the_default_model(oai):
+    """Real merges, multi-byte tokens and a resumed second request (exact mode): the entries
+    streamed chunk by chunk are the whole reply's, token for token, on Chat and Responses."""
+    ask = dict(model="default", messages=[{"role": "user", "content": "Say hello in three languages."}],
+               max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    whole = oai.chat.completions.create(**ask)
+    streamed = [t for chunk in oai.chat.completions.create(**ask, stream=True) if chunk.choices
+                and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.content]
+    key = lambda tokens: [(t.token, t.logprob, t.bytes, [(a.token, a.logprob) for a in t.top_logprobs])  # noqa: E731
+                          for t in tokens]
+    assert len(whole.choices[0].logprobs.content) == whole.usage.completion_tokens
+    assert key(streamed) == key(whole.choices[0].logprobs.content)
+    ask = dict(model="default", input="Say hello in three languages.", max_output_tokens=16, temperature=0,
+               top_logprobs=2, include=["message.output_text.logprobs"])
+    reply = oai.responses.create(**ask)
+    deltas = [t for event in oai.responses.create(**ask, stream=True) if event.type == "response.output_text.delta"
+              for t in event.logprobs]
+    assert [(t.token, t.logprob) for t in deltas] == [(t.token, t.logprob) for t in reply.output[-1].content[0].logprobs]
