@@ -81,7 +81,7 @@ def _string(text: str) -> str:
 def call_grammar(fmt: ChatFormat, names_and_args: Sequence[tuple[str, dict]], mode: str,
                  parallel: bool, markup_token: dict[str, int] | None = None) -> str | None:
     """Lark text for a reply that is (the rest of) a tool call in `fmt`'s family syntax, or
-    None where the family has no known call syntax (or, for `auto`, no opening tag).
+    None where the family has no known call syntax (or, for `auto`, no way to tell its call from text).
 
     mode `function`: one tool is given and its name is already in the prompt; `required`: the
     prompt ends inside `{"name": "`; `auto`: free text, then calls once the tag appears (or, in
