@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from memrad.protocol import Decision
-from memrad.request import Completion, GenerationRequest
+from memrad.request import Completion, GenerationRequest, TokenLogprob
 
 log = logging.getLogger("memrad.scheduler")
 
 
 class EngineLike(Protocol):
     def init_worker_thread(self) -> None: ...
-    def generate(self, request: GenerationRequest, emit: Callable[[str], None],
+    def generate(self, request: GenerationRequest, emit: Callable[[str | TokenLogprob], None],
                  cancelled: Callable[[], bool],
                  on_decision: Callable[[Decision], None] | None = None) -> Completion: ...
 
@@ -49,7 +49,8 @@ class ShuttingDown(Exception):
 class Job:
     """A queued or running request.
 
-    `deltas` yields the reuse Decision first, then text, then None when generation ends.
+    `deltas` yields the reuse Decision first, then text (and each token's TokenLogprob ahead
+    of its text, where the request asks for logprobs), then None when generation ends.
     """
 
     request: GenerationRequest

@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup", action="store_true",
                         help="time `memrad start` until /health answers and until decode is compiled")
     parser.add_argument("--grammar", action="store_true",
-                        help="decode tok/s with a JSON-schema and a tool-call grammar against unconstrained "
-                             "(the first --arms arm, default the eager step of what auto picks)")
+                        help="decode tok/s with a JSON-schema and a tool-call grammar (each also with the mask "
+                             "computed ahead on a worker thread) against unconstrained, at each --decode-at "
+                             "(the first --arms arm, default the compiled step of what auto picks)")
     args = parser.parse_args(argv)
     if args.random_like:
         return _random_model(args)
@@ -173,11 +174,14 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
 def _grammar(args: argparse.Namespace, threads: int) -> int:
     from memrad.bench import grammar_cost
 
-    spec = (args.arms or [default_arms()[1]])[0]
+    spec = (args.arms or [default_arms()[0]])[0]  # the step the daemon decodes with once compiled
     weights, dtype, decode = arm_spec(spec)
-    loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights)
-    print(f"model={args.model} arm={spec} threads={threads} cpu={_cpu_name()}", flush=True)
-    grammar_cost.run(Arm(spec, loaded, args.chunk, threads, decode), args.decode_at, args.decode_steps, args.reps)
+    loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights,
+                        context=args.context)
+    arm = Arm(spec, loaded, args.chunk, threads, decode)
+    print(f"model={args.model} arm={spec} context={loaded.context.describe()} threads={threads} cpu={_cpu_name()} "
+          f"step={arm.engine.decoder.choice.value} ({arm.engine.decoder.choice.reason})", flush=True)
+    grammar_cost.run(arm, args.decode_at, args.decode_steps, args.reps)
     return 0
 
 

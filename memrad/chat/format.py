@@ -122,9 +122,16 @@ CALL_OPENINGS: dict[str, tuple[str, str]] = {
 # What closes a call, per family: a forced call's grammar ends with it (memrad.chat.grammar).
 CALL_CLOSINGS: dict[str, str] = {"hermes": "}\n</tool_call>", "llama3": "}", "mistral": "}]"}
 
-# The markup that starts a call inside free text, for families whose calls open with a tag:
-# in `auto` mode the reply is free until the model writes it, and a constrained call after.
-CALL_TRIGGERS: dict[str, str] = {"hermes": "<tool_call>"}
+# The markup that starts a call inside free text, for families whose calls open with a tag
+# (text, or one special token: Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`): in `auto` mode
+# the reply is free until the model writes it, and a constrained call after. Llama-3's call
+# has no tag: it is the whole reply, a JSON object (after `<|python_tag|>` or whitespace).
+CALL_TRIGGERS: dict[str, str] = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
+BARE_CALL_TAG: dict[str, str] = {"llama3": "<|python_tag|>"}
+
+# What separates parallel calls, per family (the template's newline between Hermes calls);
+# a family not listed writes one call per reply.
+CALL_SEPARATORS: dict[str, str] = {"hermes": "\n"}
 
 
 PROBE_TOOL = {"type": "function", "function": {

@@ -5,7 +5,9 @@
         opening memrad writes into the prompt (memrad.chat.format.call_opening): a name from
         `tools`, arguments valid against that tool's schema, the family's closing markup
     tool_choice auto, a family whose calls open with a tag   -> free text until the model
-        writes the tag, then a call constrained as above
+        writes the tag (text, or the one special token it is), then a call constrained as above
+    tool_choice auto, Llama-3 (a call is the whole reply)    -> a reply that opens with `{` (or
+        `<|python_tag|>`) is a constrained call, any other is free text
 
 A Constraint is plain text (memrad.request); `Grammars` compiles it for one tokenizer once
 per grammar text (an LRU cache) and hands each request a fresh matcher, whose token mask the
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from memrad.chat.format import CALL_CLOSINGS, CALL_OPENINGS, CALL_TRIGGERS, ChatFormat
+from memrad.chat.format import BARE_CALL_TAG, CALL_CLOSINGS, CALL_OPENINGS, CALL_SEPARATORS, CALL_TRIGGERS, ChatFormat
 from memrad.request import Constraint
 
 log = logging.getLogger("memrad.chat.grammar")
@@ -78,10 +81,12 @@ def _string(text: str) -> str:
 def call_grammar(fmt: ChatFormat, names_and_args: Sequence[tuple[str, dict]], mode: str,
                  parallel: bool, markup_token: dict[str, int] | None = None) -> str | None:
     """Lark text for a reply that is (the rest of) a tool call in `fmt`'s family syntax, or
-    None where the family has no known call syntax (or, for `auto`, no opening tag).
+    None where the family has no known call syntax (or, for `auto`, no way to tell its call from text).
 
     mode `function`: one tool is given and its name is already in the prompt; `required`: the
-    prompt ends inside `{"name": "`; `auto`: free text, then calls once the tag appears.
+    prompt ends inside `{"name": "`; `auto`: free text, then calls once the tag appears (or, in
+    Llama-3's syntax, a reply that opens as a call). Parallel calls where the family has a
+    separator for them (memrad.chat.format.CALL_SEPARATORS), else one.
     `markup_token`: markup that is one special token in the vocabulary, by text (its id is
     matched, since llguidance never spells a special token out of text).
     """
@@ -107,14 +112,49 @@ def call_grammar(fmt: ChatFormat, names_and_args: Sequence[tuple[str, dict]], mo
               f"{literal(closing)}" for i, (name, _) in enumerate(names_and_args)]
     if mode == "required":
         return "\n".join([f"start: {alternatives}", *rules]) + "\n"
+    separator = CALL_SEPARATORS.get(fmt.family)
+    again = f" ({literal(separator + head)} calls)*" if parallel and separator is not None else ""
     trigger = CALL_TRIGGERS.get(fmt.family)
-    if trigger is None or trigger in tokens or not head.startswith(trigger):
-        return None  # a call that opens with no tag, or with a special token, cannot be told from text
-    again = f" ({literal(chr(10) + head)} calls)*" if parallel else ""  # calls are newline-separated
+    if trigger is None:
+        return _bare_call_grammar(fmt, literal(head), alternatives, again, rules, tokens)
+    if not head.startswith(trigger):
+        return None
+    if trigger in tokens:
+        # One special token opens the call; text may hold neither it nor the tag spelled out of
+        # plain tokens (which the parser would read as an unconstrained call).
+        return "\n".join([f"start: text | text {literal(head)} calls{again}", "text: TEXT",
+                          f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(trigger)}.*)/",
+                          f"calls: {alternatives}", *rules]) + "\n"
+    # A lazy lexeme: the text ends where the model writes the tag.
+    return "\n".join([f"start: text | text_call {literal(head[len(trigger):])} calls{again}",
+                      "text: /(?s:.*)/", f"text_call[stop={_string(trigger)}]: /(?s:.*)/",
+                      f"calls: {alternatives}", *rules]) + "\n"
+
+
+WHITESPACE = "[ \\t\\r\\n]"  # in a lark regex
+
+
+def _bare_call_grammar(fmt: ChatFormat, head: str, alternatives: str, again: str, rules: list[str],
+                       tokens: dict[str, int]) -> str | None:
+    """`auto` for a family whose call is the whole reply, a JSON object with no tag before it
+    (Llama-3's, after an optional `<|python_tag|>` token and whitespace, and after a `<think>`
+    block if any): text is any reply the parser would not read as a call, one whose first
+    non-blank character (or the first after `</think>`) is not `{`."""
+    tag = BARE_CALL_TAG.get(fmt.family or "")
+    if tag is None:
+        return None
+    # A few blanks at most (random logits under an unbounded blank run pad until max_tokens).
+    opening = f"/{WHITESPACE}{{1,4}}/"
+    if tag in tokens:
+        opening += f" | /{WHITESPACE}{{0,4}}/ <[{tokens[tag]}]>"
+    # `thought` is lazy: at `</think>` the reply goes on as text or as a call.
     return "\n".join([
-        f"start: text | text_call {literal(head[len(trigger):])} calls{again}",
-        "text: /(?s:.*)/",
-        f"text_call[stop={_string(trigger)}]: /(?s:.*)/",
+        f"start: text | thought text | thought? opening? {head} calls{again}",
+        'thought[stop="</think>"]: /(?s:<think>.*)/',
+        f"opening: {opening}",
+        "text: TEXT",  # nor does it open with the tag spelled out of plain tokens
+        f"TEXT: /(?s:{WHITESPACE}*([^{{ \\t\\r\\n].*)?)/ & ~/(?s:{WHITESPACE}*{re.escape(tag)}.*)/"
+        f" & ~/(?s:.*<\\/think>{WHITESPACE}*\\{{.*)/",
         f"calls: {alternatives}", *rules]) + "\n"
 
 

@@ -143,8 +143,10 @@ class ReplyParser:
         calls = [_call(item) for item in items]
         unknown = self._tool_names is not None and any(c is not None and c[0] not in self._tool_names for c in calls)
         if not items or unknown or any(c is None for c in calls):
+            # A body that is no JSON comes back as the string it is, from the region's opening on,
+            # so a forced call cut short keeps the opening memrad wrote into the prompt.
             raw = ("\n".join(json.dumps(item, ensure_ascii=False) for item in items) if unknown and None not in calls
-                   else "".join(self._tool_body).strip())
+                   else value.strip() if isinstance(value, str) else "".join(self._tool_body).strip())
             log.warning("the model wrote a tool call that does not parse or names a tool it was not given (%r); "
                         "returned as content", raw[:200])
             trim = self._trims["content"]

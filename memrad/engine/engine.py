@@ -205,11 +205,12 @@ class Engine:
                            else anchors if anchors is not None else find_anchors(request.prompt_ids, self.reply_header))
         return self.parking.plan(view, self.affinity, self.longest_prefix)
 
-    def generate(self, request: GenerationRequest, emit: Callable[[str], None],
+    def generate(self, request: GenerationRequest, emit: Callable[[str | TokenLogprob], None],
                  cancelled: Callable[[], bool],
                  on_decision: Callable[[Decision], None] | None = None) -> Completion:
-        """Run `request` to completion, calling `emit` with each text delta: `admit` it, then
-        `step` until it is done (alongside any other flight admitted before).
+        """Run `request` to completion, calling `emit` with each text delta (and, where the
+        request asks for logprobs, each generated token's TokenLogprob before its text):
+        `admit` it, then `step` until it is done (alongside any other flight admitted before).
 
         Blocking; call from the engine's single worker thread. `cancelled` is polled between
         prefill chunks and before every decode step; `on_decision` hears the reuse decision
@@ -230,8 +231,8 @@ class Engine:
     def has_room(self) -> bool:
         return len(self._flights) < self.max_batch
 
-    def admit(self, request: GenerationRequest, emit: Callable[[str], None], cancelled: Callable[[], bool],
-              on_decision: Callable[[Decision], None] | None = None) -> Flight:
+    def admit(self, request: GenerationRequest, emit: Callable[[str | TokenLogprob], None],
+              cancelled: Callable[[], bool], on_decision: Callable[[Decision], None] | None = None) -> Flight:
         """Plan `request`, check out the state it resumes from and put it in flight (engine
         thread; `has_room` first). Its prefill and decode run in later `step`s."""
         assert self.has_room(), f"{len(self._flights)} requests in flight, max_batch {self.max_batch}"

@@ -163,6 +163,7 @@ class Flight:
             shaper.accept(token)
         if params.logprobs is not None:
             out.logprobs.append(token_logprob(scores, token, params.logprobs, self.sampling.token_bytes))
+            self.emit(out.logprobs[-1])  # ahead of the token's text: a stream carries it on the next chunk
         self._send(self._stops.feed(self._detok.push(token)))
         if self._stops.stopped:
             out.stop_sequence = self._stops.matched

@@ -102,7 +102,9 @@ class Shaper:
             if 0 <= token_id < vocab_size:
                 self.bias[token_id] += bias
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, allowed: np.ndarray | None = None) -> torch.Tensor:
+        """`allowed`: this step's mask if it was computed ahead (`allowed_tokens`, on another
+        thread while the step ran: memrad bench speed --grammar measures that overlap)."""
         params = self.params
         out = logits.detach().to("cpu", torch.float32).numpy().copy()
         if params.repetition_penalty != 1.0:
@@ -115,10 +117,11 @@ class Shaper:
         if params.logit_bias:
             out += self.bias
         if self.matcher is not None:
-            out[~self._allowed(out.size)] = -np.inf
+            out[~(allowed if allowed is not None else self.allowed_tokens(out.size))] = -np.inf
         return torch.from_numpy(out)
 
-    def _allowed(self, size: int) -> np.ndarray:
+    def allowed_tokens(self, size: int) -> np.ndarray:
+        """The grammar's mask over `size` token ids for the next step (bool [size])."""
         allowed = np.zeros(size, dtype=np.bool_)
         if not self.matcher.is_stopped() and not self.matcher.is_error():
             bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
-from memrad.request import Completion
+from memrad.request import Completion, TokenLogprob
 from memrad.server.decoding import logprob_entries
 from memrad.server.errors import invalid
 from memrad.server.serving import Event, decision_field
@@ -219,13 +219,16 @@ class Envelope:
         return {**self._head("text_completion"), "choices": [choice], "usage": usage(c)}
 
     def chunk(self, text: str | None = None, finish: str | None = None, *, first: bool = False,
-              with_usage_field: bool = False, delta: dict | None = None) -> dict:
+              with_usage_field: bool = False, delta: dict | None = None,
+              logprobs: tuple[TokenLogprob, ...] = ()) -> dict:
         if self.kind == "chat":
             body: dict = {"role": "assistant", "content": ""} if first else {}
             if text is not None:
                 body["content"] = text
             body.update(delta or {})
-            choice = {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
+            # OpenAI's chunk shape: the tokens this chunk carries (None on a chunk that has none).
+            choice = {"index": 0, "delta": body, "finish_reason": finish,
+                      "logprobs": {"content": logprob_entries(logprobs), "refusal": None} if logprobs else None}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -253,21 +256,22 @@ class OpenAIShape:
         return [(None, {**self.envelope.chunk(first=True, with_usage_field=self.include_usage),
                         **decision_field(decision, self.notes)})]
 
-    def deltas(self, delta: ReplyDelta) -> list[Event]:
+    def deltas(self, delta: ReplyDelta, logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]:
         chunk = lambda **kw: (None, self.envelope.chunk(with_usage_field=self.include_usage, **kw))  # noqa: E731
         if delta.kind == "content":
-            return [chunk(text=delta.text)]
+            return [chunk(text=delta.text, logprobs=logprobs)]
         if delta.kind == "reasoning":
-            return [chunk(delta={"reasoning_content": delta.text})]
+            return [chunk(delta={"reasoning_content": delta.text}, logprobs=logprobs)]
         call = delta.call
         assert call is not None
         # OpenAI's incremental form: id and name first, then the arguments' chunks.
         return [chunk(delta={"tool_calls": [{"index": delta.index, "id": call.id, "type": "function",
-                                             "function": {"name": call.name, "arguments": ""}}]}),
+                                             "function": {"name": call.name, "arguments": ""}}]}, logprobs=logprobs),
                 chunk(delta={"tool_calls": [{"index": delta.index, "function": {"arguments": call.arguments}}]})]
 
-    def closing(self, reply: Reply, c: Completion) -> list[Event]:
-        events: list[Event] = [(None, self.envelope.chunk(finish=finish_reason(c, reply),
+    def closing(self, reply: Reply, c: Completion, logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]:
+        # Tokens whose text never left as a delta (a stop string's, held-back markup) ride on the last chunk.
+        events: list[Event] = [(None, self.envelope.chunk(finish=finish_reason(c, reply), logprobs=logprobs,
                                                           with_usage_field=self.include_usage))]
         if self.include_usage:
             events.append((None, self.envelope.usage_chunk(c)))

@@ -84,19 +84,13 @@ def _top_logprobs(body: dict) -> int:
     return value
 
 
-def _whole_only(logprobs: int | None, body: dict, param: str) -> int | None:
-    if logprobs is not None and body.get("stream") is True:
-        raise invalid("logprobs are returned on whole replies only: send stream: false to get them", param)
-    return logprobs
-
-
 def chat_logprobs(body: dict) -> int | None:
     """Chat's `logprobs` (true: each token's) and `top_logprobs` (how many alternatives)."""
     value = body.get("logprobs")
     if value is not None and not isinstance(value, bool):
         raise invalid("logprobs must be true or false", "logprobs")
     top = _top_logprobs(body)
-    return _whole_only(top if value else None, body, "logprobs")
+    return top if value else None
 
 
 def responses_logprobs(body: dict) -> int | None:
@@ -106,7 +100,7 @@ def responses_logprobs(body: dict) -> int | None:
         raise invalid("include must be an array of strings", "include")
     top = _top_logprobs(body)
     asked = RESPONSES_LOGPROBS in (include or ()) or top > 0
-    return _whole_only(top if asked else None, body, "top_logprobs")
+    return top if asked else None
 
 
 def logprob_entries(logprobs: tuple[TokenLogprob, ...]) -> list[dict]:

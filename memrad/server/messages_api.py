@@ -31,7 +31,7 @@ from typing import Any
 
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
-from memrad.request import Completion, SamplingParams
+from memrad.request import Completion, SamplingParams, TokenLogprob
 from memrad.server.decoding import messages_output_format, top_k_of
 from memrad.server.errors import invalid
 from memrad.server.serving import Event, decision_field
@@ -245,7 +245,8 @@ class MessagesShape:
         self._open = None
         return events + [("content_block_stop", {"type": "content_block_stop", "index": index})]
 
-    def deltas(self, delta: ReplyDelta) -> list[Event]:
+    def deltas(self, delta: ReplyDelta, logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]:
+        # Anthropic's API has no logprobs (a Messages request never asks for them).
         events: list[Event] = []
         if delta.kind == "tool_call" or self._open != delta.kind:
             events += self._stop()
@@ -266,7 +267,7 @@ class MessagesShape:
             body = {"type": "input_json_delta", "partial_json": delta.call.arguments}
         return events + [("content_block_delta", {"type": "content_block_delta", "index": index, "delta": body})]
 
-    def closing(self, reply: Reply, c: Completion) -> list[Event]:
+    def closing(self, reply: Reply, c: Completion, logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]:
         return self._stop() + [
             ("message_delta", {"type": "message_delta",
                                "delta": {"stop_reason": stop_reason(reply, c), "stop_sequence": c.stop_sequence},

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
-from memrad.request import Completion, Identity
+from memrad.request import Completion, Identity, TokenLogprob
 from memrad.server.decoding import logprob_entries, responses_logprobs, responses_text_format
 from memrad.server.errors import invalid
 from memrad.server.response_store import StoredResponse
@@ -250,6 +250,11 @@ class ResponsesShape:
     _calls: list[ToolCall] = field(default_factory=list)  # calls held back until the text items close
     _text: str = ""
     _seq: int = 0
+    # Token records not yet on an output_text.delta (a reasoning item's, a held call's: the
+    # whole response puts every generated token's on the message's text part), and those sent
+    # on the open message item's deltas (its done events repeat them).
+    _logprobs: list[TokenLogprob] = field(default_factory=list)
+    _item_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def _event(self, kind: str, **data: Any) -> Event:
         self._seq += 1
@@ -279,6 +284,7 @@ class ResponsesShape:
             self._open = _message_item("msg_" + secrets.token_hex(12), "", "in_progress")
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self._text = ""
+        self._item_logprobs = []
         return events + [self._event("response.output_item.added", output_index=index, item=self._open),
                          self._event("response.content_part.added", item_id=self._open["id"], output_index=index,
                                      content_index=0, part=part)]
@@ -293,8 +299,10 @@ class ResponsesShape:
                                   content_index=0, text=text)]
         else:
             done = _message_item(item["id"], text, "completed")
+            entries = logprob_entries(tuple(self._item_logprobs))
+            done["content"][0]["logprobs"] = entries
             events = [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=text, logprobs=[])]
+                                  content_index=0, text=text, logprobs=entries)]
         events += [self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                content_index=0, part=done["content"][0]),
                    self._event("response.output_item.done", output_index=index, item=done)]
@@ -302,7 +310,8 @@ class ResponsesShape:
         self._open = None
         return events
 
-    def deltas(self, delta: ReplyDelta) -> list[Event]:
+    def deltas(self, delta: ReplyDelta, logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]:
+        self._logprobs += logprobs
         if delta.kind == "tool_call":
             # Held back: calls follow the reasoning and message items (OpenAI's order, and the
             # order of a whole response), even where the model writes text after a call.
@@ -314,7 +323,7 @@ class ResponsesShape:
         assert self._open is not None
         self._text += delta.text
         kind = "response.reasoning_text.delta" if delta.kind == "reasoning" else "response.output_text.delta"
-        extra = {} if delta.kind == "reasoning" else {"logprobs": []}
+        extra = {} if delta.kind == "reasoning" else {"logprobs": self._take_logprobs()}
         return events + [self._event(kind, item_id=self._open["id"], output_index=len(self.items), content_index=0,
                                      delta=delta.text, **extra)]
 
@@ -341,8 +350,20 @@ class ResponsesShape:
         self._calls = []
         return events
 
-    def closing(self, reply: Reply, c: Completion) -> list[Event]:
-        events = self._close() + self._call_events()
+    def _take_logprobs(self) -> list[dict]:
+        taken, self._logprobs = self._logprobs, []
+        self._item_logprobs += taken
+        return logprob_entries(tuple(taken))
+
+    def closing(self, reply: Reply, c: Completion, logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]:
+        self._logprobs += logprobs
+        events: list[Event] = []
+        if self._logprobs and self._open is not None and self._open["type"] == "message":
+            # Tokens after the last text (a stop string's, a call's) on one last, empty delta.
+            events.append(self._event("response.output_text.delta", item_id=self._open["id"],
+                                      output_index=len(self.items), content_index=0, delta="",
+                                      logprobs=self._take_logprobs()))
+        events += self._close() + self._call_events()
         final = self.response("completed", c)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=final)]

@@ -1,13 +1,16 @@
 """Serving one generation for any API: queue it, parse the reply, answer in a Shape.
 
-    route -> serve(parsed, text, ids, shape) -> scheduler job -> text deltas
+    route -> serve(parsed, text, ids, shape) -> scheduler job -> text deltas (+ token logprobs)
           -> ReplyParser (the engine's chat) -> ReplyDeltas -> shape events (stream) | shape.whole
 
 Every API's output is a Shape (chat_api, responses_api, messages_api): events to open a
 stream, events per reply delta, events to close it, and the whole object; this module
 drives any Shape the same way and writes its events as server-sent events. The job yields
 its reuse Decision first (before any prefill), then text; a client that goes away cancels
-the job within one engine step.
+the job within one engine step. Where the request asks for logprobs each token's record
+comes ahead of its text; a stream hands the records that arrived since the last event to
+the next delta (the parser may hold text back) and the rest to the closing events, so the
+streamed records, concatenated, are the whole reply's, token for token.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from aiohttp import web
 
 from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyBuilder, ReplyDelta, plain_reply_deltas
-from memrad.request import Completion, GenerationRequest
+from memrad.request import Completion, GenerationRequest, TokenLogprob
 from memrad.scheduler import Job, QueueFull, ShuttingDown
 from memrad.server.connections import connection_of
 from memrad.server.context import ServerContext
@@ -44,8 +47,9 @@ class Shape(Protocol):
     """One API's rendering of a generation (pure; mutates only its own counters)."""
 
     def opening(self, decision: Decision | None) -> list[Event]: ...
-    def deltas(self, delta: ReplyDelta) -> list[Event]: ...
-    def closing(self, reply: Reply, c: Completion) -> list[Event]: ...
+    # `logprobs`: the tokens' records that arrived since the last event (none unless asked).
+    def deltas(self, delta: ReplyDelta, logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]: ...
+    def closing(self, reply: Reply, c: Completion, logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]: ...
     def whole(self, reply: Reply, c: Completion, decision: Decision | None) -> dict: ...
     def stream_error(self, body: dict) -> list[Event]: ...
 
@@ -180,7 +184,7 @@ class _ClientWatch:
             self.request[CLIENT_GONE_KEY] = True
             self.job.cancel()
 
-    async def next_item(self, timeout_s: float) -> Decision | str | None | object:
+    async def next_item(self, timeout_s: float) -> Decision | str | TokenLogprob | None | object:
         """The job's next item, None at its end, or IDLE when none came within `timeout_s`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -229,6 +233,11 @@ class _Run:
     on_finished: Finished | None
     style: ErrorStyle
     built: ReplyBuilder = field(default_factory=ReplyBuilder)
+    pending: list[TokenLogprob] = field(default_factory=list)  # token records not yet on an event
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        taken, self.pending = tuple(self.pending), []
+        return taken
 
     def feed(self, text: str) -> list[ReplyDelta]:
         deltas = self.parser.feed(text) if self.parser is not None else plain_reply_deltas(text)
@@ -296,7 +305,7 @@ async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch
 
     async def send_deltas(deltas: list[ReplyDelta]) -> None:
         for delta in deltas:
-            await send(shape.deltas(delta))
+            await send(shape.deltas(delta, run.take_logprobs()))
 
     watch.probe = lambda: write(PROBE)
     await send(shape.opening(decision))
@@ -304,6 +313,8 @@ async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch
     while item is not None:
         if isinstance(item, str):
             await send_deltas(run.feed(item))
+        elif isinstance(item, TokenLogprob):
+            run.pending.append(item)
         elif item is IDLE:
             await write(keepalive)  # prefill or a queue: keep first-byte and idle timers quiet
         item = await watch.next_item(KEEPALIVE_S)
@@ -329,7 +340,7 @@ async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch
         return response
     deltas, reply = run.finish(completion)
     await send_deltas(deltas)
-    await send(shape.closing(reply, completion))
+    await send(shape.closing(reply, completion, run.take_logprobs()))
     if not watch.gone:
         await response.write_eof()
     return response

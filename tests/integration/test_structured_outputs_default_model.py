@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pydantic
 import pytest
 
@@ -102,3 +103,63 @@ def test_a_forced_tool_choice_gives_a_valid_call_20_of_20(oai, claude, api, choi
             name, arguments = reply.content[-1].name, reply.content[-1].input
         valid += valid_call(name, arguments, names)
     assert valid == RUNS
+
+
+
+class Answer(pydantic.BaseModel):
+    answer: str  # no maxLength: only max_tokens ends a string the model does not close
+
+
+WRITE = {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+         "required": ["path", "content"]}
+# Greedy SmolLM2 answers in digits that never end ("1234567890123…"), in a string or a call.
+LONG = "List every prime number below 1000."
+
+
+def test_an_unbounded_string_cut_by_max_tokens_says_length_on_each_api_and_is_never_parsed(oai, claude):
+    """Like vLLM, llama.cpp and OpenAI, memrad lets max_tokens end a string the schema leaves
+    unbounded (docs/SERVING.md, structured outputs): each API says the reply was cut, the
+    parse helper refuses it, and a cut call is never returned as a call."""
+    with pytest.raises(openai.LengthFinishReasonError) as cut:
+        oai.chat.completions.parse(model="default", messages=[{"role": "user", "content": LONG}],
+                                   response_format=Answer, max_tokens=24, temperature=0)
+    completion = cut.value.completion
+    assert (completion.choices[0].finish_reason, completion.usage.completion_tokens) == ("length", 24)
+    assert completion.choices[0].message.content.startswith('{"answer": "')
+    tools = [{"type": "function", "function": {"name": "write_file", "description": "Write a file",
+                                               "parameters": WRITE}}]
+    chat = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": LONG + " Save it."}],
+                                       tools=tools, max_tokens=24, temperature=0, tool_choice="required")
+    choice = chat.choices[0]
+    assert (choice.finish_reason, chat.usage.completion_tokens, choice.message.tool_calls) == ("length", 24, None)
+    assert choice.message.content.startswith('{"name": "write_file", "arguments": {')  # memrad's opening kept
+    responses = oai.responses.create(model="default", input=LONG, max_output_tokens=24, temperature=0, text={
+        "format": {"type": "json_schema", "name": "answer", "schema": Answer.model_json_schema()}})
+    assert (responses.status, responses.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    called = oai.responses.create(model="default", input=LONG + " Save it.", max_output_tokens=24, temperature=0,
+                                  tools=[{"type": "function", **tools[0]["function"]}], tool_choice="required")
+    assert called.status == "incomplete" and all(item.type != "function_call" for item in called.output)
+    message = claude.messages.create(model="default", max_tokens=24, messages=[{"role": "user", "content": LONG + " Save it."}],
+                                     tools=[{"name": "write_file", "input_schema": WRITE}],
+                                     tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    assert message.stop_reason == "max_tokens" and all(block.type != "tool_use" for block in message.content)
+
+
+def test_streamed_logprobs_are_the_whole_reply_s_on_the_default_model(oai):
+    """Real merges, multi-byte tokens and a resumed second request (exact mode): the entries
+    streamed chunk by chunk are the whole reply's, token for token, on Chat and Responses."""
+    ask = dict(model="default", messages=[{"role": "user", "content": "Say hello in three languages."}],
+               max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    whole = oai.chat.completions.create(**ask)
+    streamed = [t for chunk in oai.chat.completions.create(**ask, stream=True) if chunk.choices
+                and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.content]
+    key = lambda tokens: [(t.token, t.logprob, t.bytes, [(a.token, a.logprob) for a in t.top_logprobs])  # noqa: E731
+                          for t in tokens]
+    assert len(whole.choices[0].logprobs.content) == whole.usage.completion_tokens
+    assert key(streamed) == key(whole.choices[0].logprobs.content)
+    ask = dict(model="default", input="Say hello in three languages.", max_output_tokens=16, temperature=0,
+               top_logprobs=2, include=["message.output_text.logprobs"])
+    reply = oai.responses.create(**ask)
+    deltas = [t for event in oai.responses.create(**ask, stream=True) if event.type == "response.output_text.delta"
+              for t in event.logprobs]
+    assert [(t.token, t.logprob) for t in deltas] == [(t.token, t.logprob) for t in reply.output[-1].content[0].logprobs]

@@ -42,7 +42,6 @@ def rejected(body, header=None, parse=parse_chat):
     ({"messages": USER, "user": 7}, "user"),
     ({"messages": USER, "cache_salt": ""}, "cache_salt"),
     ({"messages": USER, "logprobs": "yes"}, "logprobs"),
-    ({"messages": USER, "logprobs": True, "stream": True}, "logprobs"),
     ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
     ({"messages": USER, "model": 3}, "model"),

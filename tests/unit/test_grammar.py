@@ -121,8 +121,9 @@ def test_markup_that_is_one_special_token_is_matched_as_that_token(grammars, tok
     matcher = grammars.matcher(Constraint(grammar, "tool_call", "tool_choice"))
     assert matcher.consume_tokens(tokenizer.encode("{}}\n", add_special_tokens=False) + [special])
     assert matcher.is_accepting()
-    # auto mode cannot see a call open inside text when its tag is a special token: no grammar
-    assert call_grammar(fmt, [("f", {"type": "object"})], "auto", True, {"<tool_call>": 76}) is None
+    # auto mode: the special token itself opens the call (tests/unit/test_auto_tools.py)
+    auto = call_grammar(fmt, [("f", {"type": "object"})], "auto", True, {"<tool_call>": special})
+    assert auto.splitlines()[0] == f'start: text | text <[{special}]> "\\n{{\\"name\\": \\"" calls ("\\n" <[{special}]> "\\n{{\\"name\\": \\"" calls)*'
 
 
 def test_the_mask_allows_end_of_sequence_only_where_the_grammar_accepts(grammars, tokenizer):
@@ -166,6 +167,28 @@ def test_a_constrained_reply_parses_and_resumed_equals_cold(loaded, kind):
     assert warm.decision.outcome == "resumed" and cold.decision.outcome == "cold"
     assert warm.text == cold.text and json.loads(warm.text) in ({"answer": "yes"}, {"answer": "no"})
     assert engine.finished[-2].generated_ids == engine.finished[-1].generated_ids
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+def test_an_auto_tool_grammar_resumes_as_it_runs_cold(loaded, kind):
+    """The `auto` tool grammar's mask, with penalties and a seed, is the same in a resumed and
+    a cold run: the same tokens."""
+    engine = make_engine(loaded[kind], 16)
+    constraint = engine.chat.tool_constraint(TOOLS, "auto", None, True)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, constraint=constraint, frequency_penalty=0.5)
+    messages = [{"role": "system", "content": "You are a helpful coding assistant. Read the file, then answer."},
+                {"role": "user", "content": "turn 0: list files, then open README.md"}]
+
+    def ask(rid, salt=None):
+        text, ids = engine.chat.render(messages, TOOLS)
+        return engine.generate(GenerationRequest(rid, engine.model_id, tuple(ids), text, params, cache_salt=salt),
+                               lambda _: None, lambda: False)
+
+    first = ask("t0")
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "turn 1: run tests"}]
+    warm, cold = ask("t1"), ask("c1", salt="cold")
+    assert (warm.decision.outcome, cold.decision.outcome) == ("resumed", "cold")
+    assert engine.finished[-2].generated_ids == engine.finished[-1].generated_ids and warm.text == cold.text
 
 
 def test_objects_that_name_their_properties_get_no_others(grammars, tokenizer):

@@ -183,6 +183,89 @@ async def test_logprobs_come_back_per_token_on_chat_and_responses_and_agree_with
     assert len(part.logprobs) == 5 and all(len(t.top_logprobs) == 2 for t in part.logprobs)
     plain = await oai(server).chat.completions.create(model="default", messages=ASK, max_tokens=5, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
-    with pytest.raises(openai.BadRequestError) as streamed:
-        await oai(server).responses.create(model="default", input="hi", top_logprobs=2, stream=True)
-    assert streamed.value.body["param"] == "top_logprobs"
+
+
+def entries(tokens) -> list[tuple]:
+    return [(t.token, t.logprob, tuple(t.bytes or ()), tuple((a.token, a.logprob) for a in t.top_logprobs))
+            for t in tokens]
+
+
+@pytest.mark.parametrize("fmt", [None, {"type": "json_schema", "json_schema": {
+    "name": "verdict", "schema": Verdict.model_json_schema()}}])
+async def test_streamed_logprobs_are_the_whole_reply_s_token_for_token_on_chat(server, engine, fmt):
+    ask = dict(model="default", messages=ASK, max_tokens=40, temperature=0, logprobs=True, top_logprobs=2)
+    if fmt is not None:
+        ask["response_format"] = fmt
+    whole = await oai(server).chat.completions.create(**ask)
+    streamed, text, carrying = [], "", 0
+    async for chunk in await oai(server).chat.completions.create(**ask, stream=True):
+        choice = chunk.choices[0]
+        text += choice.delta.content or ""
+        if choice.logprobs is not None:
+            carrying += 1
+            streamed += choice.logprobs.content
+    assert len(whole.choices[0].logprobs.content) == whole.usage.completion_tokens
+    assert whole.usage.completion_tokens == 40 if fmt is None else Verdict.model_validate_json(text)
+    assert entries(streamed) == entries(whole.choices[0].logprobs.content)  # the same tokens, numbers and bytes
+    assert text == whole.choices[0].message.content and carrying >= 2  # spread over the chunks, not one lump
+    plain = [c async for c in await oai(server).chat.completions.create(**{**ask, "logprobs": False}, stream=True)]
+    assert all(c.choices[0].logprobs is None for c in plain if c.choices)
+    if fmt is None:  # a stop string's tokens never leave as text: they ride on the finishing chunk
+        stop = whole.choices[0].message.content[8:11]
+        cut = await oai(server).chat.completions.create(**ask, stop=[stop])
+        chunks = [c async for c in await oai(server).chat.completions.create(**ask, stop=[stop], stream=True)]
+        finishing = next(c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason)
+        assert cut.choices[0].finish_reason == "stop" and finishing.logprobs is not None
+        assert entries(t for c in chunks if c.choices and c.choices[0].logprobs
+                       for t in c.choices[0].logprobs.content) == entries(cut.choices[0].logprobs.content)
+
+
+async def test_streamed_logprobs_are_the_whole_reply_s_token_for_token_on_responses(server, engine):
+    ask = dict(model="default", input="Read the file, then answer.", max_output_tokens=10, temperature=0,
+               top_logprobs=3, include=["message.output_text.logprobs"])
+    whole = await oai(server).responses.create(**ask)
+    deltas, done, final = [], None, None
+    async for event in await oai(server).responses.create(**ask, stream=True):
+        if event.type == "response.output_text.delta":
+            deltas += event.logprobs
+        elif event.type == "response.output_text.done":
+            done = event.logprobs
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    expected = entries(whole.output[-1].content[0].logprobs)
+    assert len(expected) == whole.usage.output_tokens == 10
+    assert entries(deltas) == expected and entries(done) == expected
+    assert entries(final.output[-1].content[0].logprobs) == expected
+
+
+class Note(pydantic.BaseModel):
+    note: str  # no maxLength: nothing but max_tokens ends a model that never closes it
+
+
+async def test_a_reply_cut_by_max_tokens_under_a_schema_says_length_and_is_never_parsed(server, engine):
+    """memrad, like vLLM, llama.cpp and OpenAI, lets max_tokens end a schema's reply: the
+    finish says so on every API, so no client takes the cut JSON for a parsed object."""
+    client = oai(server)
+    with pytest.raises(openai.LengthFinishReasonError) as cut:
+        await client.chat.completions.parse(model="default", messages=ASK, response_format=Note, max_tokens=3)
+    choice = cut.value.completion.choices[0]
+    assert (choice.finish_reason, cut.value.completion.usage.completion_tokens) == ("length", 3)
+    assert choice.message.content.startswith('{"')  # the cut text, never a parsed object
+    chunks = [c async for c in await client.chat.completions.create(
+        model="default", messages=ASK, max_tokens=3, stream=True, response_format={
+            "type": "json_schema", "json_schema": {"name": "note", "schema": Note.model_json_schema()}})]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    responses = await client.responses.create(model="default", input="hi", max_output_tokens=3, text={"format": {
+        "type": "json_schema", "name": "note", "schema": Note.model_json_schema()}})
+    assert (responses.status, responses.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    with pytest.raises(pydantic.ValidationError):  # the SDK parses what it was given: the cut text is no Note
+        await client.responses.parse(model="default", input="hi", max_output_tokens=3, text_format=Note)
+    message = await claude(server).messages.create(model="default", max_tokens=3, messages=ASK, extra_body={
+        "output_config": {"format": {"type": "json_schema", "schema": Note.model_json_schema()}}})
+    assert message.stop_reason == "max_tokens" and message.content[0].text.startswith('{"')
+    forced = await client.chat.completions.create(model="default", messages=ASK, tools=CHAT_TOOLS, max_tokens=2,
+                                                  tool_choice={"type": "function", "function": {"name": "clock"}})
+    choice = forced.choices[0]
+    assert (choice.finish_reason, choice.message.tool_calls) == ("length", None)
+    # the cut call is content as written, from the opening memrad put in the prompt on
+    assert choice.message.content.startswith('{"name": "clock", "arguments": {')
