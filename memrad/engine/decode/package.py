@@ -51,11 +51,12 @@ import torch
 from torch import nn
 
 from memrad.engine.decode import cpu_attention
-from memrad.engine.decode import gemma_step, steps
+from memrad.engine.decode import gated_delta, gemma_step, qwen3_next_step, steps
 from memrad.engine.decode import step as decode_step
 from memrad.engine.model import quant
 from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS
+from memrad.engine.state import recurrent as recurrent_state
 from memrad.engine.state import window as window_state
 from memrad.engine.state.window import buffer_rows
 
@@ -109,7 +110,8 @@ class PackagedStep:
         # A full-attention layer's slab: its rows are the capacity the graphs were made for;
         # a sliding layer's buffer: its rows are fixed (buffer_rows), checked all the same.
         windows = steps.windows(eager)
-        self._slab = next((i for i, window in enumerate(windows) if window is None), None)
+        self._slab = next((i for i, (window, state) in enumerate(zip(windows, steps.recurrent(eager)))
+                           if window is None and not state), None)
         self._window = next(((i, buffer_rows(w)) for i, w in enumerate(windows) if w is not None), None)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
@@ -200,6 +202,7 @@ def example_buffers(step: Any, config: Any, capacity: int, length: int, make: An
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Keys and values as the step is handed them at attended `length`: a slab of `capacity`
     rows per full-attention layer, a window view per sliding one (memrad.engine.state.window),
+    a recurrent layer's conv and recurrent state (memrad.engine.state.recurrent), all
     made by `make(shape, dtype, device)`; and the window views (their rows are symbolic). A
     view's example rows differ from `length` (3 if it is 2, else 2) so that export never takes
     the two sizes for one; a view is cut from a buffer of the window's real rows, since the
@@ -207,8 +210,10 @@ def example_buffers(step: Any, config: Any, capacity: int, length: int, make: An
     kv_heads, head_dim = steps.kv_shape(config)
     param = _param(step)
     keys, values, windowed = [], [], []
-    for window in steps.windows(step):
-        if window is None:
+    for layer, window, state in zip(step.layers, steps.windows(step), steps.recurrent(step)):
+        if state:
+            pair = [make(shape, dtype, param.device) for shape, dtype in layer.state_shapes(param.dtype)]
+        elif window is None:
             pair = [make((1, kv_heads, capacity, head_dim), param.dtype, param.device) for _ in range(2)]
         else:
             rows = 3 if length == 2 else 2
@@ -346,7 +351,7 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool) -> str:
     kernel_source = [cpu_attention.__file__, cpu_attention.SOURCE] if kernel else []
     # window_state: the window views' strides (buffer_rows) are compiled in.
     for source in (decode_step.__file__, gemma_step.__file__, window_state.__file__, quant.__file__, __file__,
-                   *kernel_source):
+                   qwen3_next_step.__file__, gated_delta.__file__, recurrent_state.__file__, *kernel_source):
         digest.update(Path(source).read_bytes())
     for name, module in step.named_modules():
         digest.update(f"{name} {type(module).__module__}.{type(module).__qualname__}\n".encode())
