@@ -14,7 +14,8 @@ from torch.nn import functional as F
 
 from memrad.engine.decode import step as decode_step
 from memrad.engine.decode import decoder as decoder_module
-from memrad.engine.decode.step import SPLIT_ROWS, DecodeStep, attend, support
+from memrad.engine.decode import steps
+from memrad.engine.decode.step import SPLIT_ROWS, DecodeStep, attend
 from memrad.engine.decode.decoder import CompileFailed, Decoder
 from memrad.engine.engine import Engine
 from memrad.engine.forward import decode_one_token, prefill
@@ -75,13 +76,14 @@ def test_split_attention_equals_plain_attention(rows):
 
 
 def test_models_the_step_does_not_cover_keep_transformers_forward_and_say_why(tiny_dir):
-    hybrid = fresh(tiny_dir("qwen3_next"))
-    reason = support(hybrid.model, hybrid.context_len)
-    assert reason == ("Qwen3NextForCausalLM is not llama-shaped "
-                      "(the step covers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
+    hybrid = fresh(tiny_dir("falcon_h1"))
+    reason = steps.support(hybrid.model, hybrid.context_len)
+    assert reason == ("FalconH1ForCausalLM has no decode step (the steps cover LlamaForCausalLM, MistralForCausalLM, "
+                      "Qwen2ForCausalLM, Gemma3ForCausalLM, Qwen3NextForCausalLM)")
     chosen = Decoder(hybrid.model, hybrid.context_len, hybrid.device, "auto")
     assert (chosen.choice.value, chosen.choice.reason) == ("transformers", reason)
-    with pytest.raises(CompileFailed, match="compile = on, but Qwen3NextForCausalLM is not llama-shaped"):
+    assert Engine(hybrid, 16, 1).runtime_choices["step"] == {"value": "none", "reason": reason}
+    with pytest.raises(CompileFailed, match="compile = on, but FalconH1ForCausalLM has no decode step"):
         Decoder(hybrid.model, hybrid.context_len, hybrid.device, "on")
 
 

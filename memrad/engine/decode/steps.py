@@ -7,10 +7,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from collections import Counter
+
 from torch import nn
 
 from memrad.engine.decode import gemma_step, qwen3_next_step
 from memrad.engine.decode import step as llama_step
+from memrad.engine.model.hardware import Choice
+
+# What each layer kind of transformers' `layer_types` is on the step, for `describe`.
+_KIND_NAMES = {"full_attention": "full-attention", "sliding_attention": "sliding-window",
+               "linear_attention": "gated delta net (conv and recurrent state rewritten in place)"}
+
+
+def covered() -> tuple[str, ...]:
+    """The model classes some step covers."""
+    return (*llama_step._LLAMA_SHAPED, *gemma_step._GEMMA, *qwen3_next_step._QWEN3_NEXT)
 
 
 def support(model: nn.Module, context_len: int) -> str | None:
@@ -19,7 +31,25 @@ def support(model: nn.Module, context_len: int) -> str | None:
         return gemma_step.support(model, context_len)
     if qwen3_next_step.is_qwen3_next(model):
         return qwen3_next_step.support(model, context_len)
+    name = type(model).__name__
+    if name not in llama_step._LLAMA_SHAPED:
+        return f"{name} has no decode step (the steps cover {', '.join(covered())})"
     return llama_step.support(model, context_len)
+
+
+def describe(model: nn.Module, context_len: int) -> Choice:
+    """Which step decodes `model` and what its layers are on it (/health, `memrad status`):
+    value "llama", "gemma3", "qwen3-next", or "none" with the reason it has none."""
+    why_not = support(model, context_len)
+    if why_not is not None:
+        return Choice("none", why_not)
+    value = "gemma3" if gemma_step.is_gemma(model) else "qwen3-next" if qwen3_next_step.is_qwen3_next(model) else "llama"
+    config = model.config
+    kinds = Counter(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    layers = ", ".join(f"{count} {_KIND_NAMES.get(kind, kind)}" for kind, count in kinds.items())
+    experts = getattr(config, "num_experts", 0) or 0
+    moe = f"; experts: top {config.num_experts_per_tok} of {experts} per token" if experts else ""
+    return Choice(value, f"{type(model).__name__} layers on one graph: {layers}{moe}")
 
 
 def new_step(model: nn.Module, max_positions: int) -> nn.Module:
