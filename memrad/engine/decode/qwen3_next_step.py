@@ -123,9 +123,10 @@ class _Layer(nn.Module):
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.mlp = _Moe(layer.mlp) if hasattr(layer.mlp, "experts") else layer.mlp
 
-    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def state_shapes(self, dtype: torch.dtype, capacity: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of the conv and recurrent state a recurrent layer is handed, for a
-        model of `dtype`: as transformers' cache makes them (the recurrent state in float32)."""
+        model of `dtype`: as transformers' cache makes them (the recurrent state in float32;
+        memrad.engine.decode.package.example_buffers)."""
         net = self.mixer
         conv = (1, 2 * net.key_dim + net.value_dim, self.mixer.conv_weight.shape[-1])
         return [(conv, dtype), ((1, net.v_heads, net.k_dim, net.v_dim), torch.float32)]
