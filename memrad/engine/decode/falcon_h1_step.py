@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from memrad.engine.decode.mamba2 import Mamba2Mixer
-from memrad.engine.decode.step import attend, attention_shape, fuse, rope
+from memrad.engine.decode.step import attend, attention_shape, fuse, rope, rope_tables
 
 _FALCON_H1 = ("FalconH1ForCausalLM",)
 _STEP_IDS = itertools.count()
@@ -111,12 +111,9 @@ class FalconH1Step(nn.Module):
         self.embed, self.norm, self.head = body.embed_tokens, body.final_layernorm, model.lm_head
         self.embedding_multiplier, self.lm_head_multiplier = body.embedding_multiplier, body.lm_head_multiplier
         self.layers = nn.ModuleList(_Layer(layer, heads, kv_heads, head_dim) for layer in body.layers)
-        param = next(model.parameters())
-        positions = torch.arange(max_positions, device=param.device)[None]  # [1, P]
-        with torch.no_grad():  # rope tables, as transformers' rotary module computes them
-            cos, sin = body.rotary_emb(torch.zeros(1, dtype=param.dtype, device=param.device), positions)
-        self.register_buffer("cos", cos[0], persistent=False)  # [P, D]
-        self.register_buffer("sin", sin[0], persistent=False)
+        cos, sin = rope_tables(model, max_positions)
+        self.register_buffer("cos", cos, persistent=False)  # [P, D]
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
                 keys: list, values: list, owner: str, kernel: bool = False) -> torch.Tensor:

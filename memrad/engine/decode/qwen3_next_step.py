@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from memrad.engine.decode.gated_delta import GatedDeltaMixer
-from memrad.engine.decode.step import attend, attention_shape, fuse, rope
+from memrad.engine.decode.step import attend, attention_shape, fuse, rope, rope_tables
 
 _QWEN3_NEXT = ("Qwen3NextForCausalLM",)
 _LAYER_KINDS = ("linear_attention", "full_attention")
@@ -153,12 +153,9 @@ class Qwen3NextStep(nn.Module):
         heads, kv_heads, head_dim = attention_shape(config)
         self.embed, self.norm, self.head = body.embed_tokens, body.norm, model.lm_head
         self.layers = nn.ModuleList(_Layer(layer, heads, kv_heads, head_dim) for layer in body.layers)
-        param = next(model.parameters())
-        positions = torch.arange(max_positions, device=param.device)[None]  # [1, P]
-        with torch.no_grad():  # rope tables of the rotary dims, as transformers' rotary module computes them
-            cos, sin = body.rotary_emb(torch.zeros(1, dtype=param.dtype, device=param.device), positions)
-        self.register_buffer("cos", cos[0], persistent=False)  # [P, R]
-        self.register_buffer("sin", sin[0], persistent=False)
+        cos, sin = rope_tables(model, max_positions)
+        self.register_buffer("cos", cos, persistent=False)  # [P, R]
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool = False) -> torch.Tensor:
