@@ -23,7 +23,7 @@ SHAPE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 # a quarter of each head rotated, delta nets of 16 key / 32 value heads of 128, 512 experts
 # (10 routed + 1 shared per token, 512 wide). Scaled: 12 layers of hidden 1024, 8 query
 # heads, delta nets of 8 key / 16 value heads, 16 experts (4 routed + the shared one):
-# ~200M parameters, ~90M of them run per token.
+# ~520M parameters (most in the experts), ~250M of them run per token.
 NAMED_SHAPES = {
     "qwen3-next": {
         "model_type": "qwen3_next", "hidden_size": 1024, "num_hidden_layers": 12, "full_attention_interval": 4,
@@ -33,6 +33,16 @@ NAMED_SHAPES = {
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 16, "num_experts_per_tok": 4,
         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "intermediate_size": 3072,
         "norm_topk_prob": True, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+    },
+    # A 0.5B-class FalconH1 (Falcon-H1-0.5B's widths as remembered from its published config;
+    # not checked against the file, which this machine cannot fetch): 36 layers of Mamba-2 (24 heads of 64, state 128, one group)
+    # beside attention (8 heads of 64 over 2 KV heads), hidden 1024, MLP 2048; muP multipliers
+    # left at transformers' defaults (they cost nothing).
+    "falcon-h1": {
+        "model_type": "falcon_h1", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 36,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "mamba_d_ssm": 1536,
+        "mamba_n_heads": 24, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False,
     },
 }
 
