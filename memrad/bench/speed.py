@@ -325,7 +325,7 @@ def _random_model(args: argparse.Namespace) -> int:
     if args.random_like in NAMED_SHAPES:  # the default model's tokenizer and chat template
         _, tokens = resolve_model_folder("default", print)
         write_named_shape(args.random_like, tokens, args.out, args.seed)
-        print(f"wrote {args.out}: {args.random_like} scaled down (memrad.engine.model.random_model), random weights "
+        print(f"wrote {args.out}: the {args.random_like} shape (memrad.engine.model.random_model), random weights "
               f"(seed {args.seed}), bfloat16, the tokenizer of {tokens.name}")
         return 0
     _, source = resolve_model_folder(args.random_like, print)
