@@ -26,7 +26,7 @@ from memrad.engine.decode.qwen3_next_step import Qwen3NextStep
 from memrad.engine.engine import Engine
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
-from memrad.engine.state.snapshot import Snapshot
+from memrad.engine.state.snapshot import Snapshot, state_bytes
 from test_reuse import conversation
 from stories import make_engine
 
@@ -146,3 +146,17 @@ def test_the_compiled_hybrid_step_decodes_as_the_eager_one_and_resumes_bit_ident
         warm, cold = row["warm_state"], row["cold_state"]
         assert warm.generated_ids == cold.generated_ids and len(warm.generated_ids) > 1
         assert torch.equal(warm.prompt_logits, cold.prompt_logits)
+
+
+def test_a_falcon_h1_state_counts_its_rows_and_its_recurrent_state(tiny_dir):
+    loaded = fresh(tiny_dir, "falcon_h1")
+    cache = Engine(loaded, 16, 1).new_cache()
+    prefill(loaded.model, cache, PROMPT, 0, 16)
+    rows = sum(layer.slab.high_water * layer.slab.bytes_per_row for layer in cache.layers)
+    recurrent = sum(t.numel() * t.element_size() for pair in states(cache.layers) for t in pair)
+    assert rows == 2 * len(PROMPT) * 2 * (2 * 16) * 4  # layers x rows x (K + V) x (2 KV heads x 16) x fp32
+    assert state_bytes([Snapshot.adopt(cache, len(PROMPT))]) == rows + recurrent
+    fork = cache.layers[0].copied(len(PROMPT))  # a fork keeps its own copy of the state with the rows
+    assert type(fork).__name__ == "HybridSlabLayer" and fork.slab is not cache.layers[0].slab
+    assert torch.equal(fork.recurrent_states[0], cache.layers[0].recurrent_states[0])
+    assert fork.recurrent_states[0].data_ptr() != cache.layers[0].recurrent_states[0].data_ptr()
