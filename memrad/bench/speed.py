@@ -5,6 +5,7 @@
     memrad bench speed --floor 514:254 2426:232          # the floor of resumed turns
     memrad bench speed --kv-layout                       # torch.cat vs in-place KV, grouped SDPA
     memrad bench speed --random-like default --out DIR [--shape-only]   # a random-weight model
+    memrad bench speed --random-like qwen3-next --out DIR   # a hybrid shape (NAMED_SHAPES), scaled down
     memrad bench speed --startup                         # daemon start: ready and compiled times
     memrad bench speed --arms int4:bfloat16:compiled --prefill 8192 16384 32768 \
         --resume-after 8192 20480 --decode-at 16384      # agent-sized contexts (yarn x4 past 8k)
@@ -37,7 +38,7 @@ from pathlib import Path
 from memrad.bench.daemons import Daemon
 from memrad.engine.model.hardware import native_bf16
 from memrad.engine.model.loader import load_model, resolve_model_folder, resolve_threads
-from memrad.engine.model.random_model import copy_shape, write_random_model
+from memrad.engine.model.random_model import NAMED_SHAPES, copy_shape, write_named_shape, write_random_model
 from memrad.engine.timing import (DECODES, Arm, Turn, current_rss_bytes, decode_bytes_per_token, kv_bytes_per_token,
                                  median_s, memory_bandwidth_bytes_s, model_bytes)
 
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every step")
     parser.add_argument("--floor", nargs="+", type=pair, metavar="CONTEXT:SUFFIX")
     parser.add_argument("--kv-layout", action="store_true")
-    parser.add_argument("--random-like", help="write a random-weight model shaped like this (`default` or a folder)")
+    parser.add_argument("--random-like", help="write a random-weight model shaped like this (`default`, a folder, "
+                                              f"or a hybrid shape: {', '.join(NAMED_SHAPES)})")
     parser.add_argument("--out", type=Path, help="where --random-like writes")
     parser.add_argument("--shape-only", action="store_true", help="--random-like: config and tokenizer only")
     parser.add_argument("--seed", type=int, default=0)
@@ -325,6 +327,12 @@ def _kv_layout(args: argparse.Namespace, threads: int) -> int:
 def _random_model(args: argparse.Namespace) -> int:
     if args.out is None:
         raise SystemExit("--random-like needs --out DIR")
+    if args.random_like in NAMED_SHAPES:  # the default model's tokenizer and chat template
+        _, tokens = resolve_model_folder("default", print)
+        write_named_shape(args.random_like, tokens, args.out, args.seed)
+        print(f"wrote {args.out}: the {args.random_like} shape (memrad.engine.model.random_model), random weights "
+              f"(seed {args.seed}), bfloat16, the tokenizer of {tokens.name}")
+        return 0
     _, source = resolve_model_folder(args.random_like, print)
     if args.shape_only:
         print(f"copied {', '.join(copy_shape(source, args.out))} from {source} to {args.out}")

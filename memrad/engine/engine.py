@@ -34,8 +34,10 @@ from memrad.chat.chat import Chat
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.batch import BatchStep
 from memrad.engine.decode.decoder import Decoder
+from memrad.engine.decode.steps import describe as describe_step
 from memrad.engine.flight import Flight, Sampling
 from memrad.engine.forward import prefill_spans
+from memrad.engine.model.hardware import Choice
 from memrad.engine.model.loader import LoadedModel
 from memrad.engine.parking import NoParking, Parking, Prefilled, Publisher, essential
 from memrad.engine.sampling import Shaper, sample, shapes
@@ -117,6 +119,9 @@ class Engine:
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
         self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile, step_package.Recipe(
             str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len), exact=mode == "exact")
+        # Which step that is (llama-shaped, Gemma 3, Qwen3-Next) and its layers; none where transformers decodes.
+        self.step_choice = (Choice("none", self.decoder.choice.reason) if self.decoder.step is None
+                            else describe_step(loaded.model, loaded.context_len))
         # Control-socket events (memrad.protocol records); published on the engine thread.
         self.events = events if events is not None else Publisher()
         # pool None: reuse disabled, nothing is parked or resumed. disk None: evicted state is dropped.
@@ -140,6 +145,7 @@ class Engine:
                 "weights": {"value": loaded.weights_name, "reason": loaded.weights.reason},
                 "tensors": {"value": loaded.tensors.value, "reason": loaded.tensors.reason},
                 "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason},
+                "step": {"value": self.step_choice.value, "reason": self.step_choice.reason},
                 "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()},
                 "batch": self._batch_choice()}
 

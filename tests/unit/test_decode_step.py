@@ -14,7 +14,8 @@ from torch.nn import functional as F
 
 from memrad.engine.decode import step as decode_step
 from memrad.engine.decode import decoder as decoder_module
-from memrad.engine.decode.step import SPLIT_ROWS, DecodeStep, attend, support
+from memrad.engine.decode import steps
+from memrad.engine.decode.step import SPLIT_ROWS, DecodeStep, attend
 from memrad.engine.decode.decoder import CompileFailed, Decoder
 from memrad.engine.engine import Engine
 from memrad.engine.forward import decode_one_token, prefill
@@ -75,14 +76,15 @@ def test_split_attention_equals_plain_attention(rows):
 
 
 def test_models_the_step_does_not_cover_keep_transformers_forward_and_say_why(tiny_dir):
-    hybrid = fresh(tiny_dir("qwen3_next"))
-    reason = support(hybrid.model, hybrid.context_len)
-    assert reason == ("Qwen3NextForCausalLM is not llama-shaped "
-                      "(the step covers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
-    chosen = Decoder(hybrid.model, hybrid.context_len, hybrid.device, "auto")
+    dense = fresh(tiny_dir("qwen3"))
+    reason = steps.support(dense.model, dense.context_len)
+    assert reason == ("Qwen3ForCausalLM has no decode step (the steps cover LlamaForCausalLM, MistralForCausalLM, "
+                      "Qwen2ForCausalLM, Gemma3ForCausalLM, Qwen3NextForCausalLM, FalconH1ForCausalLM)")
+    chosen = Decoder(dense.model, dense.context_len, dense.device, "auto")
     assert (chosen.choice.value, chosen.choice.reason) == ("transformers", reason)
-    with pytest.raises(CompileFailed, match="compile = on, but Qwen3NextForCausalLM is not llama-shaped"):
-        Decoder(hybrid.model, hybrid.context_len, hybrid.device, "on")
+    assert Engine(dense, 16, 1).runtime_choices["step"] == {"value": "none", "reason": reason}
+    with pytest.raises(CompileFailed, match="compile = on, but Qwen3ForCausalLM has no decode step"):
+        Decoder(dense.model, dense.context_len, dense.device, "on")
 
 
 def test_without_a_cxx_compiler_auto_stays_eager_and_on_refuses(tiny_llama_dir, monkeypatch):

@@ -50,17 +50,21 @@ def test_crop_shortens_the_view_and_a_full_buffer_grows_keeping_every_row():
         layer.crop(3)
 
 
-def test_install_swaps_plain_and_sliding_attention_layers_and_nothing_else():
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+def test_install_swaps_each_layer_kind_for_its_in_place_form_and_leaves_the_rest():
+    from transformers.cache_utils import (DummyLayer, DynamicLayer, DynamicSlidingWindowLayer,
+                                          LinearAttentionAndFullAttentionLayer, LinearAttentionLayer)
 
+    from memrad.engine.state.recurrent import HybridSlabLayer, RecurrentLayer
     from memrad.engine.state.window import WindowLayer
 
     class FakeCache:
-        layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=8), LinearAttentionLayer(), DynamicLayer()]
+        layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=8), LinearAttentionLayer(),
+                  LinearAttentionAndFullAttentionLayer(), DummyLayer(), DynamicLayer()]
 
     cache = install(FakeCache(), 128)
-    assert [type(layer) for layer in cache.layers] == [SlabLayer, WindowLayer, LinearAttentionLayer, SlabLayer]
-    assert cache.layers[1].sliding_window == 8
+    assert [type(layer) for layer in cache.layers] == [SlabLayer, WindowLayer, RecurrentLayer, HybridSlabLayer,
+                                                       DummyLayer, SlabLayer]
+    assert cache.layers[1].sliding_window == 8 and cache.layers[3].capacity == 128
 
 
 def _resident_bytes() -> int:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from memrad.engine.decode import cpu_attention
 from memrad.engine.decode import step as decode_step
@@ -336,7 +337,7 @@ class Decoder:
                 return decode_one_token(self.model, cache, token_id, position)
             layers = cache.layers
             buffers = [layer.step_buffers(position) for layer in layers]
-            device = buffers[0][0].device
+            device = tree_leaves(buffers[0])[0].device  # a layer may hand pairs (FalconH1)
             logits = step(torch.tensor([token_id], device=device), torch.tensor([position], device=device),
                           attended_rows(position + 1, device), [k for k, _ in buffers], [v for _, v in buffers],
                           self.eager.owner, kernel)

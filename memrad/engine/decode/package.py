@@ -49,13 +49,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from memrad.engine.decode import cpu_attention
-from memrad.engine.decode import gemma_step, steps
+from memrad.engine.decode import falcon_h1_step, gated_delta, gemma_step, mamba2, qwen3_next_step, steps
 from memrad.engine.decode import step as decode_step
 from memrad.engine.model import quant
 from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS
+from memrad.engine.state import recurrent as recurrent_state
 from memrad.engine.state import window as window_state
 from memrad.engine.state.window import buffer_rows
 from memrad.faultpoint import kill_point
@@ -110,7 +112,8 @@ class PackagedStep:
         # A full-attention layer's slab: its rows are the capacity the graphs were made for;
         # a sliding layer's buffer: its rows are fixed (buffer_rows), checked all the same.
         windows = steps.windows(eager)
-        self._slab = next((i for i, window in enumerate(windows) if window is None), None)
+        self._slab = next((i for i, (window, state) in enumerate(zip(windows, steps.recurrent(eager)))
+                           if window is None and not state), None)
         self._window = next(((i, buffer_rows(w)) for i, w in enumerate(windows) if w is not None), None)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
@@ -124,7 +127,8 @@ class PackagedStep:
             grown = grown or keys[at].stride(1) != buffer * keys[at].shape[3]
         if runner is None or grown:  # outside the ranges, a grown slab
             return self.eager(token, position, rows, keys, values, owner, kernel)
-        return runner.boxed_run([token, position, rows, *keys, *values])[0]  # logits [V]
+        # The graph's inputs are the leaves in order (a layer may hand a pair of tensors: FalconH1).
+        return runner.boxed_run(tree_leaves([token, position, rows, keys, values]))[0]  # logits [V]
 
 
 def load(step: DecodeStep, capacity: int, kernel: bool, path: Path) -> PackagedStep:
@@ -169,8 +173,11 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
         window = [w for w in steps.windows(step) if w is not None]
         # The window views' rows: their own symbol (min(position + 1, W)), shared by every sliding layer.
         rows_of_window = torch.export.Dim(f"window_{graph}", min=2, max=window[0]) if window else None
-        per_layer = [{2: rows_of_window} if w is not None else {} for w in steps.windows(step)]
-        dims = ({}, {}, {0: torch.export.Dim(f"length_{graph}", min=low, max=high)}, per_layer, per_layer)
+        per_layer = [{2: rows_of_window} if w is not None else None for w in steps.windows(step)]
+        # A layer handed a pair of tensors (FalconH1) has static sizes: one None per tensor.
+        key_dims, value_dims = ([(None,) * len(b) if isinstance(b, tuple) else dim for b, dim in zip(buffers, per_layer)]
+                                for buffers in (keys, values))
+        dims = ({}, {}, {0: torch.export.Dim(f"length_{graph}", min=low, max=high)}, key_dims, value_dims)
         with torch.no_grad():
             program = torch.export.export(exported, args, dynamic_shapes=dims, strict=False)
         compiled = aot_compile(program.module(check_guards=False), *program.example_inputs, options=_AOTI_OPTIONS)
@@ -203,6 +210,7 @@ def example_buffers(step: Any, config: Any, capacity: int, length: int, make: An
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Keys and values as the step is handed them at attended `length`: a slab of `capacity`
     rows per full-attention layer, a window view per sliding one (memrad.engine.state.window),
+    a recurrent layer's conv and recurrent state (memrad.engine.state.recurrent), all
     made by `make(shape, dtype, device)`; and the window views (their rows are symbolic). A
     view's example rows differ from `length` (3 if it is 2, else 2) so that export never takes
     the two sizes for one; a view is cut from a buffer of the window's real rows, since the
@@ -210,8 +218,11 @@ def example_buffers(step: Any, config: Any, capacity: int, length: int, make: An
     kv_heads, head_dim = steps.kv_shape(config)
     param = _param(step)
     keys, values, windowed = [], [], []
-    for window in steps.windows(step):
-        if window is None:
+    for layer, window, state in zip(step.layers, steps.windows(step), steps.recurrent(step)):
+        if state:  # a spec per argument: (shape, dtype), or a list of them for a pair (FalconH1)
+            pair = [tuple(make(*one, param.device) for one in spec) if isinstance(spec, list)
+                    else make(*spec, param.device) for spec in layer.state_shapes(param.dtype, capacity)]
+        elif window is None:
             pair = [make((1, kv_heads, capacity, head_dim), param.dtype, param.device) for _ in range(2)]
         else:
             rows = 3 if length == 2 else 2
@@ -366,7 +377,8 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool) -> str:
     kernel_source = [cpu_attention.__file__, cpu_attention.SOURCE] if kernel else []
     # window_state: the window views' strides (buffer_rows) are compiled in.
     for source in (decode_step.__file__, gemma_step.__file__, window_state.__file__, quant.__file__, __file__,
-                   *kernel_source):
+                   qwen3_next_step.__file__, gated_delta.__file__, falcon_h1_step.__file__, mamba2.__file__,
+                   recurrent_state.__file__, *kernel_source):
         digest.update(Path(source).read_bytes())
     for name, module in step.named_modules():
         digest.update(f"{name} {type(module).__module__}.{type(module).__qualname__}\n".encode())

@@ -218,13 +218,9 @@ class DecodeStep(nn.Module):
         heads, kv_heads, head_dim = attention_shape(config)
         self.embed, self.norm, self.head = body.embed_tokens, body.norm, model.lm_head
         self.layers = nn.ModuleList(_Layer(layer, heads, kv_heads, head_dim) for layer in body.layers)
-        # Rope tables for every position, as transformers' rotary module computes them.
-        param = next(model.parameters())
-        positions = torch.arange(max_positions, device=param.device)[None]  # [1, P]
-        with torch.no_grad():
-            cos, sin = body.rotary_emb(torch.zeros(1, dtype=param.dtype, device=param.device), positions)
-        self.register_buffer("cos", cos[0], persistent=False)  # [P, D]
-        self.register_buffer("sin", sin[0], persistent=False)
+        cos, sin = rope_tables(model, max_positions)
+        self.register_buffer("cos", cos, persistent=False)  # [P, D]
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool = False) -> torch.Tensor:
@@ -243,6 +239,16 @@ class DecodeStep(nn.Module):
         for layer, key_rows, value_rows in zip(self.layers, keys, values):
             x = layer(x, cos, sin, position, length, key_rows, value_rows, kernel)
         return self.head(self.norm(x)).view(-1)
+
+
+def rope_tables(model: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [P, D] for every position, as the model's rotary module computes them (D: the
+    rotated dims, fewer than the head's where the model rotates part of it)."""
+    param = next(model.parameters())
+    positions = torch.arange(max_positions, device=param.device)[None]  # [1, P]
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=param.dtype, device=param.device), positions)
+    return cos[0], sin[0]
 
 
 def attended_rows(length: int, device: torch.device) -> torch.Tensor:

@@ -1,34 +1,84 @@
-"""Which one-token step a model decodes with: Gemma 3's (memrad.engine.decode.gemma_step) or
-the llama-shaped one (memrad.engine.decode.step). Both are called alike; the decoder
-(memrad.engine.decode.decoder) and the package (memrad.engine.decode.package) ask here."""
+"""Which one-token step a model decodes with: Gemma 3's (memrad.engine.decode.gemma_step),
+Qwen3-Next's (memrad.engine.decode.qwen3_next_step), FalconH1's
+(memrad.engine.decode.falcon_h1_step) or the llama-shaped one
+(memrad.engine.decode.step). All are called alike; the decoder (memrad.engine.decode.decoder)
+and the package (memrad.engine.decode.package) ask here."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from collections import Counter
+
 from torch import nn
 
-from memrad.engine.decode import gemma_step
+from memrad.engine.decode import falcon_h1_step, gemma_step, qwen3_next_step
 from memrad.engine.decode import step as llama_step
+from memrad.engine.model.hardware import Choice
+
+# What each layer kind of transformers' `layer_types` is on the step, for `describe`.
+_KIND_NAMES = {"full_attention": "full-attention", "sliding_attention": "sliding-window",
+               "linear_attention": "gated delta net (conv and recurrent state rewritten in place)"}
+
+
+def covered() -> tuple[str, ...]:
+    """The model classes some step covers."""
+    return (*llama_step._LLAMA_SHAPED, *gemma_step._GEMMA, *qwen3_next_step._QWEN3_NEXT, *falcon_h1_step._FALCON_H1)
 
 
 def support(model: nn.Module, context_len: int) -> str | None:
     """None if a step computes `model`'s decode, else why not (a log and /health reason)."""
     if gemma_step.is_gemma(model):
         return gemma_step.support(model, context_len)
+    if qwen3_next_step.is_qwen3_next(model):
+        return qwen3_next_step.support(model, context_len)
+    if falcon_h1_step.is_falcon_h1(model):
+        return falcon_h1_step.support(model, context_len)
+    name = type(model).__name__
+    if name not in llama_step._LLAMA_SHAPED:
+        return f"{name} has no decode step (the steps cover {', '.join(covered())})"
     return llama_step.support(model, context_len)
+
+
+def describe(model: nn.Module, context_len: int) -> Choice:
+    """Which step decodes `model` and what its layers are on it (/health, `memrad status`):
+    value "llama", "gemma3", "qwen3-next", "falcon-h1", or "none" with the reason it has none."""
+    why_not = support(model, context_len)
+    if why_not is not None:
+        return Choice("none", why_not)
+    config = model.config
+    if falcon_h1_step.is_falcon_h1(model):
+        return Choice("falcon-h1", f"{type(model).__name__} layers on one graph: {config.num_hidden_layers} Mamba-2 "
+                                   "beside full attention (conv and SSM state rewritten in place)")
+    value = "gemma3" if gemma_step.is_gemma(model) else "qwen3-next" if qwen3_next_step.is_qwen3_next(model) else "llama"
+    kinds = Counter(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    layers = ", ".join(f"{count} {_KIND_NAMES.get(kind, kind)}" for kind, count in kinds.items())
+    experts = getattr(config, "num_experts", 0) or 0
+    moe = f"; experts: top {config.num_experts_per_tok} of {experts} per token" if experts else ""
+    return Choice(value, f"{type(model).__name__} layers on one graph: {layers}{moe}")
 
 
 def new_step(model: nn.Module, max_positions: int) -> nn.Module:
     """The step for a model `support` accepts."""
     if gemma_step.is_gemma(model):
         return gemma_step.GemmaStep(model, max_positions)
+    if qwen3_next_step.is_qwen3_next(model):
+        return qwen3_next_step.Qwen3NextStep(model, max_positions)
+    if falcon_h1_step.is_falcon_h1(model):
+        return falcon_h1_step.FalconH1Step(model, max_positions)
     return llama_step.DecodeStep(model, max_positions)
 
 
 def windows(step: Any) -> list[int | None]:
-    """Each layer's sliding window (None: full attention, a slab of the context)."""
+    """Each layer's sliding window (None: full attention, a slab of the context; or a
+    recurrent layer, see `recurrent`)."""
     return [getattr(layer, "window", None) for layer in step.layers]
+
+
+def recurrent(step: Any) -> list[bool]:
+    """Which layers hand the step recurrent state (memrad.engine.state.recurrent) as their
+    keys and values, not plain attention rows (FalconH1's: a pair of slabs, a pair of states)."""
+    return [getattr(layer, "recurrent", False) for layer in step.layers]
 
 
 def kv_shape(config: Any) -> tuple[int, int]:

@@ -41,6 +41,7 @@ import xxhash
 
 from memrad.engine.model.context import rope_key
 from memrad.engine.state.kv import SlabLayer
+from memrad.engine.state.recurrent import HybridSlabLayer
 from memrad.faultpoint import kill_point
 from memrad.private import FILE_MODE
 from memrad.engine.state.sessionfile import (FORMAT, Header, Unusable, file_name, header_checksum, is_stray_temp,
@@ -97,11 +98,13 @@ def _layer_entries(prefix: str, layer: Any, final: Any) -> tuple[dict, dict[str,
     """One layer as (JSON description, tensors). Raises Unusable for what it cannot store."""
     if isinstance(layer, SlabLayer):
         shared = final is not None and layer.slab is final.slab
-        desc = {"kind": "SlabLayer", "length": layer.length, "shared": shared}
+        desc = {"kind": type(layer).__name__, "length": layer.length, "shared": shared}
+        tensors = {}
+        if isinstance(layer, HybridSlabLayer):  # its recurrent state beside the rows
+            desc["linear"], tensors = _state_entries(prefix, layer)
         if shared or not layer.is_initialized:
-            return desc, {}
-        return desc, {f"{prefix}.keys": _owned(layer.keys),
-                      f"{prefix}.values": _owned(layer.values)}
+            return desc, tensors
+        return desc, {**tensors, f"{prefix}.keys": _owned(layer.keys), f"{prefix}.values": _owned(layer.values)}
     if isinstance(layer, WindowLayer):
         desc = {"kind": "WindowLayer", "length": layer.cumulative_length, "initialized": layer.is_initialized}
         if not layer.is_initialized:
@@ -130,12 +133,17 @@ def _layer_entries(prefix: str, layer: Any, final: Any) -> tuple[dict, dict[str,
 
 def _restore_layer(prefix: str, desc: dict, blank: Any, final: Any, tensors: dict[str, torch.Tensor],
                    device: torch.device) -> Any:
-    if desc["kind"] == "SlabLayer":
+    if desc["kind"] in ("SlabLayer", "HybridSlabLayer"):
+        if type(blank).__name__ != desc["kind"]:
+            raise Unusable(f"layer {prefix} was a {desc['kind']}, this model builds a {type(blank).__name__}")
+        out = blank
         if desc["shared"]:
-            return final.rewound(desc["length"]) if final is not None else blank
-        if f"{prefix}.keys" in tensors:
+            out = final.rewound(desc["length"]) if final is not None else blank
+        elif f"{prefix}.keys" in tensors:
             blank.update(tensors[f"{prefix}.keys"].to(device), tensors[f"{prefix}.values"].to(device))
-        return blank
+        if "linear" in desc:
+            _restore_state(prefix, desc["linear"], out, tensors, device)
+        return out
     if desc["kind"] == "WindowLayer" and isinstance(blank, WindowLayer):
         if desc["initialized"]:
             blank.restore(tensors[f"{prefix}.keys"].to(device), tensors[f"{prefix}.values"].to(device), desc["length"])
@@ -158,6 +166,27 @@ def _restore_layer(prefix: str, desc: dict, blank: Any, final: Any, tensors: dic
         if head == prefix:
             setattr(blank, name, t.to(device))
     return blank
+
+
+_STATE_DICTS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
+                "has_previous_state", "conv_kernel_size")
+
+
+def _state_entries(prefix: str, layer: Any) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A HybridSlabLayer's recurrent state as (JSON description, tensors)."""
+    desc = {name: {str(k): "tensor" if isinstance(v, torch.Tensor) else v for k, v in getattr(layer, name).items()}
+            for name in _STATE_DICTS}
+    tensors = {f"{prefix}.{name}.{k}": _owned(v) for name in _STATE_DICTS
+               for k, v in getattr(layer, name).items() if isinstance(v, torch.Tensor)}
+    return desc, tensors
+
+
+def _restore_state(prefix: str, desc: dict, layer: Any, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    for name, entries in desc.items():
+        setattr(layer, name, {int(k): tensors[f"{prefix}.{name}.{k}"].to(device) if v == "tensor" else v
+                              for k, v in entries.items()})
+    state = next((t for t in layer.conv_states.values() if t is not None), None)
+    layer.device, layer.dtype = device, None if state is None else state.dtype
 
 
 @dataclass(frozen=True, slots=True)

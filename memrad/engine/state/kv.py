@@ -169,10 +169,14 @@ class SlabLayer(DynamicLayer):
 
 
 def install(cache, capacity: int):
-    """Swap `cache`'s plain full-attention layers for SlabLayers and its sliding-window layers
-    for WindowLayers (memrad.engine.state.window); returns `cache`."""
-    from transformers.cache_utils import DynamicSlidingWindowLayer
+    """Swap `cache`'s plain full-attention layers for SlabLayers, its sliding-window layers
+    for WindowLayers (memrad.engine.state.window), its linear-attention layers for
+    RecurrentLayers and its linear-beside-full-attention layers for HybridSlabLayers
+    (memrad.engine.state.recurrent); returns `cache`."""
+    from transformers.cache_utils import (DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer,
+                                          LinearAttentionLayer)
 
+    from memrad.engine.state.recurrent import HybridSlabLayer, RecurrentLayer
     from memrad.engine.state.window import WindowLayer
 
     def in_place(layer):
@@ -180,6 +184,10 @@ def install(cache, capacity: int):
             return SlabLayer(capacity)
         if type(layer) is DynamicSlidingWindowLayer:
             return WindowLayer(layer.sliding_window)
+        if type(layer) is LinearAttentionLayer:
+            return RecurrentLayer(layer.number_of_states)
+        if type(layer) is LinearAttentionAndFullAttentionLayer:
+            return HybridSlabLayer(capacity, layer.number_of_states)
         return layer
 
     cache.layers = [in_place(layer) for layer in cache.layers]
@@ -188,7 +196,7 @@ def install(cache, capacity: int):
 
 def all_slabs(cache) -> bool:
     """Whether every layer of `cache` is an initialised in-place layer (SlabLayer,
-    WindowLayer): what the decode step needs."""
+    WindowLayer, RecurrentLayer, HybridSlabLayer): what the decode step needs."""
     return all(getattr(layer, "steps_in_place", False) and layer.is_initialized for layer in cache.layers)
 
 

@@ -164,6 +164,13 @@ def _tensors(layer: Any) -> list[torch.Tensor]:
     return found
 
 
+class _LinearPart:
+    """The recurrent state of a layer that also holds slab rows, for `_tensors`."""
+
+    def __init__(self, layer: Any) -> None:
+        self.conv_states, self.recurrent_states = layer.conv_states, layer.recurrent_states
+
+
 def state_bytes(snapshots: list[Snapshot]) -> int:
     """Bytes of the distinct storages the snapshots hold (shared views count once).
 
@@ -176,7 +183,9 @@ def state_bytes(snapshots: list[Snapshot]) -> int:
             if isinstance(layer, (SlabLayer, WindowLayer)):
                 key, num_bytes = resident_bytes(layer)
                 seen[key] = num_bytes
-                continue
+                if not _is_linear(layer):  # a HybridSlabLayer also holds recurrent state
+                    continue
+                layer = _LinearPart(layer)
             for t in _tensors(layer):
                 storage = t.untyped_storage()
                 seen[storage.data_ptr()] = storage.nbytes()
