@@ -53,6 +53,7 @@ class ModelSettings:
 class EngineSettings:
     prefill_chunk: int = _key(256, "MEMRA_PREFILL_CHUNK")
     compile: str = _key("auto", "MEMRA_COMPILE")
+    prefill_attention: str = _key("auto", "MEMRA_PREFILL_ATTENTION")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,7 @@ _CHOICES = {
     "log.level": ("debug", "info", "warning", "error"),
     "reuse.mode": ("exact", "fast"),
     "engine.compile": ("auto", "on", "off"),
+    "engine.prefill_attention": ("auto", "torch"),
 }
 _MINIMUM = {
     "server.port": 0,
