@@ -496,14 +496,11 @@ def _build_attention_kernel() -> None:
 def _build_prefill_kernel() -> None:
     """Build the prefill-attention kernel now where the CPU can run it (AMX), so a first start
     does not build it before it serves (the model's attention is chosen at load)."""
-    import torch
-
     from memrad.engine import prefill_attention
     from memrad.engine.decode import cpu_attention
 
     compiler = cpu_attention.cxx_compiler()
-    amx = getattr(torch.cpu, "get_capabilities", dict)().get("amx_bf16")
-    if not amx or compiler is None or cpu_attention.library_path(compiler, prefill_attention.SOURCE).exists():
+    if not prefill_attention.has_amx() or compiler is None or cpu_attention.library_path(compiler, prefill_attention.SOURCE).exists():
         return
     print("building the CPU prefill-attention kernel (once per machine and torch) ...")
     why_not = prefill_attention.load()

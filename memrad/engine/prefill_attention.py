@@ -88,6 +88,12 @@ def install(model, mode: str = "auto") -> Choice:
     return choice
 
 
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles for bf16, as torch reports it (the kernel multiplies on them)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("amx_bf16"))
+
+
 def _why_not(model) -> str | None:
     """Why memra's kernel cannot serve this model here, or None."""
     from memrad.engine.model.hardware import native_bf16
@@ -97,8 +103,7 @@ def _why_not(model) -> str | None:
         return f"torch's attention on {model.device.type}"
     if model.dtype != torch.bfloat16:
         return f"the activations are {str(model.dtype).removeprefix('torch.')} (the kernel multiplies bf16)"
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    if not caps.get("amx_bf16"):
+    if not has_amx():
         return "the CPU has no AMX tiles (the kernel multiplies on them)"
     bf16 = native_bf16()
     if bf16.value != "yes":

@@ -18,7 +18,7 @@ from memrad.engine.model.loader import load_model
 from memrad.engine.state.disk import state_format
 from tiny import build_tokenizer
 
-AMX = bool(getattr(torch.cpu, "get_capabilities", dict)().get("amx_bf16"))
+AMX = prefill_attention.has_amx()
 needs_kernel = pytest.mark.skipif(not AMX or prefill_attention.load() is not None,
                                   reason="the kernel runs on AMX tiles and is built with a C++ compiler")
 
