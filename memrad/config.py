@@ -56,6 +56,7 @@ class EngineSettings:
     compile: str = _key("auto", "MEMRA_COMPILE")
     prefill_budget: int = _key(0, "MEMRA_PREFILL_BUDGET")
     batch_decode: str = _key("rows", "MEMRA_BATCH_DECODE")
+    prefill_attention: str = _key("auto", "MEMRA_PREFILL_ATTENTION")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +146,7 @@ _CHOICES = {
     "reuse.mode": ("exact", "fast"),
     "engine.compile": ("auto", "on", "off"),
     "engine.batch_decode": ("batched", "rows"),
+    "engine.prefill_attention": ("auto", "torch"),
 }
 _MINIMUM = {
     "server.port": 0,

@@ -8,7 +8,9 @@
     memrad bench speed --random-like qwen3-next --out DIR   # a hybrid shape (NAMED_SHAPES), scaled down
     memrad bench speed --startup                         # daemon start: ready and compiled times
     memrad bench speed --arms int4:bfloat16:compiled --prefill 8192 16384 32768 \
-        --resume-after 8192 20480 --decode-at 16384      # agent-sized contexts (yarn x4 past 8k)
+        --resume-after 8192 20480 --decode-at 16384 32768 --peer LLAMA_BENCH --gguf GGUF
+                                                         # agent-sized contexts (yarn x4 past 8k)
+    memrad bench speed --prefill-attention torch ...     # the same with torch's SDPA in prefill
     memrad bench speed --grammar                         # decode with a JSON-schema / tool grammar
 
 Per arm, in one process: cold prefill tok/s at each --prefill length (one grid prefill of the
@@ -86,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suffix", type=int, default=256, help="resumed suffix primed after the longest prefill")
     parser.add_argument("--resume-after", nargs="+", type=int,
                         help="prime the suffix after each of these prefixes (default: the longest prefill)")
+    parser.add_argument("--prefill-attention", choices=("auto", "torch"), default="auto",
+                        help="engine.prefill_attention for every arm: auto (memra's kernel where it runs) or torch")
     parser.add_argument("--context", type=int, default=0,
                         help="the context served (model.context; 0: the model's default, 32768 for `default`)")
     parser.add_argument("--decode-steps", type=int, default=32)
@@ -137,7 +141,7 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
         weights, dtype, decode = arm_spec(spec)
         rss, started = current_rss_bytes(), time.perf_counter()
         loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights,
-                            context=args.context)
+                            context=args.context, prefill_attention=args.prefill_attention)
         loads[spec] = (time.perf_counter() - started, current_rss_bytes() - rss)
         arms.append(Arm(spec, loaded, args.chunk, threads, decode))
     rng = random.Random(0)
@@ -166,7 +170,7 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
                 else:
                     row[f"decode at {at} tok/s"].append(arm.decode_rate(cache, at, args.decode_steps))
         if args.peer is not None:
-            for key, value in _llama_bench(args, threads, marks).items():
+            for key, value in _llama_bench(args, threads, marks, resumes).items():
                 peer_cells.setdefault(key, []).append(value)
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
     _report(args, threads, arms, cells, peer_cells, loads)
@@ -193,6 +197,7 @@ def _report(args, threads, arms, cells, peer_cells, loads) -> None:
     print(f"\nmodel={args.model} context={served.num_tokens} ({served.describe()}) threads={threads} "
           f"reps={args.reps} chunk={args.chunk} (medians, interleaved)")
     print(f"cpu={_cpu_name()} bf16: {native_bf16().reason}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"prefill attention: {arms[0].loaded.attention.value} ({arms[0].loaded.attention.reason})")
     names = [arm.name for arm in arms]
     base = names[-1]
     header = "| measure | " + " | ".join(names) + (" | llama.cpp |" if peer_cells else " |")
@@ -245,8 +250,11 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def _llama_bench(args: argparse.Namespace, threads: int, marks: list[int]) -> dict[str, float]:
-    """One repetition of llama-bench on the same GGUF: prefill at each mark, decode at depths."""
+def _llama_bench(args: argparse.Namespace, threads: int, marks: list[int], resumes: list[int]) -> dict[str, float]:
+    """One repetition of llama-bench on the same GGUF: prefill at each mark (its seconds: the cold
+    TTFT), the suffix prefilled after each resume depth (a resumed turn), decode at depths.
+    llama-bench takes no RoPE flags: past the GGUF's 8,192 it rotates unscaled, which costs the
+    same arithmetic as YaRN (scaling changes the rotation's frequencies, not its work)."""
     binary = args.peer
     if binary.name == "llama-server":
         binary = binary.with_name("llama-bench")
@@ -254,13 +262,17 @@ def _llama_bench(args: argparse.Namespace, threads: int, marks: list[int]) -> di
         raise SystemExit("--peer needs --gguf: the GGUF llama.cpp should run (llama-peer.sh prints it)")
     base = [str(binary), "-m", str(args.gguf), "-t", str(threads), "-r", "1", "-o", "json"]
     runs = [base + ["-p", ",".join(map(str, marks)), "-n", "0"],
+            base + ["-p", str(args.suffix), "-n", "0", "-d", ",".join(map(str, resumes))],
             base + ["-p", "0", "-n", str(args.decode_steps), "-d", ",".join(map(str, args.decode_at))]]
     out: dict[str, float] = {}
     for cmd in runs:
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         for test in json.loads(done.stdout):
-            if test["n_gen"] == 0:
+            if test["n_gen"] == 0 and test["n_depth"] == 0:
                 out[f"prefill {test['n_prompt']} tok/s"] = test["avg_ts"]
+                out[f"cold prefill {test['n_prompt']} s"] = test["n_prompt"] / test["avg_ts"]
+            elif test["n_gen"] == 0:
+                out[f"resume {test['n_prompt']} after {test['n_depth']} s"] = test["n_prompt"] / test["avg_ts"]
             else:
                 out[f"decode at {test['n_depth']} tok/s"] = test["avg_ts"]
     return out

@@ -68,7 +68,7 @@ def capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def compile_command(compiler: str, output: Path) -> list[str]:
+def compile_command(compiler: str, output: Path, source: Path = SOURCE) -> list[str]:
     from torch.utils import cpp_extension
 
     flags = _CAPABILITY_FLAGS.get(capability(), ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"])
@@ -78,23 +78,25 @@ def compile_command(compiler: str, output: Path) -> list[str]:
     # -fopenmp: at::parallel_for is inline OpenMP; without it the tasks run on one thread.
     # libgomp resolves to the one torch ships and has loaded (its soname, torch's lib dir).
     return [compiler, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *flags, *includes, str(SOURCE), "-o", str(output), *libraries, "-lc10", "-ltorch_cpu"]
+            *flags, *includes, str(source), "-o", str(output), *libraries, "-lc10", "-ltorch_cpu"]
 
 
-def library_path(compiler: str) -> Path:
+def library_path(compiler: str, source: Path = SOURCE) -> Path:
     """Where this machine's build lives: named by what went into it, so a new torch, CPU
     capability or source builds afresh and never loads a stale library."""
     from memrad.paths import cache_dir
 
-    recipe = "\0".join([SOURCE.read_text(), torch.__version__, sys.version, *compile_command(compiler, Path("out"))])
+    recipe = "\0".join([source.read_text(), torch.__version__, sys.version,
+                         *compile_command(compiler, Path("out"), source)])
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"decode_attention-{capability().lower()}-{digest}.so"
+    return cache_dir() / "kernels" / f"{source.stem}-{capability().lower()}-{digest}.so"
 
 
-def build(compiler: str) -> Path:
+def build(compiler: str, source: Path = SOURCE) -> Path:
     """The library for this machine, compiled now unless the cache has it. Safe against a
-    concurrent build by another process (each writes its own file, renamed into place)."""
-    path = library_path(compiler)
+    concurrent build by another process (each writes its own file, renamed into place).
+    `source`: this kernel, or another of csrc/ built the same way (the prefill kernel)."""
+    path = library_path(compiler, source)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,17 +105,17 @@ def build(compiler: str) -> Path:
             abandoned.unlink(missing_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")
     try:
-        result = subprocess.run(compile_command(compiler, partial), capture_output=True, text=True,
+        result = subprocess.run(compile_command(compiler, partial, source), capture_output=True, text=True,
                                 timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         partial.unlink(missing_ok=True)
-        raise BuildFailed(f"{compiler} did not build {SOURCE.name} within {BUILD_TIMEOUT_S} s") from None
+        raise BuildFailed(f"{compiler} did not build {source.name} within {BUILD_TIMEOUT_S} s") from None
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
         errors = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
-        raise BuildFailed(f"{compiler} could not build {SOURCE.name}: {(errors or ['no output'])[0][:300]}")
+        raise BuildFailed(f"{compiler} could not build {source.name}: {(errors or ['no output'])[0][:300]}")
     partial.replace(path)
-    log.info("built the CPU decode-attention kernel: %s", path)
+    log.info("built the CPU kernel %s: %s", source.stem, path)
     return path
 
 

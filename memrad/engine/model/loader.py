@@ -43,6 +43,8 @@ class LoadedModel:
     head: str = "float"  # how the output head runs (memrad.engine.model.weights.head_format)
     # What each group of linear weights runs as and why (memrad.engine.model.formats).
     tensors: Choice = Choice("", "")
+    # Prefill attention (memrad.engine.prefill_attention): "memra" (the AMX kernel) or "torch".
+    attention: Choice = Choice("torch", "set by engine.prefill_attention")
 
     @property
     def context_len(self) -> int:
@@ -103,9 +105,10 @@ def resolve_model_folder(spec: str, progress: Progress, allow_pull: bool = True)
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto",
                progress: Progress = log.info, allow_pull: bool = True, weights: str = "auto",
-               context: int = 0) -> LoadedModel:
+               context: int = 0, prefill_attention: str = "auto") -> LoadedModel:
     """`context`: the tokens to serve (0: the catalog row's served context, else the model's
-    native length); past the native length the config gets RoPE scaling before the model is built."""
+    native length); past the native length the config gets RoPE scaling before the model is built.
+    `prefill_attention`: auto (memra's kernel where it runs) or torch (memrad.engine.prefill_attention)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from memrad.engine.model.weights import apply_weights, count_int4_cache, count_q8_cache
@@ -139,6 +142,11 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     # The int4 kernels take bf16 inputs (fp16 where the activations are fp16).
     applied = apply_weights(model, weights_choice, folder, torch.float16 if dt == torch.float16 else torch.bfloat16)
     progress(f"dtype {dtype_choice.value}: {dtype_choice.reason}")
+    # Chosen with the weights, once: a model never changes attention under a parked state.
+    from memrad.engine.prefill_attention import install as install_attention
+
+    attention = install_attention(model, prefill_attention)
+    progress(f"prefill attention {attention.value}: {attention.reason}")
     progress(f"context {served.describe()}: {served.reason()}")
     head = " with the Q8_0 head" if applied.head == "q8_0" else ""
     progress(f"weights {weights_choice.value}: {weights_choice.reason} ({applied.packed} layers packed{head}, "
@@ -157,6 +165,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         packed_bytes=applied.packed_bytes,
         head=applied.head,
         tensors=Choice(formats.summary(applied.groups), formats.describe(applied.groups)),
+        attention=attention,
     )
 
 

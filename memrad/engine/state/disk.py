@@ -72,6 +72,7 @@ def state_format(loaded: Any, prefill_chunk: int, mode: str) -> dict[str, str]:
             "dtype": loaded.dtype_name, "weights": loaded.weights_name,
             "head": loaded.head,
             "rope": rope_key(loaded.model.config),  # a scaled context rotates every row differently
+            "attention": loaded.attention.value,  # memra's prefill kernel and SDPA round differently
             "device": loaded.device.type,
             "chunk": str(prefill_chunk), "mode": mode}
 
