@@ -65,7 +65,7 @@ def rewriting_conversation(client, turns: int = 8) -> list[str]:
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "issue 23, open: passed alone and beside its module (twice, 2026-12-01) but failed once in the full "
+    "issue 23, open: passed alone (5 of 5), beside its module and beside CPU hogs, but failed once in the full "
     "suite: the warm start's turn-5 reply differed in length from the first start's (turn 7 primed "
     "1,724 vs 1,717 tokens); the source of the divergence is not found yet"))
 def test_a_first_start_and_a_warm_start_answer_a_rewriting_conversation_byte_identically(make_daemon, tmp_path):
