@@ -26,14 +26,23 @@ def covered() -> tuple[str, ...]:
     return (*llama_step._LLAMA_SHAPED, *gemma_step._GEMMA, *qwen3_next_step._QWEN3_NEXT, *falcon_h1_step._FALCON_H1)
 
 
+# The steps beside the llama-shaped one: (is it this architecture, why not, its step class).
+_OTHER_STEPS = (
+    (gemma_step.is_gemma, gemma_step.support, gemma_step.GemmaStep),
+    (qwen3_next_step.is_qwen3_next, qwen3_next_step.support, qwen3_next_step.Qwen3NextStep),
+    (falcon_h1_step.is_falcon_h1, falcon_h1_step.support, falcon_h1_step.FalconH1Step),
+)
+
+
+def _other_step(model: nn.Module) -> tuple | None:
+    return next((entry for entry in _OTHER_STEPS if entry[0](model)), None)
+
+
 def support(model: nn.Module, context_len: int) -> str | None:
     """None if a step computes `model`'s decode, else why not (a log and /health reason)."""
-    if gemma_step.is_gemma(model):
-        return gemma_step.support(model, context_len)
-    if qwen3_next_step.is_qwen3_next(model):
-        return qwen3_next_step.support(model, context_len)
-    if falcon_h1_step.is_falcon_h1(model):
-        return falcon_h1_step.support(model, context_len)
+    other = _other_step(model)
+    if other is not None:
+        return other[1](model, context_len)
     name = type(model).__name__
     if name not in llama_step._LLAMA_SHAPED:
         return f"{name} has no decode step (the steps cover {', '.join(covered())})"
@@ -60,13 +69,8 @@ def describe(model: nn.Module, context_len: int) -> Choice:
 
 def new_step(model: nn.Module, max_positions: int) -> nn.Module:
     """The step for a model `support` accepts."""
-    if gemma_step.is_gemma(model):
-        return gemma_step.GemmaStep(model, max_positions)
-    if qwen3_next_step.is_qwen3_next(model):
-        return qwen3_next_step.Qwen3NextStep(model, max_positions)
-    if falcon_h1_step.is_falcon_h1(model):
-        return falcon_h1_step.FalconH1Step(model, max_positions)
-    return llama_step.DecodeStep(model, max_positions)
+    other = _other_step(model)
+    return (other[2] if other is not None else llama_step.DecodeStep)(model, max_positions)
 
 
 def windows(step: Any) -> list[int | None]:
