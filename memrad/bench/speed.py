@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--peer", type=Path, help="llama.cpp's llama-bench (or llama-server next to it)")
     parser.add_argument("--gguf", type=Path, help="the GGUF llama.cpp runs (the one --model came from)")
+    parser.add_argument("--peer-max-depth", type=int, default=None,
+                        help="run llama-bench's resume and decode arms only at depths up to this (each depth "
+                             "arm prefills its depth untimed first: at 2 threads a 32k depth is ~10 minutes)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every step")
     parser.add_argument("--floor", nargs="+", type=pair, metavar="CONTEXT:SUFFIX")
     parser.add_argument("--kv-layout", action="store_true")
@@ -261,9 +264,11 @@ def _llama_bench(args: argparse.Namespace, threads: int, marks: list[int], resum
     if args.gguf is None:
         raise SystemExit("--peer needs --gguf: the GGUF llama.cpp should run (llama-peer.sh prints it)")
     base = [str(binary), "-m", str(args.gguf), "-t", str(threads), "-r", "1", "-o", "json"]
-    runs = [base + ["-p", ",".join(map(str, marks)), "-n", "0"],
-            base + ["-p", str(args.suffix), "-n", "0", "-d", ",".join(map(str, resumes))],
-            base + ["-p", "0", "-n", str(args.decode_steps), "-d", ",".join(map(str, args.decode_at))]]
+    within = [d for d in resumes if args.peer_max_depth is None or d <= args.peer_max_depth]
+    decode_at = [d for d in args.decode_at if args.peer_max_depth is None or d <= args.peer_max_depth]
+    runs = [base + ["-p", ",".join(map(str, marks)), "-n", "0"]]
+    runs += [base + ["-p", str(args.suffix), "-n", "0", "-d", ",".join(map(str, within))]] if within else []
+    runs += [base + ["-p", "0", "-n", str(args.decode_steps), "-d", ",".join(map(str, decode_at))]] if decode_at else []
     out: dict[str, float] = {}
     for cmd in runs:
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
