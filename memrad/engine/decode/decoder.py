@@ -278,6 +278,7 @@ class Decoder:
                         type(exc).__name__, _first_line(exc))
             return False
         self.batch_choice = Choice("compiled", f"AOTInductor package ({path.name}), {self.batch_rows} rows")
+        log.info("batched decode step (%d rows) opened from %s", self.batch_rows, path)
         return True
 
     def _compile_batch(self, kernel: bool) -> None:
