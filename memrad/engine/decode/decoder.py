@@ -25,6 +25,11 @@ request decodes with one step from its first token to its last (`feeder()`), so 
 equals a cold one under the same step; in exact mode decoded KV is never reused (DESIGN:
 Exactness), so parked state does not depend on the step.
 
+With `batch_rows` (max_batch, `batch_decode = "batched"`), the batched step
+(memrad.engine.decode.batch) is compiled too, as its own package built after the one-row one
+and opened beside it; `batch_step()` hands a request the compiled one once it is open and, in
+exact mode under auto, waits for it as `feeder()` waits for the one-row step.
+
 Why it compiles this way, and what was tried and dropped: docs/ARCHITECTURE.md, "The decode
 step". Measured: docs/BENCHMARKS.md, Decode and Startup and compile.
 """
