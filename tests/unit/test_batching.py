@@ -6,6 +6,10 @@ identical per-token log probabilities (which read every decode step's logits). A
 request batched with others still equals its cold run; cancelling one batched request
 leaves the others' replies as they were alone; a short request admitted during a long
 prefill gets its first token before that prefill ends (ordered by engine steps, not time).
+The batched step compiled (its own AOTInductor package, the tiny int4 llama in bf16): an
+exact-mode request waits for it, a second process opens it without building, and it keeps
+the same bits alone and in batches of 2, 3 and 4 (within 0.01 of the eager batched step, not
+bit for bit: another graph).
 """
 
 import itertools
