@@ -498,7 +498,9 @@ def _build_decode_step(spec: str) -> None:
     loaded = load_model(spec, settings.model.device, settings.model.dtype, progress=lambda _: None,
                         allow_pull=False, weights=settings.model.weights, context=settings.model.context)
     recipe = Recipe(str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len)
-    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", recipe)
+    # The batched step's package too where the settings decode batched (a start would build it).
+    batch_rows = settings.server.max_batch if settings.engine.batch_decode == "batched" else None
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", recipe, batch_rows=batch_rows)
     if decoder.step is not None:
         print("building the compiled decode step (once per machine, model and torch; about a minute) ...")
     print(f"decode step: {decoder.prepare()}")

@@ -137,12 +137,13 @@ def _s(value: float | None) -> str:
 class LlamaServer:
     """llama.cpp's server with -np slots on the GGUF, on a free port (the peer)."""
 
-    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, slot_context: int) -> None:
+    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, slot_context: int,
+                 extra: list[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [str(binary), "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c", str(slots * slot_context),
-             "--port", str(self.port), "--host", "127.0.0.1"],
+             "--port", str(self.port), "--host", "127.0.0.1", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -184,12 +185,12 @@ def run_server(name: str, url: str, args: argparse.Namespace, rows: list[tuple],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="memrad bench concurrent", description=__doc__.splitlines()[0])
-    parser.add_argument("--agents", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--agents", type=int, nargs="*", default=[1, 2, 4], help="none: only the side query")
     parser.add_argument("--replies", type=int, nargs="+", default=[48, 400], help="max_tokens per reply")
     parser.add_argument("--turns", type=int, default=3, help="turns per agent")
     parser.add_argument("--prime-lines", type=int, default=440, help="lines of the cold prime (0: skip it)")
     parser.add_argument("--side-delay-s", type=float, default=1.0, help="when the side query follows the prime")
-    parser.add_argument("--max-batch", type=int, nargs="+", default=[4], help="one memrad arm per value")
+    parser.add_argument("--max-batch", type=int, nargs="*", default=[4], help="one memrad arm per value (none: no memrad arm)")
     parser.add_argument("--batch-decode", nargs="+", default=["batched"], choices=("batched", "rows"),
                         help="engine.batch_decode: one memrad arm per value (for max_batch > 1)")
     parser.add_argument("--threads", type=int, default=2)
@@ -197,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="measure this running server instead of starting memrad arms")
     parser.add_argument("--peer", type=Path, help="llama.cpp's llama-server (also run with -np 4)")
     parser.add_argument("--gguf", type=Path, help="the GGUF llama-server runs (llama-peer.sh prints it)")
+    # llama-server caps a slot at the GGUF's trained context (8,192 for the default model); memra
+    # serves 32k with YaRN x4, and the 16k prime needs the same: "--rope-scaling yarn
+    # --rope-scale 4 --yarn-orig-ctx 8192".
+    parser.add_argument("--peer-args", default="", help="more llama-server flags, one string")
     args = parser.parse_args(argv)
     if args.peer is not None and args.gguf is None:
         raise SystemExit("--peer needs --gguf: the GGUF llama-server should run")
@@ -216,13 +221,15 @@ def main(argv: list[str] | None = None) -> int:
                 arms.append((f"memrad max_batch={max_batch}" + (f" {how}" if max_batch > 1 else ""), start))
     if args.peer is not None:
         def peer():
-            server = LlamaServer(args.peer, args.gguf, args.threads, 4, 18432)
+            server = LlamaServer(args.peer, args.gguf, args.threads, 4, 18432, args.peer_args.split())
             return server.url, server.stop
         arms.append(("llama-server -np 4", peer))
     for name, start in arms:
         url, stop = start()
         try:
             run_server(name, url, args, rows, side_rows)
+        except Exception as exc:  # one server's failure (a refused request) leaves the others' tables
+            print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
         finally:
             stop()
     print(f"\nturns per agent {args.turns}, threads {args.threads}, temperature 0\n")

@@ -66,9 +66,13 @@ class Daemon:
             return json.loads(response.read())["choices"]["decode"]
 
     def compiling(self) -> bool:
-        """Compiling, or about to: /health answers a moment before `compile = auto` starts."""
-        decode = self.decode()
-        return decode["value"] == "compiling" or "not started" in decode["reason"]
+        """Compiling, or about to: /health answers a moment before `compile = auto` starts; the
+        batched step's package is built after the one-row one (its reason says compiling)."""
+        with urllib.request.urlopen(f"{self.url}/health", timeout=10) as response:
+            choices = json.loads(response.read())["choices"]
+        decode = choices["decode"]
+        return (decode["value"] == "compiling" or "not started" in decode["reason"]
+                or "compiling:" in choices["batch"]["reason"])
 
     def status(self) -> dict:
         return json.loads(self.cli("status", "--json").stdout)

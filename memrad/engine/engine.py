@@ -34,6 +34,7 @@ from memrad.chat.chat import Chat
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.batch import BatchStep
 from memrad.engine.decode.decoder import Decoder
+from memrad.engine.decode.step import DecodeStep
 from memrad.engine.decode.steps import describe as describe_step
 from memrad.engine.flight import Flight, Sampling
 from memrad.engine.forward import prefill_spans
@@ -118,7 +119,8 @@ class Engine:
                                   self.chat.format.markup_ids, self.chat.grammars.token_bytes, self._shaper)
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
         self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile, step_package.Recipe(
-            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len), exact=mode == "exact")
+            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len), exact=mode == "exact",
+            batch_rows=max_batch if self._batches() else None)
         # Which step that is (llama-shaped, Gemma 3, Qwen3-Next) and its layers; none where transformers decodes.
         self.step_choice = (Choice("none", self.decoder.choice.reason) if self.decoder.step is None
                             else describe_step(loaded.model, loaded.context_len))
@@ -153,11 +155,11 @@ class Engine:
         """How requests in flight together decode (`memrad status`, /health)."""
         if self.max_batch == 1:
             return {"value": "one at a time", "reason": "max_batch = 1: one request on the model, the one-row step"}
-        if self._batches() and self.decoder.batch_step(self.max_batch) is not None:
+        if self._batches() and isinstance(self.decoder.eager_step, DecodeStep):
+            how = self.decoder.batch_choice
             return {"value": f"batched, {self.max_batch} rows",
-                    "reason": f"max_batch = {self.max_batch}: one eager step of {self.max_batch} rows (padded, so a "
-                              "request's bits do not depend on its neighbours); the compiled step decodes one row "
-                              "and serves max_batch = 1"}
+                    "reason": f"max_batch = {self.max_batch}: one step of {self.max_batch} rows (padded, so a "
+                              f"request's bits do not depend on its neighbours), {how.value}: {how.reason}"}
         why = ("batch_decode = rows" if self.batch_decode == "rows"
                else f"{self.decoder.choice.value} decode has no batched step for this model")
         return {"value": f"{self.max_batch} in flight, one row each",
@@ -332,7 +334,7 @@ class Engine:
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
         the decoder's one-row step (flights then run one after another in each iteration;
         in exact mode under compile = auto it waits for the compiled step, at admission)."""
-        batched = self.decoder.batch_step(self.max_batch) if self._batches() else None
+        batched = self.decoder.batch_step(self.max_batch, cancelled) if self._batches() else None
         return batched if batched is not None else self.decoder.feeder(cancelled)
 
     def _finish(self, flight: Flight) -> None:

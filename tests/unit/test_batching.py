@@ -6,14 +6,24 @@ identical per-token log probabilities (which read every decode step's logits). A
 request batched with others still equals its cold run; cancelling one batched request
 leaves the others' replies as they were alone; a short request admitted during a long
 prefill gets its first token before that prefill ends (ordered by engine steps, not time).
+The batched step compiled (its own AOTInductor package, the tiny int4 llama in bf16): an
+exact-mode request waits for it, a second process opens it without building, and it keeps
+the same bits alone and in batches of 2, 3 and 4 (within 0.01 of the eager batched step, not
+bit for bit: another graph).
 """
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from memrad.engine.decode import package as step_package
 from memrad.engine.decode.batch import BatchStep
+from memrad.engine.decode.decoder import cxx_compiler
+from memrad.engine.model.loader import load_model
 from memrad.request import GenerationRequest, SamplingParams
 from stories import make_engine, recording, run_together
 
@@ -172,3 +182,98 @@ def test_batch_decode_rows_runs_each_flight_on_the_one_row_step_with_the_same_bi
     batched = make_engine(tiny_loaded, CHUNK, max_batch=4)
     assert batched.runtime_choices["batch"]["value"] == "batched, 4 rows"
     assert make_engine(tiny_loaded, CHUNK).runtime_choices["batch"]["value"] == "one at a time"
+
+
+# -- the batched step compiled (memrad.engine.decode.package, rows): the tiny int4 llama in bf16 --
+
+needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="building the package needs a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def compiled_engines(q4_dir, tmp_path_factory):
+    """Engines (exact mode, compile auto, max_batch 4, batched) over one compile cache that the
+    first of them filled: its first request waited for both packages, built in a child process."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("compile")))
+        torch.set_num_threads(1)
+        loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
+        first = make_engine(loaded, CHUNK, compile="auto", max_batch=4)
+        assert first.decoder.batch_choice.value == "eager" and not first.decoder.compiling()
+        flight = first.admit(request(first, conversation("a", 1)[:-1], "a-1"), lambda _: None, lambda: False)
+        yield loaded, first, flight, lambda **flags: recording(make_engine(loaded, CHUNK, compile="auto", max_batch=4,
+                                                                           **flags))
+
+
+@needs_compiler
+def test_in_exact_mode_a_batched_request_waits_for_the_compiled_batched_step(compiled_engines):
+    _, first, flight, _ = compiled_engines
+    decoder = first.decoder
+    assert isinstance(flight.feed, BatchStep) and flight.feed.compiled and flight.feed.rows == 4
+    assert decoder.choice.value == "compiled" and decoder.batch_choice.value == "compiled"
+    assert "-rows4-" in decoder.batch_choice.reason and decoder._package(True, 4).is_file()
+    assert first.runtime_choices["batch"]["value"] == "batched, 4 rows"
+    assert "compiled: AOTInductor package" in first.runtime_choices["batch"]["reason"]
+
+
+@needs_compiler
+def test_a_second_process_opens_the_batched_package_without_building(compiled_engines, q4_dir):
+    script = ("import torch; from memrad.engine.model.loader import load_model; "
+              "from memrad.engine.decode.decoder import Decoder; torch.set_num_threads(1); "
+              f"m = load_model({str(q4_dir)!r}, device='cpu', dtype='bfloat16', weights='int4'); "
+              "d = Decoder(m.model, m.context_len, m.device, 'auto', exact=True, batch_rows=4); d.start(); "
+              "s = d.batch_step(4); print(d._thread is None, d.batch_choice.value, s.compiled)")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.stdout.split() == ["True", "compiled", "True"], child.stderr[-2000:]
+
+
+def parked_compiled(new_engine):
+    engine = new_engine()
+    for topic in ("a", "b"):
+        engine.generate(request(engine, conversation(topic, 1)[:-1], f"{topic}-1"), lambda _: None, lambda: False)
+    return engine
+
+
+@needs_compiler
+def test_the_compiled_batched_step_gives_a_request_the_same_bits_alone_and_batched(compiled_engines, monkeypatch):
+    _, _, _, new_engine = compiled_engines
+    monkeypatch.setattr(step_package, "build", lambda *a, **k: pytest.fail("the package was built again"))
+    monkeypatch.setattr(step_package, "build_in_child", lambda *a, **k: pytest.fail("the package was built again"))
+    alone = {}
+    for index in range(4):
+        engine = parked_compiled(new_engine)
+        req = second_turns(engine)[index]
+        alone[req.request_id] = run_together(engine, [req])[req.request_id]
+        assert engine.decoder.batch_package is not None
+    for group in ((0, 2), (1, 3, 0), (3, 2, 1, 0)):
+        engine = parked_compiled(new_engine)
+        requests = [second_turns(engine)[i] for i in group]
+        together = run_together(engine, requests)
+        for req in requests:
+            completion, state, scores = together[req.request_id]
+            assert summary(completion, state, scores) == summary(*alone[req.request_id]), (group, req.request_id)
+            assert torch.equal(state.prompt_logits, alone[req.request_id][1].prompt_logits)
+            assert torch.equal(scores, alone[req.request_id][2]), (group, req.request_id)
+
+
+@needs_compiler
+def test_compiled_and_eager_batched_steps_agree_within_the_compiled_tolerance(compiled_engines):
+    """Not bit for bit (inductor fuses and rounds once where eager rounds each op, as for the
+    one-row step): the same logits within 0.01, a one-token prompt's row (length 2) included."""
+    loaded, first, _, _ = compiled_engines
+    compiled = first.decoder.batch_step(4)
+    eager = BatchStep(compiled.eager, 4, True, compiled.scratch, compiled.eager, False)
+    assert compiled.compiled and not eager.compiled
+    prompts = [list(range(5, 45)), [9], list(range(9, 90))]
+
+    def run(step):
+        from memrad.engine.forward import prefill
+        caches = []
+        for ids in prompts:
+            cache = first.new_cache()
+            prefill(loaded.model, cache, ids, 0, CHUNK)
+            caches.append(cache)
+        return step(caches, [11, 12, 13], [len(ids) for ids in prompts])
+
+    got, want = run(compiled), run(eager)
+    assert torch.isfinite(got).all() and (got - want).abs().max() <= 0.01

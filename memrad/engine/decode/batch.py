@@ -12,35 +12,91 @@ weights once for all of them, while attention stays per row, over that request's
                   x += o_proj(o);  x += down(act(gate) * up) of gate_up(norm(x))
     -> norm -> head -> logits [B, V]
 
+`BatchGraph` is that function over tensors only, so it runs eager or is exported and
+compiled into one AOTInductor graph (memrad.engine.decode.package, `rows`): each row's
+attended length is its own symbol there, every other size static. `BatchStep` hands it the
+requests' slabs and pads the batch.
+
 Batch invariance (a request's tokens are the same bits alone or beside any others): every
 op but the matmuls is per row, and attention reads only the row's own slab with the call the
 one-row step makes. A matmul's row, measured on this machine's torch (docs/BENCHMARKS.md,
 Many requests at once): the int4 weight-only kernel and bf16 give every row the same bits at any
 M; fp32 takes another path at M = 1 (and for small shapes at M = 2) than at M = 4, but at one
 M a row never depends on its neighbours. So the step always runs `rows` rows (max_batch):
-rows without a request are dummies (token 0 at position 0, no attention, output dropped),
-and a request running alone computes exactly what it computes in a full batch.
+rows without a request are dummies (token 0 at position 1 of a scratch slab of their own,
+output dropped), and a request running alone computes exactly what it computes in a full
+batch. The compiled graph keeps that (fixed shapes: its code does not change with the other
+rows' lengths or values); it is not the eager graph's bits (inductor fuses and rounds once
+where eager rounds each op, as for the one-row step: memrad.engine.decode.decoder).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
-from memrad.engine.decode.step import DecodeStep, attend, rope
+from memrad.engine.decode.step import DecodeStep, attend, attended_rows, rope
+
+# (tokens [B], positions [B], rows, keys, values) -> logits [B, V] in the model's dtype
+Graph = Callable[..., torch.Tensor]
+
+
+class BatchGraph(nn.Module):
+    """The batched step over tensors only; shares every weight with `step` (a DecodeStep)."""
+
+    def __init__(self, step: DecodeStep, kernel: bool) -> None:
+        super().__init__()
+        self.step, self.kernel = step, kernel  # `step`: the exported graph names weights step.*
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[torch.Tensor],
+                keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Logits [B, V] after tokens [B] at positions [B]; rows[r]: `attended_rows` of row r;
+        keys[r][layer], values[r][layer]: row r's slab [1, H_kv, capacity, D], its KV row written."""
+        step, batch = self.step, tokens.shape[0]
+        lengths = [r.shape[0] for r in rows]
+        x = step.embed(tokens).view(batch, 1, -1)  # [B, 1, hidden]
+        cos = step.cos.index_select(0, positions)[:, None]  # [B, 1, D]: broadcast over heads
+        sin = step.sin.index_select(0, positions)[:, None]
+        for index, layer in enumerate(step.layers):
+            x = self._layer(layer, x, cos, sin, positions, lengths, [k[index] for k in keys], [v[index] for v in values])
+        return step.head(step.norm(x)).view(batch, -1)
+
+    def _layer(self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               lengths: list, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        # x [B, 1, hidden]; keys[r], values[r]: row r's slab for this layer, [1, H_kv, capacity, D]
+        batch, d, h_kv, heads = x.shape[0], layer.head_dim, layer.kv_heads, layer.heads
+        q, k, v = layer.qkv(layer.input_norm(x)).split(layer.split, dim=-1)  # [B, 1, *]
+        q = rope(q.view(batch, heads, d), cos, sin)  # [B, H, D]
+        k = rope(k.view(batch, h_kv, d), cos, sin)  # [B, H_kv, D]
+        v = v.view(batch, h_kv, d)
+        out = []
+        for r in range(batch):
+            keys[r].index_copy_(2, positions[r : r + 1], k[r].view(1, h_kv, 1, d))
+            values[r].index_copy_(2, positions[r : r + 1], v[r].view(1, h_kv, 1, d))
+            q_r = q[r].view(1, h_kv, heads // h_kv, d)
+            out.append(attend(q_r, keys[r], values[r], lengths[r], layer.scale, self.kernel))  # [1, H_kv, G, D]
+        x = x + layer.o_proj(torch.cat(out).reshape(batch, 1, heads * d))
+        gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
+        return x + layer.down_proj(layer.act(gate) * up)
 
 
 class BatchStep:
     """Feeds up to `rows` requests one token each in one step of exactly `rows` rows.
 
-    Wraps an eager `DecodeStep` and shares all its weights; `kernel`: attend with memra's
-    CPU kernel. A request keeps one BatchStep from its first token to its last."""
+    `graph`: the eager BatchGraph or its compiled form (memrad.engine.decode.package.PackagedBatch),
+    which says per row whether it runs it (`fits`: a slab of the capacity it was compiled for,
+    an attended length in its range). `scratch`: rows - 1 dummy slabs, (keys, values) per
+    layer each, that pad rows write into (at position 1: length 2 is in every range).
+    A request keeps one BatchStep from its first token to its last."""
 
-    def __init__(self, step: DecodeStep, rows: int, kernel: bool) -> None:
-        assert rows >= 1
-        self.step, self.rows, self.kernel = step, rows, kernel
+    def __init__(self, graph: Graph, rows: int, kernel: bool, scratch: list[tuple[list, list]],
+                 eager: BatchGraph, compiled: bool) -> None:
+        assert rows >= 1 and len(scratch) >= rows - 1
+        self.graph, self.rows, self.kernel, self.scratch = graph, rows, kernel, scratch
+        self.eager, self.compiled = eager, compiled
 
     @torch.inference_mode()
     def __call__(self, caches: Sequence[Any], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
@@ -48,37 +104,33 @@ class BatchStep:
         row's KV lands in its own cache (all layers in-place slabs: `all_slabs`)."""
         real = len(caches)
         assert 0 < real <= self.rows, f"{real} requests for a step of {self.rows} rows"
-        buffers = [[layer.step_buffers(position) for layer in cache.layers] for cache, position in zip(caches, positions)]
-        step = self.step
-        device = step.cos.device
-        pad = self.rows - real
-        token = torch.tensor([*tokens, *([0] * pad)], device=device)  # [B]
-        position = torch.tensor([*positions, *([0] * pad)], device=device)  # [B]
-        x = step.embed(token).view(self.rows, 1, -1)  # [B, 1, hidden]
-        cos = step.cos.index_select(0, position)[:, None]  # [B, 1, D]: broadcast over heads
-        sin = step.sin.index_select(0, position)[:, None]
-        for index, layer in enumerate(step.layers):
-            x = self._layer(layer, index, x, cos, sin, position, positions, buffers)
-        logits = step.head(step.norm(x)).view(self.rows, -1)[:real]  # [real, V]
+        buffers = [[layer.step_buffers(at) for layer in cache.layers] for cache, at in zip(caches, positions)]
+        fits = getattr(self.graph, "fits", lambda *_: True)
+        # A row the compiled graph does not run (a slab that grew past the compiled capacity: a
+        # context longer than the reservation) runs the eager graph in a batch of its own, so
+        # which graph a row takes depends on its own slab only, never on its neighbours.
+        apart = [r for r in range(real) if not fits(buffers[r], positions[r] + 1)]
+        together = [r for r in range(real) if r not in apart]
+        out: list[torch.Tensor | None] = [None] * real
+        for graph, group in ((self.graph, together), *((self.eager, [r]) for r in apart)):
+            if group:
+                logits = self._run(graph, [buffers[r] for r in group], [tokens[r] for r in group],
+                                   [positions[r] for r in group])
+                for r, row in zip(group, logits):
+                    out[r] = row
         for cache, at in zip(caches, positions):
             for layer in cache.layers:
                 layer.wrote_row(at)
-        return logits.float()
+        return torch.stack(out).float()
 
-    def _layer(self, layer: Any, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               position: torch.Tensor, positions: Sequence[int], buffers: list) -> torch.Tensor:
-        # x [B, 1, hidden]; buffers[r][index]: request r's slab for this layer, [1, H_kv, capacity, D]
-        rows, d, h_kv, heads = self.rows, layer.head_dim, layer.kv_heads, layer.heads
-        q, k, v = layer.qkv(layer.input_norm(x)).split(layer.split, dim=-1)  # [B, 1, *]
-        q = rope(q.view(rows, heads, d), cos, sin)  # [B, H, D]
-        k = rope(k.view(rows, h_kv, d), cos, sin)  # [B, H_kv, D]
-        v = v.view(rows, h_kv, d)
-        out = torch.zeros(rows, h_kv, heads // h_kv, d, dtype=q.dtype, device=q.device)  # dummies stay 0
-        for r, at in enumerate(positions):
-            keys, values = buffers[r][index]
-            keys.index_copy_(2, position[r : r + 1], k[r].view(1, h_kv, 1, d))
-            values.index_copy_(2, position[r : r + 1], v[r].view(1, h_kv, 1, d))
-            out[r] = attend(q[r].view(1, h_kv, heads // h_kv, d), keys, values, at + 1, layer.scale, self.kernel)[0]
-        x = x + layer.o_proj(out.reshape(rows, 1, heads * d))
-        gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
-        return x + layer.down_proj(layer.act(gate) * up)
+    def _run(self, graph: Graph, buffers: list, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        pad = self.rows - len(buffers)
+        device = self.eager.step.cos.device
+        slabs = [*buffers, *([list(zip(*pair)) for pair in self.scratch[:pad]])]  # [B][layer] (keys, values)
+        lengths = [*(at + 1 for at in positions), *([2] * pad)]
+        token = torch.tensor([*tokens, *([0] * pad)], device=device)  # [B]
+        position = torch.tensor([*positions, *([1] * pad)], device=device)  # [B]
+        rows = [attended_rows(length, device) for length in lengths]
+        keys = [[k for k, _ in slab] for slab in slabs]
+        values = [[v for _, v in slab] for slab in slabs]
+        return graph(token, position, rows, keys, values)[: len(buffers)]  # [real, V]

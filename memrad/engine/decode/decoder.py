@@ -25,6 +25,11 @@ request decodes with one step from its first token to its last (`feeder()`), so 
 equals a cold one under the same step; in exact mode decoded KV is never reused (DESIGN:
 Exactness), so parked state does not depend on the step.
 
+With `batch_rows` (max_batch, `batch_decode = "batched"`), the batched step
+(memrad.engine.decode.batch) is compiled too, as its own package built after the one-row one
+and opened beside it; `batch_step()` hands a request the compiled one once it is open and, in
+exact mode under auto, waits for it as `feeder()` waits for the one-row step.
+
 Why it compiles this way, and what was tried and dropped: docs/ARCHITECTURE.md, "The decode
 step". Measured: docs/BENCHMARKS.md, Decode and Startup and compile.
 """
@@ -46,7 +51,7 @@ from memrad.engine.decode import cpu_attention
 from memrad.engine.decode import step as decode_step
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.cpu_attention import cxx_compiler
-from memrad.engine.decode.batch import BatchStep
+from memrad.engine.decode.batch import BatchGraph, BatchStep
 from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.decode.steps import new_step, support
 from memrad.engine.forward import decode_one_token
@@ -112,7 +117,7 @@ class Decoder:
     """
 
     def __init__(self, model: Any, context_len: int, device: torch.device, mode: str = "off",
-                 recipe: step_package.Recipe | None = None, exact: bool = False) -> None:
+                 recipe: step_package.Recipe | None = None, exact: bool = False, batch_rows: int | None = None) -> None:
         assert mode in COMPILE_MODES, mode
         self.model = model
         self.mode = mode
@@ -127,7 +132,12 @@ class Decoder:
         # (step, attend with memra's kernel), read and replaced as one, so a request never
         # pairs one step with the other's attention; no step: transformers decodes.
         self.current: tuple[Any, bool] = (None, False)
-        self._batched: dict[tuple[int, bool], BatchStep] = {}  # (rows, kernel) -> the batched step
+        self._batched: dict[tuple[int, bool, bool], BatchStep] = {}  # (rows, kernel, compiled) -> the batched step
+        # The batched step compiled beside the one-row step (llama-shaped, memra's kernel):
+        # its package is built and opened with the one-row one, and `batch_choice` says how it went.
+        self.batch_rows = batch_rows if batch_rows and batch_rows > 1 else None
+        self.batch_package: step_package.PackagedBatch | None = None
+        self.batch_choice = Choice("eager", "no batched step asked for")
         unsupported = support(model, context_len) if device.type == "cpu" else (
             "the step runs over CPU slabs; CUDA decodes with transformers' forward")
         if unsupported is not None:
@@ -136,6 +146,11 @@ class Decoder:
                 raise CompileFailed(f"compile = on, but {unsupported}: set compile = auto or off")
             return
         self.eager = new_step(model, context_len)
+        if self.batch_rows and not isinstance(self.eager, DecodeStep):
+            self.batch_rows = None  # Gemma 3, the hybrids: no batched step, one row at a time
+        if self.batch_rows:
+            self.batch_choice = Choice("eager", f"compile = {mode}: the eager batched step"
+                                       + (" (compiled with the one-row step)" if mode != "off" else ""))
         # A kernel built by an earlier start loads in milliseconds: the eager step uses it.
         kernel = mode == "auto" and cpu_attention.load(cxx_compiler(), build_missing=False) is None
         self.current = (self.eager, kernel)
@@ -157,11 +172,22 @@ class Decoder:
             self._started = True
             if self._open_package():
                 return
+            if self.step is not self.eager:  # the one-row step opened: only the batched one is left
+                compile_batch = lambda: self._compile_batch(self.current[1])
+                if self.mode == "on":
+                    compile_batch()
+                    return
+                self.batch_choice = Choice("compiling", _WAITS if self.exact else _SERVES_EAGER)
+                self._thread = threading.Thread(target=compile_batch, name="memrad-compile", daemon=True)
+                self._thread.start()
+                return
             if self.mode == "on":
                 self._compile()
                 return
             self.choice = Choice("compiling", _WAITS if self.exact else _SERVES_EAGER)
-            self._thread = threading.Thread(target=self._compile, name="memrad-compile", daemon=True)
+            if self.batch_rows:
+                self.batch_choice = self.choice
+            self._thread = threading.Thread(target=self._compile_both, name="memrad-compile", daemon=True)
             self._thread.start()
 
     def prepare(self) -> str:
@@ -176,19 +202,26 @@ class Decoder:
         if compiler is None:
             return "not built: no C++ compiler (install g++, e.g. `apt install g++`)"
         kernel = cpu_attention.load(compiler) is None
-        started = time.perf_counter()
-        try:
-            path = self._build_package(kernel)
-        except Exception as exc:  # export and inductor raise many types; a start tries again
-            return f"not built ({type(exc).__name__}: {_first_line(exc)}); a start compiles it"
-        return f"built {path.name} in {time.perf_counter() - started:.0f} s, {_attention(kernel)}"
+        said = []
+        for rows in (None, self.batch_rows) if self.batch_rows and kernel else (None,):
+            path = self._package(kernel, rows)
+            if path.is_file():
+                said.append(f"already built: {path.name}")
+                continue
+            started = time.perf_counter()
+            try:
+                self._build_package(kernel, rows)
+            except Exception as exc:  # export and inductor raise many types; a start tries again
+                return "; ".join([*said, f"not built ({type(exc).__name__}: {_first_line(exc)}); a start compiles it"])
+            said.append(f"built {path.name} in {time.perf_counter() - started:.0f} s, {_attention(kernel)}")
+        return "; ".join(said)
 
-    def _build_package(self, kernel: bool) -> Path:
-        path = self._package(kernel)
+    def _build_package(self, kernel: bool, rows: int | None = None) -> Path:
+        path = self._package(kernel, rows)
         if self.recipe is not None:
-            step_package.build_in_child(self.recipe, kernel, path)
+            step_package.build_in_child(self.recipe, kernel, path, rows=rows)
         else:
-            step_package.build(self.eager, self.model.config, self.capacity, kernel, path)
+            step_package.build(self.eager, self.model.config, self.capacity, kernel, path, rows)
         return path
 
     def compiling(self) -> bool:
@@ -208,13 +241,14 @@ class Decoder:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def _package(self, kernel: bool) -> Path:
+    def _package(self, kernel: bool, rows: int | None = None) -> Path:
         directory = Path(compile_cache_dir())
-        return step_package.package_path(self.eager, self.model.config, self.capacity, kernel, directory)
+        return step_package.package_path(self.eager, self.model.config, self.capacity, kernel, directory, rows)
 
     def _open_package(self) -> bool:
-        """Open the package an earlier start built: with memra's attention kernel when that is
-        built (the package calls it by name), else the one with torch's attention."""
+        """Open the packages an earlier start built: with memra's attention kernel when that is
+        built (the packages call it by name), else the one with torch's attention; True when
+        nothing is left to build (the one-row step, and the batched one where it is asked for)."""
         started = time.perf_counter()
         try:
             kernel = cpu_attention.load(cxx_compiler(), build_missing=False) is None
@@ -229,7 +263,54 @@ class Decoder:
         self._ready(step, kernel, f"AOTInductor package from the compile cache ({path.name}), "
                                   f"{_attention(kernel)}", started)
         log.info("decode step opened from %s in %.2f s", path, self.compile_s)
+        return not self._wants_batch(kernel) or self._open_batch(kernel)
+
+    def _wants_batch(self, kernel: bool) -> bool:
+        if self.batch_rows and not kernel:
+            self.batch_choice = Choice("eager", "the batched step compiles with memra's attention kernel only "
+                                                "(not built here): the eager batched step")
+        return bool(self.batch_rows) and kernel and self.batch_package is None
+
+    def _open_batch(self, kernel: bool) -> bool:
+        """Open the batched step's package if an earlier start or `memrad pull` built it."""
+        path = self._package(kernel, self.batch_rows)
+        try:
+            if not path.is_file():
+                return False
+            self.batch_package = step_package.load_batch(self.eager, self.capacity, self.batch_rows, path)
+        except Exception as exc:  # damaged, or unreadable by this torch: compile again
+            log.warning("cannot open the batched step's package (%s: %s): compiling again",
+                        type(exc).__name__, _first_line(exc))
+            return False
+        self.batch_choice = Choice("compiled", f"AOTInductor package ({path.name}), {self.batch_rows} rows")
+        log.info("batched decode step (%d rows) opened from %s", self.batch_rows, path)
         return True
+
+    def _compile_batch(self, kernel: bool) -> None:
+        """Build and open the batched step's package (after the one-row step: that one serves
+        max_batch 1 and every model). A failure leaves the eager batched step, said in `batch_choice`."""
+        if not self._wants_batch(kernel) or self._open_batch(kernel):
+            return
+        started = time.perf_counter()
+        try:
+            self._build_package(kernel, self.batch_rows)
+        except Exception as exc:  # export and inductor raise many types; the eager batched step serves
+            if self._closed:
+                return
+            why = f"{type(exc).__name__}: {_first_line(exc)}"
+            log.warning("the batched step did not compile (%s): the eager batched step serves", why)
+            self.batch_choice = Choice("eager", f"the batched step did not compile ({why})")
+            return
+        if self._open_batch(kernel):
+            log.info("batched decode step (%d rows) compiled in %.1f s", self.batch_rows,
+                     time.perf_counter() - started)
+
+    def _compile_both(self) -> None:
+        try:
+            self._compile()
+        finally:  # the one-row step fell back (eager, torch.compile): no batched package either
+            if self.batch_choice.value == "compiling":
+                self.batch_choice = Choice("eager", f"the one-row step is {self.choice.value}: the eager batched step")
 
     def _compile(self) -> None:
         compiler = cxx_compiler()
@@ -274,6 +355,8 @@ class Decoder:
             how = f"torch.compile (inductor, {compiler}; AOTInductor failed: {aoti_failed})"
         self._ready(step, kernel, f"{how}, {_attention(kernel, no_kernel)}", started)
         log.info("decode step compiled in %.1f s (cache %s)", self.compile_s, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        if isinstance(step, step_package.PackagedStep):  # torch.compile's fallback: no package, no batch
+            self._compile_batch(kernel)
 
     def _ready(self, step: Any, kernel: bool, how: str, started: float) -> None:
         self.compile_s = time.perf_counter() - started
@@ -301,18 +384,34 @@ class Decoder:
 
     # -- batched decode (memrad.engine.decode.batch): several requests' tokens in one step --
 
-    def batch_step(self, rows: int) -> BatchStep | None:
+    def batch_step(self, rows: int, cancelled: Callable[[], bool] = lambda: False) -> BatchStep | None:
         """The batched step of `rows` rows a new request decodes with, or None where this
-        model has none (Gemma 3, transformers' forward: those decode one row at a time). It
-        runs the eager llama-shaped step's weights with the attention the current step uses;
-        one BatchStep per attention, so a request keeps its bits from first token to last."""
+        model has none (Gemma 3, transformers' forward: those decode one row at a time): the
+        compiled one once its package is open (`batch_rows` rows), else the eager llama-shaped
+        step's weights with the attention the current step uses. One BatchStep per (attention,
+        compiled), so a request keeps its bits from first token to last. Exact mode under auto
+        waits for the compile as `feeder()` does (the batched package is built after the one-row one)."""
         if not isinstance(self.eager_step, DecodeStep):
             return None
+        self._await_compile(cancelled, lambda: self.batch_choice.value == "compiling")
         kernel = self.current[1]
-        key = (rows, kernel)
+        package = self.batch_package if self.batch_package is not None and self.batch_package.rows == rows else None
+        key = (rows, kernel, package is not None)
         if key not in self._batched:
-            self._batched[key] = BatchStep(self.eager_step, rows, kernel)
+            eager = BatchGraph(self.eager, kernel)
+            # Pad rows' slabs: zero pages until written, one row each (memrad.engine.state.kv.reserve).
+            scratch = [step_package.example_buffers(self.eager, self.model.config, self.capacity, 2, reserve)[:2]
+                       for _ in range(rows - 1)]
+            self._batched[key] = BatchStep(package or eager, rows, kernel, scratch, eager, package is not None)
         return self._batched[key]
+
+    def _await_compile(self, cancelled: Callable[[], bool], pending: Callable[[], bool]) -> None:
+        """Exact mode under auto: wait until the step `pending` names has landed or failed
+        (the compile started here if the daemon has not yet), or the request is cancelled."""
+        if self.exact and self.mode == "auto":
+            self.start()
+            while self.compiling() and pending() and not cancelled():
+                self.wait(0.1)
 
     @property
     def eager_step(self) -> Any:
@@ -323,10 +422,7 @@ class Decoder:
         under auto: waits until the compile has landed or failed (started here if the daemon
         has not yet), so no reply decodes with a step a later start would not use; a request
         cancelled meanwhile (a hang-up, `memrad stop`) stops waiting and is ended by its caller."""
-        if self.exact and self.mode == "auto":
-            self.start()
-            while self.compiling() and not cancelled():
-                self.wait(0.1)
+        self._await_compile(cancelled, lambda: self.choice.value == "compiling")
         step, kernel = self.current
         if step is None:
             return lambda cache, token_id, position: decode_one_token(self.model, cache, token_id, position)

@@ -16,6 +16,9 @@ inductor compiles it into a shared library, and a later start only opens the lib
             graph "split"  attended length in [SPLIT_ROWS, capacity - 2]   (if the slabs reach it)
     ...{key}.constants.safetensors
         the constants inductor made itself (the int4 op's group size, as a tensor per call)
+    decode-step-...-rows{B}-...-{key}.pt2  (llama-shaped, memra's kernel: the batched step)
+            graph "batch"  B rows (memrad.engine.decode.batch), each row's attended length its
+                           own symbol in [2, capacity - 1]
 
 memra's kernel is a C++ op (`memra::decode_attention`, TORCH_LIBRARY): the library calls it
 by name through AOTInductor's proxy executor, so the kernel must be loaded into the process
@@ -53,8 +56,10 @@ from torch.utils._pytree import tree_leaves
 
 from memrad.engine.decode import cpu_attention
 from memrad.engine.decode import falcon_h1_step, gated_delta, gemma_step, mamba2, qwen3_next_step, steps
+from memrad.engine.decode import batch as batch_step
 from memrad.engine.decode import step as decode_step
 from memrad.engine.model import quant
+from memrad.engine.decode.batch import BatchGraph
 from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS
 from memrad.engine.state import recurrent as recurrent_state
@@ -86,15 +91,27 @@ def graph_ranges(capacity: int, kernel: bool) -> dict[str, tuple[int, int]]:
     return {graph: (low, high) for graph, (low, high) in ranges.items() if low < high}
 
 
-def package_path(step: DecodeStep, config: Any, capacity: int, kernel: bool, directory: Path) -> Path:
+BATCH_GRAPH = "batch"
+
+
+def batch_range(capacity: int) -> tuple[int, int]:
+    """(shortest, longest attended length) of a row in the batch graph: a first step attends
+    at least 2 rows (a prompt of 1 and the new token), and a slab's last row makes it grow."""
+    return 2, capacity - 1
+
+
+def package_path(step: DecodeStep, config: Any, capacity: int, kernel: bool, directory: Path,
+                 rows: int | None = None) -> Path:
     """Where the package for this step, model config, slab capacity and attention (`kernel`:
-    memra's) lives in `directory`."""
+    memra's) lives in `directory`; `rows`: the batched step of that many rows."""
     weights = "int4" if any(isinstance(m, quant.Int4Linear) for m in step.modules()) else "float"
     dtype = str(_param(step).dtype).removeprefix("torch.")
     label = Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model"
     attention = "memra" if kernel else "torch"
-    return directory / (f"decode-step-{_safe(label)}-{weights}-{dtype}-attn-{attention}-torch{_safe(torch.__version__)}-"
-                        f"{torch.backends.cpu.get_cpu_capability().lower()}-{_key(step, config, capacity, kernel)}.pt2")
+    batch = f"-rows{rows}" if rows else ""
+    return directory / (f"decode-step-{_safe(label)}{batch}-{weights}-{dtype}-attn-{attention}-"
+                        f"torch{_safe(torch.__version__)}-{torch.backends.cpu.get_cpu_capability().lower()}-"
+                        f"{_key(step, config, capacity, kernel, rows)}.pt2")
 
 
 def constants_path(path: Path) -> Path:
@@ -131,6 +148,25 @@ class PackagedStep:
         return runner.boxed_run(tree_leaves([token, position, rows, keys, values]))[0]  # logits [V]
 
 
+class PackagedBatch:
+    """Called like a BatchGraph (memrad.engine.decode.batch); runs the package's batch graph."""
+
+    def __init__(self, runner: Any, made: dict[str, torch.Tensor], capacity: int, rows: int) -> None:
+        self.runner, self.capacity, self.rows = runner, capacity, rows
+        self._made = made  # the library holds pointers into these (user_managed): keep them alive
+
+    def fits(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> bool:
+        """The graph runs a row attending `length` rows of these slabs [(keys, values) per layer]:
+        the length is in its range and the slabs have the rows it was made for."""
+        low, high = batch_range(self.capacity)
+        return low <= length <= high and all(keys.shape[2] == self.capacity for keys, _ in buffers)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[torch.Tensor],
+                 keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]]) -> torch.Tensor:
+        assert tokens.shape[0] == self.rows, (tokens.shape, self.rows)
+        return self.runner.boxed_run(tree_leaves([tokens, positions, rows, keys, values]))[0]  # logits [B, V]
+
+
 def load(step: DecodeStep, capacity: int, kernel: bool, path: Path) -> PackagedStep:
     """Open the package at `path` for `step`, handing it the step's own tensors (no copy).
     With `kernel`, memra's attention kernel must be loaded already (cpu_attention.load).
@@ -138,31 +174,68 @@ def load(step: DecodeStep, capacity: int, kernel: bool, path: Path) -> PackagedS
     Uses torch's C++ loader directly: `torch._inductor.aoti_load_package` does the same
     after importing inductor's Python side, which a start does not need (its cost:
     docs/BENCHMARKS.md, Startup and compile)."""
+    made, runners = _open(step, path, graph_ranges(capacity, kernel))
+    return PackagedStep(step, runners, made, capacity, kernel)
+
+
+def load_batch(step: DecodeStep, capacity: int, rows: int, path: Path) -> PackagedBatch:
+    """Open the batched step's package (built by `build(..., rows=rows)`), as `load` does."""
+    made, runners = _open(step, path, [BATCH_GRAPH])
+    return PackagedBatch(runners[BATCH_GRAPH], made, capacity, rows)
+
+
+def _open(step: DecodeStep, path: Path, graphs: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from safetensors.torch import load_file
 
     made = load_file(str(constants_path(path)))  # {"graph/name": tensor}
     os.utime(path)  # used now: `prune` keeps the most recently used
     state = _constants(step)
     runners = {}
-    for graph in graph_ranges(capacity, kernel):
+    for graph in graphs:
         runner = torch._C._aoti.AOTIModelPackageLoader(str(path), graph, False, 1, -1)
         fqns = runner.get_constant_fqns()
         supplied = {fqn: state[fqn] if fqn in state else made[f"{graph}/{fqn}"] for fqn in fqns}
         # (use_inactive, check_full_update, user_managed, allow_h2d_copy)
         runner.load_constants(supplied, False, True, True, False)
         runners[graph] = runner
-    return PackagedStep(step, runners, made, capacity, kernel)
+    return made, runners
 
 
-def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path) -> None:
-    """Export the step's graphs, compile them with AOTInductor and write the package and its
-    constants at `path` (atomically: a package is only ever there complete). Minutes."""
-    from safetensors.torch import save_file
+def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path, rows: int | None = None) -> None:
+    """Export the step's graphs (`rows`: the batched step's one graph of that many rows),
+    compile them with AOTInductor and write the package and its constants at `path`
+    (atomically: a package is only ever there complete). Minutes."""
     from torch._inductor import aot_compile
-    from torch._inductor.package import package_aoti
 
-    exported = _Exported(_twin(step), kernel)
     files, weights = {}, {}
+    programs = _batch_programs(step, config, capacity, kernel, rows) if rows else _step_programs(
+        step, config, capacity, kernel)
+    for graph, program in programs:
+        compiled = aot_compile(program.module(check_guards=False), *program.example_inputs, options=_AOTI_OPTIONS)
+        files[graph] = [item for item in compiled if isinstance(item, str)]
+        weights[graph] = {name: tensor for item in compiled if not isinstance(item, str)
+                          for name, (tensor, _) in item.items()}
+    _write(step, path, files, weights)
+
+
+def _batch_programs(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int):
+    """The batched step exported: row r's `length_rows` first size is its own symbol."""
+    assert kernel and isinstance(step, DecodeStep), "the batched package: llama-shaped, memra's kernel"
+    device = _param(step).device
+    lengths = [3 + r for r in range(rows)]  # distinct examples: export never takes two rows' sizes for one
+    slabs = [example_buffers(step, config, capacity, length, _untouched)[:2] for length in lengths]
+    args = (torch.zeros(rows, dtype=torch.long, device=device), torch.tensor([n - 1 for n in lengths], device=device),
+            [attended_rows(n, device) for n in lengths], [k for k, _ in slabs], [v for _, v in slabs])
+    low, high = batch_range(capacity)
+    per_row = [{0: torch.export.Dim(f"length_{r}", min=low, max=high)} for r in range(rows)]
+    dims = ({}, {}, per_row, [[None] * len(k) for k, _ in slabs], [[None] * len(v) for _, v in slabs])
+    with torch.no_grad():
+        program = torch.export.export(BatchGraph(_twin(step), kernel), args, dynamic_shapes=dims, strict=False)
+    yield BATCH_GRAPH, program
+
+
+def _step_programs(step: DecodeStep, config: Any, capacity: int, kernel: bool):
+    exported = _Exported(_twin(step), kernel)
     for graph, (low, high) in graph_ranges(capacity, kernel).items():
         length = low + 1
         device = _param(step).device
@@ -180,10 +253,13 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
         dims = ({}, {}, {0: torch.export.Dim(f"length_{graph}", min=low, max=high)}, key_dims, value_dims)
         with torch.no_grad():
             program = torch.export.export(exported, args, dynamic_shapes=dims, strict=False)
-        compiled = aot_compile(program.module(check_guards=False), *program.example_inputs, options=_AOTI_OPTIONS)
-        files[graph] = [item for item in compiled if isinstance(item, str)]
-        weights[graph] = {name: tensor for item in compiled if not isinstance(item, str)
-                          for name, (tensor, _) in item.items()}
+        yield graph, program
+
+
+def _write(step: DecodeStep, path: Path, files: dict[str, list[str]], weights: dict[str, dict]) -> None:
+    from safetensors.torch import save_file
+    from torch._inductor.package import package_aoti
+
     # Each builder stages its own files (two starts may build at once); package_aoti wants .pt2.
     staging = path.with_name(path.name.removesuffix(".pt2") + f".{os.getpid()}.partial.pt2")
     staged_constants = constants_path(path).with_suffix(f".{os.getpid()}.partial")
@@ -288,15 +364,15 @@ class BuildKilled(RuntimeError):
     not a sign that AOTInductor cannot compile the step, so no fallback is tried."""
 
 
-def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 1800) -> None:
+def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 1800, rows: int | None = None) -> None:
     """`build` in a child process that loads the model itself. Export and inductor are
     Python-heavy: on the daemon's own interpreter they held the GIL against the engine thread,
     and a reply served meanwhile decoded at a small fraction of its speed (measured:
     docs/BENCHMARKS.md, Decode: the step's parts). The child runs one torch thread, leaving the
-    other core to serving. Raises
+    other core to serving. `rows`: the batched step's package. Raises
     RuntimeError with the child's last lines if it fails."""
     args = [sys.executable, "-m", "memrad.engine.decode.package", recipe.folder, recipe.dtype, recipe.weights,
-            str(recipe.context_len), "kernel" if kernel else "torch", str(path)]
+            str(recipe.context_len), "kernel" if kernel else "torch", str(path), str(rows or 0)]
     child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              stdin=subprocess.DEVNULL)
     _children.add(child)
@@ -325,8 +401,8 @@ def main(argv: list[str]) -> int:
     """The child of `build_in_child`: load the model as the daemon did, build the package."""
     from memrad.engine.model.loader import load_model
 
-    folder, dtype, weights, context_len, attention, path = argv
-    kernel = attention == "kernel"
+    folder, dtype, weights, context_len, attention, path, batch = argv
+    kernel, rows = attention == "kernel", int(batch) or None
     torch.set_num_threads(1)
     loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights, allow_pull=False,
                         progress=lambda _: None, context=int(context_len))
@@ -335,11 +411,11 @@ def main(argv: list[str]) -> int:
         return 2
     capacity = min(int(context_len), MAX_RESERVED_TOKENS)
     step = steps.new_step(loaded.model, int(context_len))
-    mine = package_path(step, loaded.model.config, capacity, kernel, Path(path).parent)
+    mine = package_path(step, loaded.model.config, capacity, kernel, Path(path).parent, rows)
     if mine != Path(path):  # another load would make another step: never build it under this name
         print(f"the child's step is {mine.name}, not {Path(path).name}", file=sys.stderr)
         return 3
-    build(step, loaded.model.config, capacity, kernel, Path(path))
+    build(step, loaded.model.config, capacity, kernel, Path(path), rows)
     return 0
 
 
@@ -367,7 +443,7 @@ def _constants(step: DecodeStep) -> dict[str, torch.Tensor]:
     return dict(named)
 
 
-def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool) -> str:
+def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int | None = None) -> str:
     import transformers
 
     digest = hashlib.sha256()
@@ -375,6 +451,9 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool) -> str:
                  _cpu_flags(), capacity, decode_step.SPLIT_ROWS, kernel, config.to_json_string(use_diff=False)):
         digest.update(f"{part}\n".encode())
     kernel_source = [cpu_attention.__file__, cpu_attention.SOURCE] if kernel else []
+    if rows:  # the batched step: its code and row count (the one-row step's key is unchanged)
+        digest.update(f"rows {rows}\n".encode())
+        kernel_source.append(batch_step.__file__)
     # window_state: the window views' strides (buffer_rows) are compiled in.
     for source in (decode_step.__file__, gemma_step.__file__, window_state.__file__, quant.__file__, __file__,
                    qwen3_next_step.__file__, gated_delta.__file__, falcon_h1_step.__file__, mamba2.__file__,
