@@ -5,7 +5,7 @@ Gemma 3's template has no tool format, so every tool the CLIs send reaches the m
 memra's tool convention (memrad/chat/convention.py; `tools.fallback = false` would make each
 of these requests a 400). gemma3-270m serves its native 32,768 tokens, which holds every
 CLI's first prompt in Gemma's tokens (the tested configurations: Claude Code ~22.1k, Qwen
-Code ~16k, Codex ~8.9k, opencode ~7.4k; docs/BENCHMARKS.md "Claude Code on gemma3-270m").
+Code ~15.9k, Codex ~8.9k, opencode ~7.5k; docs/BENCHMARKS.md, issue 21 session 9).
 Replies are capped at 64 tokens (MEMRA_MAX_REPLY_TOKENS) to keep CI's time: the base model
 rambles to whatever cap it gets, and Claude Code asks for three continuations of a reply
 cut at the cap. Each run is measured between two idle daemons (tests/integration/cli_runs.py).

@@ -209,7 +209,7 @@ def gemma_chat():
 
 # Every CLI's first prompt fits gemma3-270m's 32,768 in Gemma's tokens, tools in memra's convention:
 # Claude Code ~22.1k with ANTHROPIC_MODEL=default (a `claude-` model name makes it send its fuller
-# prompt, ~30.8k, which fits too), Qwen Code ~16k, Codex ~8.9k, opencode ~7.4k.
+# prompt, ~30.8k, which fits too), Qwen Code ~15.9k, Codex ~8.9k, opencode ~7.5k.
 @pytest.mark.parametrize("cli, tool, arguments", [
     ("claude", "Bash", {"command": "ls", "description": "List"}),
     ("codex", "exec_command", {"cmd": "ls"}),
