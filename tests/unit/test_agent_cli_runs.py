@@ -95,12 +95,14 @@ def invocation(cli: str, home: Path) -> tuple[list[str], dict]:
             {"HOME": str(home), "OPENCODE_CONFIG": str(home / "opencode.json"), **xdg})
 
 
-async def run_cli(engine, cli: str, tmp_path: Path) -> tuple[int, str, str, dict]:
-    """Run `cli` in a fresh sandbox against a fresh server; (exit code, stdout, stderr,
-    request counts by (route, status))."""
+async def run_cli(engine, cli: str, tmp_path: Path, env_set: dict | None = None) -> tuple[int, str, str, dict]:
+    """Run `cli` in a fresh sandbox against a fresh server, its tested configuration's
+    environment updated by `env_set`; (exit code, stdout, stderr, request counts by (route,
+    status))."""
     needs(cli)
     work = sandbox(tmp_path)
     argv, env = invocation(cli, tmp_path / "home")
+    env.update(env_set or {})
     server = TestServer(make_app(Settings(), engine, "cpu", "float32"), host="127.0.0.1")
     await server.start_server()
     try:
@@ -124,14 +126,14 @@ async def run_cli(engine, cli: str, tmp_path: Path) -> tuple[int, str, str, dict
 
 async def run_task(cli: str, tmp_path: Path, tool: str, arguments: dict, context_len: int = 1_000_000,
                    chat: Chat | None = None, generation_prompt: str = "<|im_start|>assistant\n",
-                   result_marker: str = "<tool_response>") -> tuple:
+                   result_marker: str = "<tool_response>", env_set: dict | None = None) -> tuple:
     """The tool task: the CLI exits 0, prints the answer, and every request was 2xx; (engine,
     the requests whose prompt offers `tool`, request counts). `chat`: the tokenizer and
     template (the tiny ChatML one unless given), whose reply opens with `generation_prompt`
     and whose tool results follow `result_marker`."""
     engine = ScriptedChatEngine(chat or Chat(build_tokenizer()), context_len=context_len,
                                 reply_for=reply_for(tool, json.dumps(arguments), result_marker))
-    code, out, err, counts = await run_cli(engine, cli, tmp_path)
+    code, out, err, counts = await run_cli(engine, cli, tmp_path, env_set)
     assert code == 0, err
     assert ANSWER in out and all_2xx(counts), counts
     main = [r for r in engine.requests if f'"name": "{tool}"' in r.prompt_text]
@@ -207,9 +209,11 @@ def gemma_chat():
     return Chat(AutoTokenizer.from_pretrained(folder))
 
 
-# Claude Code's first prompt is 32,801 tokens of Gemma's: past gemma3-270m's 32,768 (a finding of
-# issue 21: it cannot serve Claude Code's default tools); the other three fit.
+# Every CLI's first prompt fits gemma3-270m's 32,768 in Gemma's tokens, tools in memra's convention:
+# Claude Code ~22.1k with ANTHROPIC_MODEL=default (a `claude-` model name makes it send its fuller
+# prompt, ~30.8k, which fits too), Qwen Code ~15.9k, Codex ~8.9k, opencode ~7.5k.
 @pytest.mark.parametrize("cli, tool, arguments", [
+    ("claude", "Bash", {"command": "ls", "description": "List"}),
     ("codex", "exec_command", {"cmd": "ls"}),
     ("qwen", "list_directory", {"path": "SANDBOX"}),
     ("opencode", "read", {"filePath": "SANDBOX"}),
@@ -224,3 +228,13 @@ async def test_every_cli_runs_its_tool_on_gemma3_through_memras_tool_convention(
                                 generation_prompt="<start_of_turn>model\n", result_marker="<start_of_turn>tool\n")
     assert "# Tools" in main[0].prompt_text.split("<start_of_turn>model\n", 1)[0]
     assert f'<start_of_turn>model\n<tool_call>\n{{"name": "{tool}"' in main[1].prompt_text
+
+
+async def test_claude_codes_fuller_prompt_under_a_claude_model_name_fits_gemma3_too(tmp_path, gemma_chat):
+    # A `claude-` model name of the 4.5 generation on makes Claude Code send its longer system
+    # prompt and tool descriptions: ~30.8k Gemma tokens in memra's one-line JSON, which fits
+    # 32,768 (llama.cpp's indent-2 rendering of the same tools would be ~33.3k: a 400).
+    _, main, _ = await run_task("claude", tmp_path, "Bash", {"command": "ls"}, context_len=32_768, chat=gemma_chat,
+                                generation_prompt="<start_of_turn>model\n", result_marker="<start_of_turn>tool\n",
+                                env_set={"ANTHROPIC_MODEL": "claude-sonnet-4-5"})
+    assert 30_000 < len(main[0].prompt_ids) < len(main[1].prompt_ids) < 32_768
