@@ -5,10 +5,18 @@ Isolation: every daemon gets its own XDG_RUNTIME_DIR (mode 0700, or platformdirs
 XDG_STATE_HOME (log), XDG_CONFIG_HOME (no user memrad.toml) and XDG_CACHE_HOME (the disk
 tier's parked sessions), a free port, and no inherited MEMRA_* settings. The model cache is
 left alone (MEMRA_CACHE_DIR pins it), so the converted default model is reused.
+
+The code: every daemon (and its compile child) imports memrad from this checkout, first on
+PYTHONPATH. The console script alone would import whatever checkout the shared editable
+install points at, which another `pip install -e` (or a merge into that tree) can change
+between two starts of one test: a first start and a warm start then ran different code.
+`code_id` fingerprints the checkout's sources, so a test comparing two starts can tell a
+change of code from a change of bits.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -49,6 +57,18 @@ def memrad_script() -> str:
     if found is None:
         pytest.fail("the `memrad` console script is not installed: python3 -m pip install -e '.[test]'")
     return found
+
+
+CHECKOUT = Path(__file__).resolve().parents[2]  # the tree these tests belong to
+
+
+def code_id() -> str:
+    """A fingerprint of the memrad sources in this checkout (Python and C++), as they are now."""
+    digest = hashlib.sha256()
+    for path in sorted((CHECKOUT / "memrad").rglob("*")):
+        if path.suffix in (".py", ".cpp", ".toml") and path.is_file():
+            digest.update(f"{path.relative_to(CHECKOUT)}\0".encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def free_port() -> int:
@@ -93,6 +113,7 @@ class Daemon:
         env.update(XDG_RUNTIME_DIR=str(runtime), XDG_STATE_HOME=str(state),
                    XDG_CONFIG_HOME=str(config), XDG_CACHE_HOME=str(root / "cache"),
                    MEMRA_CACHE_DIR=str(cache_dir()), PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join([str(CHECKOUT), *filter(None, [os.environ.get("PYTHONPATH")])]),
                    # A background compile would switch the decode step between two requests of
                    # one test; the compiled step has its own story (test_compiled_decode_daemon).
                    MEMRA_COMPILE="off")
@@ -105,12 +126,14 @@ class Daemon:
         self.url = f"http://127.0.0.1:{self.port}"
         self.pids: set[int] = set()  # every daemon pid seen, for the teardown fallback
         self.start_result: subprocess.CompletedProcess | None = None
+        self.code_ids: list[str] = []  # code_id() at each start
 
     def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
         return subprocess.run([memrad_script(), *args], env=self.env, capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
 
     def start(self) -> subprocess.CompletedProcess:
+        self.code_ids.append(code_id())
         result = self.cli("start", "--port", str(self.port), "--threads", str(THREADS),
                           timeout=CLI_TIMEOUT_S)
         self.start_result = result

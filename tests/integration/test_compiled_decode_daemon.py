@@ -51,23 +51,32 @@ def test_compiled_decode_resumes_exactly_and_a_second_start_reuses_the_compiled_
     assert again.choices[0].message.content == cold.choices[0].message.content
 
 
-def rewriting_conversation(client, turns: int = 8) -> list[str]:
+def rewriting_conversation(client, turns: int = 8) -> list[tuple[str, tuple[float, ...], str]]:
     """An agent's conversation whose client sends every earlier reply back cut to its first
-    half (a reasoning-stripping client); the replies, turn by turn."""
-    messages, replies = [{"role": "system", "content": REWRITING_SYSTEM}], []
+    half (a reasoning-stripping client); per turn the reply, each token's logprob (float32
+    logits, so two starts that agree on every bit agree here exactly) and the decision."""
+    messages, turns_seen = [{"role": "system", "content": REWRITING_SYSTEM}], []
     for turn in range(1, turns + 1):
         messages.append({"role": "user", "content": f"Step {turn}. Tool result:\n{TOOL_OUTPUT}\nWhat next?"})
-        reply = client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=24,
-                                               extra_body={"session_id": "agent"}).choices[0].message.content
-        replies.append(reply)
-        messages.append({"role": "assistant", "content": reply[: len(reply) // 2]})
-    return replies
+        answer = client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=24,
+                                                logprobs=True, extra_body={"session_id": "agent"})
+        choice = answer.choices[0]
+        turns_seen.append((choice.message.content, tuple(t.logprob for t in choice.logprobs.content),
+                           answer.model_extra["memra"]["decision"]))
+        messages.append({"role": "assistant", "content": choice.message.content[: len(choice.message.content) // 2]})
+    return turns_seen
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 23, open: passed alone (5 of 5), beside its module and beside CPU hogs, but failed once in the full "
-    "suite: the warm start's turn-5 reply differed in length from the first start's (turn 7 primed "
-    "1,724 vs 1,717 tokens); the source of the divergence is not found yet"))
+def first_difference(first_start, warm_start) -> str | None:
+    """Where two runs of the conversation first part: the turn, the token, both decisions."""
+    for turn, (a, b) in enumerate(zip(first_start, warm_start), 1):
+        if a[:2] != b[:2]:
+            token = next((i for i, (x, y) in enumerate(zip(a[1], b[1])) if x != y), min(len(a[1]), len(b[1])))
+            return (f"turn {turn}, token {token}: {a[0]!r} vs {b[0]!r}; logprobs {a[1][token:token + 2]} vs "
+                    f"{b[1][token:token + 2]}; first start: {a[2]}; warm start: {b[2]}")
+    return None
+
+
 def test_a_first_start_and_a_warm_start_answer_a_rewriting_conversation_byte_identically(make_daemon, tmp_path):
     # Exact mode (the default) under compile = auto: the first start's replies wait for the
     # compiled step rather than decode eager, so they are what every later start answers.
@@ -89,8 +98,11 @@ def test_a_first_start_and_a_warm_start_answer_a_rewriting_conversation_byte_ide
     assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
     assert "from the compile cache" in daemon.get_json("/health")["choices"]["decode"]["reason"]
     warm_start = rewriting_conversation(client_for(daemon))
-    assert warm_start == first_start
-    assert all(first_start) and len(set(first_start)) > 1  # real replies, not one repeated string
+    # Both starts ran this checkout's code (daemon_harness): a change between them is no bits question.
+    assert daemon.code_ids[0] == daemon.code_ids[1], "memrad's sources changed between the two starts"
+    assert first_difference(first_start, warm_start) is None
+    replies = [reply for reply, _, _ in first_start]
+    assert all(replies) and len(set(replies)) > 1  # real replies, not one repeated string
 
 
 def test_compile_auto_answers_while_it_compiles_in_fast_mode(make_daemon, tmp_path):

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,42 @@ def test_a_package_build_killed_mid_way_is_never_opened_and_the_next_build_clean
     again.start()  # builds anew over the stale constants, prunes the killed build's staging, opens it
     assert again.choice.value == "compiled" and "package built" in again.choice.reason, again.choice.reason
     assert sorted(p.name for p in tmp_path.glob("decode-step-*")) == [f"{stem}.constants.safetensors", path.name]
+
+
+ORPHANING = """
+import sys, threading, time
+from pathlib import Path
+from memrad.engine.decode import package as step_package
+recipe = step_package.Recipe({folder!r}, {dtype!r}, {weights!r}, {context_len})
+threading.Thread(target=step_package.build_in_child, args=(recipe, False, Path({path!r})), daemon=True).start()
+while not step_package._children:
+    time.sleep(0.01)
+print(next(iter(step_package._children)).pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_daemon_killed_while_its_compile_child_builds_leaves_no_build_running(q4_dir, tmp_path, monkeypatch):
+    from memrad.daemon import pid_alive
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty compile cache
+    loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
+    path = Decoder(loaded.model, loaded.context_len, loaded.device, "auto")._package(False)  # the child builds this
+    script = ORPHANING.format(folder=str(q4_dir), dtype=loaded.dtype_name, weights=loaded.weights_name,
+                              context_len=loaded.context_len, path=str(path))
+    daemon = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    try:
+        child = int(daemon.stdout.readline())
+        daemon.kill()  # kill -9: no stop, no cleanup in the daemon
+        daemon.wait(30)
+    finally:
+        daemon.kill()
+    deadline = time.monotonic() + 120.0  # the child may still be importing torch: it checks its parent then
+    while pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    gone = not pid_alive(child)
+    if not gone:
+        os.kill(child, signal.SIGKILL)
+    assert gone, "the build outlived the daemon that started it"
+    assert not list(tmp_path.glob("decode-step-*")), "a build nobody waits for wrote its package"

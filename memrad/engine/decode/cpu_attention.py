@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from memrad.durable import publish
+
 log = logging.getLogger("memrad.engine")
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
@@ -114,7 +116,7 @@ def build(compiler: str, source: Path = SOURCE) -> Path:
         partial.unlink(missing_ok=True)
         errors = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
         raise BuildFailed(f"{compiler} could not build {source.name}: {(errors or ['no output'])[0][:300]}")
-    partial.replace(path)
+    publish(partial, path)
     log.info("built the CPU kernel %s: %s", source.stem, path)
     return path
 

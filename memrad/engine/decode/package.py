@@ -41,10 +41,13 @@ decodes each position exactly as its cold run does.
 from __future__ import annotations
 
 import copy
+import ctypes
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +68,7 @@ from memrad.engine.state.kv import MAX_RESERVED_TOKENS
 from memrad.engine.state import recurrent as recurrent_state
 from memrad.engine.state import window as window_state
 from memrad.engine.state.window import buffer_rows
+from memrad.durable import publish
 from memrad.faultpoint import kill_point
 
 # What AOTInductor is asked for: the weights stay out of the library (supplied at load), and
@@ -76,6 +80,7 @@ _AOTI_OPTIONS = {
 }
 _LAYOUT = "1"  # of the files this module writes; bump when it changes
 KEEP_PACKAGES = 8  # in the compile cache: several models and configurations side by side
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def graph_ranges(capacity: int, kernel: bool) -> dict[str, tuple[int, int]]:
@@ -273,9 +278,9 @@ def _write(step: DecodeStep, path: Path, files: dict[str, list[str]], weights: d
                 .get_constant_fqns() if fqn not in state}
         # The package last: its presence says both files are complete.
         save_file(made, str(staged_constants))
-        os.replace(staged_constants, constants_path(path))
+        publish(staged_constants, constants_path(path))
         kill_point("package-rename")
-        os.replace(staging, path)
+        publish(staging, path)
     finally:  # a failed build leaves nothing behind
         staging.unlink(missing_ok=True)
         staged_constants.unlink(missing_ok=True)
@@ -372,7 +377,7 @@ def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 
     other core to serving. `rows`: the batched step's package. Raises
     RuntimeError with the child's last lines if it fails."""
     args = [sys.executable, "-m", "memrad.engine.decode.package", recipe.folder, recipe.dtype, recipe.weights,
-            str(recipe.context_len), "kernel" if kernel else "torch", str(path), str(rows or 0)]
+            str(recipe.context_len), "kernel" if kernel else "torch", str(path), str(rows or 0), str(os.getpid())]
     child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              stdin=subprocess.DEVNULL)
     _children.add(child)
@@ -397,11 +402,32 @@ def stop_children() -> None:
         child.kill()
 
 
+def die_with(parent: int) -> None:
+    """End this process when `parent` dies, however it dies (a `kill -9` of the daemon
+    included): a build nobody waits for would hold a core and gigabytes for minutes. Linux
+    sends the signal when the thread that started this process ends; `build_in_child` waits
+    on it from that thread, so that is the daemon's death. Elsewhere, a thread polls."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    except (OSError, AttributeError):  # no prctl (macOS): watch the parent
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="memrad-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
     """The child of `build_in_child`: load the model as the daemon did, build the package."""
     from memrad.engine.model.loader import load_model
 
-    folder, dtype, weights, context_len, attention, path, batch = argv
+    folder, dtype, weights, context_len, attention, path, batch, parent = argv
+    die_with(int(parent))
     kernel, rows = attention == "kernel", int(batch) or None
     torch.set_num_threads(1)
     loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights, allow_pull=False,

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memrad.engine.model.catalog import DEFAULT, NamedModel
+from memrad.durable import publish
 from memrad.faultpoint import kill_point
 from memrad.paths import cache_dir
 
@@ -186,7 +187,7 @@ def _write_whole(path: Path, text: str) -> None:
     """Write `path` so a kill leaves either the old file or the new one, never a part."""
     staging = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     staging.write_text(text)
-    os.replace(staging, path)
+    publish(staging, path)
 
 
 def pull_gguf(gguf_path: Path, progress: Progress = print) -> Path:
@@ -326,7 +327,7 @@ def publish_converted(model, tokenizer, gguf_path: Path, target: Path, progress:
     # Only a folder without the marker can be here (convert_gguf runs when there is none):
     # an unfinished folder from before staging existed, nothing a start would load.
     shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
+    publish(staging, target)  # every file fsynced first: a power cut leaves no renamed, empty folder
     progress(f"converted model saved to {target}")
     return target
 

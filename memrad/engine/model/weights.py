@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memrad.durable import publish
 from memrad.engine.model import formats
 from memrad.engine.model.hardware import Choice
 from memrad.engine.model.quant import (
@@ -190,7 +191,7 @@ def _write_blocks(path: Path, blocks: dict[str, Int4Blocks | Int8Blocks], metada
             tensors[f"{name}.mins"] = half if torch.equal(half.float(), block.mins) else block.mins
     staging = path.with_name(path.name + ".partial")
     save_file(tensors, str(staging), metadata={**metadata, "layout": BLOCKS_LAYOUT})
-    staging.rename(path)
+    publish(staging, path)
 
 
 def quantize_layers_q4_1(model: Any) -> dict[str, Int4Blocks]:
@@ -406,7 +407,7 @@ def _save_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype, 
     path = _packed_path(folder, device, kernel_dtype)
     try:
         save_file(tensors, str(path.with_suffix(".partial")), metadata={"memra": stamp})
-        path.with_suffix(".partial").rename(path)
+        publish(path.with_suffix(".partial"), path)
     except OSError as exc:  # a read-only folder: the next start packs again
         log.warning("could not keep the packed int4 weights in %s: %s", folder, exc)
 

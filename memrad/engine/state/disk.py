@@ -10,8 +10,9 @@ the planner sees disk sessions beside memory ones; a chosen one is loaded then.
                                       at<p>.<layer>.<attr>[.<key>]       snapshot at p
                             metadata: "memra": JSON {format, compat, session, layers, checksum}
 
-Files are written to a temp name and renamed, so a crash leaves a whole file or none (a
-stray temp file is deleted at the next start). A file whose compatibility key (the model,
+Files are written to a temp name, fsynced and renamed, and the directory is fsynced after
+the rename (memrad.durable), so a crash or a power cut leaves a whole file or none (a stray
+temp file is deleted at the next start). A file whose compatibility key (the model,
 tokenizer, dtype, rope, device, chunk and mode it was made under: `state_format`) differs
 from the running engine's, that cannot be parsed (truncated), or whose checksum fails on
 load is skipped with a log line and deleted, never loaded. The tier's records live in a
@@ -42,6 +43,7 @@ import xxhash
 from memrad.engine.model.context import rope_key
 from memrad.engine.state.kv import SlabLayer
 from memrad.engine.state.recurrent import HybridSlabLayer
+from memrad.durable import fsync_dir, fsync_file
 from memrad.faultpoint import kill_point
 from memrad.private import FILE_MODE
 from memrad.engine.state.sessionfile import (FORMAT, Header, Unusable, file_name, header_checksum, is_stray_temp,
@@ -333,12 +335,12 @@ class DiskTier:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             save_file(tensors, str(tmp), metadata={"memra": json.dumps(meta)})
             kill_point("spill-tmp")
-            with open(tmp, "rb+") as handle:
-                os.fchmod(handle.fileno(), FILE_MODE)  # prompt tokens: the owner's only (safetensors makes 0600 today; not its promise)
-                os.fsync(handle.fileno())
+            os.chmod(tmp, FILE_MODE)  # prompt tokens: the owner's only (safetensors makes 0600 today; not its promise)
+            fsync_file(tmp)  # a power cut after the rename must not leave an empty file at its name
             kill_point("spill-rename")
             tmp.replace(path)
             kill_point("spill-renamed")
+            fsync_dir(self.directory)  # the name itself, so a session said written survives a power cut
         except Exception as exc:  # Unusable, OSError (disk full), or a state this code cannot encode
             tmp.unlink(missing_ok=True)
             why = f"{type(exc).__name__}: {exc}"
