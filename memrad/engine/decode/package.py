@@ -19,7 +19,9 @@ inductor compiles it into a shared library, and a later start only opens the lib
 
 memra's kernel is a C++ op (`memra::decode_attention`, TORCH_LIBRARY): the library calls it
 by name through AOTInductor's proxy executor, so the kernel must be loaded into the process
-before a package that uses it is opened (the loader looks its schema up then).
+before a package that uses it is opened (the loader looks its schema up then). So must
+memra's block kernel (`memra::block_gemv`, memrad.engine.model.block_linear) where the step's
+layers run GGUF blocks on it: the model's load has loaded it by then.
 
 The weights are not in the package: a start hands the library the step's own tensors by
 reference (`user_managed`), so nothing is copied and resident memory does not grow. So the
@@ -54,7 +56,7 @@ from torch.utils._pytree import tree_leaves
 from memrad.engine.decode import cpu_attention
 from memrad.engine.decode import falcon_h1_step, gated_delta, gemma_step, mamba2, qwen3_next_step, steps
 from memrad.engine.decode import step as decode_step
-from memrad.engine.model import quant
+from memrad.engine.model import block_linear, quant
 from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS
 from memrad.engine.state import recurrent as recurrent_state
@@ -89,7 +91,7 @@ def graph_ranges(capacity: int, kernel: bool) -> dict[str, tuple[int, int]]:
 def package_path(step: DecodeStep, config: Any, capacity: int, kernel: bool, directory: Path) -> Path:
     """Where the package for this step, model config, slab capacity and attention (`kernel`:
     memra's) lives in `directory`."""
-    weights = "int4" if any(isinstance(m, quant.Int4Linear) for m in step.modules()) else "float"
+    weights = "int4" if any(isinstance(m, (quant.Int4Linear, block_linear.BlockLinear)) for m in step.modules()) else "float"
     dtype = str(_param(step).dtype).removeprefix("torch.")
     label = Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model"
     attention = "memra" if kernel else "torch"
@@ -375,6 +377,8 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool) -> str:
                  _cpu_flags(), capacity, decode_step.SPLIT_ROWS, kernel, config.to_json_string(use_diff=False)):
         digest.update(f"{part}\n".encode())
     kernel_source = [cpu_attention.__file__, cpu_attention.SOURCE] if kernel else []
+    if any(isinstance(m, block_linear.BlockLinear) for m in step.modules()):  # memra::block_gemv is called by name
+        kernel_source += [block_linear.__file__, block_linear.source()]
     # window_state: the window views' strides (buffer_rows) are compiled in.
     for source in (decode_step.__file__, gemma_step.__file__, window_state.__file__, quant.__file__, __file__,
                    qwen3_next_step.__file__, gated_delta.__file__, falcon_h1_step.__file__, mamba2.__file__,
