@@ -2,25 +2,28 @@
 
 torch's int4 kernel can run an 8-bit or 5-bit block only as two 4-bit passes (Q8Linear, hi|lo):
 10 bits a weight with its bf16 scale and zero pairs, where the GGUF's blocks are 8.5 (Q8_0) and
-5.5 (Q5_0) bits. On gemma3-270m those tensors are the tied 262,144 x 640 head and 91 of its 126
-layer matrices, so hi|lo read ~290 MB a token where llama.cpp reads ~220 MB of the same weights
-(docs/BENCHMARKS.md, the issue-24 session-9 section). memra's kernel (csrc/block_gemv.cpp,
-`memra::block_gemv`) reads the blocks themselves:
+5.5 (Q5_0) bits. gemma3-270m's tied 262,144 x 640 Q8_0 head read 210 MB a token that way where
+llama.cpp reads 178 MB. memra's kernel (csrc/block_gemv.cpp, `memra::block_gemv`) reads the
+blocks themselves:
 
     Q8_0 block (34 B)  | d fp16 | q[32] int8 |               w = d·q
     Q5_0 block (22 B)  | d fp16 | qh u32 | qs[16] |          w = d·(q − 16), q = nibble + 16·bit
 
     blocks  [N, K/32 · bytes] uint8, one output row per row, as llama.cpp lays them out
-    x [M, K] (bf16 or fp32)  ->  float32 products and sums  ->  out [M, N] in x's dtype
+    x [M, K] (bf16 or fp32) -> int16 per block of 32 -> int32 products, float32 sums -> out [M, N]
 
-It multiplies the shipped weights exactly (fp16 d is exact in float32; hi|lo rounds its scales
-to bf16), so its only error is float32 summation. A layer's codes go out as Q5_0 blocks when
-every code fits 5 bits (all of a Q5_0 tensor's do), else as Q8_0.
+The weights are exactly the shipped ones (fp16 d is exact in float32; hi|lo rounds its scales
+to bf16); the activation moves by at most 2^-16 of its block's largest |x|. A layer's codes go
+out as Q5_0 blocks when every code fits 5 bits (all of a Q5_0 tensor's do), else as Q8_0.
 
-The kernel is built like the attention kernel (memrad.engine.decode.cpu_attention) and chosen
-where torch's CPU capability is AVX512, the only one it was measured on; elsewhere (AVX2-only
-CPUs, CUDA) and without a compiler the layers run hi|lo as before and `why_not` says why.
-Longer inputs (prefill) run the dense `weight` the layer keeps, as Int4Linear does.
+memrad.engine.model.weights runs the output head this way and leaves the layers hi|lo: the
+head streams from memory, where fewer bytes won (the eager gemma step 10-13 % faster at one
+thread), while the layers' blocks sit in cache, where the kernel's Q5_0 unpacking lost to hi|lo
+(docs/BENCHMARKS.md, the issue-24 session-9 section). The kernel is built like the attention
+kernel (memrad.engine.decode.cpu_attention) and chosen where torch's CPU capability is AVX512,
+the only one it was measured on; elsewhere (AVX2-only CPUs, CUDA) and without a compiler the
+head runs hi|lo as before and `why_not` says why. Longer inputs (prefill) run the dense
+`weight` the layer keeps, as Int4Linear does.
 """
 
 from __future__ import annotations
