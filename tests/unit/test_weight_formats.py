@@ -160,14 +160,25 @@ def test_a_head_the_gguf_ships_in_another_format_stays_dense_and_says_so(old_dir
     assert said.getMessage() == "the output head runs dense: the GGUF ships it as Q6_K, not Q8_0"
 
 
-def test_a_vocabulary_the_kernel_cannot_pack_keeps_a_dense_head_and_says_why(tmp_path, caplog, hi_lo):
+def _odd_vocabulary_folder(folder):
     tokenizer = build_tokenizer()
-    model = build_llama(len(tokenizer) + 8, tied=True)  # 408 rows: the CPU packer takes sixteens
+    model = build_llama(len(tokenizer) + 8, tied=True)  # 408 rows: the CPU int4 packer takes sixteens
     layers, head = quantize_layers_q4_1(model), quantize_head_q8_0(model)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    write_int4_cache(layers, tmp_path, "test")
-    write_q8_cache(head, tmp_path, "test", "Q8_0")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    write_int4_cache(layers, folder, "test")
+    write_q8_cache(head, folder, "test", "Q8_0")
+    return folder
+
+
+@needs_blocks
+def test_a_vocabulary_the_int4_packer_cannot_take_runs_its_q8_0_blocks_on_memra_s_kernel(tmp_path):
+    loaded = _load(_odd_vocabulary_folder(tmp_path), "int4", "bfloat16")
+    assert loaded.head == "q8_0 blocks" and loaded.model.lm_head.blocks.shape == (408, 2 * 34)
+
+
+def test_a_vocabulary_the_kernel_cannot_pack_keeps_a_dense_head_and_says_why(tmp_path, caplog, hi_lo):
+    _odd_vocabulary_folder(tmp_path)
     with caplog.at_level(logging.INFO, logger="memrad.engine"):
         loaded = _load(tmp_path, "int4", "bfloat16")
     assert loaded.head == "float" and sum(type(m) is Int4Linear for m in loaded.model.modules()) == 14
