@@ -9,7 +9,8 @@ Candidates, one representative tensor per (role, GGUF type, shape):
     int4 requant Q4_1 blocks made from the float weights (min/max per 32), the int4 kernel
     as shipped   the GGUF's own codes on the int4 kernel: Q4_0/Q4_1/Q4_K direct, Q8_0/Q5_0 hi|lo
     blocks       Q8_0/Q5_0 only: the GGUF's blocks themselves on memra's kernel (where it runs:
-                 memrad.engine.model.block_linear)
+                 memrad.engine.model.block_linear); its weights are exact (error 0 below), its
+                 activation is rounded to int16 per 32 (2^-16 of the block's largest |x|)
 
 Error: ||W_run − W||_F / ||W||_F, with W_run what the kernel multiplies (its bf16 scales
 included). The pick is the fastest candidate within MAX_ERROR (memrad.engine.model.formats
