@@ -173,11 +173,12 @@ def memory_bandwidth_bytes_s(num_bytes: int = 256 * 2**20, reps: int = 5) -> flo
 def decode_bytes_per_token(loaded: LoadedModel) -> int:
     """Weight bytes one decode step reads: packed codes where a layer has them, else the float
     weight (the embedding row gather is left out)."""
+    from memrad.engine.model.block_linear import BlockLinear
     from memrad.engine.model.quant import Int4Linear, Int8Linear
 
     total = 0
     for module in loaded.model.modules():
-        if isinstance(module, (Int4Linear, Int8Linear)):
+        if isinstance(module, (Int4Linear, Int8Linear, BlockLinear)):
             total += sum(b.nbytes for b in module.buffers())
         elif isinstance(module, torch.nn.Linear):
             total += module.weight.nbytes

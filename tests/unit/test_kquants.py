@@ -210,3 +210,26 @@ def test_fused_hi_lo_projections_compute_what_each_computes(rows):
         assert layers[1].packed.data_ptr() == fused.packed[rows[0]:].data_ptr()  # a view, not a copy
     else:
         assert type(fused).__name__ == "_Concatenated"
+
+
+def test_status_names_the_head_s_gguf_blocks_on_memra_s_kernel_and_says_why_hi_lo_where_it_cannot_run(mixed, tmp_path):
+    from memrad.engine.model import block_linear
+    from memrad.engine.model.block_linear import BlockLinear
+
+    model, gguf = mixed
+    save_block_caches(gguf, model, tmp_path)
+    q8 = load_q8_cache(tmp_path)
+    original = model.lm_head
+    model.lm_head = Q8Linear.from_blocks(original, q8["lm_head"], torch.bfloat16)
+    layer = model.model.layers[0]
+    layer.self_attn.o_proj = Q8Linear.from_blocks(layer.self_attn.o_proj, q8["model.layers.0.self_attn.o_proj"],
+                                                  torch.bfloat16)
+    why = "memra's block kernel: the CPU kernels are AVX2 (memra's block kernel is measured on AVX512 only)"
+    by_role = {g.role: g for g in formats.groups(model, load_kinds(tmp_path), why)}
+    assert by_role["lm_head"].why == why and by_role["model.layers.*.self_attn.o_proj"].why is None
+    assert f"lm_head Q8_0 x1: int4 hi|lo ({why})" in formats.describe(tuple(by_role.values()))
+    if block_linear.why_not() is None:
+        model.lm_head = BlockLinear.from_blocks(original, q8["lm_head"])
+        found = formats.groups(model, load_kinds(tmp_path))
+        assert {g.role: (g.runs, g.why) for g in found}["lm_head"] == ("Q8_0 blocks", None)
+        assert formats.summary(found) == "Q8_0 blocks 1, dense float32 6, int4 hi|lo 1"

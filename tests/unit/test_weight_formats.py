@@ -16,6 +16,8 @@ from memrad.engine.engine import Engine
 from memrad.engine.state.disk import state_format
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.pull import ModelUnavailable
+from memrad.engine.model import block_linear
+from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
 from memrad.engine.model.weights import (
     INT4_CACHE, Q8_CACHE, count_int4_cache, count_q8_cache, load_int4_cache, load_q8_cache, quantize_head_q8_0,
@@ -26,6 +28,14 @@ from stories import ask, make_engine
 CONFIGS = [("float", "float32"), ("float", "bfloat16"), ("int4", "float32"), ("int4", "bfloat16"),
            ("int8", "bfloat16")]
 SYSTEM = {"role": "system", "content": "You are a helpful coding assistant. Read the file, then answer."}
+BLOCKS = block_linear.why_not() is None  # memra's block kernel runs here (AVX512 with a compiler)
+needs_blocks = pytest.mark.skipif(not BLOCKS, reason=str(block_linear.why_not()))
+
+
+@pytest.fixture
+def hi_lo(monkeypatch):
+    """Loads as on a machine without memra's block kernel: Q8_0 / Q5_0 run as int4 hi|lo."""
+    monkeypatch.setattr(block_linear, "why_not", lambda build_missing=True: "no block kernel (test)")
 
 
 @pytest.fixture
@@ -64,7 +74,7 @@ def test_a_head_whose_blocks_differ_from_the_float_weights_stays_float(tmp_path,
     assert count_q8_cache(tmp_path) == 0 and (tmp_path / Q8_CACHE).is_file()
 
 
-def test_int4_runs_every_layer_linear_and_the_q8_0_head_tied_to_a_float_embedding(q4_dir):
+def test_int4_runs_every_layer_linear_and_the_q8_0_head_tied_to_a_float_embedding(q4_dir, hi_lo):
     assert count_int4_cache(q4_dir) == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
     assert count_q8_cache(q4_dir) == 1 and set(load_q8_cache(q4_dir)) == {"lm_head"}
     said = []
@@ -81,9 +91,33 @@ def test_int4_runs_every_layer_linear_and_the_q8_0_head_tied_to_a_float_embeddin
     # the head: [hi | lo] codes for 400 x 128 at 2 a byte, and (scale, zero) per 32 of them
     assert model.lm_head.packed.nbytes + model.lm_head.scales_and_zeros.nbytes == 400 * 64 + 4 * 400 * 2 * 2
     assert any("(15 layers packed with the Q8_0 head" in line for line in said)
+    assert "lm_head GGUF x1: int4 hi|lo (memra's block kernel: no block kernel (test))" in loaded.tensors.reason
 
 
-def test_a_second_start_reads_the_packed_head_instead_of_packing_again(q4_dir, monkeypatch):
+@needs_blocks
+def test_with_memra_s_block_kernel_the_q8_0_head_runs_its_gguf_blocks_and_a_second_start_packs_no_int4_again(
+        q4_dir, monkeypatch):
+    first = _load(q4_dir, "auto", "bfloat16")
+    model = first.model
+    assert type(model.lm_head) is BlockLinear and first.head == "q8_0 blocks" and model.lm_head.format == "Q8_0"
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # prefill still runs the float embedding
+    assert model.lm_head.blocks.shape == (400, 2 * 34)  # 64 inputs: 2 blocks of 34 bytes a row
+    int4 = [m for m in model.modules() if type(m) is Int4Linear]
+    assert len(int4) == 14 and first.packed_bytes == model.lm_head.blocks.nbytes + sum(
+        m.packed.nbytes + m.scales_and_zeros.nbytes for m in int4)
+    assert "lm_head GGUF x1: Q8_0 blocks; " in first.tensors.reason and first.tensors.value == "Q8_0 blocks 1, int4 14"
+
+    def repack(*_):
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr(Int4Linear, "from_blocks", repack)
+    second = _load(q4_dir, "auto", "bfloat16")
+    assert torch.equal(second.model.lm_head.blocks, model.lm_head.blocks)
+    # the disk tier's key: parked state made under the hi|lo head (its bf16 scales) is not loaded here
+    assert state_format(second, 16, "exact")["head"] == "q8_0 blocks"
+
+
+def test_a_second_start_reads_the_packed_head_instead_of_packing_again(q4_dir, monkeypatch, hi_lo):
     first = _load(q4_dir, "int4", "float32")
 
     def repack(*_):
@@ -106,7 +140,7 @@ def test_a_folder_made_before_the_head_was_kept_loads_with_a_dense_head_and_says
            "`memrad pull` (the default model) or `memrad pull FILE.gguf` (a GGUF) adds them" in caplog.text
 
 
-def test_adding_the_head_blocks_later_packs_the_head_at_the_next_start(old_dir):
+def test_adding_the_head_blocks_later_packs_the_head_at_the_next_start(old_dir, hi_lo):
     before = _load(old_dir, "int4", "bfloat16")  # keeps a packed file without the head
     engine_before = Engine(before, 16, 1)
     (old_dir.parent / Q8_CACHE).rename(old_dir / Q8_CACHE)  # as `memrad pull` adds them
@@ -126,14 +160,25 @@ def test_a_head_the_gguf_ships_in_another_format_stays_dense_and_says_so(old_dir
     assert said.getMessage() == "the output head runs dense: the GGUF ships it as Q6_K, not Q8_0"
 
 
-def test_a_vocabulary_the_kernel_cannot_pack_keeps_a_dense_head_and_says_why(tmp_path, caplog):
+def _odd_vocabulary_folder(folder):
     tokenizer = build_tokenizer()
-    model = build_llama(len(tokenizer) + 8, tied=True)  # 408 rows: the CPU packer takes sixteens
+    model = build_llama(len(tokenizer) + 8, tied=True)  # 408 rows: the CPU int4 packer takes sixteens
     layers, head = quantize_layers_q4_1(model), quantize_head_q8_0(model)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    write_int4_cache(layers, tmp_path, "test")
-    write_q8_cache(head, tmp_path, "test", "Q8_0")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    write_int4_cache(layers, folder, "test")
+    write_q8_cache(head, folder, "test", "Q8_0")
+    return folder
+
+
+@needs_blocks
+def test_a_vocabulary_the_int4_packer_cannot_take_runs_its_q8_0_blocks_on_memra_s_kernel(tmp_path):
+    loaded = _load(_odd_vocabulary_folder(tmp_path), "int4", "bfloat16")
+    assert loaded.head == "q8_0 blocks" and loaded.model.lm_head.blocks.shape == (408, 2 * 34)
+
+
+def test_a_vocabulary_the_kernel_cannot_pack_keeps_a_dense_head_and_says_why(tmp_path, caplog, hi_lo):
+    _odd_vocabulary_folder(tmp_path)
     with caplog.at_level(logging.INFO, logger="memrad.engine"):
         loaded = _load(tmp_path, "int4", "bfloat16")
     assert loaded.head == "float" and sum(type(m) is Int4Linear for m in loaded.model.modules()) == 14
@@ -157,7 +202,7 @@ def test_int4_without_cached_blocks_says_what_to_do(tiny_llama_dir):
 @pytest.mark.parametrize("weights,dtype", CONFIGS)
 def test_resumed_turns_equal_cold_turns_bit_for_bit(q4_dir, weights, dtype):
     loaded = _load(q4_dir, weights, dtype)
-    assert loaded.head == {"float": "float", "int4": "q8_0", "int8": "int8"}[weights]
+    assert loaded.head == {"float": "float", "int4": "q8_0 blocks" if BLOCKS else "q8_0", "int8": "int8"}[weights]
     engine = make_engine(loaded, 16, max_sessions=16, mode="exact")
     messages = [SYSTEM]
     for turn in range(3):

@@ -22,7 +22,9 @@ inductor compiles it into a shared library, and a later start only opens the lib
 
 memra's kernel is a C++ op (`memra::decode_attention`, TORCH_LIBRARY): the library calls it
 by name through AOTInductor's proxy executor, so the kernel must be loaded into the process
-before a package that uses it is opened (the loader looks its schema up then).
+before a package that uses it is opened (the loader looks its schema up then). So must
+memra's block kernel (`memra::block_gemv`, memrad.engine.model.block_linear) where the step's
+layers run GGUF blocks on it: the model's load has loaded it by then.
 
 The weights are not in the package: a start hands the library the step's own tensors by
 reference (`user_managed`), so nothing is copied and resident memory does not grow. So the
@@ -61,7 +63,7 @@ from memrad.engine.decode import cpu_attention
 from memrad.engine.decode import falcon_h1_step, gated_delta, gemma_step, mamba2, qwen3_next_step, steps
 from memrad.engine.decode import batch as batch_step
 from memrad.engine.decode import step as decode_step
-from memrad.engine.model import quant
+from memrad.engine.model import block_linear, quant
 from memrad.engine.decode.batch import BatchGraph
 from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS
@@ -109,7 +111,7 @@ def package_path(step: DecodeStep, config: Any, capacity: int, kernel: bool, dir
                  rows: int | None = None) -> Path:
     """Where the package for this step, model config, slab capacity and attention (`kernel`:
     memra's) lives in `directory`; `rows`: the batched step of that many rows."""
-    weights = "int4" if any(isinstance(m, quant.Int4Linear) for m in step.modules()) else "float"
+    weights = "int4" if any(isinstance(m, (quant.Int4Linear, block_linear.BlockLinear)) for m in step.modules()) else "float"
     dtype = str(_param(step).dtype).removeprefix("torch.")
     label = Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model"
     attention = "memra" if kernel else "torch"
@@ -480,6 +482,8 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int |
     if rows:  # the batched step: its code and row count (the one-row step's key is unchanged)
         digest.update(f"rows {rows}\n".encode())
         kernel_source.append(batch_step.__file__)
+    if any(isinstance(m, block_linear.BlockLinear) for m in step.modules()):  # memra::block_gemv is called by name
+        kernel_source += [block_linear.__file__, block_linear.source()]
     # window_state: the window views' strides (buffer_rows) are compiled in.
     for source in (decode_step.__file__, gemma_step.__file__, window_state.__file__, quant.__file__, __file__,
                    qwen3_next_step.__file__, gated_delta.__file__, falcon_h1_step.__file__, mamba2.__file__,

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Q8Linear
 
 # Model classes whose layers are exactly llama's: pre-norm RMSNorm, q/k/v/o, gated MLP, rope.
@@ -90,6 +91,12 @@ def fuse(linears: list[nn.Linear]) -> nn.Linear:
     if all(type(layer) is nn.Linear for layer in linears):
         return _fuse_dense(linears)
     kinds = {type(layer) for layer in linears}
+    if kinds == {BlockLinear} and len({layer.kind for layer in linears}) == 1:  # GGUF blocks: rows are independent
+        dense = _fuse_dense(linears)
+        blocks = torch.cat([layer.blocks for layer in linears])  # [N, K/32 * block bytes]
+        for layer, rows in zip(linears, _row_ranges(linears)):
+            layer.blocks = blocks[rows]
+        return BlockLinear(dense, blocks, linears[0].kind)
     # The CPU packing interleaves rows in blocks of 64: packed parts join only at a block's edge.
     aligned = all(layer.out_features % PACKED_ROW_BLOCK == 0 for layer in linears[:-1])
     if len(kinds) == 1 and kinds <= {Int4Linear, Q8Linear} and aligned:  # Q8Linear: codes [N, 2K] (hi|lo)

@@ -8,6 +8,9 @@ Candidates, one representative tensor per (role, GGUF type, shape):
     int8         per-channel int8 made from the float weights (`_weight_int8pack_mm`)
     int4 requant Q4_1 blocks made from the float weights (min/max per 32), the int4 kernel
     as shipped   the GGUF's own codes on the int4 kernel: Q4_0/Q4_1/Q4_K direct, Q8_0/Q5_0 hi|lo
+    blocks       Q8_0/Q5_0 only: the GGUF's blocks themselves on memra's kernel (where it runs:
+                 memrad.engine.model.block_linear); its weights are exact (error 0 below), its
+                 activation is rounded to int16 per 32 (2^-16 of the block's largest |x|)
 
 Error: ||W_run − W||_F / ||W||_F, with W_run what the kernel multiplies (its bf16 scales
 included). The pick is the fastest candidate within MAX_ERROR (memrad.engine.model.formats
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from memrad.engine.model import block_linear
+from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.quant import (
     GROUP, Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, quantize_q4_1,
@@ -34,7 +39,7 @@ from memrad.engine.model.weights import load_int4_cache, load_kinds, load_q8_cac
 # The error budget: about what bf16 activations and scales cost anyway (2^-8 is bf16's
 # rounding of one value); a candidate past it changes the model, not just its speed.
 MAX_ERROR = 2.0 ** -8
-CANDIDATES = ("dense bf16", "int8", "int4 requant", "as shipped")
+CANDIDATES = ("dense bf16", "int8", "int4 requant", "as shipped", "blocks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,8 @@ def _candidates(linear: torch.nn.Linear, shipped: Int4Blocks | Int8Blocks | None
         high, low = shipped.halves()
         out["as shipped"] = (Q8Linear.from_blocks(dense, shipped, torch.bfloat16),
                              kernel_weights(high, torch.bfloat16) + kernel_weights(low, torch.bfloat16))
+        if block_linear.why_not() is None and block_linear.packable(shipped):
+            out["blocks"] = (BlockLinear.from_blocks(dense, shipped), shipped.dequantize())
     return out
 
 

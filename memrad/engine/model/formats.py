@@ -8,10 +8,12 @@ and what it runs as now:
 
     int4          Int4Linear: the shipped 4-bit codes (Q4_0 / Q4_1 / Q4_K) on the int4 kernel
     int4 hi|lo    Q8Linear: the shipped 8-bit or 5-bit codes (Q8_0 / Q5_0) as two int4 halves
+    Q8_0 blocks   BlockLinear: the shipped Q8_0 head's blocks themselves on memra's kernel
     int8          Int8Linear: per-channel int8 made from the float weights (opt-in)
     dense DTYPE   the float weights transformers made of the blocks, in the model's dtype
 
-Only the dense ones need a reason: why no packed form was used.
+The dense ones carry a reason (why no packed form was used), and so does a Q8_0 head that runs
+hi|lo where memra's block kernel would run its blocks themselves (why it does not here).
 
 The choices themselves were measured per shape on the int4 kernel (docs/BENCHMARKS.md, "GGUF
 k-quants as shipped"): a packed form is used when it is exact as shipped, i.e. its error is only
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
 
 # Why a tensor of this GGUF type stays dense.
@@ -48,10 +51,12 @@ class TensorGroup:
     kind: str  # the GGUF type ("Q4_K"); "float" from no GGUF; "GGUF" packed, type unrecorded
     runs: str  # "int4", "int4 hi|lo", "int8", "dense bfloat16"
     count: int
-    why: str | None  # for a dense group: why no packed form
+    why: str | None  # for a dense group: why no packed form; for a hi|lo head: why not its GGUF blocks
 
 
 def runs_as(module: torch.nn.Module) -> str:
+    if isinstance(module, BlockLinear):
+        return f"{module.format} blocks"
     if isinstance(module, Q8Linear):
         return "int4 hi|lo"
     if isinstance(module, Int4Linear):
@@ -71,8 +76,10 @@ def _why_dense(kind: str, module: torch.nn.Module) -> str:
     return _DENSE_WHY.get(kind, f"{kind} has no packed form")
 
 
-def groups(model: Any, kinds: dict[str, str]) -> tuple[TensorGroup, ...]:
-    """The model's Linear weights grouped; `kinds` is {module name: GGUF type} (empty: no GGUF)."""
+def groups(model: Any, kinds: dict[str, str], head_why: str | None = None) -> tuple[TensorGroup, ...]:
+    """The model's Linear weights grouped; `kinds` is {module name: GGUF type} (empty: no GGUF);
+    `head_why`: why memra's block kernel does not run a hi|lo head (None: not asked)."""
+    head = model.get_output_embeddings()
     counted: Counter = Counter()
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
@@ -80,7 +87,8 @@ def groups(model: Any, kinds: dict[str, str]) -> tuple[TensorGroup, ...]:
         runs = runs_as(module)
         # a packed layer of a folder converted before memra kept the types: from a GGUF, type unrecorded
         kind = kinds.get(name, "float" if runs.startswith("dense") else "GGUF")
-        why = _why_dense(kind, module) if runs.startswith("dense") else None
+        why = (_why_dense(kind, module) if runs.startswith("dense")
+               else head_why if runs == "int4 hi|lo" and module is head else None)
         counted[(re.sub(r"\.\d+\.", ".*.", name), kind, runs, why)] += 1
     return tuple(TensorGroup(role, kind, runs, count, why) for (role, kind, runs, why), count in sorted(counted.items()))
 

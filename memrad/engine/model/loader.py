@@ -148,7 +148,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     attention = install_attention(model, prefill_attention)
     progress(f"prefill attention {attention.value}: {attention.reason}")
     progress(f"context {served.describe()}: {served.reason()}")
-    head = " with the Q8_0 head" if applied.head == "q8_0" else ""
+    head = " with the Q8_0 head" if applied.head.startswith("q8_0") else ""
     progress(f"weights {weights_choice.value}: {weights_choice.reason} ({applied.packed} layers packed{head}, "
              f"{applied.packed_bytes / 2**20:.0f} MiB)")
     return LoadedModel(

@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from memrad.durable import publish
-from memrad.engine.model import formats
+from memrad.engine.model import block_linear, formats
+from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.hardware import Choice
 from memrad.engine.model.quant import (
     Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, packed_bytes, quantize_q4_1, unpack_blocks, unpack_q4_k,
@@ -279,9 +280,12 @@ def load_kinds(folder: Path) -> dict[str, str]:
 
 
 def head_format(model: Any) -> str:
-    """How the output head runs: "q8_0" (its GGUF blocks), "int4", "int8" or "float". It
-    decides the logits' bits, so the disk tier's compatibility key names it."""
+    """How the output head runs: "q8_0" (its GGUF blocks as int4 hi|lo), "q8_0 blocks" (as
+    shipped, memra's kernel), "int4", "int8" or "float". It decides the logits' bits, so the disk
+    tier's compatibility key names it."""
     head = model.get_output_embeddings()
+    if isinstance(head, BlockLinear):
+        return f"{head.format.lower()} blocks"
     return {Q8Linear: "q8_0", Int4Linear: "int4", Int8Linear: "int8"}.get(type(head), "float")
 
 
@@ -310,43 +314,68 @@ def apply_weights(model: Any, choice: Choice, folder: Path, kernel_dtype: torch.
         applied = WeightsApplied(len(targets), 0, packed_bytes(model), "per-channel int8", head_format(model))
     else:
         applied = WeightsApplied(0, 0, 0, "float")
-    return replace(applied, groups=formats.groups(model, load_kinds(folder)))
+    head_why = _blocks_why_not(model) if applied.head == "q8_0" else None
+    return replace(applied, groups=formats.groups(model, load_kinds(folder),
+                                                  f"memra's block kernel: {head_why}" if head_why else None))
+
+
+def _blocks_why_not(model: Any) -> str | None:
+    """Why the Q8_0 head does not run as shipped on memra's kernel (None: it does)."""
+    device = next(model.parameters()).device
+    return block_linear.why_not() if device.type == "cpu" else f"it is CPU-only ({device.type})"
 
 
 def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsApplied:
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
-    stamp = _blocks_stamp(folder)
+    # The Q8_0 head as shipped on memra's kernel where it runs, else hi|lo on the int4 one. Only
+    # the head: it streams 178 MB a token from memory, where the kernel reads fewer bytes and won;
+    # the layers' Q5_0 / Q8_0 blocks sit in cache and decode slower there than hi|lo (measured:
+    # docs/BENCHMARKS.md, the issue-24 session-9 section).
+    blocks_why_not = _blocks_why_not(model)
+    head_name = _head_name(model) if blocks_why_not is None else None
+    stamp = _blocks_stamp(folder) + ("; head as blocks" if head_name else "")
     packed = _load_packed(folder, device, kernel_dtype, stamp)
     built = packed is None
     if built:  # first start on this device / torch / block files: pack, keep the result
-        packed = _pack_cached(folder, modules, kernel_dtype)
+        packed = _pack_cached(folder, modules, kernel_dtype, skip=head_name)
     for name, (cls, codes, scales_and_zeros) in packed.items():
         _set_module(model, name, cls(modules[name], codes, scales_and_zeros))
     if built:
         _save_packed(folder, device, kernel_dtype, packed, stamp)
+    as_blocks = 0
+    if head_name is not None:  # packing them takes a second: not kept in the packed file
+        blocks = load_q8_cache(folder).get(head_name)
+        if blocks is not None and _fits(modules.get(head_name), blocks, rows_in_sixteens=False) \
+                and block_linear.packable(blocks):
+            _set_module(model, head_name, BlockLinear.from_blocks(modules[head_name], blocks))
+            as_blocks = 1
     head = head_format(model)
     if head == "float":  # a warning where a pull would change that
         level = logging.INFO if (folder / Q8_CACHE).is_file() else logging.WARNING
         log.log(level, "the output head runs dense: %s", _why_dense_head(folder, model))
     cached = count_int4_cache(folder) + count_q8_cache(folder)
-    note = f"int4 group 32 ({INT4_CACHE})" + (" + Q8_0 head as int4 hi|lo" if head == "q8_0" else "")
-    return WeightsApplied(len(packed), cached - len(packed), packed_bytes(model), note, head)
+    note = f"int4 group 32 ({INT4_CACHE})" + (" + Q8_0 head as shipped on memra's kernel" if as_blocks else
+                                               " + Q8_0 head as int4 hi|lo" if head == "q8_0" else "")
+    block_bytes = sum(m.blocks.nbytes for m in model.modules() if isinstance(m, BlockLinear))
+    return WeightsApplied(len(packed) + as_blocks, cached - len(packed) - as_blocks, packed_bytes(model) + block_bytes,
+                          note, head)
 
 
-def _pack_cached(folder: Path, modules: dict[str, torch.nn.Module], kernel_dtype: torch.dtype) -> Packed:
-    """Pack the folder's cached blocks for the layers of `modules` they fit."""
+def _pack_cached(folder: Path, modules: dict[str, torch.nn.Module], kernel_dtype: torch.dtype,
+                 skip: str | None = None) -> Packed:
+    """Pack the folder's cached blocks for the layers of `modules` they fit, but `skip`."""
     layers = [(name, Int4Linear.from_blocks(modules[name], blocks, kernel_dtype))
               for name, blocks in load_int4_cache(folder).items() if _fits(modules.get(name), blocks)]
     layers += [(name, Q8Linear.from_blocks(modules[name], blocks, kernel_dtype))
-               for name, blocks in load_q8_cache(folder).items() if _fits(modules.get(name), blocks)]
+               for name, blocks in load_q8_cache(folder).items() if _fits(modules.get(name), blocks) and name != skip]
     return {name: (type(layer), layer.packed, layer.scales_and_zeros) for name, layer in layers}
 
 
-def _fits(module: torch.nn.Module | None, blocks: Int4Blocks | Int8Blocks) -> bool:
-    # the CPU packer takes N in multiples of 16 (a vocabulary need not be one)
+def _fits(module: torch.nn.Module | None, blocks: Int4Blocks | Int8Blocks, rows_in_sixteens: bool = True) -> bool:
+    # the CPU int4 packer takes N in multiples of 16 (a vocabulary need not be one); memra's block kernel any N
     return (type(module) is torch.nn.Linear and tuple(module.weight.shape) == tuple(blocks.codes.shape)
-            and module.out_features % 16 == 0)
+            and (module.out_features % 16 == 0 or not rows_in_sixteens))
 
 
 def _why_dense_head(folder: Path, model: Any) -> str:

@@ -1,0 +1,156 @@
+"""Linear layers whose single-token calls read a GGUF's Q8_0 / Q5_0 blocks as shipped.
+
+torch's int4 kernel can run an 8-bit or 5-bit block only as two 4-bit passes (Q8Linear, hi|lo):
+10 bits a weight with its bf16 scale and zero pairs, where the GGUF's blocks are 8.5 (Q8_0) and
+5.5 (Q5_0) bits. gemma3-270m's tied 262,144 x 640 Q8_0 head read 210 MB a token that way where
+llama.cpp reads 178 MB. memra's kernel (csrc/block_gemv.cpp, `memra::block_gemv`) reads the
+blocks themselves:
+
+    Q8_0 block (34 B)  | d fp16 | q[32] int8 |               w = d·q
+    Q5_0 block (22 B)  | d fp16 | qh u32 | qs[16] |          w = d·(q − 16), q = nibble + 16·bit
+
+    blocks  [N, K/32 · bytes] uint8, one output row per row, as llama.cpp lays them out
+    x [M, K] (bf16 or fp32) -> int16 per block of 32 -> int32 products, float32 sums -> out [M, N]
+
+The weights are exactly the shipped ones (fp16 d is exact in float32; hi|lo rounds its scales
+to bf16); the activation moves by at most 2^-16 of its block's largest |x|. A layer's codes go
+out as Q5_0 blocks when every code fits 5 bits (all of a Q5_0 tensor's do), else as Q8_0.
+
+memrad.engine.model.weights runs the output head this way and leaves the layers hi|lo: the
+head streams from memory, where fewer bytes won (the eager gemma step 10-13 % faster at one
+thread), while the layers' blocks sit in cache, where the kernel's Q5_0 unpacking lost to hi|lo
+(docs/BENCHMARKS.md, the issue-24 session-9 section). The kernel is built like the attention
+kernel (memrad.engine.decode.cpu_attention) and chosen where torch's CPU capability is AVX512,
+the only one it was measured on; elsewhere (AVX2-only CPUs, CUDA) and without a compiler the
+head runs hi|lo as before and `why_not` says why. Longer inputs (prefill) run the dense
+`weight` the layer keeps, as Int4Linear does.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from memrad.engine.model.quant import GROUP, Int8Blocks
+
+OP_NAME = "memra::block_gemv"
+Q8_0, Q5_0 = 8, 5  # the op's `kind`
+_BLOCK_BYTES = {Q8_0: 34, Q5_0: 22}
+_PROBE_TOLERANCE = 1e-4  # float32 sums of 64 products against float64: ~1e-6 relative
+
+_lock = threading.Lock()
+_why_not: str | None = None
+_checked = False
+
+
+def source() -> Path:
+    from memrad.engine.decode import cpu_attention
+
+    return Path(cpu_attention.__file__).parent / "csrc" / "block_gemv.cpp"
+
+
+def why_not(build_missing: bool = True) -> str | None:
+    """None when `torch.ops.memra.block_gemv` runs here (built, loaded and probed), else why
+    not. Never raises. `build_missing=False` only loads a library an earlier build left."""
+    global _why_not, _checked
+    with _lock:
+        if _checked:
+            return _why_not
+        from memrad.engine.decode import cpu_attention
+
+        if cpu_attention.capability() != "AVX512":
+            return f"the CPU kernels are {cpu_attention.capability()} (memra's block kernel is measured on AVX512 only)"
+        compiler = cpu_attention.cxx_compiler()
+        if compiler is None:
+            return "no C++ compiler to build memra's block kernel (install g++)"
+        if not build_missing and not cpu_attention.library_path(compiler, source()).exists():
+            return "memra's block kernel is not built yet"
+        try:
+            torch.ops.load_library(str(cpu_attention.build(compiler, source())))
+            torch.library.register_fake(OP_NAME)(_shape_of_output)
+            _why_not = _probe()
+        except (cpu_attention.BuildFailed, OSError, RuntimeError) as exc:
+            _why_not = str(exc).splitlines()[0][:300]
+        _checked = True
+        return _why_not
+
+
+def _shape_of_output(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], blocks.shape[0])  # [M, N]: what torch.compile traces the op as
+
+
+def _probe() -> str | None:
+    """None when both block kinds multiply like float64 on a small case, else what went wrong."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=generator)
+    for codes in (torch.randint(-127, 128, (20, 64), generator=generator),
+                  torch.randint(-16, 16, (20, 64), generator=generator)):
+        blocks = Int8Blocks(codes.to(torch.int8), (torch.rand(20, 2, generator=generator) / 50).half().float())
+        kind, raw = pack(blocks)
+        got = torch.ops.memra.block_gemv(x, raw, kind).double()
+        expected = x.double() @ blocks.dequantize().double().t()
+        error = ((got - expected).abs().max() / expected.abs().max()).item()
+        if not error <= _PROBE_TOLERANCE:
+            return f"memra's block kernel is off by {error:.3g} from float64 on its probe"
+    return None
+
+
+def packable(blocks: Int8Blocks) -> bool:
+    """Whether the blocks' scales are fp16 values (as shipped), so a block holds them exactly."""
+    return bool(torch.equal(blocks.scales.half().float(), blocks.scales))
+
+
+def pack(blocks: Int8Blocks) -> tuple[int, torch.Tensor]:
+    """(kind, bytes [N, K/32 · block bytes]): the GGUF block layout of `blocks`, Q5_0 where
+    every code fits 5 bits. Requires `packable(blocks)`."""
+    n, k = blocks.codes.shape
+    nb = k // GROUP
+    d = blocks.scales.half().contiguous().view(torch.uint8).view(n, nb, 2)
+    codes = blocks.codes.view(n, nb, GROUP)
+    if int(codes.min()) >= -16 and int(codes.max()) <= 15:
+        q = (codes.to(torch.int16) + 16).to(torch.int32)  # 0..31
+        bits = (q >> 4) & 1  # [N, nb, 32]: the high bit of weight j is bit j of qh
+        qh = (bits << torch.arange(GROUP, dtype=torch.int32)).sum(-1, dtype=torch.int64).to(torch.int32)
+        nibbles = q & 15
+        qs = (nibbles[..., :16] | (nibbles[..., 16:] << 4)).to(torch.uint8)  # [N, nb, 16]
+        raw = torch.cat([d, qh.contiguous().view(torch.uint8).view(n, nb, 4), qs], dim=-1)
+        return Q5_0, raw.reshape(n, nb * _BLOCK_BYTES[Q5_0]).contiguous()
+    raw = torch.cat([d, codes.contiguous().view(torch.uint8)], dim=-1)
+    return Q8_0, raw.reshape(n, nb * _BLOCK_BYTES[Q8_0]).contiguous()
+
+
+class BlockLinear(torch.nn.Linear):
+    """A Linear whose single-token calls run `blocks` on memra's kernel; longer inputs (prefill)
+    run the dense `weight` it keeps (for a tied head: the embedding's)."""
+
+    def __init__(self, linear: torch.nn.Linear, blocks: torch.Tensor, kind: int) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.kind = kind
+        self.register_buffer("blocks", blocks, persistent=False)  # [N, K/32 · bytes] uint8
+
+    @classmethod
+    def from_blocks(cls, linear: torch.nn.Linear, blocks: Int8Blocks) -> "BlockLinear":
+        kind, raw = pack(blocks)
+        return cls(linear, raw, kind)
+
+    @property
+    def format(self) -> str:
+        return "Q8_0" if self.kind == Q8_0 else "Q5_0"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., T, K]; the blocks only where one token goes through (decode)
+        if x.dim() < 2 or x.shape[-2] != 1:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, self.in_features)  # [M, K]
+        y = torch.ops.memra.block_gemv(flat, self.blocks, self.kind)  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.format} blocks on memra's kernel for single tokens"

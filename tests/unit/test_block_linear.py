@@ -1,0 +1,106 @@
+"""memra's block kernel: a GGUF's Q8_0 / Q5_0 blocks, as shipped, multiplied for one token."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from memrad.engine.model import block_linear
+from memrad.engine.model.block_linear import Q5_0, Q8_0, BlockLinear
+from memrad.engine.model.quant import Int8Blocks, unpack_q5_0, unpack_q8_0
+
+pytestmark = pytest.mark.skipif(block_linear.why_not() is not None, reason=str(block_linear.why_not()))
+
+_TYPES = {"Q8_0": (GGMLQuantizationType.Q8_0, unpack_q8_0, Q8_0),
+          "Q5_0": (GGMLQuantizationType.Q5_0, unpack_q5_0, Q5_0)}
+
+
+def _shipped(kind: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, Int8Blocks]:
+    gguf_type, unpack, _ = _TYPES[kind]
+    weights = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    raw = quants.quantize(weights, gguf_type)  # [rows, cols/32 * block bytes], as llama.cpp writes it
+    return raw, unpack(raw)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_packed_blocks_are_the_gguf_bytes_llama_cpp_ships_byte_for_byte(kind):
+    raw, blocks = _shipped(kind, 40, 128, seed=1)
+    op_kind, packed = block_linear.pack(blocks)
+    assert op_kind == _TYPES[kind][2]
+    assert torch.equal(packed, torch.from_numpy(np.ascontiguousarray(raw)))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_the_kernel_multiplies_the_shipped_weights_within_the_int16_rounding_of_the_activation(kind):
+    _, blocks = _shipped(kind, 70, 640, seed=2)
+    op_kind, packed = block_linear.pack(blocks)
+    x = torch.randn(3, 640)
+    x[0, :32] *= 50  # an outlier block: its small entries lose the most to the rounding
+    got = torch.ops.memra.block_gemv(x, packed, op_kind)  # [3, 70]
+    w = blocks.dequantize().double()  # the shipped weights, exactly
+    expected = x.double() @ w.t()
+    assert got.dtype == torch.float32 and got.shape == (3, 70)
+    # x is rounded to int16 per block of 32: each entry moves by at most 2^-16 of its block's max
+    step = x.double().view(3, 20, 32).abs().amax(-1) / 65534  # [M, blocks]
+    bound = step @ w.abs().view(70, 20, 32).sum(-1).t()  # [M, N]
+    error = (got.double() - expected).abs()
+    assert bool((error <= 1.01 * bound + 1e-6 * expected.abs().max()).all())
+    assert float(error.max()) < 1e-4 * float(expected.abs().max())
+    bf16 = torch.ops.memra.block_gemv(x.bfloat16(), packed, op_kind)
+    assert bf16.dtype == torch.bfloat16  # the sums are float32; only the output is rounded
+    assert torch.equal(bf16, torch.ops.memra.block_gemv(x.bfloat16().float(), packed, op_kind).bfloat16())
+
+
+def test_each_output_has_the_same_bits_alone_batched_and_on_any_thread_count():
+    _, blocks = _shipped("Q8_0", 301, 256, seed=3)  # 301: tiles of 64 and rows of 4 leave remainders
+    kind, packed = block_linear.pack(blocks)
+    x = torch.randn(4, 256).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([torch.ops.memra.block_gemv(x[i:i + 1], packed, kind) for i in range(4)])
+        torch.set_num_threads(2)
+        batched = torch.ops.memra.block_gemv(x, packed, kind)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, batched)
+
+
+def test_a_block_linear_runs_its_blocks_for_one_token_and_the_dense_weight_for_more():
+    _, blocks = _shipped("Q5_0", 64, 96, seed=4)
+    linear = torch.nn.Linear(96, 64, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(blocks.dequantize())
+    layer = BlockLinear.from_blocks(linear, blocks)
+    assert layer.format == "Q5_0" and layer.blocks.shape == (64, 3 * 22)
+    one = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    assert torch.equal(layer(one), torch.ops.memra.block_gemv(one.view(1, 96), layer.blocks, Q5_0).view(1, 1, 64))
+    many = torch.randn(1, 5, 96, dtype=torch.bfloat16)
+    assert torch.equal(layer(many), torch.nn.functional.linear(many, linear.weight))
+
+
+def test_codes_past_5_bits_or_scales_that_are_not_fp16_are_not_packed_as_q5_0():
+    codes = torch.full((2, 32), -16, dtype=torch.int8)
+    codes[0, 0] = 16  # one code past Q5_0's range: Q8_0 blocks
+    assert block_linear.pack(Int8Blocks(codes, torch.ones(2, 1)))[0] == Q8_0
+    assert not block_linear.packable(Int8Blocks(codes, torch.full((2, 1), 1 + 2.0 ** -20)))
+
+
+def test_fused_block_projections_share_the_rows_and_compute_what_each_computes():
+    from memrad.engine.decode.step import fuse
+
+    layers = []
+    for rows, seed in ((128, 5), (48, 6)):
+        _, blocks = _shipped("Q5_0", rows, 96, seed)
+        linear = torch.nn.Linear(96, rows, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(blocks.dequantize())
+        layers.append(BlockLinear.from_blocks(linear, blocks))
+    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    separate = torch.cat([layer(x) for layer in layers], dim=-1)
+    fused = fuse(layers)
+    assert isinstance(fused, BlockLinear) and layers[1].blocks.data_ptr() == fused.blocks[128:].data_ptr()
+    assert torch.equal(fused(x), separate)
+    _, q8 = _shipped("Q8_0", 16, 96, seed=7)
+    mixed = fuse([layers[0], BlockLinear.from_blocks(torch.nn.Linear(96, 16, bias=False), q8)])
+    assert not isinstance(mixed, BlockLinear)  # Q5_0 beside Q8_0: run one by one
