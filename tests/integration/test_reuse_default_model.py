@@ -68,12 +68,14 @@ def test_fast_mode_covers_the_first_prompt_and_the_reply(smol):
     assert warm.cached_tokens >= first.prompt_tokens + first.completion_tokens - 1
     difference = (warm_state.prompt_logits - cold_state.prompt_logits).abs().max().item()
     # Close, not bit-identical: the reply's KV came from decode steps, which run the int4
-    # kernel with bf16 inputs where prefill runs the dense weights (docs/ARCHITECTURE.md).
-    # The Q8_0 head runs on that kernel too, so its logits are bf16: add one bf16 step at
-    # the largest logit (0.125 for logits of 16 to 32).
+    # kernel with bf16 inputs where prefill runs the dense weights (docs/ARCHITECTURE.md):
+    # within one bf16 step at the largest logit (0.125 for logits of 16 to 32; measured 0.05
+    # with the head on memra's block kernel, whose prefill runs the dense weight). The hi|lo
+    # Q8_0 head runs the int4 kernel in prefill too, so its logits are bf16: one step more.
     top = cold_state.prompt_logits.abs().max().item()
-    bf16_step = 2.0 ** (math.floor(math.log2(top)) - 7) if smol.head == "q8_0" else 0.0
-    assert difference < (1e-2 if smol.weights_name == "float" else 5e-2 + bf16_step)
+    bf16_step = 2.0 ** (math.floor(math.log2(top)) - 7)
+    bound = 1e-2 if smol.weights_name == "float" else bf16_step * (2 if smol.head == "q8_0" else 1)
+    assert difference < bound, (difference, bound, smol.head)
 
 
 def test_a_client_that_trims_the_reply_misses_the_prefix_probes_but_not_the_longest_prefix(smol):
