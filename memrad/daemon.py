@@ -255,11 +255,16 @@ def serve(settings: Settings) -> list[str]:
 
 
 def _load(settings: Settings):
+    """Load on a thread that ends with the load, this thread pinned to one intra-op thread:
+    the engine thread's is then the only team of workers (memrad.engine.threads)."""
     from memrad.engine.build import build_engine
     from memrad.engine.decode.decoder import CompileFailed
+    from memrad.engine.model.loader import resolve_threads
+    from memrad.engine.threads import on_passing_thread, pin_to_one
 
+    pin_to_one()
     try:
-        engine = build_engine(settings)
+        engine = on_passing_thread(lambda: build_engine(settings), resolve_threads(settings.model.threads))
     except CompileFailed as exc:
         raise StartupError(str(exc)) from None
     return engine, engine.loaded.device.type, engine.loaded.dtype_name

@@ -10,6 +10,7 @@ from pathlib import Path
 from memrad.config import (AffinitySettings, DiskSettings, EngineSettings, PoolSettings, ReuseSettings,
                            ServerSettings, Settings)
 from memrad.engine.state.disk import DiskTier, state_format
+from memrad.engine.threads import pin
 from memrad.engine.engine import Engine, FinishHook
 from memrad.engine.model.loader import LoadedModel, default_pool_bytes, load_model, resolve_threads
 from memrad.paths import sessions_dir
@@ -23,12 +24,11 @@ def build_engine(settings: Settings) -> Engine:
     """Load the configured model and wrap it in an Engine; logs what it chose and why."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     threads = resolve_threads(settings.model.threads)
-    torch.set_num_threads(threads)
+    pin(threads)
     started = time.perf_counter()
     loaded = load_model(settings.model.name, settings.model.device, settings.model.dtype,
                         progress=lambda msg: log.info("%s", msg), weights=settings.model.weights,

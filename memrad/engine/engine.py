@@ -44,6 +44,7 @@ from memrad.engine.parking import NoParking, Parking, Prefilled, Publisher, esse
 from memrad.engine.sampling import Shaper, sample, shapes
 from memrad.engine.state.kv import install as install_slabs
 from memrad.engine.state.snapshot import Snapshot, is_croppable
+from memrad.engine.threads import pin as pin_threads
 from memrad.grid import find_anchors
 from memrad.protocol import Decision, FlightEvent, FlightInfo, SessionInfo, TurnEvent
 from memrad.request import Completion, GenerationRequest
@@ -179,8 +180,9 @@ class Engine:
         self.decoder.start()
 
     def init_worker_thread(self) -> None:
-        """Run once on the thread that will call `generate`: fix the intra-op thread count."""
-        torch.set_num_threads(self.threads)
+        """Run once on the thread that will call `generate`: fix the intra-op thread count (the
+        daemon's one team: memrad.engine.threads)."""
+        pin_threads(self.threads)
 
     def new_cache(self, in_place: bool = True):
         """An empty cache; on CPU its full-attention layers append in place (memrad.engine.state.kv)

@@ -43,6 +43,7 @@ import xxhash
 from memrad.engine.model.context import rope_key
 from memrad.engine.state.kv import SlabLayer
 from memrad.engine.state.recurrent import HybridSlabLayer
+from memrad.engine.threads import pin_to_one
 from memrad.durable import fsync_dir, fsync_file
 from memrad.faultpoint import kill_point
 from memrad.private import FILE_MODE
@@ -296,7 +297,8 @@ class DiskTier:
         disk (why None) or lost. The memory pool has let go of `session`, so nothing else
         touches its buffers meanwhile."""
         if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="memrad-spill")
+            # one intra-op thread: the engine's is the only team (memrad.engine.threads)
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="memrad-spill", initializer=pin_to_one)
 
         def write() -> tuple[ParkedSession, str | None]:
             try:

@@ -1,0 +1,80 @@
+"""One team of intra-op threads: the engine thread's (memrad.engine.threads)."""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from memrad import daemon
+from memrad.config import ModelSettings, Settings
+from memrad.engine.state.disk import DiskTier
+from memrad.engine.threads import on_passing_thread, pin
+
+
+def _on_thread(fn):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def test_a_pinned_count_survives_another_thread_setting_its_own():
+    # torch applies the process-wide count (the last set on any thread) to a thread at its first
+    # parallel op: a count set without pin is lost when another thread sets one in between
+    order = [threading.Event() for _ in range(2)]
+    seen = {}
+
+    def engine(how):
+        how(2)
+        order[0].set()
+        order[1].wait()
+        seen[how.__name__] = torch.get_num_threads()
+
+    for how in (torch.set_num_threads, pin):
+        order[0].clear(), order[1].clear()
+        thread = threading.Thread(target=engine, args=(how,))
+        thread.start()
+        order[0].wait()
+        _on_thread(lambda: pin(1))
+        order[1].set()
+        thread.join()
+    assert seen == {"set_num_threads": 1, "pin": 2}
+
+
+def test_on_passing_thread_runs_on_a_thread_that_ends_with_the_count_asked():
+    ran = on_passing_thread(lambda: (threading.current_thread(), torch.get_num_threads()), 2)
+    assert ran[0] is not threading.current_thread() and not ran[0].is_alive() and ran[1] == 2
+    with pytest.raises(ValueError, match="bad weights"):
+        on_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad weights")), 2)
+
+
+def test_the_daemon_loads_off_its_main_thread_which_keeps_one_intra_op_thread(monkeypatch):
+    loads = []
+
+    def build_engine(settings):
+        loads.append((threading.current_thread(), torch.get_num_threads()))
+        return SimpleNamespace(loaded=SimpleNamespace(device=SimpleNamespace(type="cpu"), dtype_name="bfloat16"))
+
+    monkeypatch.setattr("memrad.engine.build.build_engine", build_engine)
+    settings = Settings(model=ModelSettings(threads=2))
+
+    def serve_thread():
+        daemon._load(settings)
+        return torch.get_num_threads()
+
+    assert _on_thread(serve_thread) == 1  # the thread that serves HTTP never forms a team
+    (loader, threads), = loads
+    assert loader.name == "memrad-load" and not loader.is_alive() and threads == 2
+
+
+def test_the_spill_writer_keeps_one_intra_op_thread(tmp_path):
+    pin(2)  # the count the writer thread would otherwise inherit
+    tier = DiskTier(tmp_path, 10**9, {})
+    done = threading.Event()
+    seen = []
+    tier.spill_later(SimpleNamespace(session_id="s1", state=None), lambda _: None,
+                     lambda _, why: (seen.append((why, torch.get_num_threads())), done.set()))
+    assert done.wait(10)
+    assert seen == [("it holds no state", 1)]
