@@ -11,8 +11,8 @@ llama.cpp's llama-server -np 4 on the same GGUF with --peer):
     conversation (every earlier reply cut to its first half, as a reasoning-stripping
     client sends it), replies of R tokens (R in --replies; the model may stop sooner: the
     tokens counted are the ones it sent): aggregate decode tok/s (tokens after each first
-    one, over the span from the first first token to the last token), TTFT median and max
-    over every request, wall time.
+    one, over the seconds in which any reply was decoding), TTFT median and max over every
+    request, wall time.
   * A side query sent while a ~16k-token cold prime runs (--prime-lines lines of a
     repository listing, ~37 tokens each): the side query's TTFT and the prime's.
 
@@ -63,13 +63,25 @@ class Summary:
     completion_tokens: int
 
 
+def decoding_s(replies: list[Reply]) -> float:
+    """Seconds in which at least one reply was decoding: the union of the replies' spans from
+    first token to last. An agent's own prefills and round trips between its turns fall
+    outside unless another reply was decoding then."""
+    spans = sorted((r.first_token_at, r.done_at) for r in replies if r.first_token_at is not None)
+    total, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
 def summarize(replies: list[Reply], wall_s: float) -> Summary:
-    """Aggregate decode rate: every token after a reply's first, over the span in which any
-    reply was decoding (the first first token to the last token)."""
+    """Aggregate decode rate: every token after a reply's first, over the seconds in which
+    any reply was decoding (`decoding_s`)."""
     ttfts = [r.ttft_s for r in replies if r.ttft_s is not None]
-    firsts = [r.first_token_at for r in replies if r.first_token_at is not None]
     decoded = sum(max(0, r.completion_tokens - 1) for r in replies)
-    span = max(r.done_at for r in replies) - min(firsts) if firsts else 0.0
+    span = decoding_s(replies)
     return Summary(len(replies), decoded / span if span > 0 else None,
                    statistics.median(ttfts) if ttfts else None, max(ttfts) if ttfts else None,
                    wall_s, sum(r.completion_tokens for r in replies))

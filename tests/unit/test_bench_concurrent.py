@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from aiohttp.test_utils import TestServer
 
-from memrad.bench.concurrent import Reply, agents_at_once, summarize
+from memrad.bench.concurrent import Reply, agents_at_once, decoding_s, summarize
 from memrad.config import ServerSettings, Settings
 from memrad.server.app import make_app
 from stories import make_engine
@@ -18,6 +18,15 @@ def test_aggregate_decode_counts_tokens_after_each_first_over_the_decoding_span(
     assert s.requests == 3 and s.completion_tokens == 62
     assert s.decode_tok_s == pytest.approx((20 + 40) / (5.0 - 1.0))
     assert (s.ttft_median_s, s.ttft_max_s, s.wall_s) == (pytest.approx(1.25), 1.5, 5.5)
+
+
+def test_the_decoding_span_leaves_out_gaps_where_no_reply_decodes():
+    # one agent's two turns: its second turn's prefill (3.0 -> 4.0) is not decode time
+    turns = [Reply(0.0, 1.0, 3.0, 100, 21, "a"), Reply(3.1, 4.0, 6.0, 150, 21, "b")]
+    assert decoding_s(turns) == pytest.approx(4.0)
+    assert summarize(turns, wall_s=6.0).decode_tok_s == pytest.approx(40 / 4.0)
+    nested = [Reply(0.0, 1.0, 5.0, 1, 2, "a"), Reply(0.0, 2.0, 3.0, 1, 2, "b"), Reply(0.0, 4.5, 7.0, 1, 2, "c")]
+    assert decoding_s(nested) == pytest.approx(6.0)
 
 
 async def test_agents_at_once_are_served_together_by_a_batching_engine(tiny_loaded):
