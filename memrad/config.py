@@ -55,7 +55,7 @@ class EngineSettings:
     prefill_chunk: int = _key(256, "MEMRA_PREFILL_CHUNK")
     compile: str = _key("auto", "MEMRA_COMPILE")
     prefill_budget: int = _key(0, "MEMRA_PREFILL_BUDGET")
-    batch_decode: str = _key("rows", "MEMRA_BATCH_DECODE")
+    batch_decode: str = _key("batched", "MEMRA_BATCH_DECODE")
     prefill_attention: str = _key("auto", "MEMRA_PREFILL_ATTENTION")
 
 

@@ -159,8 +159,10 @@ class Engine:
         if self._batches() and isinstance(self.decoder.eager_step, DecodeStep):
             how = self.decoder.batch_choice
             return {"value": f"batched, {self.max_batch} rows",
-                    "reason": f"max_batch = {self.max_batch}: one step of {self.max_batch} rows (padded, so a "
-                              f"request's bits do not depend on its neighbours), {how.value}: {how.reason}"}
+                    "reason": f"max_batch = {self.max_batch}: one step of {self.max_batch} rows for the requests "
+                              "decoding together (padded, so a request's bits do not depend on its neighbours; one "
+                              f"decoding alone runs the one-row step, whose bits a batched row has), {how.value}: "
+                              f"{how.reason}"}
         why = ("batch_decode = rows" if self.batch_decode == "rows"
                else f"{self.decoder.choice.value} decode has no batched step for this model")
         return {"value": f"{self.max_batch} in flight, one row each",
@@ -305,6 +307,9 @@ class Engine:
                 if isinstance(feed, BatchStep):
                     for start in range(0, len(group), feed.rows):
                         rows = group[start : start + feed.rows]
+                        if len(rows) == 1 and feed.alone is not None:  # the same bits, no pad rows
+                            rows[0].fed(feed.alone(rows[0].cache, rows[0].pending, rows[0].position))
+                            continue
                         logits = feed([f.cache for f in rows], [f.pending for f in rows], [f.position for f in rows])
                         for flight, row in zip(rows, logits):
                             flight.fed(row)

@@ -60,3 +60,24 @@ def test_batched_requests_decode_the_bits_they_decode_alone(smol_served):
     assert cold[0].cached_tokens == 0 and together["resumed"][0].cached_tokens > 0
     assert together["resumed"][1].generated_ids == cold[1].generated_ids
     assert torch.equal(together["resumed"][2], cold[2])
+
+
+def test_compiled_one_row_and_batched_steps_give_a_request_the_same_bits(smol_served):
+    # As the daemon decodes once compiled: a request alone on the compiled one-row step, beside
+    # others on the compiled 4-row step (both AOTInductor packages, memrad pull builds them)
+    def compiled():
+        engine = stories.recording(stories.make_engine(smol_served, CHUNK, 2, max_sessions=8, max_bytes=2**31,
+                                                       max_batch=4, compile="auto"))
+        engine.decoder.start()
+        engine.decoder.wait()
+        assert (engine.decoder.choice.value, engine.decoder.batch_choice.value) == ("compiled", "compiled")
+        assert engine.decoder.batch_step(4).alone is not None
+        return engine
+
+    engine = compiled()
+    together = stories.run_together(engine, turns(engine, "def reverse(xs): return xs[::-1]"))
+    for index, rid in enumerate(("resumed", "short", "long")):
+        alone_engine = compiled()
+        alone = stories.run_together(alone_engine, [turns(alone_engine, "def reverse(xs): return xs[::-1]")[index]])[rid]
+        assert together[rid][1].generated_ids == alone[1].generated_ids, rid
+        assert torch.equal(together[rid][2], alone[2]), rid

@@ -184,6 +184,44 @@ def test_batch_decode_rows_runs_each_flight_on_the_one_row_step_with_the_same_bi
     assert make_engine(tiny_loaded, CHUNK).runtime_choices["batch"]["value"] == "one at a time"
 
 
+def _counting_graph(engine):
+    """The engine's batched step, its graph wrapped to count the steps it runs."""
+    feed = engine.decoder.batch_step(4)
+    calls, graph = [], feed.graph
+    feed.graph = lambda *args: calls.append(len(args[0])) or graph(*args)
+    return feed, calls
+
+
+def test_a_lone_request_runs_the_one_row_step_where_a_row_has_the_batched_steps_bits(q4_dir):
+    # bf16 on the int4 kernel: a matmul's row is the same bits at any M, so the one-row step
+    # computes what the batched step computes for a row (checked by the decoder on a scratch request)
+    loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
+    engine = recording(make_engine(loaded, CHUNK, max_batch=4))
+    feed, calls = _counting_graph(engine)
+    assert feed.alone is not None
+    requests = [request(engine, conversation(t, 1)[:-1], f"{t}-1", max_tokens=m) for t, m in (("c", 6), ("e", 3))]
+    alone = {r.request_id: run_together(engine, [r])[r.request_id] for r in requests}
+    assert calls == []  # alone: no padded step ran
+    engine = recording(make_engine(loaded, CHUNK, max_batch=4))
+    feed, calls = _counting_graph(engine)
+    together = run_together(engine, [request(engine, conversation(t, 1)[:-1], f"{t}-1", max_tokens=m)
+                                     for t, m in (("c", 6), ("e", 3))])
+    assert calls and set(calls) == {4}  # together: 4-row steps while both decode, then c alone
+    for rid, (completion, state, scores) in together.items():
+        assert summary(completion, state, scores) == summary(*alone[rid])
+        assert torch.equal(scores, alone[rid][2])
+
+
+def test_a_lone_request_runs_padded_where_the_one_row_steps_bits_differ(tiny_loaded):
+    # fp32 dense matmuls take another path at M = 1 than at M = 4: the check refuses the one-row step
+    engine = recording(make_engine(tiny_loaded, CHUNK, max_batch=4))
+    feed, calls = _counting_graph(engine)
+    assert feed.alone is None
+    req = request(engine, conversation("c", 1)[:-1], "c-1", max_tokens=4)
+    run_together(engine, [req])
+    assert len(calls) >= 3  # every decode step after the first token ran the 4-row step
+
+
 # -- the batched step compiled (memrad.engine.decode.package, rows): the tiny int4 llama in bf16 --
 
 needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="building the package needs a C++ compiler")
@@ -192,7 +230,8 @@ needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="building the
 @pytest.fixture(scope="module")
 def compiled_engines(q4_dir, tmp_path_factory):
     """Engines (exact mode, compile auto, max_batch 4, batched) over one compile cache that the
-    first of them filled: its first request waited for both packages, built in a child process."""
+    first of them filled: its first request waited for the one-row package and decoded on it
+    while the batched one was built (both in a child process)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("compile")))
         torch.set_num_threads(1)
@@ -200,15 +239,21 @@ def compiled_engines(q4_dir, tmp_path_factory):
         first = make_engine(loaded, CHUNK, compile="auto", max_batch=4)
         assert first.decoder.batch_choice.value == "eager" and not first.decoder.compiling()
         flight = first.admit(request(first, conversation("a", 1)[:-1], "a-1"), lambda _: None, lambda: False)
-        yield loaded, first, flight, lambda **flags: recording(make_engine(loaded, CHUNK, compile="auto", max_batch=4,
+        building = first.decoder.batch_choice.value
+        first.decoder.wait()
+        yield loaded, first, (flight, building), lambda **flags: recording(make_engine(loaded, CHUNK, compile="auto", max_batch=4,
                                                                            **flags))
 
 
 @needs_compiler
-def test_in_exact_mode_a_batched_request_waits_for_the_compiled_batched_step(compiled_engines):
-    _, first, flight, _ = compiled_engines
+def test_in_exact_mode_a_request_decodes_on_the_compiled_one_row_step_until_the_batched_one_lands(
+        compiled_engines):
+    _, first, (flight, building), _ = compiled_engines
     decoder = first.decoder
-    assert isinstance(flight.feed, BatchStep) and flight.feed.compiled and flight.feed.rows == 4
+    assert building == "compiling" and not isinstance(flight.feed, BatchStep)  # not the eager batched step
+    later = first.admit(request(first, conversation("b", 1)[:-1], "b-1"), lambda _: None, lambda: False)
+    assert isinstance(later.feed, BatchStep) and later.feed.compiled and later.feed.rows == 4
+    assert later.feed.alone is not None  # the compiled one-row step: a row's bits (INDUCTOR_OPTIONS)
     assert decoder.choice.value == "compiled" and decoder.batch_choice.value == "compiled"
     assert "-rows4-" in decoder.batch_choice.reason and decoder._package(True, 4).is_file()
     assert first.runtime_choices["batch"]["value"] == "batched, 4 rows"

@@ -26,8 +26,15 @@ M a row never depends on its neighbours. So the step always runs `rows` rows (ma
 rows without a request are dummies (token 0 at position 1 of a scratch slab of their own,
 output dropped), and a request running alone computes exactly what it computes in a full
 batch. The compiled graph keeps that (fixed shapes: its code does not change with the other
-rows' lengths or values); it is not the eager graph's bits (inductor fuses and rounds once
-where eager rounds each op, as for the one-row step: memrad.engine.decode.decoder).
+rows' lengths or values); it is not the eager graph's bits (inductor fuses, as for the
+one-row step: memrad.engine.decode.decoder).
+
+Across steps: where the matmuls give a row the same bits at M = 1 as at `rows` (bf16 on the
+int4 kernel and memra's block kernel), the eager one-row step computes a request's row as the
+eager batched step does, and so does the compiled one-row step the compiled batched one,
+since inductor rounds where eager would (memrad.engine.decode.package.INDUCTOR_OPTIONS). The
+decoder checks that on a scratch request before it lets a lone request run the one-row step
+(`BatchStep.alone`); where it does not hold (fp32 matmuls), a lone request runs padded.
 """
 
 from __future__ import annotations
@@ -90,13 +97,17 @@ class BatchStep:
     which says per row whether it runs it (`fits`: a slab of the capacity it was compiled for,
     an attended length in its range). `scratch`: rows - 1 dummy slabs, (keys, values) per
     layer each, that pad rows write into (at position 1: length 2 is in every range).
-    A request keeps one BatchStep from its first token to its last."""
+    A request keeps one BatchStep from its first token to its last. `alone`: the one-row
+    step's feed where it gives a row the same bits as this step does (checked by the decoder:
+    memrad.engine.decode.decoder.Decoder.batch_step); a request decoding by itself then runs
+    that, and does not pay for the pad rows."""
 
     def __init__(self, graph: Graph, rows: int, kernel: bool, scratch: list[tuple[list, list]],
                  eager: BatchGraph, compiled: bool) -> None:
         assert rows >= 1 and len(scratch) >= rows - 1
         self.graph, self.rows, self.kernel, self.scratch = graph, rows, kernel, scratch
         self.eager, self.compiled = eager, compiled
+        self.alone: Callable[[Any, int, int], torch.Tensor] | None = None
 
     @torch.inference_mode()
     def __call__(self, caches: Sequence[Any], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:

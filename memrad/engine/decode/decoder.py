@@ -343,7 +343,8 @@ class Decoder:
             aoti_failed = f"{type(exc).__name__}: {_first_line(exc)}"
             log.warning("AOTInductor failed (%s): trying torch.compile", aoti_failed)
             try:
-                step = torch.compile(self.eager, fullgraph=True, options={"guard_filter_fn": _guards_to_keep})
+                options = {**step_package.options_for(self.eager), "guard_filter_fn": _guards_to_keep}
+                step = torch.compile(self.eager, fullgraph=True, options=options)
                 self._trace(step, kernel)
             except Exception as exc:  # inductor raises many types; each means "cannot compile here"
                 why = f"torch.compile failed ({type(exc).__name__}: {_first_line(exc)})"
@@ -385,25 +386,55 @@ class Decoder:
     # -- batched decode (memrad.engine.decode.batch): several requests' tokens in one step --
 
     def batch_step(self, rows: int, cancelled: Callable[[], bool] = lambda: False) -> BatchStep | None:
-        """The batched step of `rows` rows a new request decodes with, or None where this
-        model has none (Gemma 3, transformers' forward: those decode one row at a time): the
-        compiled one once its package is open (`batch_rows` rows), else the eager llama-shaped
-        step's weights with the attention the current step uses. One BatchStep per (attention,
+        """The batched step of `rows` rows a new request decodes with, or None where it
+        decodes one row at a time on `feeder()`'s step: where this model has no batched step
+        (Gemma 3, the hybrids, transformers' forward), and while the one-row step is compiled
+        and the batched one is not (its package is built after the one-row one): a batched
+        row's bits are the compiled one-row step's, not the eager batched step's. The compiled
+        one once its package is open (`batch_rows` rows), else the eager llama-shaped step's
+        weights with the attention the current step uses. One BatchStep per (attention,
         compiled), so a request keeps its bits from first token to last. Exact mode under auto
-        waits for the compile as `feeder()` does (the batched package is built after the one-row one)."""
+        waits for the one-row step's compile as `feeder()` does."""
         if not isinstance(self.eager_step, DecodeStep):
             return None
-        self._await_compile(cancelled, lambda: self.batch_choice.value == "compiling")
+        self._await_compile(cancelled, lambda: self.choice.value == "compiling")
         kernel = self.current[1]
         package = self.batch_package if self.batch_package is not None and self.batch_package.rows == rows else None
+        if (self.step is not self.eager) != (package is not None):
+            return None
         key = (rows, kernel, package is not None)
         if key not in self._batched:
             eager = BatchGraph(self.eager, kernel)
             # Pad rows' slabs: zero pages until written, one row each (memrad.engine.state.kv.reserve).
             scratch = [step_package.example_buffers(self.eager, self.model.config, self.capacity, 2, reserve)[:2]
                        for _ in range(rows - 1)]
-            self._batched[key] = BatchStep(package or eager, rows, kernel, scratch, eager, package is not None)
+            batched = BatchStep(package or eager, rows, kernel, scratch, eager, package is not None)
+            batched.alone = self._same_bits_alone(batched)  # both compiled, or both eager
+            self._batched[key] = batched
         return self._batched[key]
+
+    def _same_bits_alone(self, batched: BatchStep) -> Feed | None:
+        """The one-row feed where it gives a request the bits `batched` gives it, else None:
+        checked on a scratch request (3 tokens primed, 3 decoded each way, every logit). Holds
+        where the matmuls' rows do not depend on M (memrad.engine.decode.batch)."""
+        from transformers import DynamicCache
+
+        from memrad.engine.forward import prefill
+        from memrad.engine.state.kv import install
+
+        alone = self.feeder()
+        logits = []
+        for feed in (alone, lambda cache, token, position: batched([cache], [token], [position])[0]):
+            cache = install(DynamicCache(config=self.model.config), self.capacity)
+            prefill(self.model, cache, [1, 2, 3], 0, 256)
+            logits.append([feed(cache, token, 3 + i).flatten() for i, token in enumerate((4, 5, 6))])
+        same = all(torch.equal(a, b) for a, b in zip(*logits))
+        log.log(logging.INFO if same else logging.WARNING, "batched decode, %d rows (%s): %s", batched.rows,
+                "compiled" if batched.compiled else "eager",
+                "a request decoding alone runs the one-row step (the same bits)" if same else
+                "the one-row step's bits differ from a batched row's here: a request decoding alone runs padded, "
+                "and one admitted before the batched step was ready keeps the one-row step's bits")
+        return alone if same else None
 
     def _await_compile(self, cancelled: Callable[[], bool], pending: Callable[[], bool]) -> None:
         """Exact mode under auto: wait until the step `pending` names has landed or failed

@@ -73,8 +73,17 @@ from memrad.engine.state.window import buffer_rows
 from memrad.durable import publish
 from memrad.faultpoint import kill_point
 
-# What AOTInductor is asked for: the weights stay out of the library (supplied at load), and
-# the constants it makes itself come back to the caller so they can be kept beside it.
+# How inductor compiles the llama-shaped steps, one-row and batched (the packages and
+# torch.compile's fallback): it rounds to the activation dtype wherever eager would between
+# ops it fuses. Without it inductor keeps fused intermediates in float32 and decides per
+# graph which to recompute, so the one-row step and the batched step gave one request
+# different logits (0.44 apart, every step); with it the one-row step and the 2- and 4-row
+# batched steps give it the same bits, beside any neighbours, at no measured cost
+# (docs/BENCHMARKS.md, "One request, the same bits on every step"). That is what lets a
+# request move between them by how many are in flight.
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+# What AOTInductor is asked for besides: the weights stay out of the library (supplied at
+# load), and the constants it makes itself come back to the caller so they can be kept beside it.
 _AOTI_OPTIONS = {
     "aot_inductor.package": True,
     "aot_inductor.package_constants_in_so": False,
@@ -208,6 +217,12 @@ def _open(step: DecodeStep, path: Path, graphs: Any) -> tuple[dict[str, torch.Te
     return made, runners
 
 
+def options_for(step: Any) -> dict[str, Any]:
+    """Inductor's options for `step`: INDUCTOR_OPTIONS for the llama-shaped step (the one with
+    a batched twin), none for the others (Gemma 3, the hybrids decode one row at a time)."""
+    return dict(INDUCTOR_OPTIONS) if isinstance(step, DecodeStep) else {}
+
+
 def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path, rows: int | None = None) -> None:
     """Export the step's graphs (`rows`: the batched step's one graph of that many rows),
     compile them with AOTInductor and write the package and its constants at `path`
@@ -217,8 +232,9 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
     files, weights = {}, {}
     programs = _batch_programs(step, config, capacity, kernel, rows) if rows else _step_programs(
         step, config, capacity, kernel)
+    options = {**_AOTI_OPTIONS, **options_for(step)}
     for graph, program in programs:
-        compiled = aot_compile(program.module(check_guards=False), *program.example_inputs, options=_AOTI_OPTIONS)
+        compiled = aot_compile(program.module(check_guards=False), *program.example_inputs, options=options)
         files[graph] = [item for item in compiled if isinstance(item, str)]
         weights[graph] = {name: tensor for item in compiled if not isinstance(item, str)
                           for name, (tensor, _) in item.items()}
