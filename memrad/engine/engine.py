@@ -310,7 +310,8 @@ class Engine:
                         if len(rows) == 1 and feed.alone is not None:  # the same bits, no pad rows
                             rows[0].fed(feed.alone(rows[0].cache, rows[0].pending, rows[0].position))
                             continue
-                        logits = feed([f.cache for f in rows], [f.pending for f in rows], [f.position for f in rows])
+                        logits = feed.fitting(len(rows))([f.cache for f in rows], [f.pending for f in rows],
+                                                         [f.position for f in rows])
                         for flight, row in zip(rows, logits):
                             flight.fed(row)
                 else:

@@ -185,10 +185,15 @@ def test_batch_decode_rows_runs_each_flight_on_the_one_row_step_with_the_same_bi
 
 
 def _counting_graph(engine):
-    """The engine's batched step, its graph wrapped to count the steps it runs."""
+    """The engine's batched step, its graphs (and its smaller twins') wrapped to count the
+    steps they run: [(rows of the step, requests in it)]."""
     feed = engine.decoder.batch_step(4)
-    calls, graph = [], feed.graph
-    feed.graph = lambda *args: calls.append(len(args[0])) or graph(*args)
+    calls = []
+    for step in (feed, *feed.smaller):
+        def counted(graph, buffers, *args, run=step._run, rows=step.rows):
+            calls.append((rows, len(buffers)))
+            return run(graph, buffers, *args)
+        step._run = counted
     return feed, calls
 
 
@@ -198,28 +203,32 @@ def test_a_lone_request_runs_the_one_row_step_where_a_row_has_the_batched_steps_
     loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
     engine = recording(make_engine(loaded, CHUNK, max_batch=4))
     feed, calls = _counting_graph(engine)
-    assert feed.alone is not None
-    requests = [request(engine, conversation(t, 1)[:-1], f"{t}-1", max_tokens=m) for t, m in (("c", 6), ("e", 3))]
+    assert feed.alone is not None and [twin.rows for twin in feed.smaller] == [2]
+    topics = (("c", 6), ("e", 3), ("f", 5))
+    requests = [request(engine, conversation(t, 1)[:-1], f"{t}-1", max_tokens=m) for t, m in topics]
     alone = {r.request_id: run_together(engine, [r])[r.request_id] for r in requests}
     assert calls == []  # alone: no padded step ran
-    engine = recording(make_engine(loaded, CHUNK, max_batch=4))
-    feed, calls = _counting_graph(engine)
-    together = run_together(engine, [request(engine, conversation(t, 1)[:-1], f"{t}-1", max_tokens=m)
-                                     for t, m in (("c", 6), ("e", 3))])
-    assert calls and set(calls) == {4}  # together: 4-row steps while both decode, then c alone
-    for rid, (completion, state, scores) in together.items():
-        assert summary(completion, state, scores) == summary(*alone[rid])
-        assert torch.equal(scores, alone[rid][2])
+    for count in (2, 3):
+        engine = recording(make_engine(loaded, CHUNK, max_batch=4))
+        feed, calls = _counting_graph(engine)
+        together = run_together(engine, [request(engine, conversation(t, 1)[:-1], f"{t}-1", max_tokens=m)
+                                         for t, m in topics[:count]])
+        # the fewest rows that hold the requests decoding together; the last one left alone
+        assert calls and all(rows == (2 if n == 2 else 4) for rows, n in calls), calls
+        assert {n for _, n in calls} == set(range(2, count + 1)), calls
+        for rid, (completion, state, scores) in together.items():
+            assert summary(completion, state, scores) == summary(*alone[rid])
+            assert torch.equal(scores, alone[rid][2])
 
 
 def test_a_lone_request_runs_padded_where_the_one_row_steps_bits_differ(tiny_loaded):
     # fp32 dense matmuls take another path at M = 1 than at M = 4: the check refuses the one-row step
     engine = recording(make_engine(tiny_loaded, CHUNK, max_batch=4))
     feed, calls = _counting_graph(engine)
-    assert feed.alone is None
+    assert feed.alone is None and feed.smaller == []
     req = request(engine, conversation("c", 1)[:-1], "c-1", max_tokens=4)
     run_together(engine, [req])
-    assert len(calls) >= 3  # every decode step after the first token ran the 4-row step
+    assert len(calls) >= 3 and set(calls) == {(4, 1)}  # every decode step after the first token: 4 rows
 
 
 # -- the batched step compiled (memrad.engine.decode.package, rows): the tiny int4 llama in bf16 --
@@ -254,8 +263,10 @@ def test_in_exact_mode_a_request_decodes_on_the_compiled_one_row_step_until_the_
     later = first.admit(request(first, conversation("b", 1)[:-1], "b-1"), lambda _: None, lambda: False)
     assert isinstance(later.feed, BatchStep) and later.feed.compiled and later.feed.rows == 4
     assert later.feed.alone is not None  # the compiled one-row step: a row's bits (INDUCTOR_OPTIONS)
+    assert [(twin.rows, twin.compiled) for twin in later.feed.smaller] == [(2, True)]
     assert decoder.choice.value == "compiled" and decoder.batch_choice.value == "compiled"
-    assert "-rows4-" in decoder.batch_choice.reason and decoder._package(True, 4).is_file()
+    assert "-rows4-" in decoder.batch_choice.reason and "-rows2-" in decoder.batch_choice.reason
+    assert decoder._package(True, 4).is_file() and decoder._package(True, 2).is_file()
     assert first.runtime_choices["batch"]["value"] == "batched, 4 rows"
     assert "compiled: AOTInductor package" in first.runtime_choices["batch"]["reason"]
 

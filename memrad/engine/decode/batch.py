@@ -100,7 +100,8 @@ class BatchStep:
     A request keeps one BatchStep from its first token to its last. `alone`: the one-row
     step's feed where it gives a row the same bits as this step does (checked by the decoder:
     memrad.engine.decode.decoder.Decoder.batch_step); a request decoding by itself then runs
-    that, and does not pay for the pad rows."""
+    that, and does not pay for the pad rows, and fewer requests than `rows` run the smallest of
+    `smaller` that holds them (`fitting`)."""
 
     def __init__(self, graph: Graph, rows: int, kernel: bool, scratch: list[tuple[list, list]],
                  eager: BatchGraph, compiled: bool) -> None:
@@ -108,6 +109,11 @@ class BatchStep:
         self.graph, self.rows, self.kernel, self.scratch = graph, rows, kernel, scratch
         self.eager, self.compiled = eager, compiled
         self.alone: Callable[[Any, int, int], torch.Tensor] | None = None
+        self.smaller: list[BatchStep] = []  # fewer rows, the same bits for a row (set with `alone`)
+
+    def fitting(self, count: int) -> "BatchStep":
+        """The step of the fewest rows that holds `count` requests: this one or a smaller twin."""
+        return min((s for s in (*self.smaller, self) if s.rows >= count), key=lambda s: s.rows)
 
     @torch.inference_mode()
     def __call__(self, caches: Sequence[Any], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:

@@ -26,9 +26,10 @@ equals a cold one under the same step; in exact mode decoded KV is never reused 
 Exactness), so parked state does not depend on the step.
 
 With `batch_rows` (max_batch, `batch_decode = "batched"`), the batched step
-(memrad.engine.decode.batch) is compiled too, as its own package built after the one-row one
-and opened beside it; `batch_step()` hands a request the compiled one once it is open and, in
-exact mode under auto, waits for it as `feeder()` waits for the one-row step.
+(memrad.engine.decode.batch) is compiled too, one package per row count of `batch_sizes`
+(2 and max_batch: two requests do not pay for two pad rows), built after the one-row one and
+opened beside it; `batch_step()` hands a request the compiled ones once they are open, and
+the one-row step meanwhile.
 
 Why it compiles this way, and what was tried and dropped: docs/ARCHITECTURE.md, "The decode
 step". Measured: docs/BENCHMARKS.md, Decode and Startup and compile.
@@ -134,9 +135,9 @@ class Decoder:
         self.current: tuple[Any, bool] = (None, False)
         self._batched: dict[tuple[int, bool, bool], BatchStep] = {}  # (rows, kernel, compiled) -> the batched step
         # The batched step compiled beside the one-row step (llama-shaped, memra's kernel):
-        # its package is built and opened with the one-row one, and `batch_choice` says how it went.
+        # its packages are built and opened with the one-row one, and `batch_choice` says how it went.
         self.batch_rows = batch_rows if batch_rows and batch_rows > 1 else None
-        self.batch_package: step_package.PackagedBatch | None = None
+        self.batch_packages: dict[int, step_package.PackagedBatch] = {}  # rows -> the package
         self.batch_choice = Choice("eager", "no batched step asked for")
         unsupported = support(model, context_len) if device.type == "cpu" else (
             "the step runs over CPU slabs; CUDA decodes with transformers' forward")
@@ -203,7 +204,7 @@ class Decoder:
             return "not built: no C++ compiler (install g++, e.g. `apt install g++`)"
         kernel = cpu_attention.load(compiler) is None
         said = []
-        for rows in (None, self.batch_rows) if self.batch_rows and kernel else (None,):
+        for rows in (None, *self.batch_sizes) if self.batch_rows and kernel else (None,):
             path = self._package(kernel, rows)
             if path.is_file():
                 said.append(f"already built: {path.name}")
@@ -269,21 +270,38 @@ class Decoder:
         if self.batch_rows and not kernel:
             self.batch_choice = Choice("eager", "the batched step compiles with memra's attention kernel only "
                                                 "(not built here): the eager batched step")
-        return bool(self.batch_rows) and kernel and self.batch_package is None
+        return bool(self.batch_rows) and kernel and len(self.batch_packages) < len(self.batch_sizes)
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The batched step's row counts: 2 and max_batch (a group of n decodes on the smallest
+        that holds it; one request alone on the one-row step)."""
+        return tuple(sorted({2, self.batch_rows})) if self.batch_rows else ()
+
+    @property
+    def batch_package(self) -> step_package.PackagedBatch | None:
+        """The max_batch rows' package, once open."""
+        return self.batch_packages.get(self.batch_rows) if self.batch_rows else None
 
     def _open_batch(self, kernel: bool) -> bool:
-        """Open the batched step's package if an earlier start or `memrad pull` built it."""
-        path = self._package(kernel, self.batch_rows)
-        try:
-            if not path.is_file():
+        """Open the batched step's packages an earlier start or `memrad pull` built; True
+        when every size is open."""
+        for rows in self.batch_sizes:
+            path = self._package(kernel, rows)
+            if rows in self.batch_packages:
+                continue
+            try:
+                if not path.is_file():
+                    return False
+                self.batch_packages[rows] = step_package.load_batch(self.eager, self.capacity, rows, path)
+            except Exception as exc:  # damaged, or unreadable by this torch: compile again
+                log.warning("cannot open the batched step's package (%s: %s): compiling again",
+                            type(exc).__name__, _first_line(exc))
                 return False
-            self.batch_package = step_package.load_batch(self.eager, self.capacity, self.batch_rows, path)
-        except Exception as exc:  # damaged, or unreadable by this torch: compile again
-            log.warning("cannot open the batched step's package (%s: %s): compiling again",
-                        type(exc).__name__, _first_line(exc))
-            return False
-        self.batch_choice = Choice("compiled", f"AOTInductor package ({path.name}), {self.batch_rows} rows")
-        log.info("batched decode step (%d rows) opened from %s", self.batch_rows, path)
+            log.info("batched decode step (%d rows) opened from %s", rows, path)
+        names = ", ".join(self._package(kernel, rows).name for rows in self.batch_sizes)
+        sizes = " and ".join(str(rows) for rows in self.batch_sizes)
+        self.batch_choice = Choice("compiled", f"AOTInductor packages ({names}), {sizes} rows")
         return True
 
     def _compile_batch(self, kernel: bool) -> None:
@@ -293,7 +311,9 @@ class Decoder:
             return
         started = time.perf_counter()
         try:
-            self._build_package(kernel, self.batch_rows)
+            for rows in self.batch_sizes:
+                if not self._package(kernel, rows).is_file():
+                    self._build_package(kernel, rows)
         except Exception as exc:  # export and inductor raise many types; the eager batched step serves
             if self._closed:
                 return
@@ -302,8 +322,8 @@ class Decoder:
             self.batch_choice = Choice("eager", f"the batched step did not compile ({why})")
             return
         if self._open_batch(kernel):
-            log.info("batched decode step (%d rows) compiled in %.1f s", self.batch_rows,
-                     time.perf_counter() - started)
+            log.info("batched decode steps (%s rows) compiled in %.1f s",
+                     " and ".join(str(rows) for rows in self.batch_sizes), time.perf_counter() - started)
 
     def _compile_both(self) -> None:
         try:
@@ -399,19 +419,25 @@ class Decoder:
             return None
         self._await_compile(cancelled, lambda: self.choice.value == "compiling")
         kernel = self.current[1]
-        package = self.batch_package if self.batch_package is not None and self.batch_package.rows == rows else None
-        if (self.step is not self.eager) != (package is not None):
+        compiled = self.batch_package is not None and self.batch_package.rows == rows
+        if (self.step is not self.eager) != compiled:
             return None
-        key = (rows, kernel, package is not None)
+        key = (rows, kernel, compiled)
         if key not in self._batched:
-            eager = BatchGraph(self.eager, kernel)
-            # Pad rows' slabs: zero pages until written, one row each (memrad.engine.state.kv.reserve).
-            scratch = [step_package.example_buffers(self.eager, self.model.config, self.capacity, 2, reserve)[:2]
-                       for _ in range(rows - 1)]
-            batched = BatchStep(package or eager, rows, kernel, scratch, eager, package is not None)
+            batched = self._new_batch_step(rows, kernel, compiled)
             batched.alone = self._same_bits_alone(batched)  # both compiled, or both eager
+            if batched.alone is not None:  # its smaller twins where their rows are the same bits too
+                twins = [self._new_batch_step(size, kernel, compiled) for size in self.batch_sizes if size < rows]
+                batched.smaller = [twin for twin in twins if self._same_bits_alone(twin) is not None]
             self._batched[key] = batched
         return self._batched[key]
+
+    def _new_batch_step(self, rows: int, kernel: bool, compiled: bool) -> BatchStep:
+        eager = BatchGraph(self.eager, kernel)
+        # Pad rows' slabs: zero pages until written, one row each (memrad.engine.state.kv.reserve).
+        scratch = [step_package.example_buffers(self.eager, self.model.config, self.capacity, 2, reserve)[:2]
+                   for _ in range(rows - 1)]
+        return BatchStep(self.batch_packages[rows] if compiled else eager, rows, kernel, scratch, eager, compiled)
 
     def _same_bits_alone(self, batched: BatchStep) -> Feed | None:
         """The one-row feed where it gives a request the bits `batched` gives it, else None:
