@@ -277,3 +277,23 @@ def test_compiled_and_eager_batched_steps_agree_within_the_compiled_tolerance(co
 
     got, want = run(compiled), run(eager)
     assert torch.isfinite(got).all() and (got - want).abs().max() <= 0.01
+
+
+@needs_compiler
+def test_the_compiled_batched_step_gives_a_request_the_one_row_steps_bits(compiled_engines, monkeypatch):
+    """With the int4 layers and the head on memra's block kernel (each output one fixed sequence
+    of operations at any M), a request decodes the same tokens and logits on the compiled
+    batched step, alone or beside others, as on the compiled one-row step."""
+    _, _, _, new_engine = compiled_engines
+    monkeypatch.setattr(step_package, "build", lambda *a, **k: pytest.fail("the package was built again"))
+    monkeypatch.setattr(step_package, "build_in_child", lambda *a, **k: pytest.fail("the package was built again"))
+    rows = parked_compiled(lambda: new_engine(batch_decode="rows"))
+    assert rows.runtime_choices["batch"]["value"] == "4 in flight, one row each"
+    assert rows.decoder.choice.value == "compiled"
+    one_row = {req.request_id: run_together(rows, [req])[req.request_id] for req in second_turns(rows)}
+    engine = parked_compiled(new_engine)
+    together = run_together(engine, second_turns(engine))
+    assert engine.decoder.batch_choice.value == "compiled"
+    for rid, (completion, state, scores) in together.items():
+        assert summary(completion, state, scores) == summary(*one_row[rid]), rid
+        assert torch.equal(scores, one_row[rid][2]), rid
