@@ -16,6 +16,7 @@ import itertools
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,9 +282,10 @@ def test_compiled_and_eager_batched_steps_agree_within_the_compiled_tolerance(co
 
 @needs_compiler
 def test_the_compiled_batched_step_gives_a_request_the_one_row_steps_bits(compiled_engines, monkeypatch):
-    """With the int4 layers and the head on memra's block kernel (each output one fixed sequence
-    of operations at any M), a request decodes the same tokens and logits on the compiled
-    batched step, alone or beside others, as on the compiled one-row step."""
+    """Every matmul computes a row alike at any M (torch's int4 kernel, memra's block kernel) and
+    both packages round to bf16 where eager does (package._ROUND_AS_EAGER), so a request decodes
+    the same tokens and logits on the compiled batched step, beside others, as on the compiled
+    one-row step (the default model's logits differed by up to 0.5 without the rounding)."""
     _, _, _, new_engine = compiled_engines
     monkeypatch.setattr(step_package, "build", lambda *a, **k: pytest.fail("the package was built again"))
     monkeypatch.setattr(step_package, "build_in_child", lambda *a, **k: pytest.fail("the package was built again"))
@@ -297,3 +299,29 @@ def test_the_compiled_batched_step_gives_a_request_the_one_row_steps_bits(compil
     for rid, (completion, state, scores) in together.items():
         assert summary(completion, state, scores) == summary(*one_row[rid]), rid
         assert torch.equal(scores, one_row[rid][2]), rid
+
+
+@needs_compiler
+def test_the_llama_shaped_packages_are_compiled_to_round_where_eager_rounds(tiny_loaded, monkeypatch):
+    import torch._inductor
+
+    from memrad.engine.decode import cpu_attention
+    from memrad.engine.decode.steps import new_step
+
+    assert cpu_attention.load(cxx_compiler()) is None  # the batched graph calls memra's attention op
+
+    class Stop(Exception):
+        pass
+
+    asked = []
+
+    def recording(module, *args, options=None):
+        asked.append(options)
+        raise Stop
+
+    monkeypatch.setattr(torch._inductor, "aot_compile", recording)
+    step = new_step(tiny_loaded.model, 64)
+    for rows in (None, 4):
+        with pytest.raises(Stop):
+            step_package.build(step, tiny_loaded.model.config, 64, True, Path("unused"), rows=rows)
+    assert [o.get("emulate_precision_casts") for o in asked] == [True, True]

@@ -128,26 +128,3 @@ def test_fused_block_projections_share_the_rows_and_compute_what_each_computes()
     mixed = fuse([layers[0], BlockLinear.from_blocks(torch.nn.Linear(96, 16, bias=False), q8)])
     assert not isinstance(mixed, BlockLinear)  # Q5_0 beside Q8_0: run one by one
 
-
-def test_a_models_q4_1_layers_run_as_blocks_where_the_kernel_runs_and_int4_with_the_reason_where_not(q4_dir,
-                                                                                                       monkeypatch):
-    from memrad.engine.model import formats
-    from memrad.engine.model.loader import load_model
-    from memrad.engine.model.quant import Int4Linear
-
-    loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
-    layers = {g.role: g for g in formats.groups(loaded.model, {}) if g.role.startswith("model.layers.")}
-    linears = [m for m in loaded.model.modules() if isinstance(m, BlockLinear) and m.kind == Q4_1]
-    assert layers and all(g.runs == "Q4_1 blocks" and g.why is None for g in layers.values())
-    assert len(linears) == sum(g.count for g in layers.values()) and loaded.head == "q8_0 blocks"
-    one = torch.randn(1, 1, linears[0].in_features, dtype=torch.bfloat16)  # decode: the blocks; prefill: dense
-    assert torch.equal(linears[0](one), torch.ops.memra.block_gemv(one.view(1, -1), linears[0].blocks, Q4_1).view(1, 1, -1))
-    monkeypatch.setattr(block_linear, "why_not", lambda build_missing=True: "the CPU kernels are AVX2 (test)")
-    fallback = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
-    assert not any(isinstance(m, BlockLinear) for m in fallback.model.modules()) and fallback.head == "q8_0"
-    assert sum(isinstance(m, Int4Linear) for m in fallback.model.modules()) > len(linears)  # + the hi|lo head
-    # this folder records no GGUF types ("GGUF"): the reason goes where the kind is known (formats)
-    assert "lm_head GGUF x1: int4 hi|lo (memra's block kernel: the CPU kernels are AVX2 (test))" in fallback.tensors.reason
-    assert "mlp.down_proj GGUF x2: int4;" in fallback.tensors.reason
-    recorded = formats.groups(fallback.model, {"model.layers.0.mlp.down_proj": "Q4_1"}, "memra's block kernel: AVX2")
-    assert next(g.why for g in recorded if g.kind == "Q4_1") == "memra's block kernel: AVX2"

@@ -156,14 +156,13 @@ def test_status_names_what_each_group_runs_as_and_why_a_dense_one_is_dense(mixed
     found = formats.groups(model, load_kinds(tmp_path))
     by_role = {group.role: group for group in found}
     assert by_role["model.layers.*.mlp.down_proj"] == formats.TensorGroup(
-        "model.layers.*.mlp.down_proj", "Q4_K", "int4", 1,
-        "its sub-block scales d·sc are not fp16 values: memra's Q4_1 blocks cannot hold them exactly")
+        "model.layers.*.mlp.down_proj", "Q4_K", "int4", 1, None)
     assert by_role["model.layers.*.self_attn.o_proj"].runs == "int4 hi|lo"
     assert by_role["model.layers.*.mlp.up_proj"].why == "shipped unquantized"
     assert by_role["lm_head"].why == "its blocks did not match the float weights at conversion, or --weights float"
     assert by_role["model.layers.*.self_attn.q_proj"].kind == "float"  # not in this GGUF
     assert formats.summary(found) == "dense float32 6, int4 1, int4 hi|lo 1"
-    assert "mlp.down_proj Q4_K x1: int4 (its sub-block scales" in formats.describe(found)
+    assert "mlp.down_proj Q4_K x1: int4; " in formats.describe(found)
     unrecorded = {g.role: g.kind for g in formats.groups(model, {})}  # block files made before the types
     assert unrecorded["model.layers.*.mlp.down_proj"] == "GGUF" and unrecorded["lm_head"] == "float"
     q6 = formats.groups(model, {"model.layers.0.mlp.up_proj": "Q6_K"})

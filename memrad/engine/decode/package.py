@@ -80,6 +80,13 @@ _AOTI_OPTIONS = {
     "aot_inductor.package_constants_in_so": False,
     "aot_inductor.package_constants_on_disk_format": "pickle_weights",
 }
+# The llama-shaped steps (one row and batched) also round to bf16 wherever eager rounds, inside
+# fused kernels too: without it inductor keeps float32 across fused ops, and where it cuts
+# kernels differs between the one-row graph and the batched one, so the same request's logits
+# differed between them (up to 0.5 on the default model). With it, and every matmul's row
+# computed alike at any M (memra's block kernel; torch's int4 kernel too), a request's bits are
+# the same on either step (docs/BENCHMARKS.md, the issue-22 session-10 section).
+_ROUND_AS_EAGER = {"emulate_precision_casts": True}
 _LAYOUT = "1"  # of the files this module writes; bump when it changes
 KEEP_PACKAGES = 8  # in the compile cache: several models and configurations side by side
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -217,8 +224,9 @@ def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path
     files, weights = {}, {}
     programs = _batch_programs(step, config, capacity, kernel, rows) if rows else _step_programs(
         step, config, capacity, kernel)
+    options = {**_AOTI_OPTIONS, **(_ROUND_AS_EAGER if isinstance(step, DecodeStep) else {})}
     for graph, program in programs:
-        compiled = aot_compile(program.module(check_guards=False), *program.example_inputs, options=_AOTI_OPTIONS)
+        compiled = aot_compile(program.module(check_guards=False), *program.example_inputs, options=options)
         files[graph] = [item for item in compiled if isinstance(item, str)]
         weights[graph] = {name: tensor for item in compiled if not isinstance(item, str)
                           for name, (tensor, _) in item.items()}

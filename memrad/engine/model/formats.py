@@ -9,13 +9,11 @@ and what it runs as now:
     int4          Int4Linear: the shipped 4-bit codes (Q4_0 / Q4_1 / Q4_K) on the int4 kernel
     int4 hi|lo    Q8Linear: the shipped 8-bit or 5-bit codes (Q8_0 / Q5_0) as two int4 halves
     Q8_0 blocks   BlockLinear: the shipped Q8_0 head's blocks themselves on memra's kernel
-    Q4_1 blocks   BlockLinear: the shipped Q4_0 / Q4_1 layers' blocks (as Q4_1) on memra's kernel
     int8          Int8Linear: per-channel int8 made from the float weights (opt-in)
     dense DTYPE   the float weights transformers made of the blocks, in the model's dtype
 
-The dense ones carry a reason (why no packed form was used), and so do a Q8_0 head that runs
-hi|lo and Q4_0 / Q4_1 layers that run int4 where memra's block kernel would run their blocks
-themselves (why it does not here), and Q4_K layers (why that kernel cannot hold them).
+The dense ones carry a reason (why no packed form was used), and so does a Q8_0 head that runs
+hi|lo where memra's block kernel would run its blocks themselves (why it does not here).
 
 The choices themselves were measured per shape on the int4 kernel (docs/BENCHMARKS.md, "GGUF
 k-quants as shipped"): a packed form is used when it is exact as shipped, i.e. its error is only
@@ -43,7 +41,6 @@ _DENSE_WHY = {
     "F32": "shipped unquantized", "F16": "shipped unquantized", "BF16": "shipped unquantized",
 }
 _PACKED_KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0")
-_Q4_K_NOT_BLOCKS = "its sub-block scales d·sc are not fp16 values: memra's Q4_1 blocks cannot hold them exactly"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +51,7 @@ class TensorGroup:
     kind: str  # the GGUF type ("Q4_K"); "float" from no GGUF; "GGUF" packed, type unrecorded
     runs: str  # "int4", "int4 hi|lo", "int8", "dense bfloat16"
     count: int
-    why: str | None  # dense: why no packed form; a hi|lo head or int4 Q4 layers: why not their GGUF blocks
+    why: str | None  # for a dense group: why no packed form; for a hi|lo head: why not its GGUF blocks
 
 
 def runs_as(module: torch.nn.Module) -> str:
@@ -79,10 +76,9 @@ def _why_dense(kind: str, module: torch.nn.Module) -> str:
     return _DENSE_WHY.get(kind, f"{kind} has no packed form")
 
 
-def groups(model: Any, kinds: dict[str, str], blocks_why: str | None = None) -> tuple[TensorGroup, ...]:
+def groups(model: Any, kinds: dict[str, str], head_why: str | None = None) -> tuple[TensorGroup, ...]:
     """The model's Linear weights grouped; `kinds` is {module name: GGUF type} (empty: no GGUF);
-    `blocks_why`: why memra's block kernel does not run a hi|lo head or int4 Q4_0 / Q4_1 layers
-    (None: it runs them, or not asked)."""
+    `head_why`: why memra's block kernel does not run a hi|lo head (None: not asked)."""
     head = model.get_output_embeddings()
     counted: Counter = Counter()
     for name, module in model.named_modules():
@@ -92,8 +88,7 @@ def groups(model: Any, kinds: dict[str, str], blocks_why: str | None = None) -> 
         # a packed layer of a folder converted before memra kept the types: from a GGUF, type unrecorded
         kind = kinds.get(name, "float" if runs.startswith("dense") else "GGUF")
         why = (_why_dense(kind, module) if runs.startswith("dense")
-               else blocks_why if (runs == "int4 hi|lo" and module is head) or (runs == "int4" and kind in ("Q4_0", "Q4_1"))
-               else _Q4_K_NOT_BLOCKS if runs == "int4" and kind == "Q4_K" else None)
+               else head_why if runs == "int4 hi|lo" and module is head else None)
         counted[(re.sub(r"\.\d+\.", ".*.", name), kind, runs, why)] += 1
     return tuple(TensorGroup(role, kind, runs, count, why) for (role, kind, runs, why), count in sorted(counted.items()))
 

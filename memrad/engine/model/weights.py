@@ -31,7 +31,6 @@ and torch build, stamped with the block files they were made from: new blocks, n
     memra-int4-{device}-{dtype}-torch{version}.safetensors
                                     {layer}.packed/.scales_and_zeros  Int4Linear
                                     {head}.q8_packed/.q8_scales_and_zeros  Q8Linear
-                                    {layer}.blocks/.blocks_kind       BlockLinear (Q4_1 blocks)
 """
 
 from __future__ import annotations
@@ -70,10 +69,8 @@ Q8_CACHE = "memra-q8-blocks.safetensors"
 PACKED_LAYOUT = "2"
 # Packed-file key suffixes per layer class; memrad before the Q8 head reads only ".packed".
 _PACKED_KEYS: dict[type, tuple[str, str]] = {Int4Linear: (".packed", ".scales_and_zeros"),
-                                             Q8Linear: (".q8_packed", ".q8_scales_and_zeros"),
-                                             BlockLinear: (".blocks", ".blocks_kind")}
-# {module: (layer class, codes, scales_and_zeros)}; for a BlockLinear (class, blocks, kind as a 0-d tensor)
-Packed = dict[str, tuple[type, torch.Tensor, torch.Tensor]]
+                                             Q8Linear: (".q8_packed", ".q8_scales_and_zeros")}
+Packed = dict[str, tuple[type, torch.Tensor, torch.Tensor]]  # {module: (layer class, codes, scales_and_zeros)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,9 +314,9 @@ def apply_weights(model: Any, choice: Choice, folder: Path, kernel_dtype: torch.
         applied = WeightsApplied(len(targets), 0, packed_bytes(model), "per-channel int8", head_format(model))
     else:
         applied = WeightsApplied(0, 0, 0, "float")
-    blocks_why = _blocks_why_not(model) if choice.value == "int4" else None
+    head_why = _blocks_why_not(model) if applied.head == "q8_0" else None
     return replace(applied, groups=formats.groups(model, load_kinds(folder),
-                                                  f"memra's block kernel: {blocks_why}" if blocks_why else None))
+                                                  f"memra's block kernel: {head_why}" if head_why else None))
 
 
 def _blocks_why_not(model: Any) -> str | None:
@@ -331,25 +328,21 @@ def _blocks_why_not(model: Any) -> str | None:
 def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsApplied:
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
-    # Where memra's block kernel runs: the Q8_0 head as shipped (it streams 178 MB a token from
-    # memory, where the kernel reads fewer bytes and won) and the Q4_0 / Q4_1 layers as Q4_1
-    # blocks (their codes decode once for every row of a batched step, and each output's bits do
-    # not depend on the batch: docs/BENCHMARKS.md, the issue-22 session-10 section). Else hi|lo
-    # and torch's int4 kernel. The Q8_0 / Q5_0 layers stay hi|lo: their blocks sit in cache, where
-    # the kernel's Q5_0 unpacking lost (the issue-24 session-9 section); Q4_K's sub-block scales
-    # are not fp16 values, so its layers keep the int4 kernel (block_linear.packable).
+    # The Q8_0 head as shipped on memra's kernel where it runs, else hi|lo on the int4 one. Only
+    # the head: it streams 178 MB a token from memory, where the kernel reads fewer bytes and won;
+    # the layers' Q5_0 / Q8_0 blocks sit in cache and decode slower there than hi|lo (measured:
+    # docs/BENCHMARKS.md, the issue-24 session-9 section).
     blocks_why_not = _blocks_why_not(model)
     head_name = _head_name(model) if blocks_why_not is None else None
-    blocks = blocks_why_not is None
-    stamp = _blocks_stamp(folder) + ("; head and Q4 layers as blocks" if blocks else "")
-    packed = _load_packed(folder, device, kernel_dtype, stamp, blocks)
+    stamp = _blocks_stamp(folder) + ("; head as blocks" if head_name else "")
+    packed = _load_packed(folder, device, kernel_dtype, stamp)
     built = packed is None
     if built:  # first start on this device / torch / block files: pack, keep the result
-        packed = _pack_cached(folder, modules, kernel_dtype, skip=head_name, blocks=blocks)
-    for name, (cls, first, second) in packed.items():
-        _set_module(model, name, cls(modules[name], first, int(second) if cls is BlockLinear else second))
+        packed = _pack_cached(folder, modules, kernel_dtype, skip=head_name)
+    for name, (cls, codes, scales_and_zeros) in packed.items():
+        _set_module(model, name, cls(modules[name], codes, scales_and_zeros))
     if built:
-        _save_packed(folder, device, kernel_dtype, packed, stamp, blocks)
+        _save_packed(folder, device, kernel_dtype, packed, stamp)
     as_blocks = 0
     if head_name is not None:  # packing them takes a second: not kept in the packed file
         blocks = load_q8_cache(folder).get(head_name)
@@ -362,32 +355,21 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
         level = logging.INFO if (folder / Q8_CACHE).is_file() else logging.WARNING
         log.log(level, "the output head runs dense: %s", _why_dense_head(folder, model))
     cached = count_int4_cache(folder) + count_q8_cache(folder)
-    layers_as_blocks = sum(cls is BlockLinear for cls, _, _ in packed.values())
-    note = (f"int4 group 32 ({INT4_CACHE})" + (f", {layers_as_blocks} as Q4_1 blocks on memra's kernel" if layers_as_blocks else "")
-            + (" + Q8_0 head as shipped on memra's kernel" if as_blocks else
-               " + Q8_0 head as int4 hi|lo" if head == "q8_0" else ""))
+    note = f"int4 group 32 ({INT4_CACHE})" + (" + Q8_0 head as shipped on memra's kernel" if as_blocks else
+                                               " + Q8_0 head as int4 hi|lo" if head == "q8_0" else "")
     block_bytes = sum(m.blocks.nbytes for m in model.modules() if isinstance(m, BlockLinear))
     return WeightsApplied(len(packed) + as_blocks, cached - len(packed) - as_blocks, packed_bytes(model) + block_bytes,
                           note, head)
 
 
 def _pack_cached(folder: Path, modules: dict[str, torch.nn.Module], kernel_dtype: torch.dtype,
-                 skip: str | None = None, blocks: bool = False) -> Packed:
-    """Pack the folder's cached blocks for the layers of `modules` they fit, but `skip`; with
-    `blocks`, 4-bit blocks memra's kernel holds exactly go out as its Q4_1 blocks."""
-    packed: Packed = {}
-    for name, found in load_int4_cache(folder).items():
-        if blocks and _fits(modules.get(name), found, rows_in_sixteens=False) and block_linear.packable(found):
-            kind, raw = block_linear.pack(found)
-            packed[name] = (BlockLinear, raw, torch.tensor(kind))
-        elif _fits(modules.get(name), found):
-            layer = Int4Linear.from_blocks(modules[name], found, kernel_dtype)
-            packed[name] = (Int4Linear, layer.packed, layer.scales_and_zeros)
-    for name, found in load_q8_cache(folder).items():
-        if _fits(modules.get(name), found) and name != skip:
-            layer = Q8Linear.from_blocks(modules[name], found, kernel_dtype)
-            packed[name] = (Q8Linear, layer.packed, layer.scales_and_zeros)
-    return packed
+                 skip: str | None = None) -> Packed:
+    """Pack the folder's cached blocks for the layers of `modules` they fit, but `skip`."""
+    layers = [(name, Int4Linear.from_blocks(modules[name], blocks, kernel_dtype))
+              for name, blocks in load_int4_cache(folder).items() if _fits(modules.get(name), blocks)]
+    layers += [(name, Q8Linear.from_blocks(modules[name], blocks, kernel_dtype))
+               for name, blocks in load_q8_cache(folder).items() if _fits(modules.get(name), blocks) and name != skip]
+    return {name: (type(layer), layer.packed, layer.scales_and_zeros) for name, layer in layers}
 
 
 def _fits(module: torch.nn.Module | None, blocks: Int4Blocks | Int8Blocks, rows_in_sixteens: bool = True) -> bool:
@@ -421,17 +403,15 @@ def _blocks_stamp(folder: Path) -> str:
     return f"layout {PACKED_LAYOUT}; q4 {files[0]}; q8 {files[1]}"
 
 
-def _packed_path(folder: Path, device: torch.device, kernel_dtype: torch.dtype, blocks: bool = False) -> Path:
-    """The kernel's own layout depends on the device and the torch build: one file per pair, and
-    one more where memra's block kernel runs (a memrad without it keeps its own file)."""
+def _packed_path(folder: Path, device: torch.device, kernel_dtype: torch.dtype) -> Path:
+    """The kernel's own layout depends on the device and the torch build: one file per pair."""
     dtype = str(kernel_dtype).removeprefix("torch.")
-    return folder / f"memra-int4-{device.type}-{dtype}-torch{torch.__version__}{'-blocks' if blocks else ''}.safetensors"
+    return folder / f"memra-int4-{device.type}-{dtype}-torch{torch.__version__}.safetensors"
 
 
-def _load_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype, stamp: str,
-                 blocks: bool = False) -> Packed | None:
+def _load_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype, stamp: str) -> Packed | None:
     """The kept packed layers, or None without a file made from these blocks in this layout."""
-    path = _packed_path(folder, device, kernel_dtype, blocks)
+    path = _packed_path(folder, device, kernel_dtype)
     if not path.is_file():
         return None
     from safetensors import safe_open
@@ -445,8 +425,7 @@ def _load_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype, 
             for cls, (codes_key, sz_key) in _PACKED_KEYS.items() for key in tensors if key.endswith(codes_key)}
 
 
-def _save_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype, packed: Packed, stamp: str,
-                 blocks: bool = False) -> None:
+def _save_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype, packed: Packed, stamp: str) -> None:
     from safetensors.torch import save_file
 
     tensors = {}
@@ -454,7 +433,7 @@ def _save_packed(folder: Path, device: torch.device, kernel_dtype: torch.dtype, 
         codes_key, sz_key = _PACKED_KEYS[cls]
         tensors[name + codes_key] = codes.cpu().contiguous()
         tensors[name + sz_key] = scales_and_zeros.cpu().contiguous()
-    path = _packed_path(folder, device, kernel_dtype, blocks)
+    path = _packed_path(folder, device, kernel_dtype)
     try:
         save_file(tensors, str(path.with_suffix(".partial")), metadata={"memra": stamp})
         publish(path.with_suffix(".partial"), path)
