@@ -10,24 +10,25 @@
 //                           q_j = low nibble of qs[j] (j < 16) or high nibble of qs[j - 16]
 //
 // torch's int4 kernel can run Q8_0 / Q5_0 only as two 4-bit passes (hi|lo: 10 bits a weight with
-// its bf16 scales, where the blocks are 8.5 and 5.5), and runs Q4_1 with d and m rounded to bf16,
-// dequantising every block once per activation row. This kernel reads the blocks llama.cpp
-// reads and multiplies the shipped weights exactly (fp16 d, m are exact in float32). With AVX512
-// the activation is rounded to int16 per block of 32 (2^-16 of the block's largest |x|: see
-// `quantize`), so a block is one int16 x int16 multiply-add (exact) and one float32 scale; a
-// float32 product per weight needed twice the instructions and ran no faster than hi|lo. Q4_1's
-// min term is m * sum_j x_j = m * sx * (sum_j x16_j): the int sum is exact, taken once per
-// activation row and block.
+// its bf16 scales, where the blocks are 8.5 and 5.5), and runs Q4_1 with d and m rounded to bf16.
+// This kernel reads the blocks llama.cpp reads and multiplies the shipped weights exactly (fp16
+// d, m are exact in float32). Q4_1 is measured, not used: torch's int4 kernel, its codes laid out
+// across output rows, costs less per activation row than these row-major blocks do (two FMAs per
+// 32 weights against multiply-adds, a conversion and a block scale; docs/BENCHMARKS.md, issue 22
+// session 10). With AVX512 the activation is rounded to int16 per block of 32 (2^-16 of the
+// block's largest |x|: see `quantize`), so a block is one int16 x int16 multiply-add (exact) and
+// one float32 scale; a float32 product per weight needed twice the instructions and ran no
+// faster than hi|lo. Q4_1's min term is m * sum_j x_j = m * sx * (sum_j x16_j): the int sum is
+// exact, taken once per activation row and block.
 //
 // A tile of output rows decodes each block's codes once and applies them to every activation
 // row (register-blocked: ROWS output rows x up to XROWS activation rows of accumulators), so
-// M rows cost far less than M times one. Each output (m, n) is still one fixed sequence of
-// operations: per block, the products summed lane-wise (16 lanes; plain C++ in float32 where
-// AVX512 is absent), scaled by d * sx into the output's lane accumulator; the lanes summed at the
-// end (then, for Q4_1, the min terms: 16 blocks a lane, summed). Rows are cut into fixed tiles of
-// TILE spread over torch's threads, so the result has the same bits with any thread count, any M
-// and any neighbours (a batched request decodes as it does alone). AVX512-VNNI's dpwssd would be
-// madd + add: each block's int sum is scaled on its own, so there is nothing to add in int32.
+// M rows cost less than M times one. Each output (m, n) is still one fixed sequence of
+// operations: per block, the products summed lane-wise (16 lanes, 8 for Q4_1's row pairs; plain
+// C++ in float32 where AVX512 is absent), scaled by d * sx into the output's lane accumulator;
+// the lanes summed at the end (then, for Q4_1, the min terms: 16 blocks a lane, summed). Rows
+// are cut into fixed tiles of TILE spread over torch's threads, so the result has the same bits
+// with any thread count, any M and any neighbours (a batched request decodes as it does alone).
 //
 // Built at run time with the flags of the machine's CPU (memrad.engine.decode.cpu_attention).
 #include <ATen/Parallel.h>
@@ -185,8 +186,8 @@ inline float sum8(__m256 v) {
 // multiply-adds summed give lanes 0..7 the first row's pair sums and lanes 8..15 the second's
 // (exact in int32). Decoding costs half the instructions a row of `codes16` does. A lone row
 // (the tile's last, where r is odd) pairs with itself and keeps its lanes 0..7: the same
-// operations, so an output's bits never depend on its neighbour.
-// lo * x0 + hi * x1 summed in pairs into int32: VNNI's dpwssd does the second multiply-add and
+// operations, so an output's bits never depend on its neighbour. pair_sums: lo * x0 + hi * x1
+// summed in pairs into int32; VNNI's dpwssd does the second multiply-add and
 // the sum in one instruction (exact, so the same integers as madd + add). Written as asm: the
 // kernel is compiled with torch's AVX512 flags, which do not include VNNI, and chosen at run time.
 template <bool VNNI>
