@@ -5,6 +5,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from memrad.engine.decode.cpu_attention import cxx_compiler
 from memrad.engine.model import block_linear
 from memrad.engine.model.block_linear import Q4_1, Q5_0, Q8_0, BlockLinear
 from memrad.engine.model.quant import Int4Blocks, Int8Blocks, unpack_blocks, unpack_q5_0, unpack_q8_0
@@ -128,3 +129,37 @@ def test_fused_block_projections_share_the_rows_and_compute_what_each_computes()
     mixed = fuse([layers[0], BlockLinear.from_blocks(torch.nn.Linear(96, 16, bias=False), q8)])
     assert not isinstance(mixed, BlockLinear)  # Q5_0 beside Q8_0: run one by one
 
+
+
+_PLAIN_PATH = """
+import torch
+from memrad.engine.decode import cpu_attention
+from memrad.engine.model import block_linear
+from memrad.engine.model.quant import Int4Blocks, Int8Blocks
+assert cpu_attention.capability() == "AVX2"
+torch.ops.load_library(str(cpu_attention.build(cpu_attention.cxx_compiler(), block_linear.source())))
+g = torch.Generator().manual_seed(0)
+scales = (torch.rand(37, 3, generator=g) / 50).half().float()
+x = torch.randn(5, 96, generator=g)
+for blocks in (Int8Blocks(torch.randint(-127, 128, (37, 96), generator=g).to(torch.int8), scales),
+               Int8Blocks(torch.randint(-16, 16, (37, 96), generator=g).to(torch.int8), scales),
+               Int4Blocks(torch.randint(0, 16, (37, 96), generator=g).to(torch.uint8), scales, -scales)):
+    kind, raw = block_linear.pack(blocks)
+    expected = x.double() @ blocks.dequantize().double().t()
+    error = (torch.ops.memra.block_gemv(x, raw, kind).double() - expected).abs().max() / expected.abs().max()
+    print(kind, float(error))
+"""
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="needs a C++ compiler")
+def test_the_kernels_plain_cpp_path_multiplies_every_kind_like_float64():
+    """The path AVX2-only builds take (memrad does not choose it, but it must be right)."""
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _PLAIN_PATH], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == 0, child.stderr[-2000:]
+    errors = dict(line.split() for line in child.stdout.splitlines())
+    assert sorted(errors) == ["4", "5", "8"] and all(float(e) < 1e-6 for e in errors.values()), errors
