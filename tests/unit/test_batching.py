@@ -16,6 +16,7 @@ import itertools
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -333,3 +334,50 @@ def test_compiled_and_eager_batched_steps_agree_within_the_compiled_tolerance(co
 
     got, want = run(compiled), run(eager)
     assert torch.isfinite(got).all() and (got - want).abs().max() <= 0.01
+
+
+@needs_compiler
+def test_the_compiled_batched_step_gives_a_request_the_one_row_steps_bits(compiled_engines, monkeypatch):
+    """Every matmul computes a row alike at any M (torch's int4 kernel, memra's block kernel) and
+    both packages round to bf16 where eager does (package.INDUCTOR_OPTIONS), so a request decodes
+    the same tokens and logits on the compiled batched step, beside others, as on the compiled
+    one-row step (the default model's logits differed by up to 0.5 without the rounding)."""
+    _, _, _, new_engine = compiled_engines
+    monkeypatch.setattr(step_package, "build", lambda *a, **k: pytest.fail("the package was built again"))
+    monkeypatch.setattr(step_package, "build_in_child", lambda *a, **k: pytest.fail("the package was built again"))
+    rows = parked_compiled(lambda: new_engine(batch_decode="rows"))
+    assert rows.runtime_choices["batch"]["value"] == "4 in flight, one row each"
+    assert rows.decoder.choice.value == "compiled"
+    one_row = {req.request_id: run_together(rows, [req])[req.request_id] for req in second_turns(rows)}
+    engine = parked_compiled(new_engine)
+    together = run_together(engine, second_turns(engine))
+    assert engine.decoder.batch_choice.value == "compiled"
+    for rid, (completion, state, scores) in together.items():
+        assert summary(completion, state, scores) == summary(*one_row[rid]), rid
+        assert torch.equal(scores, one_row[rid][2]), rid
+
+
+@needs_compiler
+def test_the_llama_shaped_packages_are_compiled_to_round_where_eager_rounds(tiny_loaded, monkeypatch):
+    import torch._inductor
+
+    from memrad.engine.decode import cpu_attention
+    from memrad.engine.decode.steps import new_step
+
+    assert cpu_attention.load(cxx_compiler()) is None  # the batched graph calls memra's attention op
+
+    class Stop(Exception):
+        pass
+
+    asked = []
+
+    def recording(module, *args, options=None):
+        asked.append(options)
+        raise Stop
+
+    monkeypatch.setattr(torch._inductor, "aot_compile", recording)
+    step = new_step(tiny_loaded.model, 64)
+    for rows in (None, 4):
+        with pytest.raises(Stop):
+            step_package.build(step, tiny_loaded.model.config, 64, True, Path("unused"), rows=rows)
+    assert [o.get("emulate_precision_casts") for o in asked] == [True, True]

@@ -1,28 +1,30 @@
-"""memra's block kernel: a GGUF's Q8_0 / Q5_0 blocks, as shipped, multiplied for one token."""
+"""memra's block kernel: a GGUF's Q8_0 / Q5_0 / Q4_1 blocks, as shipped, multiplied for one token."""
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from memrad.engine.decode.cpu_attention import cxx_compiler
 from memrad.engine.model import block_linear
-from memrad.engine.model.block_linear import Q5_0, Q8_0, BlockLinear
-from memrad.engine.model.quant import Int8Blocks, unpack_q5_0, unpack_q8_0
+from memrad.engine.model.block_linear import Q4_1, Q5_0, Q8_0, BlockLinear
+from memrad.engine.model.quant import Int4Blocks, Int8Blocks, unpack_blocks, unpack_q5_0, unpack_q8_0
 
 pytestmark = pytest.mark.skipif(block_linear.why_not() is not None, reason=str(block_linear.why_not()))
 
 _TYPES = {"Q8_0": (GGMLQuantizationType.Q8_0, unpack_q8_0, Q8_0),
-          "Q5_0": (GGMLQuantizationType.Q5_0, unpack_q5_0, Q5_0)}
+          "Q5_0": (GGMLQuantizationType.Q5_0, unpack_q5_0, Q5_0),
+          "Q4_1": (GGMLQuantizationType.Q4_1, lambda raw: unpack_blocks(raw, "Q4_1"), Q4_1)}
 
 
-def _shipped(kind: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, Int8Blocks]:
+def _shipped(kind: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, Int8Blocks | Int4Blocks]:
     gguf_type, unpack, _ = _TYPES[kind]
     weights = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     raw = quants.quantize(weights, gguf_type)  # [rows, cols/32 * block bytes], as llama.cpp writes it
     return raw, unpack(raw)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1"])
 def test_packed_blocks_are_the_gguf_bytes_llama_cpp_ships_byte_for_byte(kind):
     raw, blocks = _shipped(kind, 40, 128, seed=1)
     op_kind, packed = block_linear.pack(blocks)
@@ -30,7 +32,7 @@ def test_packed_blocks_are_the_gguf_bytes_llama_cpp_ships_byte_for_byte(kind):
     assert torch.equal(packed, torch.from_numpy(np.ascontiguousarray(raw)))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1"])
 def test_the_kernel_multiplies_the_shipped_weights_within_the_int16_rounding_of_the_activation(kind):
     _, blocks = _shipped(kind, 70, 640, seed=2)
     op_kind, packed = block_linear.pack(blocks)
@@ -51,19 +53,41 @@ def test_the_kernel_multiplies_the_shipped_weights_within_the_int16_rounding_of_
     assert torch.equal(bf16, torch.ops.memra.block_gemv(x.bfloat16().float(), packed, op_kind).bfloat16())
 
 
-def test_each_output_has_the_same_bits_alone_batched_and_on_any_thread_count():
-    _, blocks = _shipped("Q8_0", 301, 256, seed=3)  # 301: tiles of 64 and rows of 4 leave remainders
-    kind, packed = block_linear.pack(blocks)
-    x = torch.randn(4, 256).bfloat16()
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_each_output_has_the_same_bits_alone_batched_and_on_any_thread_count(kind):
+    _, blocks = _shipped(kind, 301, 256, seed=3)  # 301: tiles of 64 and rows of 4 (pairs of 2) leave remainders
+    op_kind, packed = block_linear.pack(blocks)
+    x = torch.randn(8, 256).bfloat16()
+    others = torch.randn(8, 256).bfloat16() * 30  # different neighbours, other magnitudes
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = torch.cat([torch.ops.memra.block_gemv(x[i:i + 1], packed, kind) for i in range(4)])
+        alone = torch.cat([torch.ops.memra.block_gemv(x[i:i + 1], packed, op_kind) for i in range(8)])
         torch.set_num_threads(2)
-        batched = torch.ops.memra.block_gemv(x, packed, kind)
+        for m in (2, 3, 4, 5, 8):  # 5: one full group of 4 activation rows and a lone one
+            for i in range(8):
+                batch = torch.cat([others[:m - 1], others[:0]])
+                batch = torch.cat([batch[:i % m], x[i:i + 1], batch[i % m:]])  # row i at position i % m
+                got = torch.ops.memra.block_gemv(batch, packed, op_kind)[i % m]
+                assert torch.equal(got, alone[i]), (m, i)
+        assert torch.equal(torch.ops.memra.block_gemv(x, packed, op_kind), alone)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(alone, batched)
+
+
+def test_q4_0_blocks_run_as_q4_1_exactly_and_q4_k_blocks_are_not_packed():
+    codes = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
+    scales = (torch.rand(8, 2) / 50).half().float()
+    q4_0 = Int4Blocks(codes, scales, None)  # w = (q − 8)·d: m = −8·d, exact in fp16
+    assert block_linear.packable(q4_0)
+    kind, packed = block_linear.pack(q4_0)
+    assert kind == Q4_1 and packed.shape == (8, 2 * 20)
+    x = torch.randn(2, 64)
+    expected = x.double() @ q4_0.dequantize().double().t()
+    assert torch.allclose(torch.ops.memra.block_gemv(x, packed, kind).double(), expected, rtol=0, atol=1e-4)
+    d = torch.tensor(1 + 2.0 ** -10)  # an fp16 d; Q4_K's sub-block scale d·sc with sc = 37 needs 16 bits
+    q4_k = Int4Blocks(codes, (d * 37).expand(8, 2).clone(), torch.zeros(8, 2))
+    assert not block_linear.packable(q4_k)
 
 
 def test_a_block_linear_runs_its_blocks_for_one_token_and_the_dense_weight_for_more():
@@ -104,3 +128,38 @@ def test_fused_block_projections_share_the_rows_and_compute_what_each_computes()
     _, q8 = _shipped("Q8_0", 16, 96, seed=7)
     mixed = fuse([layers[0], BlockLinear.from_blocks(torch.nn.Linear(96, 16, bias=False), q8)])
     assert not isinstance(mixed, BlockLinear)  # Q5_0 beside Q8_0: run one by one
+
+
+
+_PLAIN_PATH = """
+import torch
+from memrad.engine.decode import cpu_attention
+from memrad.engine.model import block_linear
+from memrad.engine.model.quant import Int4Blocks, Int8Blocks
+assert cpu_attention.capability() == "AVX2"
+torch.ops.load_library(str(cpu_attention.build(cpu_attention.cxx_compiler(), block_linear.source())))
+g = torch.Generator().manual_seed(0)
+scales = (torch.rand(37, 3, generator=g) / 50).half().float()
+x = torch.randn(5, 96, generator=g)
+for blocks in (Int8Blocks(torch.randint(-127, 128, (37, 96), generator=g).to(torch.int8), scales),
+               Int8Blocks(torch.randint(-16, 16, (37, 96), generator=g).to(torch.int8), scales),
+               Int4Blocks(torch.randint(0, 16, (37, 96), generator=g).to(torch.uint8), scales, -scales)):
+    kind, raw = block_linear.pack(blocks)
+    expected = x.double() @ blocks.dequantize().double().t()
+    error = (torch.ops.memra.block_gemv(x, raw, kind).double() - expected).abs().max() / expected.abs().max()
+    print(kind, float(error))
+"""
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="needs a C++ compiler")
+def test_the_kernels_plain_cpp_path_multiplies_every_kind_like_float64():
+    """The path AVX2-only builds take (memrad does not choose it, but it must be right)."""
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _PLAIN_PATH], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == 0, child.stderr[-2000:]
+    errors = dict(line.split() for line in child.stdout.splitlines())
+    assert sorted(errors) == ["4", "5", "8"] and all(float(e) < 1e-6 for e in errors.values()), errors

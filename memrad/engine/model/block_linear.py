@@ -1,4 +1,4 @@
-"""Linear layers whose single-token calls read a GGUF's Q8_0 / Q5_0 blocks as shipped.
+"""Linear layers whose single-token calls read a GGUF's Q8_0 / Q5_0 / Q4_1 blocks as shipped.
 
 torch's int4 kernel can run an 8-bit or 5-bit block only as two 4-bit passes (Q8Linear, hi|lo):
 10 bits a weight with its bf16 scale and zero pairs, where the GGUF's blocks are 8.5 (Q8_0) and
@@ -8,18 +8,26 @@ blocks themselves:
 
     Q8_0 block (34 B)  | d fp16 | q[32] int8 |               w = d·q
     Q5_0 block (22 B)  | d fp16 | qh u32 | qs[16] |          w = d·(q − 16), q = nibble + 16·bit
+    Q4_1 block (20 B)  | d fp16 | m fp16 | qs[16] |          w = d·q + m, q = nibble
 
     blocks  [N, K/32 · bytes] uint8, one output row per row, as llama.cpp lays them out
     x [M, K] (bf16 or fp32) -> int16 per block of 32 -> int32 products, float32 sums -> out [M, N]
 
 The weights are exactly the shipped ones (fp16 d is exact in float32; hi|lo rounds its scales
 to bf16); the activation moves by at most 2^-16 of its block's largest |x|. A layer's codes go
-out as Q5_0 blocks when every code fits 5 bits (all of a Q5_0 tensor's do), else as Q8_0.
+out as Q5_0 blocks when every code fits 5 bits (all of a Q5_0 tensor's do), else as Q8_0. 4-bit
+blocks (Int4Blocks) go out as Q4_1 where d and m are fp16 values: all of a Q4_1 or Q4_0 tensor's
+(Q4_0's m = −8·d); Q4_K's sub-block scales d·sc and mins −dmin·m are not, so those layers keep
+torch's int4 kernel (`packable`). Each tile of output rows decodes a block's codes once for all
+the activation rows (M ≤ the batch), and each output is one fixed sequence of operations: a
+request's bits are the same alone or batched, on any thread count.
 
 memrad.engine.model.weights runs the output head this way and leaves the layers hi|lo: the
 head streams from memory, where fewer bytes won (the eager gemma step 10-13 % faster at one
 thread), while the layers' blocks sit in cache, where the kernel's Q5_0 unpacking lost to hi|lo
-(docs/BENCHMARKS.md, the issue-24 session-9 section). The kernel is built like the attention
+(docs/BENCHMARKS.md, the issue-24 session-9 section). The Q4_1 kind is not wired either: the
+int4 layers on it were 2-20 % slower per layer than on torch's int4 kernel at M = 1-8, and the
+compiled step 14 % slower (the issue-22 session-10 section). The kernel is built like the attention
 kernel (memrad.engine.decode.cpu_attention) and chosen where torch's CPU capability is AVX512,
 the only one it was measured on; elsewhere (AVX2-only CPUs, CUDA) and without a compiler the
 head runs hi|lo as before and `why_not` says why. Longer inputs (prefill) run the dense
@@ -34,11 +42,12 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from memrad.engine.model.quant import GROUP, Int8Blocks
+from memrad.engine.model.quant import GROUP, Int4Blocks, Int8Blocks
 
 OP_NAME = "memra::block_gemv"
-Q8_0, Q5_0 = 8, 5  # the op's `kind`
-_BLOCK_BYTES = {Q8_0: 34, Q5_0: 22}
+Q8_0, Q5_0, Q4_1 = 8, 5, 4  # the op's `kind`
+_BLOCK_BYTES = {Q8_0: 34, Q5_0: 22, Q4_1: 20}
+_FORMATS = {Q8_0: "Q8_0", Q5_0: "Q5_0", Q4_1: "Q4_1"}
 _PROBE_TOLERANCE = 1e-4  # float32 sums of 64 products against float64: ~1e-6 relative
 
 _lock = threading.Lock()
@@ -83,33 +92,45 @@ def _shape_of_output(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.
 
 
 def _probe() -> str | None:
-    """None when both block kinds multiply like float64 on a small case, else what went wrong."""
+    """None when every block kind multiplies like float64 on a small case, else what went wrong."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=generator)
-    for codes in (torch.randint(-127, 128, (20, 64), generator=generator),
-                  torch.randint(-16, 16, (20, 64), generator=generator)):
-        blocks = Int8Blocks(codes.to(torch.int8), (torch.rand(20, 2, generator=generator) / 50).half().float())
+    scales = (torch.rand(20, 2, generator=generator) / 50).half().float()
+    cases = [Int8Blocks(torch.randint(-127, 128, (20, 64), generator=generator).to(torch.int8), scales),
+             Int8Blocks(torch.randint(-16, 16, (20, 64), generator=generator).to(torch.int8), scales),
+             Int4Blocks(torch.randint(0, 16, (20, 64), generator=generator).to(torch.uint8), scales, -8 * scales)]
+    for blocks in cases:
         kind, raw = pack(blocks)
         got = torch.ops.memra.block_gemv(x, raw, kind).double()
         expected = x.double() @ blocks.dequantize().double().t()
         error = ((got - expected).abs().max() / expected.abs().max()).item()
         if not error <= _PROBE_TOLERANCE:
-            return f"memra's block kernel is off by {error:.3g} from float64 on its probe"
+            return f"memra's block kernel is off by {error:.3g} from float64 on its {_FORMATS[kind]} probe"
     return None
 
 
-def packable(blocks: Int8Blocks) -> bool:
-    """Whether the blocks' scales are fp16 values (as shipped), so a block holds them exactly."""
-    return bool(torch.equal(blocks.scales.half().float(), blocks.scales))
+def _mins(blocks: Int4Blocks) -> torch.Tensor:
+    return -8 * blocks.scales if blocks.mins is None else blocks.mins  # Q4_0: (q − 8)·d = q·d − 8·d
 
 
-def pack(blocks: Int8Blocks) -> tuple[int, torch.Tensor]:
-    """(kind, bytes [N, K/32 · block bytes]): the GGUF block layout of `blocks`, Q5_0 where
-    every code fits 5 bits. Requires `packable(blocks)`."""
+def packable(blocks: Int8Blocks | Int4Blocks) -> bool:
+    """Whether the blocks' scales (and mins) are fp16 values, as shipped, so a block holds them
+    exactly: Q8_0, Q5_0, Q4_0 and Q4_1 blocks; not Q4_K's products d·sc, −dmin·m."""
+    exact = [blocks.scales] if isinstance(blocks, Int8Blocks) else [blocks.scales, _mins(blocks)]
+    return all(bool(torch.equal(t.half().float(), t)) for t in exact)
+
+
+def pack(blocks: Int8Blocks | Int4Blocks) -> tuple[int, torch.Tensor]:
+    """(kind, bytes [N, K/32 · block bytes]): the GGUF block layout of `blocks`: Q4_1 for 4-bit
+    blocks, Q5_0 where every 8-bit code fits 5 bits, else Q8_0. Requires `packable(blocks)`."""
     n, k = blocks.codes.shape
     nb = k // GROUP
     d = blocks.scales.half().contiguous().view(torch.uint8).view(n, nb, 2)
     codes = blocks.codes.view(n, nb, GROUP)
+    if isinstance(blocks, Int4Blocks):
+        m = _mins(blocks).half().contiguous().view(torch.uint8).view(n, nb, 2)
+        qs = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8)  # weight j low, j + 16 high
+        return Q4_1, torch.cat([d, m, qs], dim=-1).reshape(n, nb * _BLOCK_BYTES[Q4_1]).contiguous()
     if int(codes.min()) >= -16 and int(codes.max()) <= 15:
         q = (codes.to(torch.int16) + 16).to(torch.int32)  # 0..31
         bits = (q >> 4) & 1  # [N, nb, 32]: the high bit of weight j is bit j of qh
@@ -134,13 +155,13 @@ class BlockLinear(torch.nn.Linear):
         self.register_buffer("blocks", blocks, persistent=False)  # [N, K/32 · bytes] uint8
 
     @classmethod
-    def from_blocks(cls, linear: torch.nn.Linear, blocks: Int8Blocks) -> "BlockLinear":
+    def from_blocks(cls, linear: torch.nn.Linear, blocks: Int8Blocks | Int4Blocks) -> "BlockLinear":
         kind, raw = pack(blocks)
         return cls(linear, raw, kind)
 
     @property
     def format(self) -> str:
-        return "Q8_0" if self.kind == Q8_0 else "Q5_0"
+        return _FORMATS[self.kind]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., T, K]; the blocks only where one token goes through (decode)

@@ -1,4 +1,4 @@
-// One token's matrix-vector product straight from a GGUF's Q8_0 or Q5_0 blocks, as shipped.
+// One token's matrix-vector product straight from a GGUF's Q8_0, Q5_0 or Q4_1 blocks, as shipped.
 //
 //   memra::block_gemv(x [M, K], blocks [N, K/32 * B] uint8, kind) -> out [M, N]   (x's dtype)
 //
@@ -6,19 +6,29 @@
 //   kind 5, Q5_0 (B = 22):  | d fp16 | qh uint32 | qs[16] |                w_j = d * (q_j - 16)
 //                           q_j = low nibble of qs[j] (j < 16) or high nibble of qs[j - 16],
 //                           plus 16 * bit j of qh
+//   kind 4, Q4_1 (B = 20):  | d fp16 | m fp16 | qs[16] |                   w_j = d * q_j + m
+//                           q_j = low nibble of qs[j] (j < 16) or high nibble of qs[j - 16]
 //
-// torch's int4 kernel can run these only as two 4-bit passes (hi|lo: 10 bits a weight with
-// its bf16 scales, where the blocks are 8.5 and 5.5); this kernel reads the blocks llama.cpp
-// reads, and multiplies the shipped weights exactly (fp16 d is exact in float32). With AVX512
-// the activation is rounded to int16 per block of 32 (2^-16 of the block's largest |x|: see
-// `quantize`), so a block is one int8 x int16 multiply-add (exact) and one float32 scale; a
-// float32 product per weight needed twice the instructions and ran no faster than hi|lo.
+// torch's int4 kernel can run Q8_0 / Q5_0 only as two 4-bit passes (hi|lo: 10 bits a weight with
+// its bf16 scales, where the blocks are 8.5 and 5.5), and runs Q4_1 with d and m rounded to bf16.
+// This kernel reads the blocks llama.cpp reads and multiplies the shipped weights exactly (fp16
+// d, m are exact in float32). Q4_1 is measured, not used: torch's int4 kernel, its codes laid out
+// across output rows, costs less per activation row than these row-major blocks do (two FMAs per
+// 32 weights against multiply-adds, a conversion and a block scale; docs/BENCHMARKS.md, issue 22
+// session 10). With AVX512 the activation is rounded to int16 per block of 32 (2^-16 of the
+// block's largest |x|: see `quantize`), so a block is one int16 x int16 multiply-add (exact) and
+// one float32 scale; a float32 product per weight needed twice the instructions and ran no
+// faster than hi|lo. Q4_1's min term is m * sum_j x_j = m * sx * (sum_j x16_j): the int sum is
+// exact, taken once per activation row and block.
 //
-// Each output (m, n) is one fixed sequence of operations: per block, the products summed
-// lane-wise (16 lanes; plain C++ in float32 where AVX512 is absent), scaled by d into the row's
-// lane accumulator; the lanes summed at the end. Rows are cut into fixed tiles of ROWS spread
-// over torch's threads, so the result has the same bits with any thread count and any M
-// (a batched request decodes as it does alone).
+// A tile of output rows decodes each block's codes once and applies them to every activation
+// row (register-blocked: ROWS output rows x up to XROWS activation rows of accumulators), so
+// M rows cost less than M times one. Each output (m, n) is still one fixed sequence of
+// operations: per block, the products summed lane-wise (16 lanes, 8 for Q4_1's row pairs; plain
+// C++ in float32 where AVX512 is absent), scaled by d * sx into the output's lane accumulator;
+// the lanes summed at the end (then, for Q4_1, the min terms: 16 blocks a lane, summed). Rows
+// are cut into fixed tiles of TILE spread over torch's threads, so the result has the same bits
+// with any thread count, any M and any neighbours (a batched request decodes as it does alone).
 //
 // Built at run time with the flags of the machine's CPU (memrad.engine.decode.cpu_attention).
 #include <ATen/Parallel.h>
@@ -41,8 +51,9 @@
 namespace {
 
 constexpr int64_t GROUP = 32;
-constexpr int64_t ROWS = 4;  // rows computed together: their x loads are shared
-constexpr int64_t TILE = 64;  // rows per task
+constexpr int64_t ROWS = 4;  // output rows computed together: their activation loads are shared
+constexpr int64_t XROWS = 4;  // activation rows computed together: each block's codes decode once for them
+constexpr int64_t TILE = 64;  // output rows per task
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -51,15 +62,21 @@ inline float half_at(const uint8_t* p) {
 }
 
 template <int KIND>
-constexpr int64_t block_bytes() { return KIND == 8 ? 34 : 22; }
+constexpr int64_t block_bytes() { return KIND == 8 ? 34 : KIND == 5 ? 22 : 20; }
+
+inline int64_t bytes_of(int64_t kind) { return kind == 8 ? block_bytes<8>() : kind == 5 ? block_bytes<5>() : block_bytes<4>(); }
 
 #if defined(CPU_CAPABILITY_AVX512)
 
-// The block's 32 codes as int16 (q_j, or q_j - 16 for Q5_0), weight j in lane j.
+// The block's 32 codes as int16 (q_j; q_j - 16 for Q5_0), weight j in lane j.
 template <int KIND>
 inline __m512i codes16(const uint8_t* b) {
   if constexpr (KIND == 8) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)));
+  } else if constexpr (KIND == 4) {
+    const __m256i qs = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+    const __m256i lo = _mm256_and_si256(qs, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(qs, 4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   } else {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
@@ -73,61 +90,263 @@ inline __m512i codes16(const uint8_t* b) {
   }
 }
 
-// The rows' block scales d as float32, [r][nb_pad] (nb_pad: nb rounded up to 16), converted
-// 16 at a time: a scalar fp16 conversion per block cost more than the block's products.
-inline void scales(const uint8_t* row, int64_t stride, int64_t bytes, int64_t nb, int64_t nb_pad, int64_t r,
-                   float* d) {
-  alignas(32) uint16_t bits[16];
+// The rows' block scales d (and for Q4_1 mins m) as float32, [r][nb_pad] (nb_pad: nb rounded up
+// to 16, zeros past nb): 16 blocks' first 4 bytes in one gather, converted together (a scalar
+// fp16 conversion per block cost more than the block's products).
+template <int KIND>
+inline void scales(const uint8_t* row, int64_t stride, int64_t nb, int64_t nb_pad, int64_t r, float* d, float* mins) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(static_cast<int>(block_bytes<KIND>())));
   for (int64_t i = 0; i < r; ++i) {
     for (int64_t b0 = 0; b0 < nb_pad; b0 += 16) {
-      for (int64_t b = 0; b < 16; ++b)
-        bits[b] = b0 + b < nb ? static_cast<uint16_t>(row[i * stride + (b0 + b) * bytes] |
-                                                      (row[i * stride + (b0 + b) * bytes + 1] << 8)) : 0;
-      _mm512_storeu_ps(d + i * nb_pad + b0, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(bits))));
+      const __mmask16 in = nb - b0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nb - b0)) - 1);
+      const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, at,
+                                                    row + i * stride + b0 * block_bytes<KIND>(), 1);
+      _mm512_storeu_ps(d + i * nb_pad + b0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+      if constexpr (KIND == 4)
+        _mm512_storeu_ps(mins + i * nb_pad + b0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
     }
   }
 }
 
 // x as int16 per block of 32 with its scale: x_j ~ sx * x16_j, |error| <= sx / 2 = 2^-16 of the
-// block's largest |x| (bf16 itself rounds that one by 2^-9). Products of int8 codes and int16
+// block's largest |x| (bf16 itself rounds that one by 2^-9). Products of the codes and int16
 // are exact in int32, and a pair's sum (< 2^24) exact in float32.
 struct Activation {
   std::vector<int16_t> x16;  // [M, K]
-  std::vector<float> sx;  // [M, nb]
+  std::vector<float> sx;  // [M, nb_pad], zeros past nb
+  std::vector<float> sums;  // [M, nb_pad]: sx * sum_j x16_j (Q4_1's min term), zeros past nb
 };
 
-inline Activation quantize(const float* x, int64_t M, int64_t K) {
+inline Activation quantize(const float* x, int64_t M, int64_t K, int64_t nb_pad) {
   const int64_t nb = K / GROUP;
-  Activation a{std::vector<int16_t>(M * K), std::vector<float>(M * nb)};
+  Activation a{std::vector<int16_t>(M * K), std::vector<float>(M * nb_pad, 0.f), std::vector<float>(M * nb_pad, 0.f)};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * K + b * GROUP;
       float amax = 0.f;
       for (int j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xb[j]));
       const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      for (int j = 0; j < GROUP; ++j) a.x16[m * K + b * GROUP + j] = static_cast<int16_t>(std::nearbyint(xb[j] * inv));
-      a.sx[m * nb + b] = amax / 32767.f;
+      int32_t total = 0;
+      for (int j = 0; j < GROUP; ++j) {
+        const int16_t q = static_cast<int16_t>(std::nearbyint(xb[j] * inv));
+        a.x16[m * K + b * GROUP + j] = q;
+        total += q;
+      }
+      a.sx[m * nb_pad + b] = amax / 32767.f;
+      a.sums[m * nb_pad + b] = a.sx[m * nb_pad + b] * static_cast<float>(total);
     }
   }
   return a;
 }
 
-// R rows starting at `row` (blocks of `stride` bytes each, scales `d` [R][nb_pad]) against
-// one activation row (x16 [K], sx [nb]).
-template <int KIND, int R>
-inline void rows_dot(const uint8_t* row, int64_t stride, const int16_t* x16, const float* sx, int64_t blocks,
-                     const float* d, int64_t nb_pad, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+// The products' scales d * sx, [r][M][nb_pad], 16 blocks at a time.
+inline void products(const float* d, const float* sx, int64_t r, int64_t M, int64_t nb_pad, float* ds) {
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb_pad; b += 16)
+        _mm512_storeu_ps(ds + (i * M + m) * nb_pad + b,
+                         _mm512_mul_ps(_mm512_loadu_ps(d + i * nb_pad + b), _mm512_loadu_ps(sx + m * nb_pad + b)));
+}
+
+// R output rows starting at `row` (blocks of `stride` bytes each) against MC activation rows
+// starting at x16 (row length K); ds [R][M][nb_pad] from `products`, pointing at the first of
+// the MC rows; out [R][MC] (row pitch MC).
+template <int KIND, int R, int MC>
+inline void tile_dot(const uint8_t* row, int64_t stride, const int16_t* x16, int64_t K, int64_t blocks,
+                     const float* ds, int64_t M, int64_t nb_pad, float* out) {
+  __m512 acc[R][MC];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MC; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m512i xb = _mm512_loadu_si512(x16 + b * GROUP);
-    for (int r = 0; r < R; ++r) {
-      const __m512i c = codes16<KIND>(row + r * stride + b * block_bytes<KIND>());
-      const __m512 s = _mm512_cvtepi32_ps(_mm512_madd_epi16(c, xb));  // 16 pair sums, exact
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[r * nb_pad + b] * sx[b]), s, acc[r]);
+    __m512i c[R];
+    for (int r = 0; r < R; ++r) c[r] = codes16<KIND>(row + r * stride + b * block_bytes<KIND>());
+    for (int m = 0; m < MC; ++m) {
+      const __m512i xb = _mm512_loadu_si512(x16 + m * K + b * GROUP);
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_madd_epi16(c[r], xb));  // 16 pair sums, exact
+        acc[r][m] = _mm512_fmadd_ps(_mm512_set1_ps(ds[(r * M + m) * nb_pad + b]), s, acc[r][m]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MC; ++m) out[r * MC + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// The 8 floats' sum in one fixed order.
+inline float sum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+// Q4_1: two output rows per vector. Their blocks' 16 code bytes side by side, widened to int16,
+// give both rows' low nibbles (weights 0..15) in one vector and high nibbles (16..31) in another;
+// against x16's first and second halves, each broadcast to both 256-bit halves, the two
+// multiply-adds summed give lanes 0..7 the first row's pair sums and lanes 8..15 the second's
+// (exact in int32). Decoding costs half the instructions a row of `codes16` does. A lone row
+// (the tile's last, where r is odd) pairs with itself and keeps its lanes 0..7: the same
+// operations, so an output's bits never depend on its neighbour. pair_sums: lo * x0 + hi * x1
+// summed in pairs into int32; VNNI's dpwssd does the second multiply-add and
+// the sum in one instruction (exact, so the same integers as madd + add). Written as asm: the
+// kernel is compiled with torch's AVX512 flags, which do not include VNNI, and chosen at run time.
+template <bool VNNI>
+inline __m512i pair_sums(__m512i lo, __m512i x0, __m512i hi, __m512i x1) {
+  __m512i sums = _mm512_madd_epi16(lo, x0);
+  if constexpr (VNNI) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(sums) : "v"(hi), "v"(x1));
+  } else {
+    sums = _mm512_add_epi32(sums, _mm512_madd_epi16(hi, x1));
+  }
+  return sums;
+}
+
+template <int P, int MC, bool VNNI>
+inline void pair_dot(const uint8_t* const* rows, const int16_t* x16, int64_t K, int64_t blocks, const float* d,
+                     const float* sx, int64_t nb_pad, float* out) {
+  __m512 acc[P][MC];
+  for (int p = 0; p < P; ++p)
+    for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi16(15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i lo[P], hi[P];
+    __m512 dd[P];
+    for (int p = 0; p < P; ++p) {
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * p] + b * 20 + 4));
+      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * p + 1] + b * 20 + 4));
+      const __m512i q = _mm512_cvtepu8_epi16(_mm256_set_m128i(q1, q0));
+      lo[p] = _mm512_and_si512(q, nibble);
+      hi[p] = _mm512_srli_epi16(q, 4);
+      dd[p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[(2 * p) * nb_pad + b]),
+                                   _mm512_set1_ps(d[(2 * p + 1) * nb_pad + b]));
+    }
+    for (int m = 0; m < MC; ++m) {
+      const int16_t* xb = x16 + m * K + b * GROUP;
+      const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+      const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
+      const __m512 s = _mm512_set1_ps(sx[m * nb_pad + b]);
+      for (int p = 0; p < P; ++p) {
+        const __m512i sums = pair_sums<VNNI>(lo[p], x0, hi[p], x1);
+        acc[p][m] = _mm512_fmadd_ps(_mm512_mul_ps(dd[p], s), _mm512_cvtepi32_ps(sums), acc[p][m]);
+      }
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int m = 0; m < MC; ++m) {
+      out[(2 * p) * MC + m] = sum8(_mm512_castps512_ps256(acc[p][m]));
+      out[(2 * p + 1) * MC + m] = sum8(_mm512_extractf32x8_ps(acc[p][m], 1));
+    }
+}
+
+// Q4_1's min terms sum_b m_b * sums_b for one output and activation row, 16 blocks a lane.
+inline float min_terms(const float* mins, const float* sums, int64_t nb_pad) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb_pad; b += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(mins + b), _mm512_loadu_ps(sums + b), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <int KIND, int R>
+inline void tile_rows(const uint8_t* row, int64_t stride, const Activation& a, int64_t m0, int64_t mc, int64_t K,
+                      int64_t nb, const float* ds, int64_t M, int64_t nb_pad, float* y) {
+  const int16_t* x16 = a.x16.data() + m0 * K;
+  const float* d0 = ds + m0 * nb_pad;
+  switch (mc) {
+    case 1: tile_dot<KIND, R, 1>(row, stride, x16, K, nb, d0, M, nb_pad, y); break;
+    case 2: tile_dot<KIND, R, 2>(row, stride, x16, K, nb, d0, M, nb_pad, y); break;
+    case 3: tile_dot<KIND, R, 3>(row, stride, x16, K, nb, d0, M, nb_pad, y); break;
+    default: tile_dot<KIND, R, 4>(row, stride, x16, K, nb, d0, M, nb_pad, y); break;
+  }
+}
+
+const bool HAS_VNNI = __builtin_cpu_supports("avx512vnni");
+
+template <int P, bool VNNI>
+inline void pair_rows_with(const uint8_t* const* rows, const int16_t* x16, int64_t mc, int64_t K, int64_t nb,
+                           const float* d, const float* sx, int64_t nb_pad, float* y) {
+  switch (mc) {
+    case 1: pair_dot<P, 1, VNNI>(rows, x16, K, nb, d, sx, nb_pad, y); break;
+    case 2: pair_dot<P, 2, VNNI>(rows, x16, K, nb, d, sx, nb_pad, y); break;
+    case 3: pair_dot<P, 3, VNNI>(rows, x16, K, nb, d, sx, nb_pad, y); break;
+    default: pair_dot<P, 4, VNNI>(rows, x16, K, nb, d, sx, nb_pad, y); break;
+  }
+}
+
+template <int P>
+inline void pair_rows(const uint8_t* const* rows, const Activation& a, int64_t m0, int64_t mc, int64_t K, int64_t nb,
+                      const float* d, int64_t nb_pad, float* y) {
+  const int16_t* x16 = a.x16.data() + m0 * K;
+  const float* sx = a.sx.data() + m0 * nb_pad;
+  if (HAS_VNNI) {
+    pair_rows_with<P, true>(rows, x16, mc, K, nb, d, sx, nb_pad, y);
+  } else {
+    pair_rows_with<P, false>(rows, x16, mc, K, nb, d, sx, nb_pad, y);
+  }
+}
+
+// r <= ROWS Q4_1 rows from `row` into out[m * N + i]: the pairs (0, 1), (2, 3); an odd last
+// row pairs with itself.
+template <typename T>
+void q4_1_rows(const uint8_t* row, int64_t stride, int64_t r, const Activation& a, int64_t M, int64_t K, int64_t nb,
+               int64_t nb_pad, float* d, float* mins, float* y, T* out, int64_t N) {
+  const uint8_t* rows[ROWS];
+  for (int64_t i = 0; i < ROWS; ++i) rows[i] = row + (i < r ? i : i % 2 == 1 && i - 1 < r ? i - 1 : 0) * stride;
+  for (int64_t i = 0; i < ROWS; ++i) scales<4>(rows[i], stride, nb, nb_pad, 1, d + i * nb_pad, mins + i * nb_pad);
+  for (int64_t m0 = 0; m0 < M; m0 += XROWS) {
+    const int64_t mc = std::min(XROWS, M - m0);
+    if (r > 2) {
+      pair_rows<2>(rows, a, m0, mc, K, nb, d, nb_pad, y);
+    } else {
+      pair_rows<1>(rows, a, m0, mc, K, nb, d, nb_pad, y);
+    }
+    for (int64_t i = 0; i < r; ++i)
+      for (int64_t m = 0; m < mc; ++m)
+        out[(m0 + m) * N + i] = static_cast<T>(y[i * mc + m] + min_terms(mins + i * nb_pad, a.sums.data() + (m0 + m) * nb_pad, nb_pad));
+  }
+}
+
+template <int KIND, typename T>
+void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+  static_assert(XROWS == 4, "tile_rows instantiates 1..4 activation rows");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), nb = K / GROUP;
+  const int64_t stride = blocks.stride(0);
+  const int64_t nb_pad = (nb + 15) / 16 * 16;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
+  const Activation a = quantize(xf.const_data_ptr<float>(), M, K, nb_pad);
+  const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> d(ROWS * nb_pad), mins(ROWS * nb_pad), ds(ROWS * M * nb_pad);
+    float y[ROWS * XROWS];
+    for (int64_t tile = first; tile < last; ++tile) {
+      const int64_t end = std::min(N, (tile + 1) * TILE);
+      for (int64_t n = tile * TILE; n < end; n += ROWS) {
+        const int64_t r = std::min(ROWS, end - n);
+        const uint8_t* row = bp + n * stride;
+        if constexpr (KIND == 4) {
+          q4_1_rows(row, stride, r, a, M, K, nb, nb_pad, d.data(), mins.data(), y, op + n, N);
+          continue;
+        }
+        scales<KIND>(row, stride, nb, nb_pad, r, d.data(), mins.data());
+        products(d.data(), a.sx.data(), r, M, nb_pad, ds.data());
+        for (int64_t m0 = 0; m0 < M; m0 += XROWS) {
+          const int64_t mc = std::min(XROWS, M - m0);
+          if (r == ROWS) {
+            tile_rows<KIND, ROWS>(row, stride, a, m0, mc, K, nb, ds.data(), M, nb_pad, y);
+          } else {
+            for (int64_t i = 0; i < r; ++i)
+              tile_rows<KIND, 1>(row + i * stride, stride, a, m0, mc, K, nb, ds.data() + i * M * nb_pad, M, nb_pad,
+                                 y + i * mc);
+          }
+          for (int64_t i = 0; i < r; ++i)
+            for (int64_t m = 0; m < mc; ++m) {
+              float total = y[i * mc + m];
+              if constexpr (KIND == 4) total += min_terms(mins.data() + i * nb_pad, a.sums.data() + (m0 + m) * nb_pad, nb_pad);
+              op[(m0 + m) * N + n + i] = static_cast<T>(total);
+            }
+        }
+      }
+    }
+  });
 }
 
 #else
@@ -136,84 +355,58 @@ template <int KIND>
 inline void codes(const uint8_t* b, float* c) {
   if constexpr (KIND == 8) {
     for (int j = 0; j < 32; ++j) c[j] = static_cast<float>(static_cast<int8_t>(b[2 + j]));
+  } else if constexpr (KIND == 4) {
+    for (int j = 0; j < 16; ++j) {
+      c[j] = static_cast<float>(b[4 + j] & 15);
+      c[j + 16] = static_cast<float>(b[4 + j] >> 4);
+    }
   } else {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
     for (int j = 0; j < 16; ++j) {
-      c[j] = static_cast<float>(((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
-      c[j + 16] = static_cast<float>(((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+      // int: qh is unsigned, and q - 16 must not wrap
+      c[j] = static_cast<float>(static_cast<int>((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+      c[j + 16] = static_cast<float>(static_cast<int>((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
     }
   }
 }
 
-// Without AVX512 the activation stays float32 (no int16 rounding).
-struct Activation {
-  std::vector<float> x16;  // [M, K]: named as the AVX512 path's, float here
-  std::vector<float> sx;  // unused
-};
-
-inline Activation quantize(const float* x, int64_t M, int64_t K) { return {std::vector<float>(x, x + M * K), {}}; }
-
-inline void scales(const uint8_t* row, int64_t stride, int64_t bytes, int64_t nb, int64_t nb_pad, int64_t r,
-                   float* d) {
-  for (int64_t i = 0; i < r; ++i)
-    for (int64_t b = 0; b < nb; ++b) d[i * nb_pad + b] = half_at(row + i * stride + b * bytes);
-}
-
-template <int KIND, int R>
-inline void rows_dot(const uint8_t* row, int64_t stride, const float* x, const float*, int64_t blocks,
-                     const float* d, int64_t nb_pad, float* out) {
-  float acc[R][16] = {};
-  float c[32];
+// Without AVX512 the activation stays float32 (no int16 rounding), one output at a time.
+template <int KIND>
+float row_dot(const uint8_t* row, const float* x, int64_t blocks) {
+  float acc[16] = {}, mins = 0.f, c[32];
   for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * block_bytes<KIND>();
     const float* xb = x + b * GROUP;
-    for (int r = 0; r < R; ++r) {
-      codes<KIND>(row + r * stride + b * block_bytes<KIND>(), c);
-      const float scale = d[r * nb_pad + b];
-      for (int l = 0; l < 16; ++l) acc[r][l] += scale * (c[l] * xb[l] + c[l + 16] * xb[l + 16]);
+    codes<KIND>(block, c);
+    const float scale = half_at(block);
+    for (int l = 0; l < 16; ++l) acc[l] += scale * (c[l] * xb[l] + c[l + 16] * xb[l + 16]);
+    if constexpr (KIND == 4) {
+      float sum = 0.f;
+      for (int j = 0; j < GROUP; ++j) sum += xb[j];
+      mins += half_at(block + 2) * sum;
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float total = 0.f;
-    for (int l = 0; l < 16; ++l) total += acc[r][l];
-    out[r] = total;
-  }
+  float total = 0.f;
+  for (int l = 0; l < 16; ++l) total += acc[l];
+  return total + mins;
 }
-
-#endif
 
 template <int KIND, typename T>
 void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), nb = K / GROUP;
   const int64_t stride = blocks.stride(0);
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
-  const Activation a = quantize(xf.const_data_ptr<float>(), M, K);
+  const float* xp = xf.const_data_ptr<float>();
   const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
   T* op = out.data_ptr<T>();
-  const int64_t nb_pad = (nb + 15) / 16 * 16;
   at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> d(ROWS * nb_pad);
-    float y[ROWS];
-    for (int64_t tile = first; tile < last; ++tile) {
-      const int64_t end = std::min(N, (tile + 1) * TILE);
-      for (int64_t n = tile * TILE; n < end; n += ROWS) {
-        const int64_t r = std::min(ROWS, end - n);
-        const uint8_t* row = bp + n * stride;
-        scales(row, stride, block_bytes<KIND>(), nb, nb_pad, r, d.data());
-        for (int64_t m = 0; m < M; ++m) {
-          if (r == ROWS) {
-            rows_dot<KIND, ROWS>(row, stride, a.x16.data() + m * K, a.sx.data() + m * nb, nb, d.data(), nb_pad, y);
-          } else {
-            for (int64_t i = 0; i < r; ++i)
-              rows_dot<KIND, 1>(row + i * stride, stride, a.x16.data() + m * K, a.sx.data() + m * nb, nb,
-                                d.data() + i * nb_pad, nb_pad, y + i);
-          }
-          for (int64_t i = 0; i < r; ++i) op[m * N + n + i] = static_cast<T>(y[i]);
-        }
-      }
-    }
+    for (int64_t n = first * TILE; n < std::min(N, last * TILE); ++n)
+      for (int64_t m = 0; m < M; ++m) op[m * N + n] = static_cast<T>(row_dot<KIND>(bp + n * stride, xp + m * K, nb));
   });
 }
+
+#endif
 
 template <int KIND>
 void dispatch(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
@@ -227,16 +420,17 @@ void dispatch(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
 
 at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "block_gemv takes x [M, K] and blocks [N, K/32 * bytes]");
-  TORCH_CHECK(kind == 8 || kind == 5, "block_gemv kind is 8 (Q8_0) or 5 (Q5_0)");
+  TORCH_CHECK(kind == 8 || kind == 5 || kind == 4, "block_gemv kind is 8 (Q8_0), 5 (Q5_0) or 4 (Q4_1)");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.stride(1) == 1, "blocks must be uint8 rows");
   TORCH_CHECK(x.size(1) % GROUP == 0, "K must be a multiple of 32");
-  const int64_t bytes = kind == 8 ? block_bytes<8>() : block_bytes<5>();
-  TORCH_CHECK(blocks.size(1) == x.size(1) / GROUP * bytes, "blocks do not match K for this kind");
+  TORCH_CHECK(blocks.size(1) == x.size(1) / GROUP * bytes_of(kind), "blocks do not match K for this kind");
   at::Tensor out = at::empty({x.size(0), blocks.size(0)}, x.options());
   if (kind == 8) {
     dispatch<8>(x, blocks, out);
-  } else {
+  } else if (kind == 5) {
     dispatch<5>(x, blocks, out);
+  } else {
+    dispatch<4>(x, blocks, out);
   }
   return out;
 }
