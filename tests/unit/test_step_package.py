@@ -144,3 +144,25 @@ def test_a_child_builds_the_package_the_daemon_would_and_refuses_any_other_name(
     parent.start()  # the child builds under the parent's name; the parent opens it
     assert parent.choice.value == "compiled" and "package built" in parent.choice.reason, parent.choice.reason
     assert isinstance(parent.step, PackagedStep) and parent._package(kernel).is_file()
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="the batched step needs memra's attention kernel (a C++ compiler)")
+@pytest.mark.parametrize("rows,niceness", [(0, []), (2, [10])])
+def test_the_batched_steps_build_at_a_lower_priority_than_serving(q4_dir, tmp_path, monkeypatch, rows, niceness):
+    # A first start serves on the one-row step while the batched packages build: the child
+    # that builds them yields the CPU to the daemon's decode (the one-row build does not)
+    loaded = load(q4_dir)
+    assert cpu_attention.load(cxx_compiler()) is None
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", batch_rows=4)
+    path = step_package.package_path(decoder.eager, loaded.model.config, decoder.capacity, True, tmp_path, rows or None)
+    niced, built = [], []
+    monkeypatch.setattr(os, "nice", niced.append)
+    monkeypatch.setattr(step_package, "die_with", lambda parent: None)
+    monkeypatch.setattr(step_package, "build", lambda *args: built.append(args[-1]))
+    argv = [str(q4_dir), loaded.dtype_name, loaded.weights_name, str(loaded.context_len), "kernel", str(path),
+            str(rows), str(os.getpid())]
+    try:
+        assert step_package.main(argv) == 0
+    finally:
+        torch.set_num_threads(1)
+    assert niced == niceness and built == [rows or None]

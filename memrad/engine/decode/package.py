@@ -92,6 +92,7 @@ _AOTI_OPTIONS = {
 _LAYOUT = "1"  # of the files this module writes; bump when it changes
 KEEP_PACKAGES = 8  # in the compile cache: several models and configurations side by side
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_BATCH_BUILD_NICENESS = 10
 
 
 def graph_ranges(capacity: int, kernel: bool) -> dict[str, tuple[int, int]]:
@@ -447,6 +448,8 @@ def main(argv: list[str]) -> int:
     folder, dtype, weights, context_len, attention, path, batch, parent = argv
     die_with(int(parent))
     kernel, rows = attention == "kernel", int(batch) or None
+    if rows:  # the batched steps build while the daemon serves on the one-row step: serving first
+        os.nice(_BATCH_BUILD_NICENESS)
     torch.set_num_threads(1)
     loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights, allow_pull=False,
                         progress=lambda _: None, context=int(context_len))
