@@ -159,10 +159,10 @@ class Engine:
         if self._batches() and isinstance(self.decoder.eager_step, DecodeStep):
             how = self.decoder.batch_choice
             return {"value": f"batched, {self.max_batch} rows",
-                    "reason": f"max_batch = {self.max_batch}: one step of {self.max_batch} rows for the requests "
-                              "decoding together (padded, so a request's bits do not depend on its neighbours; one "
-                              f"decoding alone runs the one-row step, whose bits a batched row has), {how.value}: "
-                              f"{how.reason}"}
+                    "reason": f"max_batch = {self.max_batch}: the requests decoding together in one step of "
+                              f"{' or '.join(map(str, self.decoder.batch_sizes))} rows, the fewest that hold them "
+                              "(padded, so a request's bits do not depend on its neighbours; one decoding alone runs "
+                              f"the one-row step, whose bits a batched row has), {how.value}: {how.reason}"}
         why = ("batch_decode = rows" if self.batch_decode == "rows"
                else f"{self.decoder.choice.value} decode has no batched step for this model")
         return {"value": f"{self.max_batch} in flight, one row each",
