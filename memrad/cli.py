@@ -17,9 +17,10 @@ from pathlib import Path
 from memrad import __version__
 from memrad.config import Settings, SettingsError, known_keys, load_settings
 from memrad.daemon import (DETACHED_ENV, AlreadyRunning, DaemonInfo, StartupError, StopReport, find_running,
-                            is_memrad, lock_holder, pid_alive)
+                            is_memrad, lock_holder)
 from memrad.paths import UnsafeRuntimeDir, log_path, pidfile_path, runtime_dir_note, stop_report_path
 from memrad.private import open_private
+from memrad.process import pid_alive
 
 START_TIMEOUT_S = 900.0
 

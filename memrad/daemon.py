@@ -19,6 +19,7 @@ from pathlib import Path
 from memrad.config import Settings
 from memrad.loglines import SafeFormatter
 from memrad.private import open_private
+from memrad.process import pid_alive
 from memrad.paths import lockfile_path, log_path, pidfile_path, runtime_dir_note, socket_path, stop_report_path
 
 log = logging.getLogger("memrad")
@@ -80,21 +81,6 @@ class StopReport:
             return None
         path.unlink(missing_ok=True)
         return report if report.pid == pid else None
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
 
 
 def lock_holder() -> int | None:

@@ -34,7 +34,7 @@ from memrad.chat.chat import Chat
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.batch import BatchStep
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.decode.step import DecodeStep
+from memrad.engine.decode.steps.llama import DecodeStep
 from memrad.engine.decode.steps import describe as describe_step
 from memrad.engine.flight import Flight, Sampling
 from memrad.engine.forward import prefill_spans

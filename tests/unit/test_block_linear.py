@@ -111,7 +111,7 @@ def test_codes_past_5_bits_or_scales_that_are_not_fp16_are_not_packed_as_q5_0():
 
 
 def test_fused_block_projections_share_the_rows_and_compute_what_each_computes():
-    from memrad.engine.decode.step import fuse
+    from memrad.engine.decode.steps.llama import fuse
 
     layers = []
     for rows, seed in ((128, 5), (48, 6)):

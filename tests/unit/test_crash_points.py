@@ -178,7 +178,7 @@ time.sleep(600)
 
 
 def test_a_daemon_killed_while_its_compile_child_builds_leaves_no_build_running(q4_dir, tmp_path, monkeypatch):
-    from memrad.daemon import pid_alive
+    from memrad.process import pid_alive
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty compile cache
     loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")

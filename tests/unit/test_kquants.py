@@ -191,7 +191,7 @@ def test_block_files_of_an_older_layout_are_added_again_and_the_start_says_what_
 def test_fused_hi_lo_projections_compute_what_each_computes(rows):
     """Rows in whole blocks of 64 (gemma3-270m's 1024 + 256 + 256) share one packed tensor;
     others (the CPU packing interleaves 64 rows) are run one by one, never joined wrongly."""
-    from memrad.engine.decode.step import fuse
+    from memrad.engine.decode.steps.llama import fuse
 
     layers = []
     for count, seed in zip(rows, (4, 5)):  # q and a smaller k, as a Q5_0 attention ships them

@@ -1,13 +1,13 @@
 """What the engine runs for each generated token, and why that one.
 
-    compile = auto   the eager step (memrad.engine.decode.step) at once, the compiled one built
+    compile = auto   the eager step (memrad.engine.decode.steps.llama) at once, the compiled one built
                      in the background; requests that start after it is ready decode compiled
                      (the daemon answers meanwhile)
     compile = on     compiled before the daemon answers; a failure stops the start
     compile = off    the step, eager, with torch's attention: the A/B arm of the compiled one
 
 Compiled means an AOTInductor package (memrad.engine.decode.package) that attends with memra's
-CPU kernel (memrad.engine.decode.cpu_attention): built once per machine, model and torch (in a
+CPU kernel (memrad.engine.kernels.decode_attention): built once per machine, model and torch (in a
 child process when the engine gives a recipe, so this interpreter keeps serving) and opened by
 every later start before it serves. torch.compile is the fallback where AOTInductor fails.
 Models the step does not cover, and caches that are not in-place slabs (CUDA), decode with
@@ -51,9 +51,9 @@ from torch.utils._pytree import tree_leaves
 from memrad.engine.decode import cpu_attention
 from memrad.engine.decode import step as decode_step
 from memrad.engine.decode import package as step_package
-from memrad.engine.decode.cpu_attention import cxx_compiler
+from memrad.engine.kernels.decode_attention import cxx_compiler
 from memrad.engine.decode.batch import BatchGraph, BatchStep
-from memrad.engine.decode.step import DecodeStep, attended_rows
+from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
 from memrad.engine.decode.steps import new_step, support
 from memrad.engine.forward import decode_one_token
 from memrad.engine.model.hardware import Choice

@@ -8,7 +8,7 @@ inductor compiles it into a shared library, and a later start only opens the lib
 "The decode step").
 
     compile/decode-step-{model}-{weights}-{dtype}-attn-{memra|torch}-torch{version}-{cpu}-{key}.pt2
-        with memra's attention kernel (memrad.engine.decode.cpu_attention):
+        with memra's attention kernel (memrad.engine.kernels.decode_attention):
             graph "kernel" attended length in [2, capacity - 2]
                            (Gemma 3: and the sliding layers' window rows in [2, W], a second size)
         with torch's attention:
@@ -65,7 +65,7 @@ from memrad.engine.decode import batch as batch_step
 from memrad.engine.decode import step as decode_step
 from memrad.engine.model import block_linear, quant
 from memrad.engine.decode.batch import BatchGraph
-from memrad.engine.decode.step import DecodeStep, attended_rows
+from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS
 from memrad.engine.state import recurrent as recurrent_state
 from memrad.engine.state import window as window_state

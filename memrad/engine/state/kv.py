@@ -110,7 +110,7 @@ class SlabLayer(DynamicLayer):
     def step_buffers(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole key and value buffers [1, H_kv, capacity, D], with room for row
         `position` and one more (the split attention reads one row past the end, masked),
-        for a decode step that writes that row itself (memrad.engine.decode.step);
+        for a decode step that writes that row itself (memrad.engine.decode.steps.llama);
         `wrote_row` records it afterwards."""
         assert self.is_initialized and position == self.length, f"row {position} is not the next of {self.length}"
         if position + 1 >= self.slab.capacity:

@@ -3,7 +3,7 @@
 transformers' DynamicSlidingWindowLayer keeps the last W - 1 rows (W: the window) as a fresh
 `torch.cat` per update, so a decode step copies the window on every token and has nowhere to
 write its row in place. A WindowLayer keeps the same rows in a buffer of 2W rows and appends
-in place; the decode step (memrad.engine.decode.gemma_step) writes its row there and attends a
+in place; the decode step (memrad.engine.decode.steps.gemma) writes its row there and attends a
 view of the last W rows, no copy:
 
     buffer  [1, H_kv, 2W, D]    | older rows | window: rows start .. end-1 (<= W - 1) | free |
