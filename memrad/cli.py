@@ -493,7 +493,7 @@ def _build_decode_step(spec: str) -> None:
     if settings.engine.compile == "off":
         return
     from memrad.engine.decode.decoder import Decoder
-    from memrad.engine.decode.package import Recipe
+    from memrad.engine.decode.builder import Recipe
     from memrad.engine.model.loader import load_model
 
     loaded = load_model(spec, settings.model.device, settings.model.dtype, progress=lambda _: None,

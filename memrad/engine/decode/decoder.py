@@ -8,7 +8,8 @@
 
 Compiled means an AOTInductor package (memrad.engine.decode.package) that attends with memra's
 CPU kernel (memrad.engine.kernels.decode_attention): built once per machine, model and torch (in a
-child process when the engine gives a recipe, so this interpreter keeps serving) and opened by
+child process when the engine gives a recipe, so this interpreter keeps serving:
+memrad.engine.decode.builder) and opened by
 every later start before it serves. torch.compile is the fallback where AOTInductor fails.
 Models the step does not cover, and caches that are not in-place slabs (CUDA), decode with
 transformers' forward; no C++ compiler or a failed compile (auto) leaves the eager step. Every
@@ -48,14 +49,15 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from memrad.engine.decode import cpu_attention
-from memrad.engine.decode import step as decode_step
+from memrad.engine.decode import builder
 from memrad.engine.decode import package as step_package
-from memrad.engine.kernels.decode_attention import cxx_compiler
 from memrad.engine.decode.batch import BatchGraph, BatchStep
-from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
+from memrad.engine.decode.steps import llama as decode_step
 from memrad.engine.decode.steps import new_step, support
+from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
 from memrad.engine.forward import decode_one_token
+from memrad.engine.kernels import decode_attention
+from memrad.engine.kernels.build import cxx_compiler
 from memrad.engine.model.hardware import Choice
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
 
@@ -118,11 +120,11 @@ class Decoder:
     """
 
     def __init__(self, model: Any, context_len: int, device: torch.device, mode: str = "off",
-                 recipe: step_package.Recipe | None = None, exact: bool = False, batch_rows: int | None = None) -> None:
+                 recipe: builder.Recipe | None = None, exact: bool = False, batch_rows: int | None = None) -> None:
         assert mode in COMPILE_MODES, mode
         self.model = model
         self.mode = mode
-        self.recipe = recipe  # given: the package is built in a child process (step_package.build_in_child)
+        self.recipe = recipe  # given: the package is built in a child process (builder.build_in_child)
         self.exact = exact  # under auto, replies wait for the compiled step rather than decode eager
         self._start_lock = threading.Lock()  # the daemon's start and a waiting reply's, once
         self.capacity = min(context_len, MAX_RESERVED_TOKENS)  # the slabs' rows (memrad.engine.state.kv)
@@ -153,7 +155,7 @@ class Decoder:
             self.batch_choice = Choice("eager", f"compile = {mode}: the eager batched step"
                                        + (" (compiled with the one-row step)" if mode != "off" else ""))
         # A kernel built by an earlier start loads in milliseconds: the eager step uses it.
-        kernel = mode == "auto" and cpu_attention.load(cxx_compiler(), build_missing=False) is None
+        kernel = mode == "auto" and decode_attention.load(cxx_compiler(), build_missing=False) is None
         self.current = (self.eager, kernel)
         self.choice = Choice("eager", f"compile = off: {_attention(kernel)}" if mode == "off"
                              else f"compile = {mode}: not started; {_attention(kernel)}")
@@ -179,8 +181,7 @@ class Decoder:
                     compile_batch()
                     return
                 self.batch_choice = Choice("compiling", _WAITS if self.exact else _SERVES_EAGER)
-                self._thread = threading.Thread(target=compile_batch, name="memrad-compile", daemon=True)
-                self._thread.start()
+                self._thread = builder.start_thread(compile_batch)
                 return
             if self.mode == "on":
                 self._compile()
@@ -188,8 +189,7 @@ class Decoder:
             self.choice = Choice("compiling", _WAITS if self.exact else _SERVES_EAGER)
             if self.batch_rows:
                 self.batch_choice = self.choice
-            self._thread = threading.Thread(target=self._compile_both, name="memrad-compile", daemon=True)
-            self._thread.start()
+            self._thread = builder.start_thread(self._compile_both)
 
     def prepare(self) -> str:
         """Build the package now unless the compile cache has it, as a start would (in a child
@@ -202,7 +202,7 @@ class Decoder:
         compiler = cxx_compiler()
         if compiler is None:
             return "not built: no C++ compiler (install g++, e.g. `apt install g++`)"
-        kernel = cpu_attention.load(compiler) is None
+        kernel = decode_attention.load(compiler) is None
         said = []
         for rows in (None, *self.batch_sizes) if self.batch_rows and kernel else (None,):
             path = self._package(kernel, rows)
@@ -218,12 +218,8 @@ class Decoder:
         return "; ".join(said)
 
     def _build_package(self, kernel: bool, rows: int | None = None) -> Path:
-        path = self._package(kernel, rows)
-        if self.recipe is not None:
-            step_package.build_in_child(self.recipe, kernel, path, rows=rows)
-        else:
-            step_package.build(self.eager, self.model.config, self.capacity, kernel, path, rows)
-        return path
+        return builder.build_package(self.recipe, self.eager, self.model.config, self.capacity, kernel,
+                                     self._package(kernel, rows), rows)
 
     def compiling(self) -> bool:
         """A background compile is still running."""
@@ -235,7 +231,7 @@ class Decoder:
         self._closed = True
         if self.compiling():
             log.info("stopped while compiling the decode step: the next start compiles again")
-        step_package.stop_children()
+        builder.stop_children()
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until a background compile has finished (benchmarks, tests)."""
@@ -252,7 +248,7 @@ class Decoder:
         nothing is left to build (the one-row step, and the batched one where it is asked for)."""
         started = time.perf_counter()
         try:
-            kernel = cpu_attention.load(cxx_compiler(), build_missing=False) is None
+            kernel = decode_attention.load(cxx_compiler(), build_missing=False) is None
             path = self._package(kernel)
             if not path.is_file():
                 return False
@@ -341,7 +337,7 @@ class Decoder:
             self.choice = Choice("eager", f"auto: {why}")
             return
         started = time.perf_counter()
-        no_kernel = cpu_attention.load(compiler)
+        no_kernel = decode_attention.load(compiler)
         kernel = no_kernel is None
         if not kernel:
             log.warning("decode attention: torch's (%s)", no_kernel)
@@ -349,7 +345,7 @@ class Decoder:
             path = self._build_package(kernel)
             step = step_package.load(self.eager, self.capacity, kernel, path)
             how = f"AOTInductor ({compiler}), package built"
-        except step_package.BuildKilled as exc:  # killed from outside: tracing in-process would not help
+        except builder.BuildKilled as exc:  # killed from outside: tracing in-process would not help
             if self._closed:
                 return
             if self.mode == "on":
@@ -446,7 +442,7 @@ class Decoder:
         from transformers import DynamicCache
 
         from memrad.engine.forward import prefill
-        from memrad.engine.state.kv import install
+        from memrad.engine.state.layers import install
 
         alone = self.feeder()
         logits = []
