@@ -361,10 +361,10 @@ def test_the_compiled_batched_step_gives_a_request_the_one_row_steps_bits(compil
 def test_the_llama_shaped_packages_are_compiled_to_round_where_eager_rounds(tiny_loaded, monkeypatch):
     import torch._inductor
 
-    from memrad.engine.decode import cpu_attention
+    from memrad.engine.kernels import decode_attention
     from memrad.engine.decode.steps import new_step
 
-    assert cpu_attention.load(cxx_compiler()) is None  # the batched graph calls memra's attention op
+    assert decode_attention.load(cxx_compiler()) is None  # the batched graph calls memra's attention op
 
     class Stop(Exception):
         pass
