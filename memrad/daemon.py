@@ -19,7 +19,6 @@ from pathlib import Path
 from memrad.config import Settings
 from memrad.loglines import SafeFormatter
 from memrad.private import open_private
-from memrad.process import pid_alive
 from memrad.paths import lockfile_path, log_path, pidfile_path, runtime_dir_note, socket_path, stop_report_path
 
 log = logging.getLogger("memrad")
