@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from memrad.engine.kernels.build import CSRC, BuildFailed, build, capability, cxx_compiler, library_path
+from memrad.engine.kernels.build import CSRC, capability, checked_load, cxx_compiler, library_path, unavailable
 
 SOURCE = CSRC / "block_gemv.cpp"
 OP_NAME = "memra::block_gemv"
@@ -39,18 +39,17 @@ def why_not(build_missing: bool = True) -> str | None:
         if capability() != "AVX512":
             return f"the CPU kernels are {capability()} (memra's block kernel is measured on AVX512 only)"
         compiler = cxx_compiler()
-        if compiler is None:
-            return "no C++ compiler to build memra's block kernel (install g++)"
-        if not build_missing and not built(compiler):
-            return "memra's block kernel is not built yet"
-        try:
-            torch.ops.load_library(str(build(compiler, SOURCE)))
-            torch.library.register_fake(OP_NAME)(_shape_of_output)
-            _why_not = _probe()
-        except (BuildFailed, OSError, RuntimeError) as exc:
-            _why_not = str(exc).splitlines()[0][:300]
+        untried = unavailable(compiler, SOURCE, "memra's block kernel", build_missing)
+        if untried is not None:
+            return untried
+        _why_not = checked_load(compiler, SOURCE, _registered_and_probed)
         _checked = True
         return _why_not
+
+
+def _registered_and_probed() -> str | None:
+    torch.library.register_fake(OP_NAME)(_shape_of_output)
+    return _probe()
 
 
 def _shape_of_output(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:

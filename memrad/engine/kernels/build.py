@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -110,3 +111,36 @@ def build(compiler: str, source: Path) -> Path:
     publish(partial, path)
     log.info("built the CPU kernel %s: %s", source.stem, path)
     return path
+
+
+def unavailable(compiler: str | None, source: Path, name: str, build_missing: bool = True) -> str | None:
+    """Why `source`'s library cannot be loaded without trying (no compiler; not built yet, when
+    `build_missing=False` only loads an earlier build), else None. `name`: the kernel as the
+    reason calls it."""
+    if compiler is None:
+        return f"no C++ compiler to build {name} (install g++)"
+    if not build_missing and not library_path(compiler, source).exists():
+        return f"{name} is not built yet"
+    return None
+
+
+def load_library(compiler: str, source: Path) -> str | None:
+    """Load `source`'s library into this process, built now unless the cache has it; None once
+    loaded, else what went wrong. Never raises."""
+    try:
+        torch.ops.load_library(str(build(compiler, source)))
+    except (BuildFailed, OSError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
+def checked_load(compiler: str, source: Path, check: Callable[[], str | None]) -> str | None:
+    """`load_library`, then `check()` (the kernel's probe: None or "" when it computes what it
+    should); None when both passed, else the first line of what went wrong. Never raises."""
+    why_not = load_library(compiler, source)
+    if why_not is None:
+        try:
+            why_not = check() or None
+        except (OSError, RuntimeError) as exc:
+            why_not = str(exc)
+    return why_not.splitlines()[0][:300] if why_not else None

@@ -13,17 +13,16 @@ or when the build fails, it says why and the decode step keeps torch's attention
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import torch
 
-from memrad.engine.kernels.build import CSRC, BuildFailed, build, library_path
+from memrad.engine.kernels.build import CSRC, library_path, load_library, unavailable
 
 SOURCE = CSRC / "decode_attention.cpp"
 OP_NAME = "memra::decode_attention"
 
 _lock = threading.Lock()
-_loaded: str | None = None  # path of the library loaded into this process
+_loaded = False  # the library is loaded into this process
 
 
 def built(compiler: str) -> bool:
@@ -35,21 +34,17 @@ def load(compiler: str | None, build_missing: bool = True) -> str | None:
     """Make `torch.ops.memra.decode_attention` callable; None if it is, else why not.
     `build_missing=False` only loads a library an earlier build left in the cache."""
     global _loaded
-    if compiler is None:
-        return "no C++ compiler to build the attention kernel (install g++)"
+    why_not = unavailable(compiler, SOURCE, "the attention kernel", build_missing)
+    if why_not is not None:
+        return why_not
     with _lock:
-        if _loaded is not None:
+        if _loaded:
             return None
-        if not build_missing and not built(compiler):
-            return "the attention kernel is not built yet"
-        try:
-            path: Path = build(compiler, SOURCE)
-            torch.ops.load_library(str(path))
-        except (BuildFailed, OSError, RuntimeError) as exc:
-            return str(exc)
-        torch.library.register_fake(OP_NAME)(_shape_of_output)
-        _loaded = str(path)
-    return None
+        why_not = load_library(compiler, SOURCE)
+        if why_not is None:
+            torch.library.register_fake(OP_NAME)(_shape_of_output)
+            _loaded = True
+        return why_not
 
 
 def _shape_of_output(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from memrad.engine.kernels.build import CSRC, BuildFailed, build, cxx_compiler, library_path
+from memrad.engine.kernels.build import CSRC, checked_load, cxx_compiler, library_path, unavailable
 
 SOURCE = CSRC / "prefill_attention.cpp"
 # The probe's worst difference from float64 attention; bf16 outputs round at ~4e-3 of their size.
@@ -51,15 +51,10 @@ def load(build_missing: bool = True) -> str | None:
         if _checked:
             return _loaded or None
         compiler = cxx_compiler()
-        if compiler is None:
-            return "no C++ compiler to build the prefill kernel (install g++)"
-        if not build_missing and not built(compiler):
-            return "the prefill kernel is not built yet"
-        try:
-            torch.ops.load_library(str(build(compiler, SOURCE)))
-            _loaded = _probe()
-        except (BuildFailed, OSError, RuntimeError) as exc:
-            _loaded = str(exc).splitlines()[0][:300]
+        why_not = unavailable(compiler, SOURCE, "the prefill kernel", build_missing)
+        if why_not is not None:
+            return why_not
+        _loaded = checked_load(compiler, SOURCE, _probe) or ""
         _checked = True
         return _loaded or None
 
