@@ -118,7 +118,7 @@ def _dead_pid() -> int:
 def test_packages_live_in_memras_cache_unless_a_directory_was_chosen(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from memrad.engine.decode.decoder import compile_cache_dir
+    from memrad.engine.decode.builder import compile_cache_dir
 
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path / "memra"))
     # What inductor writes into the variable the first time anything asks (a model load does).

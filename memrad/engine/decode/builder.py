@@ -4,6 +4,7 @@
         --build_package--> build_in_child(recipe)  --`python -m memrad.engine.decode.builder`-->  child:
             die_with(daemon), load the model as the daemon did, package.build(...) -> the .pt2 at `path`
         (no recipe: package.build in this process)
+        where AOTInductor fails: torch_compiled(step), traced here (inductor's caches: compile_cache_dir)
 
 Export and inductor are Python-heavy: on the daemon's own interpreter they held the GIL against
 the engine thread (measured: docs/BENCHMARKS.md, Decode: the step's parts), so a daemon builds
@@ -29,9 +30,11 @@ from typing import Any
 import torch
 
 from memrad.engine.decode import package, steps
+from memrad.engine.decode.steps import llama as decode_step
+from memrad.engine.decode.steps.llama import attended_rows
 from memrad.engine.kernels import decode_attention
 from memrad.engine.kernels.build import cxx_compiler
-from memrad.engine.state.kv import MAX_RESERVED_TOKENS
+from memrad.engine.state.kv import MAX_RESERVED_TOKENS, reserve
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _BATCH_BUILD_NICENESS = 10
@@ -54,6 +57,58 @@ def build_package(recipe: "Recipe | None", step: Any, config: Any, capacity: int
     else:
         package.build(step, config, capacity, kernel, path, rows)
     return path
+
+
+def compile_cache_dir() -> str:
+    """Where compiled decode steps are kept between starts: memra's cache (compile/), unless
+    TORCHINDUCTOR_CACHE_DIR names another directory (a benchmark's or a test's fresh cache).
+
+    Inductor writes its own default (/tmp/torchinductor_<user>) into that variable the first
+    time anything asks for its cache, and loading a model does: that default is not a
+    choice, and /tmp does not outlive a reboot. The variable is then pointed here, so
+    inductor's own caches (the torch.compile fallback) live here too."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from memrad.paths import cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return chosen
+    path = cache_dir() / "compile"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return str(path)
+
+
+def torch_compiled(eager: Any, config: Any, capacity: int, kernel: bool) -> Any:
+    """`eager` under torch.compile (the fallback where AOTInductor fails), every graph it has
+    traced now on scratch slabs, so no request pays for a trace."""
+    options = {**package.options_for(eager), "guard_filter_fn": _guards_to_keep}
+    compiled = torch.compile(eager, fullgraph=True, options=options)
+    param = next(eager.parameters())
+    # One trace per graph: the attended length is marked dynamic, every other size static.
+    split = decode_step.SPLIT_ROWS
+    lengths = [3] + ([split + 1] if split + 2 <= capacity and not kernel else [])
+    with torch.inference_mode():  # as in the decoder's feed: the guards check the tensors' kind
+        token = torch.zeros(1, dtype=torch.long, device=param.device)
+        for length in lengths:
+            position = torch.tensor([length - 1], device=param.device)
+            rows = attended_rows(length, param.device)
+            torch._dynamo.mark_dynamic(rows, 0)
+            # Contents never read back; CPU reservations are zero pages.
+            keys, values, windowed = package.example_buffers(eager, config, capacity, length, reserve)
+            for buffer in windowed:
+                torch._dynamo.mark_dynamic(buffer, 2)
+            compiled(token, position, rows, keys, values, eager.owner, kernel)
+    return compiled
+
+
+def _guards_to_keep(entries: list) -> list[bool]:
+    """Every guard but those on the step's modules and weights, which cannot change after the
+    load: checking them cost far more per token than all the rest (measured: docs/BENCHMARKS.md,
+    Decode: the step's parts). The step's `owner` argument keeps its guard, so another step's
+    graph never runs."""
+    return [not entry.orig_guard.source.is_unspecialized_nn_module() for entry in entries]
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,6 @@ from torch.utils._pytree import tree_leaves
 from memrad.engine.decode import builder
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.batch import BatchGraph, BatchStep
-from memrad.engine.decode.steps import llama as decode_step
 from memrad.engine.decode.steps import new_step, support
 from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
 from memrad.engine.forward import decode_one_token
@@ -73,27 +72,6 @@ class CompileFailed(RuntimeError):
     """`compile = on` and torch.compile could not build the decode step; says what to do."""
 
 
-def compile_cache_dir() -> str:
-    """Where compiled decode steps are kept between starts: memra's cache (compile/), unless
-    TORCHINDUCTOR_CACHE_DIR names another directory (a benchmark's or a test's fresh cache).
-
-    Inductor writes its own default (/tmp/torchinductor_<user>) into that variable the first
-    time anything asks for its cache, and loading a model does: that default is not a
-    choice, and /tmp does not outlive a reboot. The variable is then pointed here, so
-    inductor's own caches (the torch.compile fallback) live here too."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from memrad.paths import cache_dir
-
-    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
-        return chosen
-    path = cache_dir() / "compile"
-    path.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    return str(path)
-
-
 Feed = Callable[[Any, int, int], torch.Tensor]  # (cache, token id, position) -> logits [V] float32
 
 
@@ -103,14 +81,6 @@ def _attention(kernel: bool, why_not: str | None = None) -> str:
 
 def _first_line(exc: Exception) -> str:
     return (str(exc).splitlines() or [""])[0][:200]
-
-
-def _guards_to_keep(entries: list) -> list[bool]:
-    """Every guard but those on the step's modules and weights, which cannot change after the
-    load: checking them cost far more per token than all the rest (measured: docs/BENCHMARKS.md,
-    Decode: the step's parts). The step's `owner` argument keeps its guard, so another step's
-    graph never runs."""
-    return [not entry.orig_guard.source.is_unspecialized_nn_module() for entry in entries]
 
 
 class Decoder:
@@ -239,7 +209,7 @@ class Decoder:
             self._thread.join(timeout_s)
 
     def _package(self, kernel: bool, rows: int | None = None) -> Path:
-        directory = Path(compile_cache_dir())
+        directory = Path(builder.compile_cache_dir())
         return step_package.package_path(self.eager, self.model.config, self.capacity, kernel, directory, rows)
 
     def _open_package(self) -> bool:
@@ -359,9 +329,7 @@ class Decoder:
             aoti_failed = f"{type(exc).__name__}: {_first_line(exc)}"
             log.warning("AOTInductor failed (%s): trying torch.compile", aoti_failed)
             try:
-                options = {**step_package.options_for(self.eager), "guard_filter_fn": _guards_to_keep}
-                step = torch.compile(self.eager, fullgraph=True, options=options)
-                self._trace(step, kernel)
+                step = builder.torch_compiled(self.eager, self.model.config, self.capacity, kernel)
             except Exception as exc:  # inductor raises many types; each means "cannot compile here"
                 why = f"torch.compile failed ({type(exc).__name__}: {_first_line(exc)})"
                 if self.mode == "on":
@@ -379,25 +347,6 @@ class Decoder:
         self.compile_s = time.perf_counter() - started
         self.current = (step, kernel)  # requests that start from now on decode compiled
         self.choice = Choice("compiled", f"compile = {self.mode}: {how}, ready {self.compile_s:.1f} s after the model")
-
-    def _trace(self, compiled: Any, kernel: bool) -> None:
-        """Run every graph the step has on scratch slabs."""
-        param = next(self.model.parameters())
-        # One trace per graph: the attended length is marked dynamic, every other size static.
-        split = decode_step.SPLIT_ROWS
-        lengths = [3] + ([split + 1] if split + 2 <= self.capacity and not kernel else [])
-        with torch.inference_mode():  # as in `feeder`: the guards check the tensors' kind
-            token = torch.zeros(1, dtype=torch.long, device=param.device)
-            for length in lengths:
-                position = torch.tensor([length - 1], device=param.device)
-                rows = attended_rows(length, param.device)
-                torch._dynamo.mark_dynamic(rows, 0)
-                # Contents never read back; CPU reservations are zero pages.
-                keys, values, windowed = step_package.example_buffers(self.eager, self.model.config, self.capacity,
-                                                                      length, reserve)
-                for buffer in windowed:
-                    torch._dynamo.mark_dynamic(buffer, 2)
-                compiled(token, position, rows, keys, values, self.eager.owner, kernel)
 
     # -- batched decode (memrad.engine.decode.batch): several requests' tokens in one step --
 
