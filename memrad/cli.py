@@ -17,9 +17,10 @@ from pathlib import Path
 from memrad import __version__
 from memrad.config import Settings, SettingsError, known_keys, load_settings
 from memrad.daemon import (DETACHED_ENV, AlreadyRunning, DaemonInfo, StartupError, StopReport, find_running,
-                            is_memrad, lock_holder, pid_alive)
+                            is_memrad, lock_holder)
 from memrad.paths import UnsafeRuntimeDir, log_path, pidfile_path, runtime_dir_note, stop_report_path
 from memrad.private import open_private
+from memrad.process import pid_alive
 
 START_TIMEOUT_S = 900.0
 
@@ -433,6 +434,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    from memrad.engine import kernels
     from memrad.engine.model import catalog
     from memrad.engine.model.pull import ModelUnavailable, pull_gguf, pull_named
 
@@ -451,8 +453,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         print(f"memrad: {exc}", file=sys.stderr)
         return 1
     print(f"ready: {folder}")
-    _build_attention_kernel()
-    _build_prefill_kernel()
+    kernels.prepare()
     _build_decode_step(args.model if entry is not None else str(path))
     return 0
 
@@ -492,7 +493,7 @@ def _build_decode_step(spec: str) -> None:
     if settings.engine.compile == "off":
         return
     from memrad.engine.decode.decoder import Decoder
-    from memrad.engine.decode.package import Recipe
+    from memrad.engine.decode.builder import Recipe
     from memrad.engine.model.loader import load_model
 
     loaded = load_model(spec, settings.model.device, settings.model.dtype, progress=lambda _: None,
@@ -504,34 +505,6 @@ def _build_decode_step(spec: str) -> None:
     if decoder.step is not None:
         print("building the compiled decode step (once per machine, model and torch; about a minute) ...")
     print(f"decode step: {decoder.prepare()}")
-
-
-def _build_attention_kernel() -> None:
-    """Build the CPU decode-attention kernel now, so a first start decodes with it at once
-    (a start would build it in the background otherwise); a failure only loses speed."""
-    from memrad.engine.decode import cpu_attention
-    from memrad.engine.decode.cpu_attention import cxx_compiler
-
-    compiler = cxx_compiler()
-    if compiler is not None and cpu_attention.library_path(compiler).exists():
-        return
-    print("building the CPU decode-attention kernel (once per machine and torch) ...")
-    why_not = cpu_attention.load(compiler)
-    print(f"attention kernel: {'built' if why_not is None else f'not built ({why_not}); decode uses torch attention'}")
-
-
-def _build_prefill_kernel() -> None:
-    """Build the prefill-attention kernel now where the CPU can run it (AMX), so a first start
-    does not build it before it serves (the model's attention is chosen at load)."""
-    from memrad.engine import prefill_attention
-    from memrad.engine.decode import cpu_attention
-
-    compiler = cpu_attention.cxx_compiler()
-    if not prefill_attention.has_amx() or compiler is None or cpu_attention.library_path(compiler, prefill_attention.SOURCE).exists():
-        return
-    print("building the CPU prefill-attention kernel (once per machine and torch) ...")
-    why_not = prefill_attention.load()
-    print(f"prefill kernel: {'built' if why_not is None else f'not built ({why_not}); prefill uses torch attention'}")
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:

@@ -82,21 +82,6 @@ class StopReport:
         return report if report.pid == pid else None
 
 
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
-
-
 def lock_holder() -> int | None:
     """The pid holding the daemon lock, from the kernel's lock table (None: free, or no
     /proc/locks here). The lock, not the pidfile, says which process the daemon is."""

@@ -9,7 +9,7 @@ Points (each names the write step it interrupts):
   pull-staged     `memrad pull`: the converted weights and tokenizer are in the staging
                   folder, not yet verified, no block caches, no marker
   pull-publish    the staging folder is complete (marker written), not yet renamed into place
-  package-staged  the compile child (memrad.engine.decode.package): the package's staging
+  package-staged  the compile child (memrad.engine.decode.builder): the package's staging
                   .pt2 is written, its constants are not
   package-rename  the constants have their final name, the package's staging file not yet
 """

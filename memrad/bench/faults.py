@@ -35,6 +35,7 @@ import aiohttp
 
 from memrad.bench.daemons import Daemon
 from memrad.faultpoint import POINTS
+from memrad.process import pid_alive
 from memrad.server.metrics import parse_samples
 
 
@@ -299,7 +300,7 @@ async def kill9(daemon: Daemon, first_start_s: float) -> bool:
                 if b'"content"' in line:
                     break
             os.kill(pid, signal.SIGKILL)  # mid-decode
-    while _alive(pid):
+    while pid_alive(pid):
         time.sleep(0.05)
     pidfile_left = (Path(daemon.env["XDG_RUNTIME_DIR"]) / "memra" / "memrad.pid").exists()
     socket_left = (Path(daemon.env["XDG_RUNTIME_DIR"]) / "memra" / "memrad.sock").exists()
@@ -334,9 +335,9 @@ async def kill9_at(daemon: Daemon, point: str) -> bool:
         except aiohttp.ClientError:
             pass  # the kill may beat the response
     deadline = time.monotonic() + 60
-    while _alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _alive(pid):
+    if pid_alive(pid):
         print(f"the daemon did not reach {point} within 60 s")
         return False
     left = sorted(p.name for p in sessions.iterdir()) if sessions.is_dir() else []
@@ -466,11 +467,6 @@ def _restart(daemon: Daemon, after: str) -> float | None:
         return None
     return time.monotonic() - t0
 
-
-def _alive(pid: int) -> bool:
-    from memrad.daemon import pid_alive
-
-    return pid_alive(pid)
 
 
 # --- command -------------------------------------------------------------------------------

@@ -31,18 +31,18 @@ from typing import Any
 import torch
 
 from memrad.chat.chat import Chat
-from memrad.engine.decode import package as step_package
+from memrad.engine.decode import builder
 from memrad.engine.decode.batch import BatchStep
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.decode.step import DecodeStep
 from memrad.engine.decode.steps import describe as describe_step
+from memrad.engine.decode.steps.llama import DecodeStep
 from memrad.engine.flight import Flight, Sampling
 from memrad.engine.forward import prefill_spans
 from memrad.engine.model.hardware import Choice
 from memrad.engine.model.loader import LoadedModel
 from memrad.engine.parking import NoParking, Parking, Prefilled, Publisher, essential
 from memrad.engine.sampling import Shaper, sample, shapes
-from memrad.engine.state.kv import install as install_slabs
+from memrad.engine.state.layers import install as install_slabs
 from memrad.engine.state.snapshot import Snapshot, is_croppable
 from memrad.engine.threads import pin as pin_threads
 from memrad.grid import find_anchors
@@ -119,7 +119,7 @@ class Engine:
         self._sampling = Sampling(lambda *args: self.sampler(*args), loaded.eos_ids, loaded.tokenizer,
                                   self.chat.format.markup_ids, self.chat.grammars.token_bytes, self._shaper)
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
-        self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile, step_package.Recipe(
+        self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile, builder.Recipe(
             str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len), exact=mode == "exact",
             batch_rows=max_batch if self._batches() else None)
         # Which step that is (llama-shaped, Gemma 3, Qwen3-Next) and its layers; none where transformers decodes.

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from memrad.engine.decode.step import attention_shape
+from memrad.engine.decode.steps.llama import attention_shape
 from memrad.engine.engine import Engine
 from memrad.engine.forward import cache_length, crop_to, decode_one_token, prefill
 from memrad.engine.model.loader import LoadedModel

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from memrad.daemon import pid_alive  # noqa: F401  (re-exported for the tests)
+from memrad.process import pid_alive  # noqa: F401  (re-exported for the tests)
 
 MODEL_ID = "SmolLM2-135M-Instruct"
 THREADS = 2

@@ -12,11 +12,11 @@ from daemon_harness import CHECKOUT, Daemon
 def test_a_daemon_imports_memrad_from_the_checkout_under_test(tmp_path, monkeypatch):
     monkeypatch.delenv("PYTHONPATH", raising=False)  # as .ci/run and a bare `pytest` call it
     env = Daemon(tmp_path).env
-    where = subprocess.run([sys.executable, "-c", "import memrad, memrad.engine.decode.package as p; "
+    where = subprocess.run([sys.executable, "-c", "import memrad, memrad.engine.decode.builder as p; "
                             "print(memrad.__file__); print(p.__file__)"],
                            env=env, cwd="/", capture_output=True, text=True, check=True).stdout.split()
     assert where == [str(CHECKOUT / "memrad" / "__init__.py"),
-                     str(CHECKOUT / "memrad" / "engine" / "decode" / "package.py")]  # the compile child's too
+                     str(CHECKOUT / "memrad" / "engine" / "decode" / "builder.py")]  # the compile child's too
 
 
 def test_the_code_id_changes_with_any_source_and_only_then(tmp_path, monkeypatch):

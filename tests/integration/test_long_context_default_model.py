@@ -1,7 +1,7 @@
 """The default model served past its native 8,192 tokens (yarn x4 to 32,768): a resumed turn
 whose prompt runs past the native length equals its cold run bit for bit, in the bf16 the
 daemon picks on this CPU, through the engine the daemon builds (with memra's prefill attention
-kernel where the CPU has AMX: memrad.engine.prefill_attention).
+kernel where the CPU has AMX: memrad.engine.model.attention).
 
 The length: an agent CLI's first request, ~20k tokens (Claude Code's with its default tools:
 20,326). The test primes 20k cold twice (the first turn, and the second turn's cold rerun);

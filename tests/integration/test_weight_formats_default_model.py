@@ -5,7 +5,7 @@ head) with the dtype the hardware is fast at."""
 import pytest
 import torch
 
-from memrad.engine.model import block_linear
+from memrad.engine.kernels import block_gemv
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.hardware import native_bf16
 from memrad.engine.model.loader import load_model
@@ -50,7 +50,7 @@ def test_auto_runs_the_shipped_4_bit_blocks_in_the_dtype_the_cpu_is_fast_at(load
     assert smol.weights.value == "int4"
     assert "210 Q4 tensors from the shipped Q4_1 GGUF and its Q8_0 head" in smol.weights.reason
     assert sum(type(m) is Int4Linear for m in smol.model.modules()) == 210  # 30 layers x 7
-    if block_linear.why_not() is None:  # AVX512 with a compiler: the head's blocks as shipped
+    if block_gemv.why_not() is None:  # AVX512 with a compiler: the head's blocks as shipped
         assert type(smol.model.lm_head) is BlockLinear and smol.head == "q8_0 blocks"
     else:
         assert type(smol.model.lm_head) is Q8Linear and smol.head == "q8_0"

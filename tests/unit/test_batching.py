@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memrad.engine.decode import builder
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.batch import BatchStep
 from memrad.engine.decode.decoder import cxx_compiler
@@ -295,7 +296,7 @@ def parked_compiled(new_engine):
 def test_the_compiled_batched_step_gives_a_request_the_same_bits_alone_and_batched(compiled_engines, monkeypatch):
     _, _, _, new_engine = compiled_engines
     monkeypatch.setattr(step_package, "build", lambda *a, **k: pytest.fail("the package was built again"))
-    monkeypatch.setattr(step_package, "build_in_child", lambda *a, **k: pytest.fail("the package was built again"))
+    monkeypatch.setattr(builder, "build_in_child", lambda *a, **k: pytest.fail("the package was built again"))
     alone = {}
     for index in range(4):
         engine = parked_compiled(new_engine)
@@ -344,7 +345,7 @@ def test_the_compiled_batched_step_gives_a_request_the_one_row_steps_bits(compil
     one-row step (the default model's logits differed by up to 0.5 without the rounding)."""
     _, _, _, new_engine = compiled_engines
     monkeypatch.setattr(step_package, "build", lambda *a, **k: pytest.fail("the package was built again"))
-    monkeypatch.setattr(step_package, "build_in_child", lambda *a, **k: pytest.fail("the package was built again"))
+    monkeypatch.setattr(builder, "build_in_child", lambda *a, **k: pytest.fail("the package was built again"))
     rows = parked_compiled(lambda: new_engine(batch_decode="rows"))
     assert rows.runtime_choices["batch"]["value"] == "4 in flight, one row each"
     assert rows.decoder.choice.value == "compiled"
@@ -361,10 +362,10 @@ def test_the_compiled_batched_step_gives_a_request_the_one_row_steps_bits(compil
 def test_the_llama_shaped_packages_are_compiled_to_round_where_eager_rounds(tiny_loaded, monkeypatch):
     import torch._inductor
 
-    from memrad.engine.decode import cpu_attention
+    from memrad.engine.kernels import decode_attention
     from memrad.engine.decode.steps import new_step
 
-    assert cpu_attention.load(cxx_compiler()) is None  # the batched graph calls memra's attention op
+    assert decode_attention.load(cxx_compiler()) is None  # the batched graph calls memra's attention op
 
     class Stop(Exception):
         pass

@@ -5,12 +5,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from memrad.engine.decode.cpu_attention import cxx_compiler
+from memrad.engine.kernels import block_gemv
+from memrad.engine.kernels.build import cxx_compiler
 from memrad.engine.model import block_linear
 from memrad.engine.model.block_linear import Q4_1, Q5_0, Q8_0, BlockLinear
 from memrad.engine.model.quant import Int4Blocks, Int8Blocks, unpack_blocks, unpack_q5_0, unpack_q8_0
 
-pytestmark = pytest.mark.skipif(block_linear.why_not() is not None, reason=str(block_linear.why_not()))
+pytestmark = pytest.mark.skipif(block_gemv.why_not() is not None, reason=str(block_gemv.why_not()))
 
 _TYPES = {"Q8_0": (GGMLQuantizationType.Q8_0, unpack_q8_0, Q8_0),
           "Q5_0": (GGMLQuantizationType.Q5_0, unpack_q5_0, Q5_0),
@@ -111,7 +112,7 @@ def test_codes_past_5_bits_or_scales_that_are_not_fp16_are_not_packed_as_q5_0():
 
 
 def test_fused_block_projections_share_the_rows_and_compute_what_each_computes():
-    from memrad.engine.decode.step import fuse
+    from memrad.engine.decode.steps.llama import fuse
 
     layers = []
     for rows, seed in ((128, 5), (48, 6)):
@@ -133,11 +134,12 @@ def test_fused_block_projections_share_the_rows_and_compute_what_each_computes()
 
 _PLAIN_PATH = """
 import torch
-from memrad.engine.decode import cpu_attention
+from memrad.engine.kernels import block_gemv
+from memrad.engine.kernels import build as kernels
 from memrad.engine.model import block_linear
 from memrad.engine.model.quant import Int4Blocks, Int8Blocks
-assert cpu_attention.capability() == "AVX2"
-torch.ops.load_library(str(cpu_attention.build(cpu_attention.cxx_compiler(), block_linear.source())))
+assert kernels.capability() == "AVX2"
+torch.ops.load_library(str(kernels.build(kernels.cxx_compiler(), block_gemv.SOURCE)))
 g = torch.Generator().manual_seed(0)
 scales = (torch.rand(37, 3, generator=g) / 50).half().float()
 x = torch.randn(5, 96, generator=g)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import stories
-from memrad.engine.decode import cpu_attention
+from memrad.engine.decode import builder
 from memrad.engine.decode import package as step_package
+from memrad.engine.kernels import decode_attention
 from memrad.engine.decode.decoder import Decoder, cxx_compiler
 from memrad.engine.model.loader import load_model
 from memrad.engine.state.disk import DiskTier, state_format
@@ -133,8 +134,8 @@ def test_a_package_build_killed_mid_way_is_never_opened_and_the_next_build_clean
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty compile cache
     torch.set_num_threads(1)
     loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
-    recipe = step_package.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len)
-    kernel = cpu_attention.load(cxx_compiler()) is None
+    recipe = builder.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len)
+    kernel = decode_attention.load(cxx_compiler()) is None
     decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", recipe)
     path = decoder._package(kernel)
     monkeypatch.setenv("MEMRA_FAULT_KILL", point)  # the child inherits it
@@ -167,18 +168,18 @@ def test_a_package_build_killed_mid_way_is_never_opened_and_the_next_build_clean
 ORPHANING = """
 import sys, threading, time
 from pathlib import Path
-from memrad.engine.decode import package as step_package
-recipe = step_package.Recipe({folder!r}, {dtype!r}, {weights!r}, {context_len})
-threading.Thread(target=step_package.build_in_child, args=(recipe, False, Path({path!r})), daemon=True).start()
-while not step_package._children:
+from memrad.engine.decode import builder
+recipe = builder.Recipe({folder!r}, {dtype!r}, {weights!r}, {context_len})
+threading.Thread(target=builder.build_in_child, args=(recipe, False, Path({path!r})), daemon=True).start()
+while not builder._children:
     time.sleep(0.01)
-print(next(iter(step_package._children)).pid, flush=True)
+print(next(iter(builder._children)).pid, flush=True)
 time.sleep(600)
 """
 
 
 def test_a_daemon_killed_while_its_compile_child_builds_leaves_no_build_running(q4_dir, tmp_path, monkeypatch):
-    from memrad.daemon import pid_alive
+    from memrad.process import pid_alive
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty compile cache
     loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from memrad.engine.decode import step as decode_step
 from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode import steps
-from memrad.engine.decode.step import SPLIT_ROWS, DecodeStep, attend
+from memrad.engine.decode.steps import llama as decode_step
+from memrad.engine.decode.steps.llama import SPLIT_ROWS, DecodeStep, attend
 from memrad.engine.decode.decoder import CompileFailed, Decoder
 from memrad.engine.engine import Engine
 from memrad.engine.forward import decode_one_token, prefill

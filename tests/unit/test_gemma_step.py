@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.decode.gemma_step import GemmaStep
+from memrad.engine.decode.steps.gemma import GemmaStep
 from memrad.engine.decode.package import PackagedStep
 from memrad.engine.engine import Engine
 from memrad.engine.forward import decode_one_token, prefill

@@ -20,9 +20,9 @@ from transformers import DynamicCache
 
 from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.decode.falcon_h1_step import FalconH1Step
+from memrad.engine.decode.steps.falcon_h1 import FalconH1Step
 from memrad.engine.decode.package import PackagedStep
-from memrad.engine.decode.qwen3_next_step import Qwen3NextStep
+from memrad.engine.decode.steps.qwen3_next import Qwen3NextStep
 from memrad.engine.engine import Engine
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model

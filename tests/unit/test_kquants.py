@@ -191,7 +191,7 @@ def test_block_files_of_an_older_layout_are_added_again_and_the_start_says_what_
 def test_fused_hi_lo_projections_compute_what_each_computes(rows):
     """Rows in whole blocks of 64 (gemma3-270m's 1024 + 256 + 256) share one packed tensor;
     others (the CPU packing interleaves 64 rows) are run one by one, never joined wrongly."""
-    from memrad.engine.decode.step import fuse
+    from memrad.engine.decode.steps.llama import fuse
 
     layers = []
     for count, seed in zip(rows, (4, 5)):  # q and a smaller k, as a Q5_0 attention ships them
@@ -213,7 +213,7 @@ def test_fused_hi_lo_projections_compute_what_each_computes(rows):
 
 
 def test_status_names_the_head_s_gguf_blocks_on_memra_s_kernel_and_says_why_hi_lo_where_it_cannot_run(mixed, tmp_path):
-    from memrad.engine.model import block_linear
+    from memrad.engine.kernels import block_gemv
     from memrad.engine.model.block_linear import BlockLinear
 
     model, gguf = mixed
@@ -228,7 +228,7 @@ def test_status_names_the_head_s_gguf_blocks_on_memra_s_kernel_and_says_why_hi_l
     by_role = {g.role: g for g in formats.groups(model, load_kinds(tmp_path), why)}
     assert by_role["lm_head"].why == why and by_role["model.layers.*.self_attn.o_proj"].why is None
     assert f"lm_head Q8_0 x1: int4 hi|lo ({why})" in formats.describe(tuple(by_role.values()))
-    if block_linear.why_not() is None:
+    if block_gemv.why_not() is None:
         model.lm_head = BlockLinear.from_blocks(original, q8["lm_head"])
         found = formats.groups(model, load_kinds(tmp_path))
         assert {g.role: (g.runs, g.why) for g in found}["lm_head"] == ("Q8_0 blocks", None)

@@ -5,7 +5,8 @@ import sys
 import pytest
 import torch
 
-from memrad.engine.state.kv import SlabLayer, install
+from memrad.engine.state.kv import SlabLayer
+from memrad.engine.state.layers import install
 
 
 def rows(n: int, start: int = 0, heads: int = 2, dim: int = 4) -> torch.Tensor:

@@ -12,8 +12,9 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import stories
-from memrad.engine import prefill_attention
+from memrad.engine.kernels import prefill_attention
 from memrad.engine.forward import prefill
+from memrad.engine.model import attention
 from memrad.engine.model.loader import load_model
 from memrad.engine.state.disk import state_format
 from tiny import build_tokenizer
@@ -98,11 +99,11 @@ def test_an_fp32_model_keeps_torchs_attention_and_says_why(tiny_loaded):
 def test_a_model_keeps_its_first_choice(tiny_llama_dir):
     loaded = load_model(str(tiny_llama_dir), device="cpu", dtype="float32", prefill_attention="torch")
     assert loaded.attention.reason == "set by engine.prefill_attention"
-    assert prefill_attention.install(loaded.model, "torch") is loaded.attention
+    assert attention.install(loaded.model, "torch") is loaded.attention
     with pytest.raises(ValueError, match="load it again"):
-        prefill_attention.install(loaded.model, "auto")
+        attention.install(loaded.model, "auto")
     with pytest.raises(ValueError, match="auto, torch"):
-        prefill_attention.install(loaded.model, "fast")
+        attention.install(loaded.model, "fast")
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_a_bf16_model_on_the_kernel_matches_torchs_attention_and_resumes_bit_ide
     ours = load_model(str(head_dim_32), device="cpu", dtype="bfloat16")
     theirs = load_model(str(head_dim_32), device="cpu", dtype="bfloat16", prefill_attention="torch")
     assert (ours.attention.value, theirs.attention.value) == ("memra", "torch")
-    assert ours.model.config._attn_implementation == prefill_attention.NAME
+    assert ours.model.config._attn_implementation == attention.NAME
     assert state_format(ours, 16, "exact")["attention"] == "memra"
     ids = [(7 * i) % 90 + 3 for i in range(300)]
     cold = {}

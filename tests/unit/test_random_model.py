@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from memrad.engine.decode import steps
-from memrad.engine.model import block_linear
+from memrad.engine.kernels import block_gemv
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.random_model import NAMED_SHAPES, copy_shape, write_named_shape, write_random_model
 
@@ -30,7 +30,7 @@ def test_a_random_model_has_the_shape_and_tokenizer_of_its_source_and_other_weig
     assert {n: p.shape for n, p in ours.items()} == {n: p.shape for n, p in theirs.items()}
     assert not torch.equal(ours["model.embed_tokens.weight"], theirs["model.embed_tokens.weight"])
     # the kernels the default model runs: its Q8_0 head's blocks on memra's kernel where that runs
-    assert drawn.weights.value == "int4" and drawn.head == ("q8_0 blocks" if block_linear.why_not() is None else "q8_0")
+    assert drawn.weights.value == "int4" and drawn.head == ("q8_0 blocks" if block_gemv.why_not() is None else "q8_0")
     again = load_model(str(write_random_model(shape, tmp_path / "again", seed=3)), device="cpu", dtype="float32")
     assert torch.equal(dict(again.model.named_parameters())["model.embed_tokens.weight"],
                        ours["model.embed_tokens.weight"])  # the seed decides the weights

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memrad.engine.decode import cpu_attention
-from memrad.engine.decode import step as decode_step
+from memrad.engine.decode import builder
 from memrad.engine.decode import package as step_package
+from memrad.engine.decode.steps import llama as decode_step
+from memrad.engine.kernels import decode_attention
 from memrad.engine.decode.decoder import Decoder, cxx_compiler
 from memrad.engine.forward import prefill
 from memrad.engine.model.loader import load_model
@@ -39,7 +40,7 @@ def test_a_second_decoder_opens_the_package_and_decodes_what_the_first_did(q4_di
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty compile cache
     monkeypatch.setattr(decode_step, "SPLIT_ROWS", len(PROMPT) + 4)  # 8 steps cross into the split graph
     if not kernel:
-        monkeypatch.setattr(cpu_attention, "load", lambda *args, **kwargs: "switched off by the test")
+        monkeypatch.setattr(decode_attention, "load", lambda *args, **kwargs: "switched off by the test")
     loaded = load(q4_dir)
     first = Decoder(loaded.model, loaded.context_len, loaded.device, "on")
     first.start()
@@ -117,7 +118,7 @@ def _dead_pid() -> int:
 def test_packages_live_in_memras_cache_unless_a_directory_was_chosen(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from memrad.engine.decode.decoder import compile_cache_dir
+    from memrad.engine.decode.builder import compile_cache_dir
 
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path / "memra"))
     # What inductor writes into the variable the first time anything asks (a model load does).
@@ -134,12 +135,12 @@ def test_a_child_builds_the_package_the_daemon_would_and_refuses_any_other_name(
     # loads the model from the recipe and must arrive at the very step the parent holds.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     loaded = load(q4_dir)
-    recipe = step_package.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len)
+    recipe = builder.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len)
     parent = Decoder(loaded.model, loaded.context_len, loaded.device, "on", recipe)
-    kernel = cpu_attention.load(cxx_compiler()) is None
+    kernel = decode_attention.load(cxx_compiler()) is None
     wrong = parent._package(kernel).with_name("decode-step-elsewhere.pt2")
     with pytest.raises(RuntimeError, match="exited with 3: the child.s step is decode-step-tiny-q40-.*, not decode-step-elsewhere.pt2"):
-        step_package.build_in_child(recipe, kernel, wrong)
+        builder.build_in_child(recipe, kernel, wrong)
     assert not wrong.exists()
     parent.start()  # the child builds under the parent's name; the parent opens it
     assert parent.choice.value == "compiled" and "package built" in parent.choice.reason, parent.choice.reason
@@ -152,17 +153,17 @@ def test_the_batched_steps_build_at_a_lower_priority_than_serving(q4_dir, tmp_pa
     # A first start serves on the one-row step while the batched packages build: the child
     # that builds them yields the CPU to the daemon's decode (the one-row build does not)
     loaded = load(q4_dir)
-    assert cpu_attention.load(cxx_compiler()) is None
+    assert decode_attention.load(cxx_compiler()) is None
     decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", batch_rows=4)
     path = step_package.package_path(decoder.eager, loaded.model.config, decoder.capacity, True, tmp_path, rows or None)
     niced, built = [], []
     monkeypatch.setattr(os, "nice", niced.append)
-    monkeypatch.setattr(step_package, "die_with", lambda parent: None)
+    monkeypatch.setattr(builder, "die_with", lambda parent: None)
     monkeypatch.setattr(step_package, "build", lambda *args: built.append(args[-1]))
     argv = [str(q4_dir), loaded.dtype_name, loaded.weights_name, str(loaded.context_len), "kernel", str(path),
             str(rows), str(os.getpid())]
     try:
-        assert step_package.main(argv) == 0
+        assert builder.main(argv) == 0
     finally:
         torch.set_num_threads(1)
     assert niced == niceness and built == [rows or None]

@@ -16,7 +16,7 @@ from memrad.engine.engine import Engine
 from memrad.engine.state.disk import state_format
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.pull import ModelUnavailable
-from memrad.engine.model import block_linear
+from memrad.engine.kernels import block_gemv
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
 from memrad.engine.model.weights import (
@@ -28,14 +28,14 @@ from stories import ask, make_engine
 CONFIGS = [("float", "float32"), ("float", "bfloat16"), ("int4", "float32"), ("int4", "bfloat16"),
            ("int8", "bfloat16")]
 SYSTEM = {"role": "system", "content": "You are a helpful coding assistant. Read the file, then answer."}
-BLOCKS = block_linear.why_not() is None  # memra's block kernel runs here (AVX512 with a compiler)
-needs_blocks = pytest.mark.skipif(not BLOCKS, reason=str(block_linear.why_not()))
+BLOCKS = block_gemv.why_not() is None  # memra's block kernel runs here (AVX512 with a compiler)
+needs_blocks = pytest.mark.skipif(not BLOCKS, reason=str(block_gemv.why_not()))
 
 
 @pytest.fixture
 def hi_lo(monkeypatch):
     """Loads as on a machine without memra's block kernel: Q8_0 / Q5_0 run as int4 hi|lo."""
-    monkeypatch.setattr(block_linear, "why_not", lambda build_missing=True: "no block kernel (test)")
+    monkeypatch.setattr(block_gemv, "why_not", lambda build_missing=True: "no block kernel (test)")
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """One decode step for several requests at once, with bits that do not depend on the others.
 
-The llama-shaped step (memrad.engine.decode.step) decodes one token of one request. Here the
+The llama-shaped step (memrad.engine.decode.steps.llama) decodes one token of one request. Here the
 same layers run B requests' tokens as the rows of one matrix, so each projection reads its
 weights once for all of them, while attention stays per row, over that request's own slab:
 
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memrad.engine.decode.step import DecodeStep, attend, attended_rows, rope
+from memrad.engine.decode.steps.llama import DecodeStep, attend, attended_rows, rope
 
 # (tokens [B], positions [B], rows, keys, values) -> logits [B, V] in the model's dtype
 Graph = Callable[..., torch.Tensor]

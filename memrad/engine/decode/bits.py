@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from memrad.engine.decode import cpu_attention
-from memrad.engine.decode.step import attended_rows
+from memrad.engine.kernels import decode_attention
+from memrad.engine.kernels.build import cxx_compiler
+from memrad.engine.decode.steps.llama import attended_rows
 from memrad.engine.decode.steps import kv_shape, new_step
 from memrad.engine.model.loader import load_model
 
@@ -41,7 +42,7 @@ class StepBits:
 def compare(spec: str, steps: int, threads: int, emulate_precision_casts: bool) -> StepBits:
     torch.set_num_threads(threads)
     loaded = load_model(spec, device="cpu", progress=lambda _: None)
-    kernel = cpu_attention.load(cpu_attention.cxx_compiler()) is None
+    kernel = decode_attention.load(cxx_compiler()) is None
     step = new_step(loaded.model, steps + 1)
     if emulate_precision_casts:
         import torch._inductor.config as inductor_config

@@ -1,14 +1,15 @@
 """What the engine runs for each generated token, and why that one.
 
-    compile = auto   the eager step (memrad.engine.decode.step) at once, the compiled one built
+    compile = auto   the eager step (memrad.engine.decode.steps.llama) at once, the compiled one built
                      in the background; requests that start after it is ready decode compiled
                      (the daemon answers meanwhile)
     compile = on     compiled before the daemon answers; a failure stops the start
     compile = off    the step, eager, with torch's attention: the A/B arm of the compiled one
 
 Compiled means an AOTInductor package (memrad.engine.decode.package) that attends with memra's
-CPU kernel (memrad.engine.decode.cpu_attention): built once per machine, model and torch (in a
-child process when the engine gives a recipe, so this interpreter keeps serving) and opened by
+CPU kernel (memrad.engine.kernels.decode_attention): built once per machine, model and torch (in a
+child process when the engine gives a recipe, so this interpreter keeps serving:
+memrad.engine.decode.builder) and opened by
 every later start before it serves. torch.compile is the fallback where AOTInductor fails.
 Models the step does not cover, and caches that are not in-place slabs (CUDA), decode with
 transformers' forward; no C++ compiler or a failed compile (auto) leaves the eager step. Every
@@ -48,14 +49,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from memrad.engine.decode import cpu_attention
-from memrad.engine.decode import step as decode_step
+from memrad.engine.decode import builder
 from memrad.engine.decode import package as step_package
-from memrad.engine.decode.cpu_attention import cxx_compiler
 from memrad.engine.decode.batch import BatchGraph, BatchStep
-from memrad.engine.decode.step import DecodeStep, attended_rows
 from memrad.engine.decode.steps import new_step, support
+from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
 from memrad.engine.forward import decode_one_token
+from memrad.engine.kernels import decode_attention
+from memrad.engine.kernels.build import cxx_compiler
 from memrad.engine.model.hardware import Choice
 from memrad.engine.state.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
 
@@ -71,27 +72,6 @@ class CompileFailed(RuntimeError):
     """`compile = on` and torch.compile could not build the decode step; says what to do."""
 
 
-def compile_cache_dir() -> str:
-    """Where compiled decode steps are kept between starts: memra's cache (compile/), unless
-    TORCHINDUCTOR_CACHE_DIR names another directory (a benchmark's or a test's fresh cache).
-
-    Inductor writes its own default (/tmp/torchinductor_<user>) into that variable the first
-    time anything asks for its cache, and loading a model does: that default is not a
-    choice, and /tmp does not outlive a reboot. The variable is then pointed here, so
-    inductor's own caches (the torch.compile fallback) live here too."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from memrad.paths import cache_dir
-
-    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
-        return chosen
-    path = cache_dir() / "compile"
-    path.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    return str(path)
-
-
 Feed = Callable[[Any, int, int], torch.Tensor]  # (cache, token id, position) -> logits [V] float32
 
 
@@ -103,14 +83,6 @@ def _first_line(exc: Exception) -> str:
     return (str(exc).splitlines() or [""])[0][:200]
 
 
-def _guards_to_keep(entries: list) -> list[bool]:
-    """Every guard but those on the step's modules and weights, which cannot change after the
-    load: checking them cost far more per token than all the rest (measured: docs/BENCHMARKS.md,
-    Decode: the step's parts). The step's `owner` argument keeps its guard, so another step's
-    graph never runs."""
-    return [not entry.orig_guard.source.is_unspecialized_nn_module() for entry in entries]
-
-
 class Decoder:
     """Chooses and builds the decode step; `feeder()` hands a request the current one.
 
@@ -118,11 +90,11 @@ class Decoder:
     """
 
     def __init__(self, model: Any, context_len: int, device: torch.device, mode: str = "off",
-                 recipe: step_package.Recipe | None = None, exact: bool = False, batch_rows: int | None = None) -> None:
+                 recipe: builder.Recipe | None = None, exact: bool = False, batch_rows: int | None = None) -> None:
         assert mode in COMPILE_MODES, mode
         self.model = model
         self.mode = mode
-        self.recipe = recipe  # given: the package is built in a child process (step_package.build_in_child)
+        self.recipe = recipe  # given: the package is built in a child process (builder.build_in_child)
         self.exact = exact  # under auto, replies wait for the compiled step rather than decode eager
         self._start_lock = threading.Lock()  # the daemon's start and a waiting reply's, once
         self.capacity = min(context_len, MAX_RESERVED_TOKENS)  # the slabs' rows (memrad.engine.state.kv)
@@ -153,7 +125,7 @@ class Decoder:
             self.batch_choice = Choice("eager", f"compile = {mode}: the eager batched step"
                                        + (" (compiled with the one-row step)" if mode != "off" else ""))
         # A kernel built by an earlier start loads in milliseconds: the eager step uses it.
-        kernel = mode == "auto" and cpu_attention.load(cxx_compiler(), build_missing=False) is None
+        kernel = mode == "auto" and decode_attention.load(cxx_compiler(), build_missing=False) is None
         self.current = (self.eager, kernel)
         self.choice = Choice("eager", f"compile = off: {_attention(kernel)}" if mode == "off"
                              else f"compile = {mode}: not started; {_attention(kernel)}")
@@ -179,8 +151,7 @@ class Decoder:
                     compile_batch()
                     return
                 self.batch_choice = Choice("compiling", _WAITS if self.exact else _SERVES_EAGER)
-                self._thread = threading.Thread(target=compile_batch, name="memrad-compile", daemon=True)
-                self._thread.start()
+                self._thread = builder.start_thread(compile_batch)
                 return
             if self.mode == "on":
                 self._compile()
@@ -188,8 +159,7 @@ class Decoder:
             self.choice = Choice("compiling", _WAITS if self.exact else _SERVES_EAGER)
             if self.batch_rows:
                 self.batch_choice = self.choice
-            self._thread = threading.Thread(target=self._compile_both, name="memrad-compile", daemon=True)
-            self._thread.start()
+            self._thread = builder.start_thread(self._compile_both)
 
     def prepare(self) -> str:
         """Build the package now unless the compile cache has it, as a start would (in a child
@@ -202,7 +172,7 @@ class Decoder:
         compiler = cxx_compiler()
         if compiler is None:
             return "not built: no C++ compiler (install g++, e.g. `apt install g++`)"
-        kernel = cpu_attention.load(compiler) is None
+        kernel = decode_attention.load(compiler) is None
         said = []
         for rows in (None, *self.batch_sizes) if self.batch_rows and kernel else (None,):
             path = self._package(kernel, rows)
@@ -218,12 +188,8 @@ class Decoder:
         return "; ".join(said)
 
     def _build_package(self, kernel: bool, rows: int | None = None) -> Path:
-        path = self._package(kernel, rows)
-        if self.recipe is not None:
-            step_package.build_in_child(self.recipe, kernel, path, rows=rows)
-        else:
-            step_package.build(self.eager, self.model.config, self.capacity, kernel, path, rows)
-        return path
+        return builder.build_package(self.recipe, self.eager, self.model.config, self.capacity, kernel,
+                                     self._package(kernel, rows), rows)
 
     def compiling(self) -> bool:
         """A background compile is still running."""
@@ -235,7 +201,7 @@ class Decoder:
         self._closed = True
         if self.compiling():
             log.info("stopped while compiling the decode step: the next start compiles again")
-        step_package.stop_children()
+        builder.stop_children()
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until a background compile has finished (benchmarks, tests)."""
@@ -243,7 +209,7 @@ class Decoder:
             self._thread.join(timeout_s)
 
     def _package(self, kernel: bool, rows: int | None = None) -> Path:
-        directory = Path(compile_cache_dir())
+        directory = Path(builder.compile_cache_dir())
         return step_package.package_path(self.eager, self.model.config, self.capacity, kernel, directory, rows)
 
     def _open_package(self) -> bool:
@@ -252,7 +218,7 @@ class Decoder:
         nothing is left to build (the one-row step, and the batched one where it is asked for)."""
         started = time.perf_counter()
         try:
-            kernel = cpu_attention.load(cxx_compiler(), build_missing=False) is None
+            kernel = decode_attention.load(cxx_compiler(), build_missing=False) is None
             path = self._package(kernel)
             if not path.is_file():
                 return False
@@ -341,7 +307,7 @@ class Decoder:
             self.choice = Choice("eager", f"auto: {why}")
             return
         started = time.perf_counter()
-        no_kernel = cpu_attention.load(compiler)
+        no_kernel = decode_attention.load(compiler)
         kernel = no_kernel is None
         if not kernel:
             log.warning("decode attention: torch's (%s)", no_kernel)
@@ -349,7 +315,7 @@ class Decoder:
             path = self._build_package(kernel)
             step = step_package.load(self.eager, self.capacity, kernel, path)
             how = f"AOTInductor ({compiler}), package built"
-        except step_package.BuildKilled as exc:  # killed from outside: tracing in-process would not help
+        except builder.BuildKilled as exc:  # killed from outside: tracing in-process would not help
             if self._closed:
                 return
             if self.mode == "on":
@@ -363,9 +329,7 @@ class Decoder:
             aoti_failed = f"{type(exc).__name__}: {_first_line(exc)}"
             log.warning("AOTInductor failed (%s): trying torch.compile", aoti_failed)
             try:
-                options = {**step_package.options_for(self.eager), "guard_filter_fn": _guards_to_keep}
-                step = torch.compile(self.eager, fullgraph=True, options=options)
-                self._trace(step, kernel)
+                step = builder.torch_compiled(self.eager, self.model.config, self.capacity, kernel)
             except Exception as exc:  # inductor raises many types; each means "cannot compile here"
                 why = f"torch.compile failed ({type(exc).__name__}: {_first_line(exc)})"
                 if self.mode == "on":
@@ -383,25 +347,6 @@ class Decoder:
         self.compile_s = time.perf_counter() - started
         self.current = (step, kernel)  # requests that start from now on decode compiled
         self.choice = Choice("compiled", f"compile = {self.mode}: {how}, ready {self.compile_s:.1f} s after the model")
-
-    def _trace(self, compiled: Any, kernel: bool) -> None:
-        """Run every graph the step has on scratch slabs."""
-        param = next(self.model.parameters())
-        # One trace per graph: the attended length is marked dynamic, every other size static.
-        split = decode_step.SPLIT_ROWS
-        lengths = [3] + ([split + 1] if split + 2 <= self.capacity and not kernel else [])
-        with torch.inference_mode():  # as in `feeder`: the guards check the tensors' kind
-            token = torch.zeros(1, dtype=torch.long, device=param.device)
-            for length in lengths:
-                position = torch.tensor([length - 1], device=param.device)
-                rows = attended_rows(length, param.device)
-                torch._dynamo.mark_dynamic(rows, 0)
-                # Contents never read back; CPU reservations are zero pages.
-                keys, values, windowed = step_package.example_buffers(self.eager, self.model.config, self.capacity,
-                                                                      length, reserve)
-                for buffer in windowed:
-                    torch._dynamo.mark_dynamic(buffer, 2)
-                compiled(token, position, rows, keys, values, self.eager.owner, kernel)
 
     # -- batched decode (memrad.engine.decode.batch): several requests' tokens in one step --
 
@@ -446,7 +391,7 @@ class Decoder:
         from transformers import DynamicCache
 
         from memrad.engine.forward import prefill
-        from memrad.engine.state.kv import install
+        from memrad.engine.state.layers import install
 
         alone = self.feeder()
         logits = []

@@ -8,7 +8,7 @@ inductor compiles it into a shared library, and a later start only opens the lib
 "The decode step").
 
     compile/decode-step-{model}-{weights}-{dtype}-attn-{memra|torch}-torch{version}-{cpu}-{key}.pt2
-        with memra's attention kernel (memrad.engine.decode.cpu_attention):
+        with memra's attention kernel (memrad.engine.kernels.decode_attention):
             graph "kernel" attended length in [2, capacity - 2]
                            (Gemma 3: and the sliding layers' window rows in [2, W], a second size)
         with torch's attention:
@@ -43,15 +43,9 @@ decodes each position exactly as its cold run does.
 from __future__ import annotations
 
 import copy
-import ctypes
 import hashlib
 import os
-import signal
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,19 +53,20 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from memrad.engine.decode import cpu_attention
-from memrad.engine.decode import falcon_h1_step, gated_delta, gemma_step, mamba2, qwen3_next_step, steps
 from memrad.engine.decode import batch as batch_step
-from memrad.engine.decode import step as decode_step
-from memrad.engine.model import block_linear, quant
+from memrad.engine.decode import steps
 from memrad.engine.decode.batch import BatchGraph
-from memrad.engine.decode.step import DecodeStep, attended_rows
-from memrad.engine.state.kv import MAX_RESERVED_TOKENS
+from memrad.engine.decode.steps import falcon_h1, gated_delta, gemma, mamba2, qwen3_next
+from memrad.engine.decode.steps import llama as decode_step
+from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
+from memrad.engine.kernels import block_gemv, decode_attention
+from memrad.engine.model import block_linear, quant
 from memrad.engine.state import recurrent as recurrent_state
 from memrad.engine.state import window as window_state
 from memrad.engine.state.window import buffer_rows
 from memrad.durable import publish
 from memrad.faultpoint import kill_point
+from memrad.process import pid_alive
 
 # How inductor compiles the llama-shaped steps, one-row and batched (the packages and
 # torch.compile's fallback): it rounds to the activation dtype wherever eager would between
@@ -91,8 +86,6 @@ _AOTI_OPTIONS = {
 }
 _LAYOUT = "1"  # of the files this module writes; bump when it changes
 KEEP_PACKAGES = 8  # in the compile cache: several models and configurations side by side
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_BATCH_BUILD_NICENESS = 10
 
 
 def graph_ranges(capacity: int, kernel: bool) -> dict[str, tuple[int, int]]:
@@ -186,7 +179,7 @@ class PackagedBatch:
 
 def load(step: DecodeStep, capacity: int, kernel: bool, path: Path) -> PackagedStep:
     """Open the package at `path` for `step`, handing it the step's own tensors (no copy).
-    With `kernel`, memra's attention kernel must be loaded already (cpu_attention.load).
+    With `kernel`, memra's attention kernel must be loaded already (decode_attention.load).
 
     Uses torch's C++ loader directly: `torch._inductor.aoti_load_package` does the same
     after importing inductor's Python side, which a start does not need (its cost:
@@ -363,107 +356,8 @@ def prune(directory: Path, keep: int = KEEP_PACKAGES) -> list[Path]:
 
 def _builder_runs(name: str) -> bool:
     """Whether the process named in a staging file (`<stem>.<pid>.partial[.pt2]`) still runs."""
-    from memrad.daemon import pid_alive
-
     field = name.split(".partial")[0].rsplit(".", 1)[-1]
     return not field.isdigit() or pid_alive(int(field))
-
-
-@dataclass(frozen=True, slots=True)
-class Recipe:
-    """How to load the model a step was made from, so another process can build its package:
-    the loader's arguments for the model as the daemon loaded it."""
-
-    folder: str
-    dtype: str  # "bfloat16", "float32", ...
-    weights: str  # "int4", "float", ...
-    context_len: int
-
-
-_children: set[subprocess.Popen] = set()  # builds running now (`stop_children`)
-
-
-class BuildKilled(RuntimeError):
-    """The build's child died of a signal (`memrad stop`, the OOM killer, a user's kill):
-    not a sign that AOTInductor cannot compile the step, so no fallback is tried."""
-
-
-def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 1800, rows: int | None = None) -> None:
-    """`build` in a child process that loads the model itself. Export and inductor are
-    Python-heavy: on the daemon's own interpreter they held the GIL against the engine thread,
-    and a reply served meanwhile decoded at a small fraction of its speed (measured:
-    docs/BENCHMARKS.md, Decode: the step's parts). The child runs one torch thread, leaving the
-    other core to serving. `rows`: the batched step's package. Raises
-    RuntimeError with the child's last lines if it fails."""
-    args = [sys.executable, "-m", "memrad.engine.decode.package", recipe.folder, recipe.dtype, recipe.weights,
-            str(recipe.context_len), "kernel" if kernel else "torch", str(path), str(rows or 0), str(os.getpid())]
-    child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             stdin=subprocess.DEVNULL)
-    _children.add(child)
-    try:
-        _, err = child.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        raise RuntimeError(f"building the package took more than {timeout_s:.0f} s") from None
-    finally:
-        _children.discard(child)
-    if child.returncode < 0:
-        raise BuildKilled(f"the package build was killed (signal {-child.returncode})")
-    if child.returncode != 0:
-        last = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {child.returncode}"]
-        raise RuntimeError(f"the package build exited with {child.returncode}: {last[0][:300]}")
-
-
-def stop_children() -> None:
-    """Stop builds still running (at `memrad stop`): a stopped daemon leaves no work behind."""
-    for child in list(_children):
-        child.kill()
-
-
-def die_with(parent: int) -> None:
-    """End this process when `parent` dies, however it dies (a `kill -9` of the daemon
-    included): a build nobody waits for would hold a core and gigabytes for minutes. Linux
-    sends the signal when the thread that started this process ends; `build_in_child` waits
-    on it from that thread, so that is the daemon's death. Elsewhere, a thread polls."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    except (OSError, AttributeError):  # no prctl (macOS): watch the parent
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(1.0)
-            os._exit(1)
-
-        threading.Thread(target=watch, name="memrad-parent-watch", daemon=True).start()
-    if os.getppid() != parent:  # it died before the signal was asked for
-        os._exit(1)
-
-
-def main(argv: list[str]) -> int:
-    """The child of `build_in_child`: load the model as the daemon did, build the package."""
-    from memrad.engine.model.loader import load_model
-
-    folder, dtype, weights, context_len, attention, path, batch, parent = argv
-    die_with(int(parent))
-    kernel, rows = attention == "kernel", int(batch) or None
-    if rows:  # the batched steps build while the daemon serves on the one-row step: serving first
-        os.nice(_BATCH_BUILD_NICENESS)
-    torch.set_num_threads(1)
-    loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights, allow_pull=False,
-                        progress=lambda _: None, context=int(context_len))
-    if kernel and cpu_attention.load(cpu_attention.cxx_compiler()) is not None:
-        print("memra's attention kernel is not available to the child", file=sys.stderr)
-        return 2
-    capacity = min(int(context_len), MAX_RESERVED_TOKENS)
-    step = steps.new_step(loaded.model, int(context_len))
-    mine = package_path(step, loaded.model.config, capacity, kernel, Path(path).parent, rows)
-    if mine != Path(path):  # another load would make another step: never build it under this name
-        print(f"the child's step is {mine.name}, not {Path(path).name}", file=sys.stderr)
-        return 3
-    build(step, loaded.model.config, capacity, kernel, Path(path), rows)
-    return 0
 
 
 class _Exported(nn.Module):
@@ -497,15 +391,15 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int |
     for part in (_LAYOUT, torch.__version__, transformers.__version__, torch.backends.cpu.get_cpu_capability(),
                  _cpu_flags(), capacity, decode_step.SPLIT_ROWS, kernel, config.to_json_string(use_diff=False)):
         digest.update(f"{part}\n".encode())
-    kernel_source = [cpu_attention.__file__, cpu_attention.SOURCE] if kernel else []
+    kernel_source = [decode_attention.__file__, decode_attention.SOURCE] if kernel else []
     if rows:  # the batched step: its code and row count (the one-row step's key is unchanged)
         digest.update(f"rows {rows}\n".encode())
         kernel_source.append(batch_step.__file__)
     if any(isinstance(m, block_linear.BlockLinear) for m in step.modules()):  # memra::block_gemv is called by name
-        kernel_source += [block_linear.__file__, block_linear.source()]
+        kernel_source += [block_linear.__file__, block_gemv.__file__, block_gemv.SOURCE]
     # window_state: the window views' strides (buffer_rows) are compiled in.
-    for source in (decode_step.__file__, gemma_step.__file__, window_state.__file__, quant.__file__, __file__,
-                   qwen3_next_step.__file__, gated_delta.__file__, falcon_h1_step.__file__, mamba2.__file__,
+    for source in (decode_step.__file__, gemma.__file__, window_state.__file__, quant.__file__, __file__,
+                   qwen3_next.__file__, gated_delta.__file__, falcon_h1.__file__, mamba2.__file__,
                    recurrent_state.__file__, *kernel_source):
         digest.update(Path(source).read_bytes())
     for name, module in step.named_modules():
@@ -527,6 +421,3 @@ def _cpu_flags() -> str:
 def _safe(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in text)
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -3,7 +3,7 @@
 torch's int4 kernel can run an 8-bit or 5-bit block only as two 4-bit passes (Q8Linear, hi|lo):
 10 bits a weight with its bf16 scale and zero pairs, where the GGUF's blocks are 8.5 (Q8_0) and
 5.5 (Q5_0) bits. gemma3-270m's tied 262,144 x 640 Q8_0 head read 210 MB a token that way where
-llama.cpp reads 178 MB. memra's kernel (csrc/block_gemv.cpp, `memra::block_gemv`) reads the
+llama.cpp reads 178 MB. memra's kernel (`memra::block_gemv`, memrad.engine.kernels.block_gemv) reads the
 blocks themselves:
 
     Q8_0 block (34 B)  | d fp16 | q[32] int8 |               w = d·q
@@ -27,86 +27,23 @@ head streams from memory, where fewer bytes won (the eager gemma step 10-13 % fa
 thread), while the layers' blocks sit in cache, where the kernel's Q5_0 unpacking lost to hi|lo
 (docs/BENCHMARKS.md, the issue-24 session-9 section). The Q4_1 kind is not wired either: the
 int4 layers on it were 2-20 % slower per layer than on torch's int4 kernel at M = 1-8, and the
-compiled step 14 % slower (the issue-22 session-10 section). The kernel is built like the attention
-kernel (memrad.engine.decode.cpu_attention) and chosen where torch's CPU capability is AVX512,
+compiled step 14 % slower (the issue-22 session-10 section). The kernel is built, loaded and
+probed by memrad.engine.kernels.block_gemv and chosen where torch's CPU capability is AVX512,
 the only one it was measured on; elsewhere (AVX2-only CPUs, CUDA) and without a compiler the
-head runs hi|lo as before and `why_not` says why. Longer inputs (prefill) run the dense
+head runs hi|lo as before and `block_gemv.why_not` says why. Longer inputs (prefill) run the dense
 `weight` the layer keeps, as Int4Linear does.
 """
 
 from __future__ import annotations
-
-import threading
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
 from memrad.engine.model.quant import GROUP, Int4Blocks, Int8Blocks
 
-OP_NAME = "memra::block_gemv"
 Q8_0, Q5_0, Q4_1 = 8, 5, 4  # the op's `kind`
 _BLOCK_BYTES = {Q8_0: 34, Q5_0: 22, Q4_1: 20}
-_FORMATS = {Q8_0: "Q8_0", Q5_0: "Q5_0", Q4_1: "Q4_1"}
-_PROBE_TOLERANCE = 1e-4  # float32 sums of 64 products against float64: ~1e-6 relative
-
-_lock = threading.Lock()
-_why_not: str | None = None
-_checked = False
-
-
-def source() -> Path:
-    from memrad.engine.decode import cpu_attention
-
-    return Path(cpu_attention.__file__).parent / "csrc" / "block_gemv.cpp"
-
-
-def why_not(build_missing: bool = True) -> str | None:
-    """None when `torch.ops.memra.block_gemv` runs here (built, loaded and probed), else why
-    not. Never raises. `build_missing=False` only loads a library an earlier build left."""
-    global _why_not, _checked
-    with _lock:
-        if _checked:
-            return _why_not
-        from memrad.engine.decode import cpu_attention
-
-        if cpu_attention.capability() != "AVX512":
-            return f"the CPU kernels are {cpu_attention.capability()} (memra's block kernel is measured on AVX512 only)"
-        compiler = cpu_attention.cxx_compiler()
-        if compiler is None:
-            return "no C++ compiler to build memra's block kernel (install g++)"
-        if not build_missing and not cpu_attention.library_path(compiler, source()).exists():
-            return "memra's block kernel is not built yet"
-        try:
-            torch.ops.load_library(str(cpu_attention.build(compiler, source())))
-            torch.library.register_fake(OP_NAME)(_shape_of_output)
-            _why_not = _probe()
-        except (cpu_attention.BuildFailed, OSError, RuntimeError) as exc:
-            _why_not = str(exc).splitlines()[0][:300]
-        _checked = True
-        return _why_not
-
-
-def _shape_of_output(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], blocks.shape[0])  # [M, N]: what torch.compile traces the op as
-
-
-def _probe() -> str | None:
-    """None when every block kind multiplies like float64 on a small case, else what went wrong."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 64, generator=generator)
-    scales = (torch.rand(20, 2, generator=generator) / 50).half().float()
-    cases = [Int8Blocks(torch.randint(-127, 128, (20, 64), generator=generator).to(torch.int8), scales),
-             Int8Blocks(torch.randint(-16, 16, (20, 64), generator=generator).to(torch.int8), scales),
-             Int4Blocks(torch.randint(0, 16, (20, 64), generator=generator).to(torch.uint8), scales, -8 * scales)]
-    for blocks in cases:
-        kind, raw = pack(blocks)
-        got = torch.ops.memra.block_gemv(x, raw, kind).double()
-        expected = x.double() @ blocks.dequantize().double().t()
-        error = ((got - expected).abs().max() / expected.abs().max()).item()
-        if not error <= _PROBE_TOLERANCE:
-            return f"memra's block kernel is off by {error:.3g} from float64 on its {_FORMATS[kind]} probe"
-    return None
+FORMATS = {Q8_0: "Q8_0", Q5_0: "Q5_0", Q4_1: "Q4_1"}  # kind -> the GGUF block type
 
 
 def _mins(blocks: Int4Blocks) -> torch.Tensor:
@@ -161,7 +98,7 @@ class BlockLinear(torch.nn.Linear):
 
     @property
     def format(self) -> str:
-        return _FORMATS[self.kind]
+        return FORMATS[self.kind]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., T, K]; the blocks only where one token goes through (decode)

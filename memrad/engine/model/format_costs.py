@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memrad.engine.kernels import block_gemv
 from memrad.engine.model import block_linear
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.loader import load_model
@@ -81,7 +82,7 @@ def _candidates(linear: torch.nn.Linear, shipped: Int4Blocks | Int8Blocks | None
         high, low = shipped.halves()
         out["as shipped"] = (Q8Linear.from_blocks(dense, shipped, torch.bfloat16),
                              kernel_weights(high, torch.bfloat16) + kernel_weights(low, torch.bfloat16))
-        if block_linear.why_not() is None and block_linear.packable(shipped):
+        if block_gemv.why_not() is None and block_linear.packable(shipped):
             out["blocks"] = (BlockLinear.from_blocks(dense, shipped), shipped.dequantize())
     return out
 

@@ -43,7 +43,7 @@ class LoadedModel:
     head: str = "float"  # how the output head runs (memrad.engine.model.weights.head_format)
     # What each group of linear weights runs as and why (memrad.engine.model.formats).
     tensors: Choice = Choice("", "")
-    # Prefill attention (memrad.engine.prefill_attention): "memra" (the AMX kernel) or "torch".
+    # Prefill attention (memrad.engine.model.attention): "memra" (the AMX kernel) or "torch".
     attention: Choice = Choice("torch", "set by engine.prefill_attention")
 
     @property
@@ -108,7 +108,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
                context: int = 0, prefill_attention: str = "auto") -> LoadedModel:
     """`context`: the tokens to serve (0: the catalog row's served context, else the model's
     native length); past the native length the config gets RoPE scaling before the model is built.
-    `prefill_attention`: auto (memra's kernel where it runs) or torch (memrad.engine.prefill_attention)."""
+    `prefill_attention`: auto (memra's kernel where it runs) or torch (memrad.engine.model.attention)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from memrad.engine.model.weights import apply_weights, count_int4_cache, count_q8_cache
@@ -143,7 +143,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     applied = apply_weights(model, weights_choice, folder, torch.float16 if dt == torch.float16 else torch.bfloat16)
     progress(f"dtype {dtype_choice.value}: {dtype_choice.reason}")
     # Chosen with the weights, once: a model never changes attention under a parked state.
-    from memrad.engine.prefill_attention import install as install_attention
+    from memrad.engine.model.attention import install as install_attention
 
     attention = install_attention(model, prefill_attention)
     progress(f"prefill attention {attention.value}: {attention.reason}")

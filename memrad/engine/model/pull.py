@@ -35,6 +35,7 @@ from memrad.engine.model.catalog import DEFAULT, NamedModel
 from memrad.durable import publish
 from memrad.faultpoint import kill_point
 from memrad.paths import cache_dir
+from memrad.process import pid_alive
 
 DEFAULT_MODEL_ID = DEFAULT.model_id
 MARKER = "memra-converted.json"
@@ -108,7 +109,7 @@ def sweep_abandoned(progress: Progress) -> list[Path]:
     gone = []
     for path in models_dir().iterdir():
         pid = _puller(path.name)
-        if pid is not None and pid != os.getpid() and not _alive(pid):
+        if pid is not None and pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
             gone.append(path)
     if gone:
@@ -126,11 +127,6 @@ def _puller(name: str) -> int | None:
         return None
     return int(field) if field.isdigit() else None
 
-
-def _alive(pid: int) -> bool:
-    from memrad.daemon import pid_alive
-
-    return pid_alive(pid)
 
 
 def pull_default(progress: Progress = print, show_pip_progress: bool = True) -> Path:

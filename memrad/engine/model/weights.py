@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from memrad.durable import publish
+from memrad.engine.kernels import block_gemv
 from memrad.engine.model import block_linear, formats
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.hardware import Choice
@@ -322,7 +323,7 @@ def apply_weights(model: Any, choice: Choice, folder: Path, kernel_dtype: torch.
 def _blocks_why_not(model: Any) -> str | None:
     """Why the Q8_0 head does not run as shipped on memra's kernel (None: it does)."""
     device = next(model.parameters()).device
-    return block_linear.why_not() if device.type == "cpu" else f"it is CPU-only ({device.type})"
+    return block_gemv.why_not() if device.type == "cpu" else f"it is CPU-only ({device.type})"
 
 
 def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsApplied:

@@ -42,8 +42,8 @@ def reserve(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)
 
 
-class _Slab:
-    """One layer's key and value buffers, shared by every SlabLayer view of them."""
+class Slab:
+    """One layer's key and value buffers, shared by every SlabLayer (or WindowLayer) view of them."""
 
     __slots__ = ("keys", "values", "high_water")
 
@@ -79,14 +79,14 @@ class SlabLayer(DynamicLayer):
     def __init__(self, capacity: int) -> None:
         super().__init__()
         self.capacity = min(capacity, MAX_RESERVED_TOKENS)
-        self.slab: _Slab | None = None
+        self.slab: Slab | None = None
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # key_states: [1, H_kv, T, D]
         self.device = key_states.device
         b, h, _, d = key_states.shape
-        self.slab = _Slab(reserve((b, h, self.capacity, d), key_states.dtype, self.device),
+        self.slab = Slab(reserve((b, h, self.capacity, d), key_states.dtype, self.device),
                           reserve((b, value_states.shape[1], self.capacity, value_states.shape[3]),
                                    value_states.dtype, self.device))
         self.is_initialized = True
@@ -110,7 +110,7 @@ class SlabLayer(DynamicLayer):
     def step_buffers(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole key and value buffers [1, H_kv, capacity, D], with room for row
         `position` and one more (the split attention reads one row past the end, masked),
-        for a decode step that writes that row itself (memrad.engine.decode.step);
+        for a decode step that writes that row itself (memrad.engine.decode.steps.llama);
         `wrote_row` records it afterwards."""
         assert self.is_initialized and position == self.length, f"row {position} is not the next of {self.length}"
         if position + 1 >= self.slab.capacity:
@@ -166,32 +166,6 @@ class SlabLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("memra runs one sequence per cache")
-
-
-def install(cache, capacity: int):
-    """Swap `cache`'s plain full-attention layers for SlabLayers, its sliding-window layers
-    for WindowLayers (memrad.engine.state.window), its linear-attention layers for
-    RecurrentLayers and its linear-beside-full-attention layers for HybridSlabLayers
-    (memrad.engine.state.recurrent); returns `cache`."""
-    from transformers.cache_utils import (DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer,
-                                          LinearAttentionLayer)
-
-    from memrad.engine.state.recurrent import HybridSlabLayer, RecurrentLayer
-    from memrad.engine.state.window import WindowLayer
-
-    def in_place(layer):
-        if type(layer) is DynamicLayer:
-            return SlabLayer(capacity)
-        if type(layer) is DynamicSlidingWindowLayer:
-            return WindowLayer(layer.sliding_window)
-        if type(layer) is LinearAttentionLayer:
-            return RecurrentLayer(layer.number_of_states)
-        if type(layer) is LinearAttentionAndFullAttentionLayer:
-            return HybridSlabLayer(capacity, layer.number_of_states)
-        return layer
-
-    cache.layers = [in_place(layer) for layer in cache.layers]
-    return cache
 
 
 def all_slabs(cache) -> bool:

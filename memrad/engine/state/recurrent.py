@@ -4,7 +4,7 @@ transformers' LinearAttentionLayer already keeps a layer's conv state [1, C, K] 
 state (model-specific, e.g. [1, H_v, D_k, D_v] for a gated delta net) as tensors of fixed
 shape that every update copies into (`copy_`, never a new tensor), so they can be handed to a
 compiled graph as buffers to rewrite. A RecurrentLayer is that layer, marked for the decode
-step (memrad.engine.decode.hybrid_step): prefill runs transformers' own code on it unchanged,
+step (memrad.engine.decode.steps: qwen3_next, falcon_h1): prefill runs transformers' own code on it unchanged,
 and the step reads and writes the two tensors itself:
 
     step_buffers(position) -> (conv state, recurrent state)   rewritten in place by the step

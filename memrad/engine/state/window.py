@@ -3,7 +3,7 @@
 transformers' DynamicSlidingWindowLayer keeps the last W - 1 rows (W: the window) as a fresh
 `torch.cat` per update, so a decode step copies the window on every token and has nowhere to
 write its row in place. A WindowLayer keeps the same rows in a buffer of 2W rows and appends
-in place; the decode step (memrad.engine.decode.gemma_step) writes its row there and attends a
+in place; the decode step (memrad.engine.decode.steps.gemma) writes its row there and attends a
 view of the last W rows, no copy:
 
     buffer  [1, H_kv, 2W, D]    | older rows | window: rows start .. end-1 (<= W - 1) | free |
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from memrad.engine.state.kv import _Slab, reserve
+from memrad.engine.state.kv import Slab, reserve
 
 
 def buffer_rows(window: int) -> int:
@@ -43,7 +43,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
 
     def __init__(self, sliding_window: int) -> None:
         super().__init__(sliding_window)
-        self.slab: _Slab | None = None
+        self.slab: Slab | None = None
         self.start = self.end = 0  # the kept window: buffer rows [start, end)
 
     @property
@@ -54,7 +54,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         b, h, _, d = like_keys.shape
         capacity = buffer_rows(self.sliding_window)
         assert rows < capacity, f"{rows} rows do not fit a window of {self.sliding_window}"
-        self.slab = _Slab(reserve((b, h, capacity, d), like_keys.dtype, like_keys.device),
+        self.slab = Slab(reserve((b, h, capacity, d), like_keys.dtype, like_keys.device),
                           reserve((b, like_values.shape[1], capacity, like_values.shape[3]),
                                   like_values.dtype, like_values.device))
 

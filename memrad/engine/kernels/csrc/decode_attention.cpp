@@ -13,7 +13,7 @@
 //   task (h, c): scores s = q_h . k_j (scaled), m = max s, l = sum e^(s-m), a = sum e^(s-m) v_j
 //   out_h = sum_c e^(m_c - M) a_c / sum_c e^(m_c - M) l_c,   M = max_c m_c
 //
-// Built at run time with the flags of the machine's CPU (memrad.engine.decode.cpu_attention).
+// Built at run time with the flags of the machine's CPU (memrad.engine.kernels.build).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>

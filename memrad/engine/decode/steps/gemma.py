@@ -1,6 +1,6 @@
 """One-token decode for Gemma 3 (text), written as one function over the KV slabs and windows.
 
-The llama step (memrad.engine.decode.step) with Gemma 3's differences, so it compiles and
+The llama step (memrad.engine.decode.steps.llama) with Gemma 3's differences, so it compiles and
 packages the same way (memrad.engine.decode.package):
 
     token [1] -> embed (scaled by sqrt(hidden), inside transformers' embedding) -> x [1, 1, hidden]
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memrad.engine.decode.step import _Layer, attend, rope
+from memrad.engine.decode.steps.llama import _Layer, attend, rope
 
 _GEMMA = ("Gemma3ForCausalLM",)
 _LAYER_KINDS = ("sliding_attention", "full_attention")
@@ -103,7 +103,7 @@ class _GemmaLayer(_Layer):
 
 class GemmaStep(nn.Module):
     """The step for a Gemma 3 model `support` accepts; shares every weight with the model.
-    Called exactly as memrad.engine.decode.step.DecodeStep (the decoder and the package
+    Called exactly as memrad.engine.decode.steps.llama.DecodeStep (the decoder and the package
     treat both alike); `keys`, `values` hold a window view for each sliding layer."""
 
     def __init__(self, model: nn.Module, max_positions: int) -> None:

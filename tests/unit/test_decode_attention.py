@@ -9,15 +9,16 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from memrad.engine.decode import cpu_attention
-from memrad.engine.decode.decoder import cxx_compiler
+from memrad.engine.kernels import build as kernels
+from memrad.engine.kernels import decode_attention
+from memrad.engine.kernels.build import cxx_compiler
 
 pytestmark = pytest.mark.skipif(cxx_compiler() is None, reason="the kernel is built with a C++ compiler")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    assert cpu_attention.load(cxx_compiler()) is None
+    assert decode_attention.load(cxx_compiler()) is None
 
 
 def slab(heads, rows, dim, dtype, seed):
@@ -80,13 +81,13 @@ def test_mismatched_inputs_are_refused_with_what_is_wrong():
 
 def test_the_build_is_found_again_and_named_by_what_went_into_it(monkeypatch):
     compiler = cxx_compiler()
-    path = cpu_attention.library_path(compiler)
-    assert path.exists() and path.name.startswith(f"decode_attention-{cpu_attention.capability().lower()}-")
-    assert cpu_attention.build(compiler) == path  # cached: no second build
-    assert cpu_attention.load(compiler, build_missing=False) is None
+    path = kernels.library_path(compiler, decode_attention.SOURCE)
+    assert path.exists() and path.name.startswith(f"decode_attention-{kernels.capability().lower()}-")
+    assert kernels.build(compiler, decode_attention.SOURCE) == path  # cached: no second build
+    assert decode_attention.load(compiler, build_missing=False) is None
     monkeypatch.setattr(torch, "__version__", "0.0.0-other")
-    assert cpu_attention.library_path(compiler) != path  # another torch builds afresh
+    assert kernels.library_path(compiler, decode_attention.SOURCE) != path  # another torch builds afresh
 
 
 def test_without_a_compiler_the_reason_says_what_to_install():
-    assert cpu_attention.load(None) == "no C++ compiler to build the attention kernel (install g++)"
+    assert decode_attention.load(None) == "no C++ compiler to build the attention kernel (install g++)"

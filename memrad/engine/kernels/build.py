@@ -1,23 +1,18 @@
-"""The CPU decode-attention kernel: built once per machine, then loaded as `memra::decode_attention`.
+"""How memra's C++ kernels are built: one compiler, one set of flags, one cache of libraries.
 
-torch's CPU attention for one query token parallelises over (batch, KV head) and tiles for
-prefill: with 3 KV heads on 2 threads one thread idles and a long cache is read far below the
-memory's bandwidth (most of a decode step at 4k). csrc/decode_attention.cpp scores the
-query heads of each KV head together and spreads fixed row chunks over the threads, which
-reads the cache several times faster (measured: docs/BENCHMARKS.md, Decode: the attention
-kernel).
+Every kernel of csrc/ (decode attention, prefill attention, block GEMV) is built the same way,
+once per machine and torch, and loaded by its own module (memrad.engine.kernels.decode_attention,
+.prefill_attention, .block_gemv):
 
-    csrc/decode_attention.cpp --g++ (flags of torch's CPU capability)--> <cache>/kernels/
-        decode_attention-<hash of source, flags, torch>.so  --torch.ops.load_library-->  op
+    csrc/<kernel>.cpp --g++ (flags of torch's CPU capability)--> <cache>/kernels/
+        <kernel>-<capability>-<hash of source, flags, torch>.so  --torch.ops.load_library-->  op
 
-It is compiled with the vector width torch itself dispatches to on this CPU (AVX512, AVX2
+A kernel is compiled with the vector width torch itself dispatches to on this CPU (AVX512, AVX2
 or plain), never `-march=native`, so `ATEN_CPU_CAPABILITY=avx2` emulates an AVX2 machine
 honestly (`-march=native`, `-mtune=native` or AVX512-BF16 conversions were measured to change
 nothing here), and with OpenMP, which `at::parallel_for` is written in (without it the tasks
-ran on one thread; both: docs/BENCHMARKS.md, Decode: the attention kernel). A build happens
-once per machine and torch (seconds); later loads take milliseconds. `load()` never raises:
-without a compiler, or when the build fails, it says why and the decode step keeps torch's
-attention.
+ran on one thread; both: docs/BENCHMARKS.md, Decode: the attention kernel). A build takes
+seconds; later loads take milliseconds.
 """
 
 from __future__ import annotations
@@ -28,8 +23,8 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,8 +33,7 @@ from memrad.durable import publish
 
 log = logging.getLogger("memrad.engine")
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-OP_NAME = "memra::decode_attention"
+CSRC = Path(__file__).parent / "csrc"  # the kernels' sources
 
 # torch's CPU capability -> the defines its vector headers read and the ISA they need
 # (the flags inductor compiles its own CPU code with).
@@ -50,16 +44,14 @@ _CAPABILITY_FLAGS = {
 }
 
 BUILD_TIMEOUT_S = 600  # a build takes seconds; a compiler that hangs must not hold the start forever
-_lock = threading.Lock()
-_loaded: str | None = None  # path of the library loaded into this process
 
 
 class BuildFailed(RuntimeError):
-    """g++ could not build the kernel; the message carries the compiler's first error."""
+    """g++ could not build a kernel; the message carries the compiler's first error."""
 
 
 def cxx_compiler() -> str | None:
-    """The C++ compiler inductor would use on the CPU (and this kernel is built with), or None."""
+    """The C++ compiler inductor would use on the CPU (and the kernels are built with), or None."""
     named = os.environ.get("CXX")
     if named:
         return shutil.which(named)
@@ -70,7 +62,7 @@ def capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def compile_command(compiler: str, output: Path, source: Path = SOURCE) -> list[str]:
+def compile_command(compiler: str, output: Path, source: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     flags = _CAPABILITY_FLAGS.get(capability(), ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"])
@@ -83,7 +75,7 @@ def compile_command(compiler: str, output: Path, source: Path = SOURCE) -> list[
             *flags, *includes, str(source), "-o", str(output), *libraries, "-lc10", "-ltorch_cpu"]
 
 
-def library_path(compiler: str, source: Path = SOURCE) -> Path:
+def library_path(compiler: str, source: Path) -> Path:
     """Where this machine's build lives: named by what went into it, so a new torch, CPU
     capability or source builds afresh and never loads a stale library."""
     from memrad.paths import cache_dir
@@ -94,10 +86,10 @@ def library_path(compiler: str, source: Path = SOURCE) -> Path:
     return cache_dir() / "kernels" / f"{source.stem}-{capability().lower()}-{digest}.so"
 
 
-def build(compiler: str, source: Path = SOURCE) -> Path:
+def build(compiler: str, source: Path) -> Path:
     """The library for this machine, compiled now unless the cache has it. Safe against a
     concurrent build by another process (each writes its own file, renamed into place).
-    `source`: this kernel, or another of csrc/ built the same way (the prefill kernel)."""
+    `source`: one of csrc/."""
     path = library_path(compiler, source)
     if path.exists():
         return path
@@ -121,26 +113,34 @@ def build(compiler: str, source: Path = SOURCE) -> Path:
     return path
 
 
-def load(compiler: str | None, build_missing: bool = True) -> str | None:
-    """Make `torch.ops.memra.decode_attention` callable; None if it is, else why not.
-    `build_missing=False` only loads a library an earlier build left in the cache."""
-    global _loaded
+def unavailable(compiler: str | None, source: Path, name: str, build_missing: bool = True) -> str | None:
+    """Why `source`'s library cannot be loaded without trying (no compiler; not built yet, when
+    `build_missing=False` only loads an earlier build), else None. `name`: the kernel as the
+    reason calls it."""
     if compiler is None:
-        return "no C++ compiler to build the attention kernel (install g++)"
-    with _lock:
-        if _loaded is not None:
-            return None
-        if not build_missing and not library_path(compiler).exists():
-            return "the attention kernel is not built yet"
-        try:
-            path = build(compiler)
-            torch.ops.load_library(str(path))
-        except (BuildFailed, OSError, RuntimeError) as exc:
-            return str(exc)
-        torch.library.register_fake(OP_NAME)(_shape_of_output)
-        _loaded = str(path)
+        return f"no C++ compiler to build {name} (install g++)"
+    if not build_missing and not library_path(compiler, source).exists():
+        return f"{name} is not built yet"
     return None
 
 
-def _shape_of_output(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.empty_like(q)  # [1, H_kv, G, D]: what torch.compile traces the op as
+def load_library(compiler: str, source: Path) -> str | None:
+    """Load `source`'s library into this process, built now unless the cache has it; None once
+    loaded, else what went wrong. Never raises."""
+    try:
+        torch.ops.load_library(str(build(compiler, source)))
+    except (BuildFailed, OSError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
+def checked_load(compiler: str, source: Path, check: Callable[[], str | None]) -> str | None:
+    """`load_library`, then `check()` (the kernel's probe: None or "" when it computes what it
+    should); None when both passed, else the first line of what went wrong. Never raises."""
+    why_not = load_library(compiler, source)
+    if why_not is None:
+        try:
+            why_not = check() or None
+        except (OSError, RuntimeError) as exc:
+            why_not = str(exc)
+    return why_not.splitlines()[0][:300] if why_not else None

@@ -1,19 +1,20 @@
-"""Which one-token step a model decodes with: Gemma 3's (memrad.engine.decode.gemma_step),
-Qwen3-Next's (memrad.engine.decode.qwen3_next_step), FalconH1's
-(memrad.engine.decode.falcon_h1_step) or the llama-shaped one
-(memrad.engine.decode.step). All are called alike; the decoder (memrad.engine.decode.decoder)
-and the package (memrad.engine.decode.package) ask here."""
+"""Which one-token step a model decodes with: one module per architecture, all called alike.
+
+    llama.py       the llama-shaped step (Llama, Mistral, Qwen2), and the parts the others share
+    gemma.py       Gemma 3's (sliding-window layers beside full attention)
+    qwen3_next.py  Qwen3-Next's (gated delta net layers: gated_delta.py)
+    falcon_h1.py   FalconH1's (Mamba-2 beside attention in every layer: mamba2.py)
+
+The decoder (memrad.engine.decode.decoder) and the package (memrad.engine.decode.package) ask here."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections import Counter
+from typing import Any
 
 from torch import nn
 
-from memrad.engine.decode import falcon_h1_step, gemma_step, qwen3_next_step
-from memrad.engine.decode import step as llama_step
+from memrad.engine.decode.steps import falcon_h1, gemma, llama, qwen3_next
 from memrad.engine.model.hardware import Choice
 
 # What each layer kind of transformers' `layer_types` is on the step, for `describe`.
@@ -23,14 +24,14 @@ _KIND_NAMES = {"full_attention": "full-attention", "sliding_attention": "sliding
 
 def covered() -> tuple[str, ...]:
     """The model classes some step covers."""
-    return (*llama_step._LLAMA_SHAPED, *gemma_step._GEMMA, *qwen3_next_step._QWEN3_NEXT, *falcon_h1_step._FALCON_H1)
+    return (*llama._LLAMA_SHAPED, *gemma._GEMMA, *qwen3_next._QWEN3_NEXT, *falcon_h1._FALCON_H1)
 
 
 # The steps beside the llama-shaped one: (is it this architecture, why not, its step class).
 _OTHER_STEPS = (
-    (gemma_step.is_gemma, gemma_step.support, gemma_step.GemmaStep),
-    (qwen3_next_step.is_qwen3_next, qwen3_next_step.support, qwen3_next_step.Qwen3NextStep),
-    (falcon_h1_step.is_falcon_h1, falcon_h1_step.support, falcon_h1_step.FalconH1Step),
+    (gemma.is_gemma, gemma.support, gemma.GemmaStep),
+    (qwen3_next.is_qwen3_next, qwen3_next.support, qwen3_next.Qwen3NextStep),
+    (falcon_h1.is_falcon_h1, falcon_h1.support, falcon_h1.FalconH1Step),
 )
 
 
@@ -44,9 +45,9 @@ def support(model: nn.Module, context_len: int) -> str | None:
     if other is not None:
         return other[1](model, context_len)
     name = type(model).__name__
-    if name not in llama_step._LLAMA_SHAPED:
+    if name not in llama._LLAMA_SHAPED:
         return f"{name} has no decode step (the steps cover {', '.join(covered())})"
-    return llama_step.support(model, context_len)
+    return llama.support(model, context_len)
 
 
 def describe(model: nn.Module, context_len: int) -> Choice:
@@ -56,10 +57,10 @@ def describe(model: nn.Module, context_len: int) -> Choice:
     if why_not is not None:
         return Choice("none", why_not)
     config = model.config
-    if falcon_h1_step.is_falcon_h1(model):
+    if falcon_h1.is_falcon_h1(model):
         return Choice("falcon-h1", f"{type(model).__name__} layers on one graph: {config.num_hidden_layers} Mamba-2 "
                                    "beside full attention (conv and SSM state rewritten in place)")
-    value = "gemma3" if gemma_step.is_gemma(model) else "qwen3-next" if qwen3_next_step.is_qwen3_next(model) else "llama"
+    value = "gemma3" if gemma.is_gemma(model) else "qwen3-next" if qwen3_next.is_qwen3_next(model) else "llama"
     kinds = Counter(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
     layers = ", ".join(f"{count} {_KIND_NAMES.get(kind, kind)}" for kind, count in kinds.items())
     experts = getattr(config, "num_experts", 0) or 0
@@ -70,7 +71,7 @@ def describe(model: nn.Module, context_len: int) -> Choice:
 def new_step(model: nn.Module, max_positions: int) -> nn.Module:
     """The step for a model `support` accepts."""
     other = _other_step(model)
-    return (other[2] if other is not None else llama_step.DecodeStep)(model, max_positions)
+    return (other[2] if other is not None else llama.DecodeStep)(model, max_positions)
 
 
 def windows(step: Any) -> list[int | None]:
@@ -87,5 +88,5 @@ def recurrent(step: Any) -> list[bool]:
 
 def kv_shape(config: Any) -> tuple[int, int]:
     """(KV heads, head dim) of the model's cache rows."""
-    _, kv_heads, head_dim = llama_step.attention_shape(config)
+    _, kv_heads, head_dim = llama.attention_shape(config)
     return kv_heads, head_dim

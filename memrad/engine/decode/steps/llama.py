@@ -156,7 +156,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: in
     """Attention of one token's queries q [1, H_kv, G, D] over the first `length` rows of
     keys, values [1, H_kv, capacity, D] (capacity > length: `SlabLayer.step_buffers`).
 
-    With `kernel`, memra's CPU decode-attention op (memrad.engine.decode.cpu_attention) reads the
+    With `kernel`, memra's CPU decode-attention op (memrad.engine.kernels.decode_attention) reads the
     rows once, chunked over the threads. Otherwise torch's attention, with the G query heads
     that share a KV head as the rows of one query block, so no KV head is copied; on the
     CPU, long contexts split the rows into two halves computed as a batch of 2 and merged by
@@ -237,7 +237,7 @@ class DecodeStep(nn.Module):
         torch.compile keeps that one size symbolic (marked dynamic) and every other size static.
         `owner` must be this step's `owner`: a compiled graph is guarded on it (the compiled
         decoder skips the guards on weights), so it never runs another step's weights.
-        `kernel`: attend with memra's CPU kernel (loaded by memrad.engine.decode.cpu_attention).
+        `kernel`: attend with memra's CPU kernel (loaded by memrad.engine.kernels.decode_attention).
         """
         assert owner == self.owner, f"{owner} called {self.owner}"
         length = rows.shape[0]

@@ -1,11 +1,11 @@
 """One-token decode for FalconH1: a Mamba-2 mixer beside attention in every layer, one graph.
 
-The llama step (memrad.engine.decode.step) with FalconH1's layer, called alike, so it
+The llama step (memrad.engine.decode.steps.llama) with FalconH1's layer, called alike, so it
 compiles and packages the same way (memrad.engine.decode.package):
 
     token [1] -> embed * embedding_multiplier -> x [1, 1, hidden]
       per layer:  h = norm(x)
-                  m = mamba2(h) * ssm_out          (memrad.engine.decode.mamba2; conv and SSM
+                  m = mamba2(h) * ssm_out          (memrad.engine.decode.steps.mamba2; conv and SSM
                                                     state rewritten in place)
                   a = attention(h * attention_in) * attention_out
                       (q, k * key_multiplier, v = qkv;  rope at `position`;  write row
@@ -25,8 +25,8 @@ import itertools
 import torch
 from torch import nn
 
-from memrad.engine.decode.mamba2 import Mamba2Mixer
-from memrad.engine.decode.step import attend, attention_shape, fuse, rope, rope_tables
+from memrad.engine.decode.steps.mamba2 import Mamba2Mixer
+from memrad.engine.decode.steps.llama import attend, attention_shape, fuse, rope, rope_tables
 
 _FALCON_H1 = ("FalconH1ForCausalLM",)
 _STEP_IDS = itertools.count()
@@ -100,7 +100,7 @@ class _Layer(nn.Module):
 
 class FalconH1Step(nn.Module):
     """The step for a FalconH1 model; shares every weight with the model. Called exactly as
-    memrad.engine.decode.step.DecodeStep, with keys[i] = (key slab, value slab) and
+    memrad.engine.decode.steps.llama.DecodeStep, with keys[i] = (key slab, value slab) and
     values[i] = (conv state, SSM state) per layer (memrad.engine.state.recurrent)."""
 
     def __init__(self, model: nn.Module, max_positions: int) -> None:

@@ -1,47 +1,29 @@
-"""Prefill attention: memra's AMX kernel behind transformers' attention interface, where it applies.
+"""Which attention a model's prefill runs: memra's AMX kernel where it applies, else torch's SDPA.
 
-A prefill chunk of T queries attends the whole cache (L rows) at every layer, so past ~8k tokens
-attention is most of a chunk's time (docs/BENCHMARKS.md, the issue-21 section). torch's SDPA reads the in-place slabs
-without copying them, but it is handed a [T, L] mask that it converts to floats and adds per
-layer, scores each query head alone, and multiplies in small per-block GEMM calls. memra's kernel
-(csrc/prefill_attention.cpp) needs no mask (the chunk's rows sit at the end of the slab), scores
-the query heads of a KV head together against one repacked copy of each key block, and multiplies
-on AMX tiles through oneDNN's brgemm:
+memra's kernel (memrad.engine.kernels.prefill_attention) is installed behind transformers'
+attention interface, and each call goes to it or to SDPA:
 
     model forward -> each attention layer -> attend(module, q [1, H_q, T, D], keys, values [1, H_kv, L, D])
         T > 1, bf16, plain causal layer   -> memra::prefill_attention -> out [1, T, H_q, D]
         anything else (one token, sliding window, soft-capping, fp32, ...) -> transformers' SDPA
 
 Which one a model runs is decided once, when it is loaded (`install`, from
-memrad.engine.model.loader), and never changes: resumed == cold is a promise per configuration, and a parked state primed under one
-attention must not be resumed under the other (the disk tier's key names it). `auto` picks the
-kernel where the CPU has AMX and the activations are bf16; everywhere else (AVX2-only or AVX512
-CPUs without AMX, fp32, CUDA) torch's attention runs, and the reason says why.
+memrad.engine.model.loader), and never changes: resumed == cold is a promise per configuration,
+and a parked state primed under one attention must not be resumed under the other (the disk
+tier's key names it). `auto` picks the kernel where the CPU has AMX and the activations are
+bf16; everywhere else (AVX2-only or AVX512 CPUs without AMX, fp32, CUDA) torch's attention
+runs, and the reason says why.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import threading
-from pathlib import Path
-
 import torch
 
-from memrad.engine.decode import cpu_attention
-from memrad.engine.model.hardware import Choice
+from memrad.engine.kernels import prefill_attention as kernel
+from memrad.engine.model.hardware import Choice, native_bf16
 
-log = logging.getLogger("memrad.engine")
-
-SOURCE = Path(cpu_attention.__file__).parent / "csrc" / "prefill_attention.cpp"
 NAME = "memra_prefill"  # the attention implementation's name in transformers' registry
 MODES = ("auto", "torch")
-# The probe's worst difference from float64 attention; bf16 outputs round at ~4e-3 of their size.
-_PROBE_TOLERANCE = 2e-2
-
-_lock = threading.Lock()
-_loaded: str | None = None  # why the kernel is unusable here, "" once it runs
-_checked = False
 
 
 def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout: float = 0.0,
@@ -88,22 +70,14 @@ def install(model, mode: str = "auto") -> Choice:
     return choice
 
 
-def has_amx() -> bool:
-    """Whether the CPU has AMX tiles for bf16, as torch reports it (the kernel multiplies on them)."""
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    return bool(caps.get("amx_bf16"))
-
-
 def _why_not(model) -> str | None:
     """Why memra's kernel cannot serve this model here, or None."""
-    from memrad.engine.model.hardware import native_bf16
-
     config = model.config
     if model.device.type != "cpu":
         return f"torch's attention on {model.device.type}"
     if model.dtype != torch.bfloat16:
         return f"the activations are {str(model.dtype).removeprefix('torch.')} (the kernel multiplies bf16)"
-    if not has_amx():
+    if not kernel.has_amx():
         return "the CPU has no AMX tiles (the kernel multiplies on them)"
     bf16 = native_bf16()
     if bf16.value != "yes":
@@ -113,45 +87,7 @@ def _why_not(model) -> str | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim % 32:
         return f"head dim {head_dim} is not a multiple of 32"
-    return load()
-
-
-def load(build_missing: bool = True) -> str | None:
-    """Make `torch.ops.memra.prefill_attention` callable and check it on a small case; None if
-    it is, else why not. Never raises. `build_missing=False` only loads an earlier build."""
-    global _loaded, _checked
-    with _lock:
-        if _checked:
-            return _loaded or None
-        compiler = cpu_attention.cxx_compiler()
-        if compiler is None:
-            return "no C++ compiler to build the prefill kernel (install g++)"
-        if not build_missing and not cpu_attention.library_path(compiler, SOURCE).exists():
-            return "the prefill kernel is not built yet"
-        try:
-            torch.ops.load_library(str(cpu_attention.build(compiler, SOURCE)))
-            _loaded = _probe()
-        except (cpu_attention.BuildFailed, OSError, RuntimeError) as exc:
-            _loaded = str(exc).splitlines()[0][:300]
-        _checked = True
-        return _loaded or None
-
-
-def _probe() -> str:
-    """"" when the kernel computes attention on this machine (a chunk of 70 queries over 600 rows
-    against float64), else what went wrong."""
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 70, 6, 64, generator=generator).to(torch.bfloat16).transpose(1, 2)  # [1, H_q, T, D]
-    keys, values = (torch.randn(1, 2, 640, 64, generator=generator).to(torch.bfloat16) for _ in range(2))
-    keys, values = keys[:, :, :600], values[:, :, :600]  # slab views with rows past the end
-    got = torch.ops.memra.prefill_attention(q, keys, values, 0.125)  # [1, T, H_q, D]
-    mask = torch.ones(70, 600, dtype=torch.bool).tril(600 - 70)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), keys.double(), values.double(), attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
-    error = (got.double() - expected).abs().max().item()
-    if not math.isfinite(error) or error > _PROBE_TOLERANCE:
-        return f"the prefill kernel's probe is off by {error:.3g} from float64 attention"
-    return ""
+    return kernel.load()
 
 
 def _register() -> None:
@@ -161,5 +97,3 @@ def _register() -> None:
     # SDPA's masks: the layers the kernel passes back to SDPA (one token, sliding windows) read them.
     AttentionInterface.register(NAME, attend)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
-
-

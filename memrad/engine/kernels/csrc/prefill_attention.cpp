@@ -20,7 +20,7 @@
 // run in one order: the bits are the same with any number of threads, and a chunk computes the
 // same bits whether its cache came from a cold prefill or a resumed one (memrad.grid).
 //
-// Built at run time like decode_attention.cpp (memrad.engine.decode.cpu_attention); used only
+// Built at run time like decode_attention.cpp (memrad.engine.kernels.build); used only
 // where oneDNN drives AMX (at::native::cpublas::could_pack), else torch's attention runs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -30,7 +30,7 @@
 // are cut into fixed tiles of TILE spread over torch's threads, so the result has the same bits
 // with any thread count, any M and any neighbours (a batched request decodes as it does alone).
 //
-// Built at run time with the flags of the machine's CPU (memrad.engine.decode.cpu_attention).
+// Built at run time with the flags of the machine's CPU (memrad.engine.kernels.build).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

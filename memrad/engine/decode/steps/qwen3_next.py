@@ -1,12 +1,12 @@
 """One-token decode for Qwen3-Next: gated delta nets beside gated full attention, one graph.
 
-The llama step (memrad.engine.decode.step) with Qwen3-Next's layers, called alike, so it
+The llama step (memrad.engine.decode.steps.llama) with Qwen3-Next's layers, called alike, so it
 compiles and packages the same way (memrad.engine.decode.package):
 
     token [1] -> embed -> x [1, 1, hidden]
       per layer:  h = norm(x)                        (Qwen3-Next's RMSNorm: (1 + w), float32)
         linear:   x += gated delta net(h), its conv and recurrent state rewritten in place
-                  (memrad.engine.decode.gated_delta; keys[i], values[i] are those states)
+                  (memrad.engine.decode.steps.gated_delta; keys[i], values[i] are those states)
         full:     q|gate, k, v = qkv(h);  q, k = q_norm(q), k_norm(k);  rope on the first
                   rotary dims at `position`;  write row `position` of the slab, attend rows
                   [0, position];  x += o_proj(o * sigmoid(gate))
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memrad.engine.decode.gated_delta import GatedDeltaMixer
-from memrad.engine.decode.step import attend, attention_shape, fuse, rope, rope_tables
+from memrad.engine.decode.steps.gated_delta import GatedDeltaMixer
+from memrad.engine.decode.steps.llama import attend, attention_shape, fuse, rope, rope_tables
 
 _QWEN3_NEXT = ("Qwen3NextForCausalLM",)
 _LAYER_KINDS = ("linear_attention", "full_attention")
@@ -142,7 +142,7 @@ class _Layer(nn.Module):
 
 class Qwen3NextStep(nn.Module):
     """The step for a Qwen3-Next model `support` accepts; shares every weight with the model.
-    Called exactly as memrad.engine.decode.step.DecodeStep; for a linear-attention layer
+    Called exactly as memrad.engine.decode.steps.llama.DecodeStep; for a linear-attention layer
     `keys[i]`, `values[i]` are its conv state [1, C, K] and recurrent state [1, H_v, D_k, D_v]
     (memrad.engine.state.recurrent), rewritten in place."""
 

@@ -1,0 +1,34 @@
+"""memra's C++ kernels: their sources (csrc/), one way to build them (build), a module per kernel.
+
+    decode_attention    memra::decode_attention   the decode steps' attention (any CPU capability)
+    prefill_attention   memra::prefill_attention  a prefill chunk's attention (AMX, bf16)
+    block_gemv          memra::block_gemv         a GGUF's Q8_0 / Q5_0 / Q4_1 blocks as shipped (AVX512)
+
+Each module builds its kernel the first time it is asked to load it; `prepare()` builds every
+kernel this machine runs ahead of time (`memrad pull`), so a first start only loads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def prepare(say: Callable[[str], None] = print) -> None:
+    """Build each kernel this machine runs now unless the cache has it, and `say` how it went.
+    Never raises: a kernel that does not build only loses speed (its module says why at load)."""
+    from memrad.engine.kernels import block_gemv, decode_attention, prefill_attention
+    from memrad.engine.kernels.build import capability, cxx_compiler
+
+    compiler = cxx_compiler()
+    if compiler is None or not decode_attention.built(compiler):
+        say("building the CPU decode-attention kernel (once per machine and torch) ...")
+        why_not = decode_attention.load(compiler)
+        say(f"attention kernel: {'built' if why_not is None else f'not built ({why_not}); decode uses torch attention'}")
+    if prefill_attention.has_amx() and compiler is not None and not prefill_attention.built(compiler):
+        say("building the CPU prefill-attention kernel (once per machine and torch) ...")
+        why_not = prefill_attention.load()
+        say(f"prefill kernel: {'built' if why_not is None else f'not built ({why_not}); prefill uses torch attention'}")
+    if capability() == "AVX512" and compiler is not None and not block_gemv.built(compiler):
+        say("building memra's block kernel (once per machine and torch) ...")
+        why_not = block_gemv.why_not()
+        say(f"block kernel: {'built' if why_not is None else f'not built ({why_not}); the output head runs hi|lo'}")

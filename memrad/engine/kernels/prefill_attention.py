@@ -1,0 +1,76 @@
+"""memra's CPU prefill-attention kernel: built once per machine, loaded as `memra::prefill_attention`.
+
+A prefill chunk of T queries attends the whole cache (L rows) at every layer, so past ~8k tokens
+attention is most of a chunk's time (docs/BENCHMARKS.md, the issue-21 section). torch's SDPA reads
+the in-place slabs without copying them, but it is handed a [T, L] mask that it converts to floats
+and adds per layer, scores each query head alone, and multiplies in small per-block GEMM calls.
+csrc/prefill_attention.cpp needs no mask (the chunk's rows sit at the end of the slab), scores the
+query heads of a KV head together against one repacked copy of each key block, and multiplies on
+AMX tiles through oneDNN's brgemm:
+
+    q [1, H_q, T, D], keys, values [1, H_kv, L, D] (bf16)  -> memra::prefill_attention -> out [1, T, H_q, D]
+
+It is built as every kernel is (memrad.engine.kernels.build) and checked on a small case against
+float64 before it is used; where a model runs it is decided at load (memrad.engine.model.attention).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from memrad.engine.kernels.build import CSRC, checked_load, cxx_compiler, library_path, unavailable
+
+SOURCE = CSRC / "prefill_attention.cpp"
+# The probe's worst difference from float64 attention; bf16 outputs round at ~4e-3 of their size.
+_PROBE_TOLERANCE = 2e-2
+
+_lock = threading.Lock()
+_loaded: str | None = None  # why the kernel is unusable here, "" once it runs
+_checked = False
+
+
+def built(compiler: str) -> bool:
+    """Whether an earlier build left this machine's library in the cache."""
+    return library_path(compiler, SOURCE).exists()
+
+
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles for bf16, as torch reports it (the kernel multiplies on them)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("amx_bf16"))
+
+
+def load(build_missing: bool = True) -> str | None:
+    """Make `torch.ops.memra.prefill_attention` callable and check it on a small case; None if
+    it is, else why not. Never raises. `build_missing=False` only loads an earlier build."""
+    global _loaded, _checked
+    with _lock:
+        if _checked:
+            return _loaded or None
+        compiler = cxx_compiler()
+        why_not = unavailable(compiler, SOURCE, "the prefill kernel", build_missing)
+        if why_not is not None:
+            return why_not
+        _loaded = checked_load(compiler, SOURCE, _probe) or ""
+        _checked = True
+        return _loaded or None
+
+
+def _probe() -> str:
+    """"" when the kernel computes attention on this machine (a chunk of 70 queries over 600 rows
+    against float64), else what went wrong."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 70, 6, 64, generator=generator).to(torch.bfloat16).transpose(1, 2)  # [1, H_q, T, D]
+    keys, values = (torch.randn(1, 2, 640, 64, generator=generator).to(torch.bfloat16) for _ in range(2))
+    keys, values = keys[:, :, :600], values[:, :, :600]  # slab views with rows past the end
+    got = torch.ops.memra.prefill_attention(q, keys, values, 0.125)  # [1, T, H_q, D]
+    mask = torch.ones(70, 600, dtype=torch.bool).tril(600 - 70)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), keys.double(), values.double(), attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
+    error = (got.double() - expected).abs().max().item()
+    if not math.isfinite(error) or error > _PROBE_TOLERANCE:
+        return f"the prefill kernel's probe is off by {error:.3g} from float64 attention"
+    return ""
