@@ -12,6 +12,7 @@ from memrad.config import (AffinitySettings, DiskSettings, EngineSettings, PoolS
 from memrad.engine.state.disk import DiskTier, state_format
 from memrad.engine.threads import pin
 from memrad.engine.engine import Engine, FinishHook
+from memrad.engine.parking import NoDisk
 from memrad.engine.model.loader import LoadedModel, default_pool_bytes, load_model, resolve_threads
 from memrad.paths import sessions_dir
 from memrad.reuse.pool import ReusePool
@@ -54,7 +55,7 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
                on_finished: FinishHook | None = None) -> Engine:
     """The one way from a loaded model and Settings to an Engine: the pool, the disk tier
     and the flags as configured (the daemon, and the benches that drive an engine in process)."""
-    pool = disk = None
+    pool, disk = None, NoDisk()  # the one place that chooses the tiers
     if settings.pool.enabled:
         max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)
         pool = ReusePool(settings.pool.max_sessions, max_bytes, settings.pool.sessions_per_name)

@@ -40,17 +40,17 @@ from memrad.engine.flight import Flight, Sampling
 from memrad.engine.forward import prefill_spans
 from memrad.engine.model.hardware import Choice
 from memrad.engine.model.loader import LoadedModel
-from memrad.engine.parking import NoParking, Parking, Prefilled, Publisher, essential
+from memrad.engine.parking import DiskLike, NoDisk, NoParking, Parking, ParkingLike, Prefilled, Publisher, essential
 from memrad.engine.sampling import Shaper, sample, shapes
 from memrad.engine.state.kv import install as install_slabs
 from memrad.engine.state.snapshot import Snapshot, is_croppable
 from memrad.engine.threads import pin as pin_threads
 from memrad.grid import find_anchors
-from memrad.protocol import Decision, FlightEvent, FlightInfo, SessionInfo, TurnEvent
+from memrad.protocol import Decision, FlightEvent, FlightInfo, PoolStats, SessionInfo, TurnEvent
 from memrad.request import Completion, GenerationRequest
 from memrad.reuse.fingerprint import Segment, chain, derive_openers, derive_reply_header, segments
 from memrad.reuse.planner import Mode, Plan, RequestView
-from memrad.reuse.pool import Namespace, ParkedSession, ParkingStats, ReusePool
+from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
 from memrad.reuse.report import decision_event
 
 log = logging.getLogger("memrad.engine")
@@ -88,7 +88,7 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, prefill_chunk: int, threads: int,
                  pool: ReusePool | None = None, mode: Mode = "exact", affinity: bool = True,
-                 longest_prefix: bool = True, disk: Any = None, compile: str = "off", *,
+                 longest_prefix: bool = True, disk: DiskLike = NoDisk(), compile: str = "off", *,
                  events: Publisher | None = None, on_finished: FinishHook | None = None,
                  sampler: Sampler = sample, tool_fallback: bool = True, max_batch: int = 1,
                  prefill_budget: int | None = None, batch_decode: str = "batched") -> None:
@@ -127,8 +127,8 @@ class Engine:
                             else describe_step(loaded.model, loaded.context_len))
         # Control-socket events (memrad.protocol records); published on the engine thread.
         self.events = events if events is not None else Publisher()
-        # pool None: reuse disabled, nothing is parked or resumed. disk None: evicted state is dropped.
-        self.parking = NoParking(self.new_cache) if pool is None else Parking(
+        # pool None: reuse disabled, nothing is parked or resumed. NoDisk: evicted state is dropped.
+        self.parking: ParkingLike = NoParking(self.new_cache) if pool is None else Parking(
             pool, disk, loaded.tokenizer, self.openers, loaded.model.config, prefill_chunk, mode,
             self.new_cache, self.events)
 
@@ -197,8 +197,8 @@ class Engine:
     def namespace(self, request: GenerationRequest) -> Namespace:
         return Namespace(self.model_id, request.cache_salt)
 
-    def stats(self) -> ParkingStats | None:
-        """The pools' figures; None when the pool is off."""
+    def stats(self) -> PoolStats:
+        """The pools' figures; zeros for a tier that is off."""
         return self.parking.stats()
 
     def infos(self) -> list[SessionInfo]:

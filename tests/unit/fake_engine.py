@@ -4,7 +4,7 @@ the access guard): it implements memrad.server.context.ServingEngine and nothing
 from __future__ import annotations
 
 from memrad.chat.reply import ReplyDelta
-from memrad.protocol import Decision
+from memrad.protocol import Decision, PoolStats
 from memrad.request import Completion
 
 
@@ -77,7 +77,7 @@ class FakeEngine:
                           completion_tokens=len(words), cached_tokens=0, ttft_s=0.0, total_s=0.0, decision=decision)
 
     def stats(self):
-        return None
+        return PoolStats(0, 0, 0, 0)  # no pool, no disk tier
 
     def infos(self):
         return []
