@@ -23,12 +23,12 @@ class Slow:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, request, emit, cancelled, on_decision=None):
+    def admit(self, request, emit, cancelled, on_decision=None):
         def slow_emit(text):
             time.sleep(self.step_s)
             emit(text)
 
-        return self._engine.generate(request, slow_emit, cancelled, on_decision)
+        return self._engine.admit(request, slow_emit, cancelled, on_decision)
 
 
 async def harness(tiny_loaded, run, max_queue=16, pool=ReusePool(32, 10**9), step_s=0.0):

@@ -42,9 +42,9 @@ class Engines(Engine):
         super().__init__(*args, **kwargs)
         self.requests = []
 
-    def generate(self, request, emit, cancelled, on_decision=None):
+    def admit(self, request, emit, cancelled, on_decision=None):
         self.requests.append(request)
-        return super().generate(request, emit, cancelled, on_decision)
+        return super().admit(request, emit, cancelled, on_decision)
 
 
 @pytest.fixture
