@@ -6,18 +6,23 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from aiohttp import web
 
 from memrad.config import Settings
+from memrad.chat.reply import ReplyDelta
 from memrad.protocol import FlightInfo, PoolStats, SessionInfo, StateSnapshot
 from memrad.request import Constraint
 from memrad.scheduler import EngineLike, Scheduler
 from memrad.server.response_store import ResponseStore
 
-if TYPE_CHECKING:  # serving imports this module
-    from memrad.server.serving import ReplyParserLike
+
+class ReplyParserLike(Protocol):
+    """memrad.chat.parse.ReplyParser as the server sees it (each call mutates its state)."""
+
+    def feed(self, text: str) -> list[ReplyDelta]: ...
+    def finish(self) -> list[ReplyDelta]: ...
 
 
 class ChatLike(Protocol):
