@@ -11,7 +11,7 @@ from memrad.config import (AffinitySettings, DiskSettings, EngineSettings, PoolS
                            ServerSettings, Settings)
 from memrad.engine.state.disk import DiskTier, state_format
 from memrad.engine.threads import pin
-from memrad.engine.engine import Engine, FinishHook
+from memrad.engine.engine import Engine, EngineOptions, FinishHook
 from memrad.engine.parking import NoDisk
 from memrad.engine.model.loader import LoadedModel, default_pool_bytes, load_model, resolve_threads
 from memrad.paths import sessions_dir
@@ -66,11 +66,12 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
                               pool)
     else:
         log.info("reuse pool disabled: every request runs cold")
-    return Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
-                  settings.affinity.enabled, settings.affinity.longest_prefix, disk,
-                  compile=settings.engine.compile, on_finished=on_finished, tool_fallback=settings.tools.fallback,
-                  max_batch=settings.server.max_batch, prefill_budget=settings.engine.prefill_budget or None,
-                  batch_decode=settings.engine.batch_decode)
+    options = EngineOptions(settings.engine.prefill_chunk, threads, mode=settings.reuse.mode,
+                            affinity=settings.affinity.enabled, longest_prefix=settings.affinity.longest_prefix,
+                            compile=settings.engine.compile, tool_fallback=settings.tools.fallback,
+                            max_batch=settings.server.max_batch, prefill_budget=settings.engine.prefill_budget or None,
+                            batch_decode=settings.engine.batch_decode)
+    return Engine(loaded, options, pool, disk, on_finished=on_finished)
 
 
 def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None = None, affinity: bool = True,

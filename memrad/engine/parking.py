@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from memrad.engine.events import Publisher
 from memrad.engine.state.snapshot import ParkedState, Snapshot, is_croppable, thin_boundaries
 from memrad.grid import cut_floor, is_cut
 from memrad.protocol import Decision, EvictEvent, ParkEvent, PoolStats, SessionInfo
@@ -31,30 +32,6 @@ from memrad.reuse.pool import Namespace, ParkedSession, PrefixMatch, ReusePool
 from memrad.reuse.report import session_info
 
 log = logging.getLogger("memrad.engine")
-
-
-class Publisher:
-    """Control events (memrad.protocol records) to the subscribed sinks, on the engine thread.
-
-    It takes a thunk: with no sink nothing is built, since labels cost tokenizer work. A
-    failing sink is logged and never breaks serving.
-    """
-
-    def __init__(self, *sinks: Callable[[object], None]) -> None:
-        self._sinks = list(sinks)
-
-    def subscribe(self, sink: Callable[[object], None]) -> None:
-        self._sinks.append(sink)
-
-    def __call__(self, make: Callable[[], object]) -> None:
-        if not self._sinks:
-            return
-        event = make()
-        for sink in self._sinks:
-            try:
-                sink(event)
-            except Exception:  # an inspector must never break serving
-                log.exception("publishing %s failed", type(event).__name__)
 
 
 @dataclass(frozen=True, slots=True)

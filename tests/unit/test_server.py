@@ -218,10 +218,10 @@ async def test_health_reports_the_served_model_and_counts(server, tiny_engine):
 
 
 async def test_the_decision_reaches_the_client_in_a_header_and_the_body(tiny_loaded):
-    from memrad.engine.engine import Engine
+    from memrad.engine.engine import Engine, EngineOptions
     from memrad.reuse.pool import ReusePool
 
-    engine = Engine(tiny_loaded, 16, 1, ReusePool(8, 10**9))
+    engine = Engine(tiny_loaded, EngineOptions(16, 1), ReusePool(8, 10**9))
     server = await serve(engine)
     try:
         async with aiohttp.ClientSession() as session:
