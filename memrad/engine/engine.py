@@ -199,8 +199,8 @@ class Engine:
         self.decoder.start()
 
     def init_worker_thread(self) -> None:
-        """Run once on the thread that will call `generate`: fix the intra-op thread count (the
-        daemon's one team: memrad.engine.threads)."""
+        """Run once on the thread that will call `admit` and `step` (or `generate`): fix the
+        intra-op thread count (the daemon's one team: memrad.engine.threads)."""
         pin_threads(self.threads)
 
     def new_cache(self, in_place: bool = True):
@@ -241,9 +241,10 @@ class Engine:
         request asks for logprobs, each generated token's TokenLogprob before its text):
         `admit` it, then `step` until it is done (alongside any other flight admitted before).
 
-        Blocking; call from the engine's single worker thread. `cancelled` is polled between
-        prefill chunks and before every decode step; `on_decision` hears the reuse decision
-        before any prefill work starts.
+        Blocking, for drivers in process (benches, tests); the server goes through `admit`
+        and `step` (memrad.scheduler). Call from the engine's single worker thread. `cancelled`
+        is polled between prefill chunks and before every decode step; `on_decision` hears the
+        reuse decision before any prefill work starts.
         """
         flight = self.admit(request, emit, cancelled, on_decision)
         while flight.completion is None and flight.error is None:
