@@ -97,11 +97,14 @@ class SessionInfo:
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
+    """The reuse pools' figures at one moment (/metrics and the control snapshot read it):
+    the memory pool, then the disk tier. A tier that is off counts zeros."""
+
     sessions: int
     bytes_parked: int
     max_sessions: int
     max_bytes: int
-    disk_sessions: int = 0  # the disk tier (0 and 0 when it is off)
+    disk_sessions: int = 0
     disk_bytes: int = 0
 
 
@@ -128,7 +131,7 @@ class StateSnapshot:
     device: str
     uptime_s: float
     requests_served: int
-    pool: PoolStats | None  # None: MEMRA_REUSE_POOL=0
+    pool: PoolStats  # zeros when MEMRA_REUSE_POOL=0 (the flags say pool = false)
     flags: tuple[tuple[str, str], ...]  # (name, value): mode, affinity, prefill_chunk, ...
     sessions: tuple[SessionInfo, ...]
     dropped: int = 0  # events this connection lost while subscribed (always 0 here)

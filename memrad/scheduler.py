@@ -1,13 +1,12 @@
 """Requests on the model: up to max_batch in flight together, the rest in a bounded FIFO.
 
 The engine runs on one worker thread (torch releases the GIL), so the event loop keeps
-serving /health, errors and streaming while requests decode. An engine that batches
-(memrad.engine.engine: `admit`, `step`, max_batch > 1) is driven one iteration at a time: jobs are admitted
-in arrival order while it has room, and each `step` decodes one token for every decoding
-request and prefills a chunk of the oldest one still prefilling. Otherwise (max_batch 1,
-test fakes with `generate` only) one job runs at a time through `generate`. Text deltas cross back to the loop with
-call_soon_threadsafe. Admission is check-then-act: `submit` either queues the job or raises
-QueueFull, never half of each.
+serving /health, errors and streaming while requests decode. The engine (an EngineLike:
+memrad.engine.engine) is driven one iteration at a time: jobs are admitted in arrival order
+while it has room (max_batch; 1 runs one at a time), and each `step` decodes one token for
+every decoding request and prefills a chunk of the oldest one still prefilling. Text deltas
+cross back to the loop with call_soon_threadsafe. Admission is check-then-act: `submit`
+either queues the job or raises QueueFull, never half of each.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from memrad.protocol import Decision
 from memrad.request import Completion, GenerationRequest, TokenLogprob
@@ -27,11 +26,33 @@ from memrad.request import Completion, GenerationRequest, TokenLogprob
 log = logging.getLogger("memrad.scheduler")
 
 
+class FlightLike(Protocol):
+    """A request the engine put in flight (memrad.engine.flight.Flight): one of the two is
+    set once it ends."""
+
+    completion: Completion | None
+    error: BaseException | None
+
+
 class EngineLike(Protocol):
-    def init_worker_thread(self) -> None: ...
-    def generate(self, request: GenerationRequest, emit: Callable[[str | TokenLogprob], None],
-                 cancelled: Callable[[], bool],
-                 on_decision: Callable[[Decision], None] | None = None) -> Completion: ...
+    """What the scheduler drives (memrad.engine.engine.Engine). Every method runs on the
+    engine thread and mutates the engine's flights."""
+
+    max_batch: int  # flights in at once (1: one request at a time)
+
+    def init_worker_thread(self) -> None:
+        """Once, on the engine thread, before the first `admit`."""
+        ...
+
+    def admit(self, request: GenerationRequest, emit: Callable[[str | TokenLogprob], None],
+              cancelled: Callable[[], bool], on_decision: Callable[[Decision], None] | None = None) -> FlightLike:
+        """Put `request` in flight (fewer than max_batch are); `on_decision` hears its reuse
+        decision, `emit` its text deltas (and TokenLogprobs) as later `step`s make them."""
+        ...
+
+    def step(self) -> list[FlightLike]:
+        """One iteration over the flights; those that ended (completion or error set)."""
+        ...
 
 
 class QueueFull(Exception):
@@ -73,12 +94,7 @@ class Scheduler:
     def __init__(self, engine: EngineLike, max_queue: int) -> None:
         self._engine = engine
         self._max_queue = max_queue
-        # Engines that batch expose admit / step and a max_batch over 1; the rest (max_batch 1,
-        # test fakes with `generate` only) run one job at a time through `generate`.
-        self.max_batch = max(1, int(getattr(engine, "max_batch", 1)))
-        self._batches = self.max_batch > 1 and hasattr(engine, "admit") and hasattr(engine, "step")
-        if not self._batches:
-            self.max_batch = 1
+        self.max_batch = max(1, engine.max_batch)
         self._jobs: list[Job] = []  # FIFO: [running..., waiting...]; guarded by _wake
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -151,15 +167,12 @@ class Scheduler:
         loop = self._loop
         put = lambda item: loop.call_soon_threadsafe(job.deltas.put_nowait, item)  # noqa: E731
         try:
-            if self._batches:
-                flight = self._engine.admit(job.request, put, job.cancel_event.is_set, on_decision=put)
-                self._flights[id(flight)] = job
-            else:
-                self._resolve(job, self._engine.generate(job.request, put, job.cancel_event.is_set, on_decision=put))
+            flight = self._engine.admit(job.request, put, job.cancel_event.is_set, on_decision=put)
+            self._flights[id(flight)] = job
         except Exception as exc:
             self._resolve(job, None, exc)
 
-    def _step(self) -> list[Any]:
+    def _step(self) -> list[FlightLike]:
         try:
             return self._engine.step()
         except Exception as exc:  # the engine's own failures are per flight; this is the loop's

@@ -72,13 +72,14 @@ class ScriptedEngine(Engine):
     def script(self, *replies: str) -> None:
         self.replies.extend(replies)
 
-    def generate(self, request, emit, cancelled, on_decision=None):
+    def admit(self, request, emit, cancelled, on_decision=None):
+        # one request at a time (max_batch 1): its reply is the script's next
         reply = self.replies.popleft() if self.replies else ""
         self._tokens = deque(self.loaded.tokenizer(reply, add_special_tokens=False)["input_ids"])
         self._first = True
         self.prompts.append(request.prompt_ids)
         self.requests.append(request)
-        return super().generate(request, emit, cancelled, on_decision)
+        return super().admit(request, emit, cancelled, on_decision)
 
     def _next_token(self, logits, params, generator) -> int:
         if self._first:

@@ -6,22 +6,27 @@ from __future__ import annotations
 
 import torch
 
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
+from memrad.engine.parking import NoDisk
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 
 
 def make_engine(loaded, chunk, threads=1, *, pool=True, max_sessions=16, max_bytes=10**9, sessions_per_name=16,
-                disk=None, **flags):
+                disk=None, events=None, **flags):
     """An Engine whose finished states land in `engine.finished`. `pool`: True for a fresh
     ReusePool(max_sessions, max_bytes, sessions_per_name), False for none, or a pool to share; `disk`: a disk
-    tier, indexed here so new session ids stay clear of its files (as memrad.engine.build)."""
+    tier, indexed here so new session ids stay clear of its files (as memrad.engine.build), or None for none;
+    `events`: a Publisher (memrad.engine.events); `flags`: EngineOptions fields."""
     pool = ReusePool(max_sessions, max_bytes, sessions_per_name) if pool is True else pool or None
-    if disk is not None:
+    if disk is None:
+        disk = NoDisk()
+    else:
         disk.index()
         pool.skip_ids_up_to(disk.session_ids())
     finished = []
-    engine = Engine(loaded, chunk, threads, pool, disk=disk, on_finished=finished.append, **flags)
+    engine = Engine(loaded, EngineOptions(chunk, threads, **flags), pool, disk, events=events,
+                    on_finished=finished.append)
     engine.finished = finished
     return engine
 

@@ -310,15 +310,15 @@ async def kill9(daemon: Daemon, first_start_s: float) -> bool:
     async with aiohttp.ClientSession() as session:
         api = Api(daemon.url, session)
         m = await api.metrics()
-        disk = m.get(("memra_pool_sessions", (("tier", "disk"),)))
+        disk_sessions = m.get(("memra_pool_sessions", (("tier", "disk"),)))
         intact, decision = await parked.resumes_exactly(api)
         _, text = await api.chat(conversation(2))
     print(f"killed pid {pid} mid-decode; left behind: pidfile {pidfile_left}, socket {socket_left}")
     print(f"memrad start after the kill: serving in {restart_s:.1f} s (first start {first_start_s:.1f} s); "
           f"answers: {bool(text)}")
     print(f"parked session after restart: {'intact (resumed exactly)' if intact else 'lost'} ({decision}); "
-          f"disk tier: {'none in this build' if disk is None else f'{disk:.0f} sessions at restart'}")
-    return bool(text) and (intact or disk is None)
+          f"disk tier: {'none in this build' if disk_sessions is None else f'{disk_sessions:.0f} sessions at restart'}")
+    return bool(text) and (intact or disk_sessions is None)
 
 
 async def kill9_at(daemon: Daemon, point: str) -> bool:

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.engine.state.disk import DiskTier, state_format
 from memrad.request import GenerationRequest, SamplingParams
@@ -36,7 +36,7 @@ def run(loaded, threads: int, sync: bool, rep: int, lines: int = 45) -> tuple[fl
     disk = DiskTier(Path(tempfile.mkdtemp(prefix="memra-spill-ttft-")), 2**33, state_format(loaded, CHUNK, "exact"))
     if sync:  # the write inside the evicting request, on the engine thread
         disk.spill_later = lambda s, evicted, done: done(s, disk.spill(s, evicted))
-    engine = Engine(loaded, CHUNK, threads, ReusePool(1, 2**33), "exact", disk=disk)
+    engine = Engine(loaded, EngineOptions(CHUNK, threads, "exact"), ReusePool(1, 2**33), disk)
     engine.generate(_request(engine, "a", f"a{rep}", lines), lambda _: None, lambda: False)
     last, first = [0.0], [None]
 

@@ -11,7 +11,8 @@ from memrad.config import (AffinitySettings, DiskSettings, EngineSettings, PoolS
                            ServerSettings, Settings)
 from memrad.engine.state.disk import DiskTier, state_format
 from memrad.engine.threads import pin
-from memrad.engine.engine import Engine, FinishHook
+from memrad.engine.engine import Engine, EngineOptions, FinishHook
+from memrad.engine.parking import NoDisk
 from memrad.engine.model.loader import LoadedModel, default_pool_bytes, load_model, resolve_threads
 from memrad.paths import sessions_dir
 from memrad.reuse.pool import ReusePool
@@ -54,7 +55,7 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
                on_finished: FinishHook | None = None) -> Engine:
     """The one way from a loaded model and Settings to an Engine: the pool, the disk tier
     and the flags as configured (the daemon, and the benches that drive an engine in process)."""
-    pool = disk = None
+    pool, disk = None, NoDisk()  # the one place that chooses the tiers
     if settings.pool.enabled:
         max_bytes = settings.pool.max_bytes or default_pool_bytes(loaded.device)
         pool = ReusePool(settings.pool.max_sessions, max_bytes, settings.pool.sessions_per_name)
@@ -65,11 +66,12 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
                               pool)
     else:
         log.info("reuse pool disabled: every request runs cold")
-    return Engine(loaded, settings.engine.prefill_chunk, threads, pool, settings.reuse.mode,
-                  settings.affinity.enabled, settings.affinity.longest_prefix, disk,
-                  compile=settings.engine.compile, on_finished=on_finished, tool_fallback=settings.tools.fallback,
-                  max_batch=settings.server.max_batch, prefill_budget=settings.engine.prefill_budget or None,
-                  batch_decode=settings.engine.batch_decode)
+    options = EngineOptions(settings.engine.prefill_chunk, threads, mode=settings.reuse.mode,
+                            affinity=settings.affinity.enabled, longest_prefix=settings.affinity.longest_prefix,
+                            compile=settings.engine.compile, tool_fallback=settings.tools.fallback,
+                            max_batch=settings.server.max_batch, prefill_budget=settings.engine.prefill_budget or None,
+                            batch_decode=settings.engine.batch_decode)
+    return Engine(loaded, options, pool, disk, on_finished=on_finished)
 
 
 def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None = None, affinity: bool = True,

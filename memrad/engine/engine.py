@@ -40,17 +40,18 @@ from memrad.engine.flight import Flight, Sampling
 from memrad.engine.forward import prefill_spans
 from memrad.engine.model.hardware import Choice
 from memrad.engine.model.loader import LoadedModel
-from memrad.engine.parking import NoParking, Parking, Prefilled, Publisher, essential
+from memrad.engine.events import Publisher
+from memrad.engine.parking import DiskLike, NoDisk, NoParking, Parking, ParkingLike, Prefilled, essential
 from memrad.engine.sampling import Shaper, sample, shapes
 from memrad.engine.state.layers import install as install_slabs
 from memrad.engine.state.snapshot import Snapshot, is_croppable
 from memrad.engine.threads import pin as pin_threads
 from memrad.grid import find_anchors
-from memrad.protocol import Decision, FlightEvent, FlightInfo, SessionInfo, TurnEvent
-from memrad.request import Completion, GenerationRequest
+from memrad.protocol import Decision, FlightEvent, FlightInfo, PoolStats, SessionInfo, TurnEvent
+from memrad.request import Completion, GenerationRequest, TokenLogprob
 from memrad.reuse.fingerprint import Segment, chain, derive_openers, derive_reply_header, segments
 from memrad.reuse.planner import Mode, Plan, RequestView
-from memrad.reuse.pool import Namespace, ParkedSession, ParkingStats, ReusePool
+from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
 from memrad.reuse.report import decision_event
 
 log = logging.getLogger("memrad.engine")
@@ -82,54 +83,70 @@ FinishHook = Callable[[FinishedState], None]
 Sampler = Callable[..., int]  # (logits [V], SamplingParams, generator) -> token id
 
 
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """How an Engine runs, fixed for its life (memrad.engine.build.engine_for fills it from
+    Settings; tests and benches name what they change)."""
+
+    prefill_chunk: int  # tokens per prefill chunk: the canonical grid's step (memrad.grid)
+    threads: int  # the engine thread's intra-op team (memrad.engine.threads)
+    mode: Mode = "exact"  # exact: a resume starts on the grid, so resumed equals cold; fast: reuse everything
+    affinity: bool = True  # the affinity tier nominates (MEMRA_AFFINITY=0: the A/B arm)
+    longest_prefix: bool = True  # the longest common prefix with any parked session nominates
+    compile: str = "off"  # the one-row decode step: off, on or auto (memrad.engine.decode.decoder)
+    tool_fallback: bool = True  # memra's tool-call convention where the chat template has none
+    # Requests in flight together (memrad.engine.flight); 1 runs one at a time.
+    max_batch: int = 1
+    # Each iteration prefills at least one chunk and more while under this many tokens (None: one chunk).
+    prefill_budget: int | None = None
+    # "batched": one step of max_batch rows for the llama-shaped models (weights read once);
+    # "rows": each flight on the one-row step (compiled once ready), one after another.
+    batch_decode: str = "batched"
+
+
 class Engine:
     """The generation loop over one loaded model; reuse bookkeeping is `parking`'s
     (memrad.engine.parking), chat text is `chat`'s (memrad.chat.chat)."""
 
-    def __init__(self, loaded: LoadedModel, prefill_chunk: int, threads: int,
-                 pool: ReusePool | None = None, mode: Mode = "exact", affinity: bool = True,
-                 longest_prefix: bool = True, disk: Any = None, compile: str = "off", *,
-                 events: Publisher | None = None, on_finished: FinishHook | None = None,
-                 sampler: Sampler = sample, tool_fallback: bool = True, max_batch: int = 1,
-                 prefill_budget: int | None = None, batch_decode: str = "batched") -> None:
+    def __init__(self, loaded: LoadedModel, options: EngineOptions, pool: ReusePool | None = None,
+                 disk: DiskLike = NoDisk(), *, events: Publisher | None = None,
+                 on_finished: FinishHook | None = None, sampler: Sampler = sample) -> None:
+        """`pool` None: reuse disabled, nothing is parked or resumed; `disk` NoDisk: evicted
+        state is dropped (NoDisk holds nothing, so one default serves every engine)."""
         self.loaded = loaded
-        self.prefill_chunk = prefill_chunk
-        self.threads = threads
-        self.mode = mode
-        self.affinity = affinity
-        self.longest_prefix = longest_prefix
+        self.options = options
+        self.prefill_chunk = options.prefill_chunk
+        self.threads = options.threads
+        mode = self.mode = options.mode
+        self.affinity = options.affinity
+        self.longest_prefix = options.longest_prefix
         # Control tokens that open a chat message: the fingerprint splits prompts at them.
         self.openers = derive_openers(loaded.tokenizer)
         # Exact mode also cuts prefill right after each reply header (memrad.grid).
         self.reply_header = derive_reply_header(loaded.tokenizer) if mode == "exact" else ()
         self.on_finished = on_finished
-        # Requests in flight together (memrad.engine.flight); 1 runs one at a time. Each
-        # iteration prefills at least one chunk and more while under `prefill_budget` tokens.
-        self.max_batch = max_batch
-        # "batched": one step of max_batch rows for the llama-shaped models (weights read once);
-        # "rows": each flight on the one-row step (compiled once ready), one after another.
-        assert batch_decode in ("batched", "rows"), batch_decode
-        self.batch_decode = batch_decode
-        self.prefill_budget = prefill_budget or prefill_chunk
+        self.max_batch = options.max_batch
+        assert options.batch_decode in ("batched", "rows"), options.batch_decode
+        self.batch_decode = options.batch_decode
+        self.prefill_budget = options.prefill_budget or options.prefill_chunk
         self._flights: list[Flight] = []
         self._steps = 0  # prefill turns handed out (the round-robin's clock)
-        self.chat = Chat(loaded.tokenizer, tool_fallback=tool_fallback)
+        self.chat = Chat(loaded.tokenizer, tool_fallback=options.tool_fallback)
         # Next-token choice; a test engine passes a token script (prefill, reuse stay real).
         self.sampler = sampler
         self._sampling = Sampling(lambda *args: self.sampler(*args), loaded.eos_ids, loaded.tokenizer,
                                   self.chat.format.markup_ids, self.chat.grammars.token_bytes, self._shaper)
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
-        self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, compile, builder.Recipe(
+        self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, options.compile, builder.Recipe(
             str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len), exact=mode == "exact",
-            batch_rows=max_batch if self._batches() else None)
+            batch_rows=self.max_batch if self._batches() else None)
         # Which step that is (llama-shaped, Gemma 3, Qwen3-Next) and its layers; none where transformers decodes.
         self.step_choice = (Choice("none", self.decoder.choice.reason) if self.decoder.step is None
                             else describe_step(loaded.model, loaded.context_len))
         # Control-socket events (memrad.protocol records); published on the engine thread.
         self.events = events if events is not None else Publisher()
-        # pool None: reuse disabled, nothing is parked or resumed. disk None: evicted state is dropped.
-        self.parking = NoParking(self.new_cache) if pool is None else Parking(
-            pool, disk, loaded.tokenizer, self.openers, loaded.model.config, prefill_chunk, mode,
+        self.parking: ParkingLike = NoParking(self.new_cache) if pool is None else Parking(
+            pool, disk, loaded.tokenizer, self.openers, loaded.model.config, self.prefill_chunk, mode,
             self.new_cache, self.events)
 
     @property
@@ -182,8 +199,8 @@ class Engine:
         self.decoder.start()
 
     def init_worker_thread(self) -> None:
-        """Run once on the thread that will call `generate`: fix the intra-op thread count (the
-        daemon's one team: memrad.engine.threads)."""
+        """Run once on the thread that will call `admit` and `step` (or `generate`): fix the
+        intra-op thread count (the daemon's one team: memrad.engine.threads)."""
         pin_threads(self.threads)
 
     def new_cache(self, in_place: bool = True):
@@ -197,8 +214,8 @@ class Engine:
     def namespace(self, request: GenerationRequest) -> Namespace:
         return Namespace(self.model_id, request.cache_salt)
 
-    def stats(self) -> ParkingStats | None:
-        """The pools' figures; None when the pool is off."""
+    def stats(self) -> PoolStats:
+        """The pools' figures; zeros for a tier that is off."""
         return self.parking.stats()
 
     def infos(self) -> list[SessionInfo]:
@@ -224,9 +241,10 @@ class Engine:
         request asks for logprobs, each generated token's TokenLogprob before its text):
         `admit` it, then `step` until it is done (alongside any other flight admitted before).
 
-        Blocking; call from the engine's single worker thread. `cancelled` is polled between
-        prefill chunks and before every decode step; `on_decision` hears the reuse decision
-        before any prefill work starts.
+        Blocking, for drivers in process (benches, tests); the server goes through `admit`
+        and `step` (memrad.scheduler). Call from the engine's single worker thread. `cancelled`
+        is polled between prefill chunks and before every decode step; `on_decision` hears the
+        reuse decision before any prefill work starts.
         """
         flight = self.admit(request, emit, cancelled, on_decision)
         while flight.completion is None and flight.error is None:

@@ -5,9 +5,11 @@
          -> park: replace the parent (same conversation) or park beside it (a fork)
                   -> the memory cap evicts LRU -> spill to the disk tier, else drop
 
-`Parking` owns the memory pool, the disk tier and the retention policy (which snapshots a
-session keeps, up to where it is exact). `NoParking` is the same interface when the pool is
-off (MEMRA_REUSE_POOL=0): every plan is cold and nothing is kept. Neither knows the Engine:
+`ParkingLike` is the interface the Engine uses. `Parking` owns the memory pool, the disk
+tier and the retention policy (which snapshots a session keeps, up to where it is exact).
+`NoParking` is the same interface when the pool is off (MEMRA_REUSE_POOL=0): every plan is
+cold and nothing is kept. The disk tier is a `DiskLike`: memrad.engine.state.disk.DiskTier,
+or `NoDisk` when it is off (evicted state is dropped). Neither parking knows the Engine:
 they get values and callbacks (`new_cache`, `publish`), so the import graph stays acyclic.
 """
 
@@ -17,42 +19,19 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
+from memrad.engine.events import Publisher
 from memrad.engine.state.snapshot import ParkedState, Snapshot, is_croppable, thin_boundaries
 from memrad.grid import cut_floor, is_cut
-from memrad.protocol import Decision, EvictEvent, ParkEvent, SessionInfo
+from memrad.protocol import Decision, EvictEvent, ParkEvent, PoolStats, SessionInfo
 from memrad.request import GenerationRequest
 from memrad.reuse.fingerprint import Segment, chain
 from memrad.reuse.planner import Mode, Plan, RequestView, plan
-from memrad.reuse.pool import Namespace, ParkedSession, ParkingStats, ReusePool
+from memrad.reuse.pool import Namespace, ParkedSession, PrefixMatch, ReusePool
 from memrad.reuse.report import session_info
 
 log = logging.getLogger("memrad.engine")
-
-
-class Publisher:
-    """Control events (memrad.protocol records) to the subscribed sinks, on the engine thread.
-
-    It takes a thunk: with no sink nothing is built, since labels cost tokenizer work. A
-    failing sink is logged and never breaks serving.
-    """
-
-    def __init__(self, *sinks: Callable[[object], None]) -> None:
-        self._sinks = list(sinks)
-
-    def subscribe(self, sink: Callable[[object], None]) -> None:
-        self._sinks.append(sink)
-
-    def __call__(self, make: Callable[[], object]) -> None:
-        if not self._sinks:
-            return
-        event = make()
-        for sink in self._sinks:
-            try:
-                sink(event)
-            except Exception:  # an inspector must never break serving
-                log.exception("publishing %s failed", type(event).__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +65,98 @@ def essential(prompt_len: int, chunk: int, anchors: tuple[int, ...], mode: Mode)
     return wanted
 
 
+class ParkingLike(Protocol):
+    """What the Engine asks of reuse bookkeeping (`Parking`, or `NoParking` when the pool is
+    off). Call every method from the engine thread."""
+
+    def plan(self, view: RequestView, affinity: bool, longest_prefix: bool) -> Plan:
+        """Decide reuse among the parked sessions (pure: the pools are only read)."""
+        ...
+
+    def load(self, decided: Plan, replan: Callable[[], Plan]) -> Plan:
+        """The plan with a chosen disk session's state loaded (mutates: a file that fails its
+        checks is deleted and the request planned again without it)."""
+        ...
+
+    def get(self, session_id: str | None) -> ParkedSession | None:
+        """A session parked in memory (does not mutate)."""
+        ...
+
+    def check_out(self, decided: Plan, anchors: tuple[int, ...]) -> tuple[Any, Prefilled]:
+        """The cache a request prefills into (mutates: a parent it replaces leaves the pools)."""
+        ...
+
+    def resume_failed(self, decided: Plan) -> None:
+        """A checked-out parent that nothing will replace is dropped (mutates)."""
+        ...
+
+    def park(self, request: GenerationRequest, namespace: Namespace, decided: Plan, cache: Any, pre: Prefilled,
+             fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...]) -> ParkedSession | None:
+        """Park what a finished request left (mutates); the session parked, if any."""
+        ...
+
+    def spill_all(self) -> list[Unsaved]:
+        """At `memrad stop`: write what is parked to the disk tier (mutates); what was lost."""
+        ...
+
+    def infos(self) -> list[SessionInfo]:
+        """Every parked session as a SessionInfo record (does not mutate)."""
+        ...
+
+    def stats(self) -> PoolStats:
+        """The pools' figures, zeros for a tier that is off (does not mutate)."""
+        ...
+
+
+class DiskLike(Protocol):
+    """What parking asks of the disk tier (memrad.engine.state.disk.DiskTier, or `NoDisk`).
+    `pool` holds its sessions' records (state None, on_disk True); the planner reads it."""
+
+    pool: ReusePool
+    eviction: str  # what becomes of a session the memory cap evicts, for its log line
+
+    def load(self, session: ParkedSession, new_cache: Callable[[], Any]) -> ParkedState | None:
+        """A disk session's state, or None when its file fails its checks (deleted: mutates)."""
+        ...
+
+    def forget(self, session_id: str, why: str = ...) -> None:
+        """Drop one session and its file (mutates; no-op if it is not on disk)."""
+        ...
+
+    def spill_later(self, session: ParkedSession, on_evicted: Callable[[ParkedSession], None],
+                    on_done: Callable[[ParkedSession, str | None], None]) -> None:
+        """Take a session the memory cap evicted (mutates, on the tier's writer thread)."""
+        ...
+
+    def spill_all(self, sessions: list[ParkedSession],
+                  on_evicted: Callable[[ParkedSession], None]) -> list[tuple[ParkedSession, str]]:
+        """At `memrad stop`: write `sessions` (mutates); those not written, and why."""
+        ...
+
+
+class NoDisk:
+    """The disk tier is off: nothing is on disk, and an evicted session is dropped."""
+
+    eviction = "dropped (no disk tier)"
+
+    def __init__(self) -> None:
+        self.pool = ReusePool(max_sessions=0, max_bytes=0)  # always empty
+
+    def load(self, session: ParkedSession, new_cache: Callable[[], Any]) -> ParkedState | None:
+        return None
+
+    def forget(self, session_id: str, why: str = "") -> None:
+        pass
+
+    def spill_later(self, session: ParkedSession, on_evicted: Callable[[ParkedSession], None],
+                    on_done: Callable[[ParkedSession, str | None], None]) -> None:
+        on_evicted(session)
+
+    def spill_all(self, sessions: list[ParkedSession],
+                  on_evicted: Callable[[ParkedSession], None]) -> list[tuple[ParkedSession, str]]:
+        return []
+
+
 class NoParking:
     """The pool is off: plans are cold, nothing is checked out, parked or counted."""
 
@@ -117,29 +188,29 @@ class NoParking:
     def infos(self) -> list[SessionInfo]:
         return []
 
-    def stats(self) -> ParkingStats | None:
-        return None
+    def stats(self) -> PoolStats:
+        return PoolStats(0, 0, 0, 0)
 
 
-class Parking(NoParking):
-    """The memory pool and (optionally) the disk tier behind it. Every method but `plan`,
-    `get`, `infos` and `stats` mutates the pools; call them from the engine thread."""
+class Parking:
+    """The memory pool and the disk tier behind it (`NoDisk` when off). Every method but
+    `plan`, `get`, `infos` and `stats` mutates the pools; call them from the engine thread."""
 
-    def __init__(self, pool: ReusePool, disk: Any, tokenizer: Any, openers: frozenset[int], model_config: Any,
-                 chunk: int, mode: Mode, new_cache: Callable[[], Any], publish: Publisher) -> None:
-        super().__init__(new_cache)
+    def __init__(self, pool: ReusePool, disk: DiskLike, tokenizer: Any, openers: frozenset[int],
+                 model_config: Any, chunk: int, mode: Mode, new_cache: Callable[[], Any],
+                 publish: Publisher) -> None:
+        self.new_cache = new_cache
         self.pool = pool
-        self.disk = disk  # memrad.engine.state.disk.DiskTier or None: evicted state is dropped
+        self.disk = disk  # memrad.engine.state.disk.DiskTier, or NoDisk
         self.tokenizer, self.openers, self.model_config = tokenizer, openers, model_config
         self.chunk, self.mode = chunk, mode
         self.publish = publish
 
     def plan(self, view: RequestView, affinity: bool, longest_prefix: bool) -> Plan:
         """Decide reuse among the parked sessions of both tiers (pure; the pools are only read)."""
-        sessions, matches = self.pool.sessions(), self.pool.prefix_matches(view.namespace, view.prompt_ids)
-        if self.disk is not None:
-            sessions += self.disk.pool.sessions()
-            matches += self.disk.pool.prefix_matches(view.namespace, view.prompt_ids)
+        sessions = self.pool.sessions() + self.disk.pool.sessions()
+        matches: tuple[PrefixMatch, ...] = (self.pool.prefix_matches(view.namespace, view.prompt_ids)
+                                            + self.disk.pool.prefix_matches(view.namespace, view.prompt_ids))
         return plan(view, sessions, self.mode, self.chunk, affinity, longest_prefix, matches)
 
     def load(self, decided: Plan, replan: Callable[[], Plan]) -> Plan:
@@ -172,8 +243,7 @@ class Parking(NoParking):
         # never lists a state that is being written. Its boundary snapshots below the
         # checkpoint stay exact and pass to the successor.
         self.pool.remove(parent.session_id)
-        if self.disk is not None:
-            self.disk.forget(parent.session_id)
+        self.disk.forget(parent.session_id)
         cache = parent.state.rebuild(self.model_config, decided.checkpoint)
         return cache, Prefilled(decided.checkpoint, decided.checkpoint, parent.state.below(decided.checkpoint),
                                 anchors)
@@ -238,20 +308,17 @@ class Parking(NoParking):
         return session
 
     def _evicted(self, old: ParkedSession) -> None:
-        """The memory cap pushed `old` out: spill it to the disk tier (if any; on its writer
-        thread, so the request that evicted it does not wait for the write), else drop it."""
-        log.info("evicted %s (%d tokens, %d bytes)%s", old.session_id, old.num_tokens, old.num_bytes,
-                 "; spilling to disk" if self.disk is not None else "")
-        if self.disk is None:
-            self.publish(lambda: EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes))
-        else:
-            self.disk.spill_later(old, self._evicted_from_disk, self._spilled)
+        """The memory cap pushed `old` out: the disk tier spills it (on its writer thread, so
+        the request that evicted it does not wait for the write); `NoDisk` drops it."""
+        log.info("evicted %s (%d tokens, %d bytes); %s", old.session_id, old.num_tokens, old.num_bytes,
+                 self.disk.eviction)
+        self.disk.spill_later(old, self._evicted_from_disk, self._spilled)
 
     def _spilled(self, old: ParkedSession, failed: str | None) -> None:
         """A spill finished (on the disk tier's writer thread): say where the session went."""
-        on_disk = self.disk.pool.get(old.session_id) if failed is None else None
-        if on_disk is not None:  # the same session, now on disk
-            self.publish(lambda: ParkEvent(time.time(), session_info(self.tokenizer, on_disk, self.openers),
+        written = self.disk.pool.get(old.session_id) if failed is None else None
+        if written is not None:  # the same session, now on disk
+            self.publish(lambda: ParkEvent(time.time(), session_info(self.tokenizer, written, self.openers),
                                            old.session_id))
         else:  # not written (the disk tier logged why), or already pushed out by the cap
             self.publish(lambda: EvictEvent(time.time(), old.session_id, old.num_tokens, old.num_bytes, failed))
@@ -268,26 +335,14 @@ class Parking(NoParking):
         """At `memrad stop`: write every parked session to the disk tier (most recent last, so
         the disk's LRU keeps the freshest); the sessions that could not be written, and why.
         Call once nothing runs on the engine."""
-        if self.disk is None:
-            return []
-        evicted = [Unsaved(s.session_id, s.num_tokens, why) for s, why in self.disk.drain()]
-        sessions = self.pool.sessions()
-        unsaved = []
-        for s in sessions:
-            why = self.disk.spill(s, self._evicted_from_disk)
-            if why is not None:
-                unsaved.append(Unsaved(s.session_id, s.num_tokens, why))
-        log.info("wrote %d of %d parked sessions to %s", len(sessions) - len(unsaved), len(sessions),
-                 self.disk.directory)
-        return evicted + unsaved
+        return [Unsaved(s.session_id, s.num_tokens, why)
+                for s, why in self.disk.spill_all(self.pool.sessions(), self._evicted_from_disk)]
 
     def infos(self) -> list[SessionInfo]:
         """Every parked session as a SessionInfo record (disk first, each least recently used first)."""
-        on_disk = self.disk.pool.sessions() if self.disk is not None else []
-        return [session_info(self.tokenizer, s, self.openers) for s in on_disk + self.pool.sessions()]
+        return [session_info(self.tokenizer, s, self.openers) for s in self.disk.pool.sessions() + self.pool.sessions()]
 
-    def stats(self) -> ParkingStats:
-        pool, disk = self.pool, self.disk
-        return ParkingStats(len(pool.sessions()), pool.bytes_parked, pool.max_sessions, pool.max_bytes,
-                            len(disk.pool.sessions()) if disk is not None else None,
-                            disk.pool.bytes_parked if disk is not None else None)
+    def stats(self) -> PoolStats:
+        pool, disk = self.pool, self.disk.pool
+        return PoolStats(len(pool.sessions()), pool.bytes_parked, pool.max_sessions, pool.max_bytes,
+                         len(disk.sessions()), disk.bytes_parked)

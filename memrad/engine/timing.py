@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from memrad.engine.decode.steps.llama import attention_shape
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import cache_length, crop_to, decode_one_token, prefill
 from memrad.engine.model.loader import LoadedModel
 from memrad.engine.state.snapshot import ParkedState, Snapshot, is_croppable
@@ -68,7 +68,7 @@ class Arm:
     def __init__(self, name: str, loaded: LoadedModel, chunk: int, threads: int, decode: str = "eager") -> None:
         assert decode in DECODES, decode
         self.name, self.loaded = name, loaded
-        self.engine = Engine(loaded, chunk, threads, compile={"compiled": "on"}.get(decode, "off"))
+        self.engine = Engine(loaded, EngineOptions(chunk, threads, compile={"compiled": "on"}.get(decode, "off")))
         self.engine.init_worker_thread()  # fixes torch's intra-op threads before compiling
         self.engine.decoder.start()
         self.compile_s = self.engine.decoder.compile_s

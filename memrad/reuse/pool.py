@@ -74,18 +74,6 @@ class PoolFull(Exception):
     """A single session is larger than the whole byte cap."""
 
 
-@dataclass(frozen=True, slots=True)
-class ParkingStats:
-    """The pools' figures at one moment: /metrics and the control snapshot both read this."""
-
-    sessions: int
-    bytes_parked: int
-    max_sessions: int
-    max_bytes: int
-    disk_sessions: int | None = None  # None: no disk tier
-    disk_bytes: int | None = None
-
-
 class ReusePool:
     def __init__(self, max_sessions: int, max_bytes: int, sessions_per_name: int | None = None) -> None:
         self.max_sessions = max_sessions

@@ -107,11 +107,8 @@ def _gauges(ctx: ServerContext) -> dict:
     """What /metrics reads at scrape time (memrad.server.metrics.GAUGES names the keys)."""
     running = len(ctx.scheduler.running)
     values: dict = {"queue_depth": ctx.scheduler.waiting, "running_requests": running}
-    stats = ctx.engine.stats()
-    if stats is not None:
-        values.update(pool_sessions={"memory": stats.sessions}, pool_bytes={"memory": stats.bytes_parked},
-                      pool_max_bytes=stats.max_bytes, pool_max_sessions=stats.max_sessions)
-        if stats.disk_sessions is not None:  # the disk tier, where the engine has one
-            values["pool_sessions"]["disk"] = stats.disk_sessions
-            values["pool_bytes"]["disk"] = stats.disk_bytes
+    stats = ctx.engine.stats()  # zeros for a tier that is off
+    values.update(pool_sessions={"memory": stats.sessions, "disk": stats.disk_sessions},
+                  pool_bytes={"memory": stats.bytes_parked, "disk": stats.disk_bytes},
+                  pool_max_bytes=stats.max_bytes, pool_max_sessions=stats.max_sessions)
     return values

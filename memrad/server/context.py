@@ -6,19 +6,23 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from aiohttp import web
 
 from memrad.config import Settings
+from memrad.chat.reply import ReplyDelta
 from memrad.protocol import FlightInfo, PoolStats, SessionInfo, StateSnapshot
 from memrad.request import Constraint
-from memrad.reuse.pool import ParkingStats
 from memrad.scheduler import EngineLike, Scheduler
 from memrad.server.response_store import ResponseStore
 
-if TYPE_CHECKING:  # serving imports this module
-    from memrad.server.serving import ReplyParserLike
+
+class ReplyParserLike(Protocol):
+    """memrad.chat.parse.ReplyParser as the server sees it (each call mutates its state)."""
+
+    def feed(self, text: str) -> list[ReplyDelta]: ...
+    def finish(self) -> list[ReplyDelta]: ...
 
 
 class ChatLike(Protocol):
@@ -49,7 +53,7 @@ class ServingEngine(EngineLike, Protocol):
     events: EventsLike  # control events, on the engine thread
     runtime_choices: dict[str, dict[str, str]]  # what the hardware choices picked, and why
 
-    def stats(self) -> ParkingStats | None: ...  # None: the pool is off
+    def stats(self) -> PoolStats: ...  # zeros for a tier that is off
     def infos(self) -> list[SessionInfo]: ...
     def flight_infos(self) -> list[FlightInfo]: ...  # the requests on the model now
     def close(self) -> list[str]: ...  # one line per parked session not saved to disk
@@ -81,13 +85,11 @@ CONTEXT = web.AppKey("context", ServerContext)
 
 def state_snapshot(ctx: ServerContext) -> StateSnapshot:
     """The control socket's `snapshot`: parked sessions, pool stats, the flags in force."""
-    settings, parked = ctx.settings, ctx.engine.stats()
-    stats = None if parked is None else PoolStats(parked.sessions, parked.bytes_parked, parked.max_sessions,
-                                                  parked.max_bytes, parked.disk_sessions or 0, parked.disk_bytes or 0)
+    settings = ctx.settings
     flags = (("reuse.mode", settings.reuse.mode), ("affinity", str(settings.affinity.enabled).lower()),
              ("longest_prefix", str(settings.affinity.longest_prefix).lower()),
              ("pool", str(settings.pool.enabled).lower()),
              ("prefill_chunk", str(settings.engine.prefill_chunk)), ("dtype", ctx.dtype))
     return StateSnapshot(model=ctx.engine.model_id, device=ctx.device, uptime_s=round(time.time() - ctx.started_at, 3),
-                         requests_served=ctx.scheduler.requests_served, pool=stats, flags=flags,
+                         requests_served=ctx.scheduler.requests_served, pool=ctx.engine.stats(), flags=flags,
                          sessions=tuple(ctx.engine.infos()), flights=tuple(ctx.engine.flight_infos()))

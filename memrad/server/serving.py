@@ -30,7 +30,7 @@ from memrad.chat.reply import Reply, ReplyBuilder, ReplyDelta, plain_reply_delta
 from memrad.request import Completion, GenerationRequest, TokenLogprob
 from memrad.scheduler import Job, QueueFull, ShuttingDown
 from memrad.server.connections import connection_of
-from memrad.server.context import ServerContext
+from memrad.server.context import ReplyParserLike, ServerContext
 from memrad.server.decoding import reply_sampling
 from memrad.server.errors import APIError, ErrorStyle, error_style, invalid, server_error, unavailable
 from memrad.server.metrics import CLIENT_GONE, CLIENT_GONE_KEY, STREAM_FAILED_KEY
@@ -52,13 +52,6 @@ class Shape(Protocol):
     def closing(self, reply: Reply, c: Completion, logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]: ...
     def whole(self, reply: Reply, c: Completion, decision: Decision | None) -> dict: ...
     def stream_error(self, body: dict) -> list[Event]: ...
-
-
-class ReplyParserLike(Protocol):
-    """memrad.chat.parse.ReplyParser as the server sees it."""
-
-    def feed(self, text: str) -> list[ReplyDelta]: ...
-    def finish(self) -> list[ReplyDelta]: ...
 
 
 # How often a handler checks whether its client went away when its connection is not

@@ -2,7 +2,7 @@
 
 import pytest
 
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.request import GenerationRequest, Identity, SamplingParams
 from memrad.reuse.pool import ReusePool
 from test_reuse_default_model import CHUNK, SYSTEM, exact_resume
@@ -29,9 +29,9 @@ def run_conversation(engine, identity):
 
 @pytest.mark.parametrize("identity", [Identity("agent-7", "session_id"), None], ids=["named", "implicit"])
 def test_a_rewriting_client_resumes_every_turn_and_matches_the_affinity_off_arm(smol, identity):
-    on = run_conversation(Engine(smol, CHUNK, 2, ReusePool(8, 2**31), "exact", affinity=True), identity)
-    off = run_conversation(Engine(smol, CHUNK, 2, ReusePool(8, 2**31), "exact", affinity=False,
-                                  longest_prefix=False), identity)
+    on = run_conversation(Engine(smol, EngineOptions(CHUNK, 2, "exact", affinity=True), ReusePool(8, 2**31)), identity)
+    off = run_conversation(Engine(smol, EngineOptions(CHUNK, 2, "exact", affinity=False, longest_prefix=False),
+                                  ReusePool(8, 2**31)), identity)
     first_nominated = 1 if identity is not None else 2  # implicit needs 3 shared segments
     for turn, (a, b) in enumerate(zip(on, off)):
         assert a.text == b.text, f"turn {turn + 1} differs between arms"

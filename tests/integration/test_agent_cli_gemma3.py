@@ -5,7 +5,7 @@ Gemma 3's template has no tool format, so every tool the CLIs send reaches the m
 memra's tool convention (memrad/chat/convention.py; `tools.fallback = false` would make each
 of these requests a 400). gemma3-270m serves its native 32,768 tokens, which holds every
 CLI's first prompt in Gemma's tokens (the tested configurations: Claude Code ~22.1k, Qwen
-Code ~15.9k, Codex ~8.9k, opencode ~7.5k; docs/BENCHMARKS.md, issue 21 session 9).
+Code ~15.9k, Codex ~8.9k, opencode ~7.5k; docs/BENCHMARKS.md#agent-clis).
 Replies are capped at 64 tokens (MEMRA_MAX_REPLY_TOKENS) to keep CI's time: the base model
 rambles to whatever cap it gets, and Claude Code asks for three continuations of a reply
 cut at the cap. Each run is measured between two idle daemons (tests/integration/cli_runs.py).
@@ -18,7 +18,7 @@ import pytest
 from cli_runs import assert_every_request_served, run_cli
 
 REPLY_CAP = 64
-# A lower bound on each CLI's first prompt in Gemma's tokens (docs/BENCHMARKS.md, session 9).
+# A lower bound on each CLI's first prompt in Gemma's tokens (docs/BENCHMARKS.md#agent-clis).
 FIRST_PROMPT = {"claude": 20_000, "qwen": 14_000, "codex": 8_000, "opencode": 6_500}
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memrad.engine.model.catalog import GEMMA3_270M
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.model.pull import is_converted, model_dir
 from memrad.reuse.pool import ReusePool
 from test_reuse_default_model import ask
@@ -31,7 +31,7 @@ def gemma_loaded():
 
 
 def test_gemma_has_non_croppable_state_and_memra_supplies_its_turn_template(gemma_loaded):
-    engine = Engine(gemma_loaded, CHUNK, 2, ReusePool(8, 2**31), "exact")
+    engine = Engine(gemma_loaded, EngineOptions(CHUNK, 2, "exact"), ReusePool(8, 2**31))
     text, _ = engine.chat.render([{"role": "system", "content": "Be brief."},
                                   {"role": "user", "content": "Hi"}], None)
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"

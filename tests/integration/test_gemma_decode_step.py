@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
 from test_gemma_boundaries import gemma_loaded  # noqa: F401 (the fixture: float32, 2 threads)
 
@@ -42,7 +42,7 @@ def transformers_tokens(gemma_loaded, prompt):
 
 
 def greedy(loaded, feed, prompt):
-    cache = Engine(loaded, CHUNK, 2).new_cache()
+    cache = Engine(loaded, EngineOptions(CHUNK, 2)).new_cache()
     logits = prefill(loaded.model, cache, prompt, 0, CHUNK)
     tokens = []
     for step in range(STEPS):

@@ -16,7 +16,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from memrad.config import Settings
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.reuse.fingerprint import segment_spans
 from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
@@ -33,7 +33,7 @@ SYSTEM = "You are a coding agent."
 
 @pytest.fixture
 async def served(gemma_loaded):  # noqa: F811
-    engine = ScriptedEngine(gemma_loaded, prefill_chunk=256, threads=2, pool=ReusePool(8, 2**31))
+    engine = ScriptedEngine(gemma_loaded, EngineOptions(256, 2), ReusePool(8, 2**31))
     server = TestServer(make_app(Settings(), engine, "cpu", "float32"), host="127.0.0.1")
     await server.start_server()
     yield engine, server
@@ -125,7 +125,7 @@ async def test_messages_tool_round_trip_on_gemma(served):
 
 
 async def test_with_the_fallback_off_gemma_answers_tools_with_a_400(gemma_loaded):  # noqa: F811
-    engine = Engine(gemma_loaded, 256, 2, tool_fallback=False)
+    engine = Engine(gemma_loaded, EngineOptions(256, 2, tool_fallback=False))
     server = TestServer(make_app(Settings(), engine, "cpu", "float32"), host="127.0.0.1")
     await server.start_server()
     try:

@@ -5,7 +5,7 @@ kernel where the CPU has AMX: memrad.engine.model.attention).
 
 The length: an agent CLI's first request, ~20k tokens (Claude Code's with its default tools:
 20,326). The test primes 20k cold twice (the first turn, and the second turn's cold rerun);
-docs/BENCHMARKS.md (the issue's section) has the time it took."""
+docs/BENCHMARKS.md#the-prefill-attention-kernel has the time it took."""
 
 import pytest
 import torch

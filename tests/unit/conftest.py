@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.model.loader import load_model
 from fake_engine import FakeEngine
 from tiny import save_tiny, write_q4_folder
@@ -56,7 +56,7 @@ def fake_engine():
 
 @pytest.fixture
 def tiny_engine(tiny_loaded):
-    return Engine(tiny_loaded, prefill_chunk=16, threads=1)
+    return Engine(tiny_loaded, EngineOptions(16, 1))
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,11 @@
 """A torch-free engine for server tests where the model is not the point (routing, limits,
-the access guard): it implements memrad.server.context.ServingEngine and nothing more."""
+the access guard): it implements memrad.server.context.ServingEngine and nothing more.
+`OneAtATime` gives a fake with a blocking `generate` the scheduler's admit/step."""
 
 from __future__ import annotations
 
 from memrad.chat.reply import ReplyDelta
-from memrad.protocol import Decision
+from memrad.protocol import Decision, PoolStats
 from memrad.request import Completion
 
 
@@ -49,7 +50,31 @@ class FakeEvents:
         self.sinks.append(sink)
 
 
-class FakeEngine:
+class Done:
+    """A flight `OneAtATime.admit` ran to its end (memrad.scheduler.FlightLike)."""
+
+    def __init__(self, completion):
+        self.completion, self.error = completion, None
+
+
+class OneAtATime:
+    """memrad.scheduler.EngineLike over a blocking `generate(request, emit, cancelled,
+    on_decision)`: `admit` runs the whole request (its error raises there, as the real
+    engine's admission errors do) and the next `step` hands it back; max_batch 1."""
+
+    max_batch = 1
+
+    def admit(self, request, emit, cancelled, on_decision=None):
+        flight = Done(self.generate(request, emit, cancelled, on_decision))
+        self.__dict__.setdefault("_done", []).append(flight)
+        return flight
+
+    def step(self):
+        done, self._done = self.__dict__.get("_done", []), []
+        return done
+
+
+class FakeEngine(OneAtATime):
     """Answers every request with one word per token ("ok "), up to max_tokens (default 4)."""
 
     model_id = "fake-model"
@@ -77,7 +102,7 @@ class FakeEngine:
                           completion_tokens=len(words), cached_tokens=0, ttft_s=0.0, total_s=0.0, decision=decision)
 
     def stats(self):
-        return None
+        return PoolStats(0, 0, 0, 0)  # no pool, no disk tier
 
     def infos(self):
         return []

@@ -12,6 +12,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
+from memrad.engine.engine import EngineOptions
 from memrad.config import Settings
 from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
@@ -23,7 +24,7 @@ RESULT = "def add(a, b):\n    return a + b\n"
 
 @pytest.fixture
 def engine(tiny_loaded):
-    return ScriptedEngine(tiny_loaded, prefill_chunk=16, threads=1, pool=ReusePool(8, 1 << 30))
+    return ScriptedEngine(tiny_loaded, EngineOptions(16, 1), ReusePool(8, 1 << 30))
 
 
 @pytest.fixture

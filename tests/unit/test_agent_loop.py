@@ -14,6 +14,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
+from memrad.engine.engine import EngineOptions
 from memrad.config import Settings
 from memrad.engine.model.loader import load_model
 from memrad.reuse.pool import ReusePool
@@ -125,7 +126,7 @@ class Messages:
 
 
 async def run_loop(loaded, api, affinity: bool):
-    engine = ScriptedEngine(loaded, prefill_chunk=CHUNK, threads=1, pool=ReusePool(8, 1 << 30))
+    engine = ScriptedEngine(loaded, EngineOptions(CHUNK, 1), ReusePool(8, 1 << 30))
     if not affinity:
         extension_tiers_only(engine)
     engine.script(*(reply(t)[2] for t in range(1, TURNS + 1)))

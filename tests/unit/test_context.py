@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import prefill
 from memrad.engine.model import context as served_context
 from memrad.engine.model.loader import load_model
@@ -112,7 +112,7 @@ def test_scaled_prefill_and_decode_match_transformers_forward_with_the_same_rope
     expected = whole_forward(reference(short_dir, torch_dtype, YARN), TOKENS)
     unscaled = whole_forward(reference(short_dir, torch_dtype, None), TOKENS)
     primed = 180
-    engine = Engine(loaded, 16, 1)
+    engine = Engine(loaded, EngineOptions(16, 1))
     cache = engine.new_cache()
     ours = prefill(loaded.model, cache, TOKENS[:primed], 0, 16)  # 12 grid chunks, the last past 64
     assert (ours - expected[primed - 1]).abs().max() < atol
@@ -133,7 +133,7 @@ def test_the_compiled_step_decodes_scaled_positions_as_transformers_does(short_d
     compiled = Decoder(loaded.model, loaded.context_len, loaded.device, "on")
     compiled.start()
     assert compiled.choice.value == "compiled", compiled.choice.reason
-    cache = Engine(loaded, 16, 1).new_cache()
+    cache = Engine(loaded, EngineOptions(16, 1)).new_cache()
     prefill(loaded.model, cache, TOKENS[:180], 0, 16)
     feed = compiled.feeder()
     for position in range(180, 190):
@@ -186,7 +186,7 @@ async def test_models_and_health_say_what_is_served_and_how(short_dir):
     from memrad.server.app import make_app
 
     loaded = load_model(str(short_dir), device="cpu", dtype="float32", context=SERVED)
-    server = TestServer(make_app(Settings(), Engine(loaded, 16, 1), "cpu", "float32"), host="127.0.0.1")
+    server = TestServer(make_app(Settings(), Engine(loaded, EngineOptions(16, 1)), "cpu", "float32"), host="127.0.0.1")
     await server.start_server()
     try:
         async with aiohttp.ClientSession() as session:

@@ -17,7 +17,7 @@ from memrad.engine.decode import steps
 from memrad.engine.decode.steps import llama as decode_step
 from memrad.engine.decode.steps.llama import SPLIT_ROWS, DecodeStep, attend
 from memrad.engine.decode.decoder import CompileFailed, Decoder
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
 from memrad.engine.decode.package import PackagedStep
@@ -33,7 +33,7 @@ def fresh(tiny_llama_dir, dtype="float32"):
 
 
 def new_cache(loaded):
-    return Engine(loaded, 16, 1).new_cache()
+    return Engine(loaded, EngineOptions(16, 1)).new_cache()
 
 
 def test_the_step_decodes_what_transformers_decodes(tiny_llama_dir):
@@ -82,7 +82,7 @@ def test_models_the_step_does_not_cover_keep_transformers_forward_and_say_why(ti
                       "Qwen2ForCausalLM, Gemma3ForCausalLM, Qwen3NextForCausalLM, FalconH1ForCausalLM)")
     chosen = Decoder(dense.model, dense.context_len, dense.device, "auto")
     assert (chosen.choice.value, chosen.choice.reason) == ("transformers", reason)
-    assert Engine(dense, 16, 1).runtime_choices["step"] == {"value": "none", "reason": reason}
+    assert Engine(dense, EngineOptions(16, 1)).runtime_choices["step"] == {"value": "none", "reason": reason}
     with pytest.raises(CompileFailed, match="compile = on, but Qwen3ForCausalLM has no decode step"):
         Decoder(dense.model, dense.context_len, dense.device, "on")
 

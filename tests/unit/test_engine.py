@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from memrad.chat.detokenize import IncrementalDetokenizer
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import cache_length, prefill
 from memrad.grid import canonical_chunks, find_anchors, grid_chunks
 from memrad.request import GenerationRequest, SamplingParams
@@ -114,7 +114,7 @@ def test_eos_ends_generation_without_being_counted_or_sent(tiny_loaded):
     run(engine, request_for(engine))
     third = parked[0].generated_ids[2]
     assert third not in parked[0].generated_ids[:2]
-    eos_engine = Engine(dataclasses.replace(tiny_loaded, eos_ids=frozenset({third})), 16, 1)
+    eos_engine = Engine(dataclasses.replace(tiny_loaded, eos_ids=frozenset({third})), EngineOptions(16, 1))
     done, _ = run(eos_engine, request_for(eos_engine))
     assert (done.finish_reason, done.completion_tokens) == ("stop", 2)
 

@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestServer
 
 from memrad.bench.faults import Api, churn, overload, soak
 from memrad.config import ServerSettings, Settings
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
 
@@ -23,16 +23,16 @@ class Slow:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, request, emit, cancelled, on_decision=None):
+    def admit(self, request, emit, cancelled, on_decision=None):
         def slow_emit(text):
             time.sleep(self.step_s)
             emit(text)
 
-        return self._engine.generate(request, slow_emit, cancelled, on_decision)
+        return self._engine.admit(request, slow_emit, cancelled, on_decision)
 
 
 async def harness(tiny_loaded, run, max_queue=16, pool=ReusePool(32, 10**9), step_s=0.0):
-    engine = Engine(tiny_loaded, 16, 1, pool)
+    engine = Engine(tiny_loaded, EngineOptions(16, 1), pool)
     engine = Slow(engine, step_s) if step_s else engine
     settings = Settings(server=ServerSettings(max_queue=max_queue, shutdown_grace_s=1.0))
     server = TestServer(make_app(settings, engine, "cpu", "float32"), host="127.0.0.1")

@@ -10,13 +10,13 @@ from aiohttp.test_utils import TestServer
 
 from memrad.bench.fuzz import fuzz
 from memrad.config import ServerSettings, Settings
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
 
 
 async def test_fuzzed_requests_never_get_a_5xx_and_the_canary_keeps_resuming_exactly(tiny_loaded):
-    engine = Engine(tiny_loaded, 16, 1, ReusePool(64, 10**9))
+    engine = Engine(tiny_loaded, EngineOptions(16, 1), ReusePool(64, 10**9))
     settings = Settings(server=ServerSettings(shutdown_grace_s=1.0))
     server = TestServer(make_app(settings, engine, "cpu", "float32"), host="127.0.0.1")
     await server.start_server()

@@ -18,7 +18,7 @@ from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode.decoder import Decoder
 from memrad.engine.decode.steps.gemma import GemmaStep
 from memrad.engine.decode.package import PackagedStep
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
 from memrad.engine.state.window import WindowLayer, buffer_rows
@@ -56,7 +56,7 @@ def test_the_gemma_step_decodes_what_transformers_decodes_past_the_window(tiny_d
     assert isinstance(chosen.step, GemmaStep)
     assert (chosen.choice.value, chosen.choice.reason) == ("eager", "compile = off: torch's attention")
     feed = chosen.feeder()
-    ours, theirs = Engine(loaded, 16, 1).new_cache(), DynamicCache(config=loaded.model.config)
+    ours, theirs = Engine(loaded, EngineOptions(16, 1)).new_cache(), DynamicCache(config=loaded.model.config)
     assert [type(layer).__name__ for layer in ours.layers] == ["WindowLayer", "WindowLayer", "SlabLayer", "WindowLayer"]
     a = prefill(loaded.model, ours, PROMPT, 0, 16)
     b = prefill(loaded.model, theirs, PROMPT, 0, 16)
@@ -82,7 +82,7 @@ def test_the_compiled_gemma_step_computes_what_the_eager_step_computes(tiny_dir)
     assert "memra's attention kernel" in compiled.choice.reason
     assert isinstance(compiled.step, PackagedStep) and list(compiled.step.runners) == ["kernel"]
     feed = compiled.feeder()
-    engine = Engine(loaded, 16, 1)
+    engine = Engine(loaded, EngineOptions(16, 1))
     ours, theirs = engine.new_cache(), engine.new_cache()
     a = prefill(loaded.model, ours, PROMPT[:2], 0, 16)  # from 3 attended rows: windows shorter than W, then full
     b = prefill(loaded.model, theirs, PROMPT[:2], 0, 16)

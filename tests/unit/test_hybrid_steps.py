@@ -23,7 +23,7 @@ from memrad.engine.decode.decoder import Decoder
 from memrad.engine.decode.steps.falcon_h1 import FalconH1Step
 from memrad.engine.decode.package import PackagedStep
 from memrad.engine.decode.steps.qwen3_next import Qwen3NextStep
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
 from memrad.engine.state.snapshot import Snapshot, state_bytes
@@ -60,7 +60,7 @@ def states(layers):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_hybrid_engine_decodes_on_its_step_and_says_which(tiny_dir, kind):
     loaded = fresh(tiny_dir, kind)
-    engine = Engine(loaded, 16, 1)
+    engine = Engine(loaded, EngineOptions(16, 1))
     assert type(engine.decoder.step) is STEP[kind]
     assert engine.runtime_choices["decode"] == {"value": "eager", "reason": "compile = off: torch's attention"}
     assert engine.runtime_choices["step"] == CHOICE[kind]
@@ -79,7 +79,7 @@ def test_a_hybrid_engine_decodes_on_its_step_and_says_which(tiny_dir, kind):
 def test_the_hybrid_step_decodes_what_transformers_decodes(tiny_dir, kind, dtype):
     loaded = fresh(tiny_dir, kind, dtype)
     feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
-    ours, theirs = Engine(loaded, 16, 1).new_cache(), DynamicCache(config=loaded.model.config)
+    ours, theirs = Engine(loaded, EngineOptions(16, 1)).new_cache(), DynamicCache(config=loaded.model.config)
     a = prefill(loaded.model, ours, PROMPT, 0, 16)
     b = prefill(loaded.model, theirs, PROMPT, 0, 16)
     assert torch.equal(a, b)  # the in-place layers leave prefill's bits alone
@@ -106,7 +106,7 @@ def test_the_hybrid_step_decodes_what_transformers_decodes(tiny_dir, kind, dtype
 def test_a_snapshot_of_recurrent_layers_is_not_rewritten_by_later_steps(tiny_dir, kind):
     loaded = fresh(tiny_dir, kind, "bfloat16")
     feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
-    cache = Engine(loaded, 16, 1).new_cache()
+    cache = Engine(loaded, EngineOptions(16, 1)).new_cache()
     logits = prefill(loaded.model, cache, PROMPT, 0, 16)
     snapshot = Snapshot.take(cache, len(PROMPT))
     kept = [(conv.clone(), state.clone()) for conv, state in states(snapshot.layers)]
@@ -150,7 +150,7 @@ def test_the_compiled_hybrid_step_decodes_as_the_eager_one_and_resumes_bit_ident
 
 def test_a_falcon_h1_state_counts_its_rows_and_its_recurrent_state(tiny_dir):
     loaded = fresh(tiny_dir, "falcon_h1")
-    cache = Engine(loaded, 16, 1).new_cache()
+    cache = Engine(loaded, EngineOptions(16, 1)).new_cache()
     prefill(loaded.model, cache, PROMPT, 0, 16)
     rows = sum(layer.slab.high_water * layer.slab.bytes_per_row for layer in cache.layers)
     recurrent = sum(t.numel() * t.element_size() for pair in states(cache.layers) for t in pair)

@@ -4,7 +4,7 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from memrad.config import ServerSettings, Settings
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.protocol import Decision, DecisionEvent, EvictEvent, ParkEvent, SessionInfo
 from memrad.reuse.pool import ReusePool
 from memrad.server.app import make_app
@@ -41,7 +41,7 @@ def test_the_ledger_follows_parks_replacements_and_evictions_and_two_apps_do_not
 
 
 async def test_metrics_are_scraped_with_real_values_after_real_requests(tiny_loaded):
-    engine = Engine(tiny_loaded, 16, 1, ReusePool(8, 10**9))
+    engine = Engine(tiny_loaded, EngineOptions(16, 1), ReusePool(8, 10**9))
     settings = Settings(server=ServerSettings(shutdown_grace_s=1.0))
     server = TestServer(make_app(settings, engine, "cpu", "float32"), host="127.0.0.1")
     await server.start_server()

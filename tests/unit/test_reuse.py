@@ -6,7 +6,7 @@ import torch
 from memrad.engine.state.kv import SlabLayer
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.pull import ModelUnavailable
-from memrad.engine.parking import Publisher
+from memrad.engine.events import Publisher
 from memrad.request import GenerationRequest, SamplingParams
 from memrad.reuse.pool import ReusePool
 from stories import ask, make_engine

@@ -5,9 +5,10 @@ import pytest
 
 from memrad.request import Completion, GenerationRequest, SamplingParams
 from memrad.scheduler import QueueFull, Scheduler, ShuttingDown
+from fake_engine import OneAtATime
 
 
-class FakeEngine:
+class FakeEngine(OneAtATime):
     """Emits one delta per step until told to stop or `steps` are done."""
 
     def __init__(self, steps=3, step_s=0.01):

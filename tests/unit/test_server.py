@@ -15,7 +15,7 @@ USER = [{"role": "user", "content": "Read the file, then answer."}]
 
 
 class Wrapped:
-    """The tiny engine with a seam in `generate` (slow steps, failures, a gate)."""
+    """The tiny engine with a seam in `admit` and `step` (slow steps, failures, a gate)."""
 
     def __init__(self, engine, step_delay_s=0.0, fail_on=None, gate=None):
         self._engine = engine
@@ -27,7 +27,7 @@ class Wrapped:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, request, emit, cancelled, on_decision=None):
+    def admit(self, request, emit, cancelled, on_decision=None):
         if self.gate is not None:
             self.gate.wait(10)
         if self.fail_on and self.fail_on in request.prompt_text:
@@ -37,9 +37,12 @@ class Wrapped:
             time.sleep(self.step_delay_s)
             emit(text)
 
-        completion = self._engine.generate(request, slow_emit, cancelled, on_decision)
-        self.finished.append(completion)
-        return completion
+        return self._engine.admit(request, slow_emit, cancelled, on_decision)
+
+    def step(self):
+        ended = self._engine.step()
+        self.finished.extend(flight.completion for flight in ended if flight.completion is not None)
+        return ended
 
 
 async def serve(engine, max_queue=4):
@@ -215,10 +218,10 @@ async def test_health_reports_the_served_model_and_counts(server, tiny_engine):
 
 
 async def test_the_decision_reaches_the_client_in_a_header_and_the_body(tiny_loaded):
-    from memrad.engine.engine import Engine
+    from memrad.engine.engine import Engine, EngineOptions
     from memrad.reuse.pool import ReusePool
 
-    engine = Engine(tiny_loaded, 16, 1, ReusePool(8, 10**9))
+    engine = Engine(tiny_loaded, EngineOptions(16, 1), ReusePool(8, 10**9))
     server = await serve(engine)
     try:
         async with aiohttp.ClientSession() as session:

@@ -12,7 +12,7 @@ import openai
 import pydantic
 import pytest
 
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.reuse.pool import ReusePool
 from scripted import ScriptedEngine
 from test_agent_apis import claude, oai
@@ -42,14 +42,14 @@ class Engines(Engine):
         super().__init__(*args, **kwargs)
         self.requests = []
 
-    def generate(self, request, emit, cancelled, on_decision=None):
+    def admit(self, request, emit, cancelled, on_decision=None):
         self.requests.append(request)
-        return super().generate(request, emit, cancelled, on_decision)
+        return super().admit(request, emit, cancelled, on_decision)
 
 
 @pytest.fixture
 def engine(tiny_loaded):
-    return Engines(tiny_loaded, prefill_chunk=16, threads=1, pool=ReusePool(8, 1 << 30))
+    return Engines(tiny_loaded, EngineOptions(16, 1), ReusePool(8, 1 << 30))
 
 
 @pytest.fixture
@@ -127,7 +127,7 @@ async def test_a_forced_tool_choice_gives_a_valid_call_of_a_given_tool_on_each_a
 
 async def test_a_call_naming_a_tool_that_was_not_given_is_never_a_tool_call(tiny_loaded):
     """The scripted model ignores the mask: the parser still refuses the name (auto mode)."""
-    engine = ScriptedEngine(tiny_loaded, prefill_chunk=16, threads=1, pool=ReusePool(8, 1 << 30))
+    engine = ScriptedEngine(tiny_loaded, EngineOptions(16, 1), ReusePool(8, 1 << 30))
     server = await started(engine)
     try:
         bad = '<tool_call>\n{"name": "2 + 3", "arguments": {}}\n</tool_call>'

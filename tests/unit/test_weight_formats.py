@@ -12,7 +12,7 @@ import pytest
 import torch
 from tiny import build_llama, build_tokenizer, write_q4_folder, write_tiny_gguf
 
-from memrad.engine.engine import Engine
+from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.state.disk import state_format
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.pull import ModelUnavailable
@@ -142,7 +142,7 @@ def test_a_folder_made_before_the_head_was_kept_loads_with_a_dense_head_and_says
 
 def test_adding_the_head_blocks_later_packs_the_head_at_the_next_start(old_dir, hi_lo):
     before = _load(old_dir, "int4", "bfloat16")  # keeps a packed file without the head
-    engine_before = Engine(before, 16, 1)
+    engine_before = Engine(before, EngineOptions(16, 1))
     (old_dir.parent / Q8_CACHE).rename(old_dir / Q8_CACHE)  # as `memrad pull` adds them
     after = _load(old_dir, "int4", "bfloat16")
     assert type(after.model.lm_head) is Q8Linear

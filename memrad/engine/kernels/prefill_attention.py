@@ -1,7 +1,7 @@
 """memra's CPU prefill-attention kernel: built once per machine, loaded as `memra::prefill_attention`.
 
 A prefill chunk of T queries attends the whole cache (L rows) at every layer, so past ~8k tokens
-attention is most of a chunk's time (docs/BENCHMARKS.md, the issue-21 section). torch's SDPA reads
+attention is most of a chunk's time (docs/BENCHMARKS.md#the-prefill-attention-kernel). torch's SDPA reads
 the in-place slabs without copying them, but it is handed a [T, L] mask that it converts to floats
 and adds per layer, scores each query head alone, and multiplies in small per-block GEMM calls.
 csrc/prefill_attention.cpp needs no mask (the chunk's rows sit at the end of the slab), scores the

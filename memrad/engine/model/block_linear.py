@@ -25,9 +25,9 @@ request's bits are the same alone or batched, on any thread count.
 memrad.engine.model.weights runs the output head this way and leaves the layers hi|lo: the
 head streams from memory, where fewer bytes won (the eager gemma step 10-13 % faster at one
 thread), while the layers' blocks sit in cache, where the kernel's Q5_0 unpacking lost to hi|lo
-(docs/BENCHMARKS.md, the issue-24 session-9 section). The Q4_1 kind is not wired either: the
+(docs/BENCHMARKS.md#memras-block-kernel). The Q4_1 kind is not wired either: the
 int4 layers on it were 2-20 % slower per layer than on torch's int4 kernel at M = 1-8, and the
-compiled step 14 % slower (the issue-22 session-10 section). The kernel is built, loaded and
+compiled step 14 % slower (docs/BENCHMARKS.md#memras-block-kernel). The kernel is built, loaded and
 probed by memrad.engine.kernels.block_gemv and chosen where torch's CPU capability is AVX512,
 the only one it was measured on; elsewhere (AVX2-only CPUs, CUDA) and without a compiler the
 head runs hi|lo as before and `block_gemv.why_not` says why. Longer inputs (prefill) run the dense

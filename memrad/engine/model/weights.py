@@ -332,7 +332,7 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
     # The Q8_0 head as shipped on memra's kernel where it runs, else hi|lo on the int4 one. Only
     # the head: it streams 178 MB a token from memory, where the kernel reads fewer bytes and won;
     # the layers' Q5_0 / Q8_0 blocks sit in cache and decode slower there than hi|lo (measured:
-    # docs/BENCHMARKS.md, the issue-24 session-9 section).
+    # docs/BENCHMARKS.md#memras-block-kernel).
     blocks_why_not = _blocks_why_not(model)
     head_name = _head_name(model) if blocks_why_not is None else None
     stamp = _blocks_stamp(folder) + ("; head as blocks" if head_name else "")

@@ -211,7 +211,10 @@ class DiskTier:
 
     Evicted sessions are written on one writer thread (`spill_later`), off the engine
     thread's critical path; a session becomes visible to the planner once its file is whole.
-    `_lock` guards the pool, `foreign` and the cap between that thread and the engine's."""
+    `_lock` guards the pool, `foreign` and the cap between that thread and the engine's.
+    Parking uses it as a memrad.engine.parking.DiskLike (`NoDisk` when the tier is off)."""
+
+    eviction = "spilling to disk"  # what becomes of a session the memory cap evicts
 
     def __init__(self, directory: Path, max_bytes: int, compat: dict[str, str]) -> None:
         self.directory = directory
@@ -318,6 +321,21 @@ class DiskTier:
             futures = list(self._pending.values())
         done = [f.result() for f in futures]
         return [(session, why) for session, why in done if why is not None]
+
+    def spill_all(self, sessions: list[ParkedSession],
+                  on_evicted: Callable[[ParkedSession], None]) -> list[tuple[ParkedSession, str]]:
+        """At `memrad stop`: wait for the pending writes, then write `sessions` in order (most
+        recent last, so the LRU keeps the freshest). The sessions not written, and why."""
+        unsaved = self.drain()
+        written = 0
+        for session in sessions:
+            why = self.spill(session, on_evicted)
+            if why is None:
+                written += 1
+            else:
+                unsaved.append((session, why))
+        log.info("wrote %d of %d parked sessions to %s", written, len(sessions), self.directory)
+        return unsaved
 
     def spill(self, session: ParkedSession, on_evicted: Callable[[ParkedSession], None]) -> str | None:
         """Write `session` (a memory session) unless it is already on disk. None once it is on
