@@ -73,8 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="tokens served (prompt + reply); past the model's native length RoPE scaling "
                             "(YaRN) extends it (0: the model's default; the default model serves 32768)")
     start.add_argument("--prefill-chunk", type=int, help="prefill chunk size: the canonical grid step")
-    start.add_argument("--compile", choices=("auto", "on", "off"),
-                       help="decode step: auto compiles it in the background, on before serving, off stays eager")
+    start.add_argument("--compile", choices=("auto", "wait", "on", "off"),
+                       help="decode step: auto compiles it in the background and serves eager meanwhile, wait too "
+                            "but replies wait for it (the same bits every start), on before serving, off stays eager")
     start.add_argument("--reuse-mode", choices=("exact", "fast"),
                        help="exact: resumed turns are bit-identical to cold runs; fast: reuse everything parked")
     start.add_argument("--longest-prefix", action=argparse.BooleanOptionalAction, default=None,

@@ -144,7 +144,7 @@ _CHOICES = {
     "model.weights": ("auto", "float", "int4", "int8"),
     "log.level": ("debug", "info", "warning", "error"),
     "reuse.mode": ("exact", "fast"),
-    "engine.compile": ("auto", "on", "off"),
+    "engine.compile": ("auto", "wait", "on", "off"),
     "engine.batch_decode": ("batched", "rows"),
     "engine.prefill_attention": ("auto", "torch"),
 }

@@ -39,7 +39,9 @@ class Decision:
     why nothing was reused (None when resumed): one of REASON_CLASSES, for counting.
     `weighed` lists every candidate the tiers offered (the winner among them) and `won_by`
     says why the winner won ("most reuse", "tie: own conversation", "tie: most recent");
-    both are empty when at most one distinct session was offered.
+    both are empty when at most one distinct session was offered. `step` is the decode step
+    the request decodes with from its first token to its last ("compiled", "eager" or
+    "transformers"; None until the engine has chosen it, and from engines that do not say).
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class Decision:
     reason_class: str | None = None
     weighed: tuple[Alternative, ...] = ()
     won_by: str | None = None
+    step: str | None = None
 
     def render(self) -> str:
         head = f"{self.tier}: {self.outcome}" if self.tier else self.outcome
@@ -121,6 +124,7 @@ class FlightInfo:
     primed_tokens: int  # of the prompt, reused or prefilled so far
     generated_tokens: int
     age_s: float  # since it was admitted to the model
+    step: str | None = None  # the decode step it decodes with, first token to last
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +172,7 @@ class TurnEvent:
     outcome: str
     finish_reason: str
     total_s: float | None = None  # request start to the last token
+    step: str | None = None  # the decode step its reply ran on: "compiled", "eager", "transformers"
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,7 +93,7 @@ class EngineOptions:
     mode: Mode = "exact"  # exact: a resume starts on the grid, so resumed equals cold; fast: reuse everything
     affinity: bool = True  # the affinity tier nominates (MEMRA_AFFINITY=0: the A/B arm)
     longest_prefix: bool = True  # the longest common prefix with any parked session nominates
-    compile: str = "off"  # the one-row decode step: off, on or auto (memrad.engine.decode.decoder)
+    compile: str = "off"  # the one-row decode step: off, on, auto or wait (memrad.engine.decode.decoder)
     tool_fallback: bool = True  # memra's tool-call convention where the chat template has none
     # Requests in flight together (memrad.engine.flight); 1 runs one at a time.
     max_batch: int = 1
@@ -138,7 +138,7 @@ class Engine:
                                   self.chat.format.markup_ids, self.chat.grammars.token_bytes, self._shaper)
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
         self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, options.compile, builder.Recipe(
-            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len), exact=mode == "exact",
+            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len),
             batch_rows=self.max_batch if self._batches() else None)
         # Which step that is (llama-shaped, Gemma 3, Qwen3-Next) and its layers; none where transformers decodes.
         self.step_choice = (Choice("none", self.decoder.choice.reason) if self.decoder.step is None
@@ -280,16 +280,20 @@ class Engine:
         anchors = find_anchors(prompt, self.reply_header)  # () in fast mode: no header to find
         decided = self.parking.load(self.plan(request, prompt_segments, anchors),
                                     replan=lambda: self.plan(request, prompt_segments, anchors))
-        log.info("%s %s", request.request_id, decided.decision.render())
-        if on_decision is not None:
-            on_decision(decided.decision)
-        self.events(lambda: decision_event(self.loaded.tokenizer, self.openers, request, decided.decision,
-                                           prompt_segments, self.parking.get(decided.decision.candidate)))
         cache, pre = self.parking.check_out(decided, anchors)
         try:
+            # The step is chosen before the decision leaves, so the reply's first bytes say it;
+            # it never changes what is reused (exact mode parks no decoded KV).
+            feed = self._feed(cancelled)
+            decision = replace(decided.decision, step=feed.step)
+            log.info("%s %s; decode: %s step", request.request_id, decision.render(), feed.step)
+            if on_decision is not None:
+                on_decision(decision)
+            self.events(lambda: decision_event(self.loaded.tokenizer, self.openers, request, decision,
+                                               prompt_segments, self.parking.get(decision.candidate)))
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
             flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
-                            self._snapshotter(cache, pre, checkpoint), self._feed(cancelled), self._sampling,
+                            self._snapshotter(cache, pre, checkpoint), feed, self._sampling,
                             prompt_segments, max_tokens, started, self.loaded.device)
         except BaseException:
             self.parking.resume_failed(decided)
@@ -358,8 +362,9 @@ class Engine:
     def _feed(self, cancelled: Callable[[], bool]) -> Any:
         """The step a new flight decodes with, from its first token to its last: the batched
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
-        the decoder's one-row step (flights then run one after another in each iteration;
-        in exact mode under compile = auto it waits for the compiled step, at admission)."""
+        the decoder's one-row step (flights then run one after another in each iteration).
+        Either says which it is (`step`); under compile = wait it waits for the compiled step,
+        at admission."""
         batched = self.decoder.batch_step(self.max_batch, cancelled) if self._batches() else None
         return batched if batched is not None else self.decoder.feeder(cancelled)
 
@@ -376,7 +381,7 @@ class Engine:
                 text=out.text, finish_reason=out.finish, prompt_tokens=checkpoint,
                 completion_tokens=len(out.generated), cached_tokens=pre.start, ttft_s=out.ttft_s,
                 total_s=time.perf_counter() - flight.started,
-                decision=replace(decided.decision, ttft_s=out.ttft_s), stop_sequence=out.stop_sequence,
+                decision=replace(decided.decision, ttft_s=out.ttft_s, step=flight.feed.step), stop_sequence=out.stop_sequence,
                 logprobs=tuple(out.logprobs) if request.sampling.logprobs is not None else None,
             )
             session = self.parking.park(request, self.namespace(request), decided, cache, pre, fed, out.text,
@@ -390,7 +395,7 @@ class Engine:
             identity=request.identity.name if request.identity else None, prompt_tokens=checkpoint,
             cached_tokens=pre.start, completion_tokens=len(out.generated), ttft_s=out.ttft_s,
             outcome=decided.decision.outcome, finish_reason=out.finish,
-            total_s=completion.total_s))
+            total_s=completion.total_s, step=flight.feed.step))
         self._hand_on(FinishedState(
             request=request, cache=cache, cache_token_ids=tuple(request.prompt_ids[: pre.primed_to]) + fed,
             generated_ids=tuple(out.generated), prompt_checkpoint=pre.primed_to,

@@ -75,7 +75,7 @@ class Flight:
         assert spans, "a flight primes at least one token (the planner leaves a suffix)"
         self.spans = list(spans)  # grid chunks still to prefill, in order
         self.after_chunk = after_chunk
-        self.feed = feed  # a BatchStep (grouped with others) or a one-row Feed, for the whole reply
+        self.feed = feed  # a BatchStep (grouped with others) or a OneRowFeed, for the whole reply; `.step` names it
         self.sampling = sampling
         self.prompt_segments = prompt_segments
         self.max_tokens = max_tokens
@@ -113,7 +113,8 @@ class Flight:
         request, session = self.request, self.decided.session
         return FlightInfo(request.request_id, request.identity.name if request.identity else None,
                           session.session_id if session is not None else None, self.phase, self.checkpoint,
-                          self.pre.primed_to, len(self.out.generated), round(time.perf_counter() - self.started, 3))
+                          self.pre.primed_to, len(self.out.generated), round(time.perf_counter() - self.started, 3),
+                          self.feed.step)
 
     def prefill(self, model: Any, budget: int) -> int:
         """Run grid chunks until `budget` tokens ran (at least one chunk); returns the tokens

@@ -116,24 +116,30 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
 
 
 def decision_field(decision: Decision | None, notes: tuple[str, ...] = ()) -> dict:
-    """The `memra` field every API's object carries: the reuse decision's one rendering, and
-    what memrad left out of or changed in the request (validate.Notes)."""
+    """The `memra` field every API's object carries: the reuse decision's one rendering, the
+    decode step the reply runs on (`step`: compiled, eager or transformers), and what memrad
+    left out of or changed in the request (validate.Notes)."""
     field: dict = {"decision": decision.render()} if decision is not None else {}
+    if decision is not None and decision.step is not None:
+        field["step"] = decision.step
     if notes:
         field["notes"] = list(notes)
     return {"memra": field} if field else {}
 
 
 DECISION_HEADER = "x-memra-decision"
+STEP_HEADER = "x-memra-step"
 
 
 def decision_header(decision: Decision | None) -> dict[str, str]:
     """The decision's one rendering, made header-safe: non-ASCII and control characters are
-    backslash-escaped (a session name may hold either); everything else reads as logged."""
+    backslash-escaped (a session name may hold either); everything else reads as logged. The
+    decode step beside it (`x-memra-step`) where the engine named one."""
     if decision is None:
         return {}
     ascii_text = decision.render().encode("ascii", "backslashreplace").decode("ascii")
-    return {DECISION_HEADER: "".join(c if c.isprintable() else repr(c)[1:-1] for c in ascii_text)}
+    step = {STEP_HEADER: decision.step} if decision.step is not None else {}
+    return {DECISION_HEADER: "".join(c if c.isprintable() else repr(c)[1:-1] for c in ascii_text), **step}
 
 
 # Why a wait for the job's next item ended without one.

@@ -240,14 +240,14 @@ needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="building the
 
 @pytest.fixture(scope="module")
 def compiled_engines(q4_dir, tmp_path_factory):
-    """Engines (exact mode, compile auto, max_batch 4, batched) over one compile cache that the
+    """Engines (exact mode, compile wait, max_batch 4, batched) over one compile cache that the
     first of them filled: its first request waited for the one-row package and decoded on it
     while the batched one was built (both in a child process)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("compile")))
         torch.set_num_threads(1)
         loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
-        first = make_engine(loaded, CHUNK, compile="auto", max_batch=4)
+        first = make_engine(loaded, CHUNK, compile="wait", max_batch=4)
         assert first.decoder.batch_choice.value == "eager" and not first.decoder.compiling()
         flight = first.admit(request(first, conversation("a", 1)[:-1], "a-1"), lambda _: None, lambda: False)
         building = first.decoder.batch_choice.value
@@ -278,7 +278,7 @@ def test_a_second_process_opens_the_batched_package_without_building(compiled_en
     script = ("import torch; from memrad.engine.model.loader import load_model; "
               "from memrad.engine.decode.decoder import Decoder; torch.set_num_threads(1); "
               f"m = load_model({str(q4_dir)!r}, device='cpu', dtype='bfloat16', weights='int4'); "
-              "d = Decoder(m.model, m.context_len, m.device, 'auto', exact=True, batch_rows=4); d.start(); "
+              "d = Decoder(m.model, m.context_len, m.device, 'wait', batch_rows=4); d.start(); "
               "s = d.batch_step(4); print(d._thread is None, d.batch_choice.value, s.compiled)")
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

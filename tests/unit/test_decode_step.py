@@ -99,14 +99,14 @@ def test_without_a_cxx_compiler_auto_stays_eager_and_on_refuses(tiny_llama_dir, 
         Decoder(loaded.model, loaded.context_len, loaded.device, "on").start()
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_in_exact_mode_a_reply_waits_for_the_compiled_step_and_never_decodes_eager(tiny_llama_dir, monkeypatch,
-                                                                                   exact):
+@pytest.mark.parametrize("mode", ["auto", "wait"])
+def test_under_auto_no_reply_waits_for_the_compile_and_under_wait_every_reply_does(tiny_llama_dir, monkeypatch,
+                                                                                   mode):
     import inspect
     import threading
 
     loaded = fresh(tiny_llama_dir)
-    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", exact=exact)
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, mode)
     landed = threading.Event()
     compiled = object()  # what the build hands over: a step no eager call can be confused with
 
@@ -117,12 +117,14 @@ def test_in_exact_mode_a_reply_waits_for_the_compiled_step_and_never_decodes_eag
     monkeypatch.setattr(decoder, "_open_package", lambda: False)  # an empty compile cache
     monkeypatch.setattr(decoder, "_compile", build_slowly)
     threading.Timer(0.3, landed.set).start()
-    feed = decoder.feeder()  # the daemon has not started the compile yet: exact mode starts it here
-    steps = [cell.cell_contents for cell in inspect.unwrap(feed).__closure__]  # what this reply decodes with
-    if exact:
+    feed = decoder.feeder()  # the daemon has not started the compile yet: wait starts it here
+    steps = [cell.cell_contents for cell in inspect.unwrap(feed.run).__closure__]  # what this reply decodes with
+    if mode == "wait":
         assert compiled in steps and decoder.eager not in steps and decoder.choice.value == "compiled"
-    else:  # fast mode answers at once with the eager step; it never started the compile
+        assert feed.step == "compiled"
+    else:  # auto answers at once with the eager step and says so; it never started the compile
         assert decoder.eager in steps and decoder.choice.value == "eager" and not decoder._started
+        assert feed.step == "eager"
     landed.set()
 
 
@@ -130,7 +132,7 @@ def test_a_request_cancelled_while_it_waits_for_the_compile_stops_waiting(tiny_l
     import threading
 
     loaded = fresh(tiny_llama_dir)
-    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", exact=True)
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "wait")
     never = threading.Event()
     monkeypatch.setattr(decoder, "_open_package", lambda: False)
     monkeypatch.setattr(decoder, "_compile", lambda: never.wait(30))  # a build that outlasts the request
@@ -138,6 +140,7 @@ def test_a_request_cancelled_while_it_waits_for_the_compile_stops_waiting(tiny_l
     hung_up.start()
     decoder.feeder(cancelled=lambda: not hung_up.is_alive())  # `memrad stop` must not wait for the build
     assert decoder.compiling() and decoder.choice.value == "compiling"
+    assert decoder.choice.reason == "compile = wait: replies wait for the compiled step"
     never.set()
 
 

@@ -230,7 +230,9 @@ async def test_the_decision_reaches_the_client_in_a_header_and_the_body(tiny_loa
             async with session.post(url, json=body, headers={"x-session-id": "header-name"}) as resp:
                 first = await resp.json()
                 assert resp.headers["x-memra-decision"] == "cold (nothing parked for this model and cache_salt)"
+                assert resp.headers["x-memra-step"] == "eager"  # compile = off: the eager step
             assert first["memra"]["decision"] == resp.headers["x-memra-decision"]
+            assert first["memra"]["step"] == "eager"
             (parked,) = engine.parking.pool.sessions()
             assert (parked.identity.name, parked.identity.source) == ("body-name", "session_id")
 
@@ -239,6 +241,7 @@ async def test_the_decision_reaches_the_client_in_a_header_and_the_body(tiny_loa
             body["stream"] = True
             async with session.post(url, json=body) as resp:
                 decision = resp.headers["x-memra-decision"]
+                assert resp.headers["x-memra-step"] == "eager"  # a stream's headers say it before any token
                 await resp.read()
             assert decision.startswith(("token-prefix: resumed (session s1;", "text-prefix: resumed (session s1;"))
     finally:

@@ -36,10 +36,10 @@ def session(sid, identity, tokens, segments, hits=0):
                        tokens - 24, 256, (), tokens * 46080, 12.0, hits, segments)
 
 
-def decision_event(i, outcome, reason, candidate=None, divergence=None, context=None, tier="affinity"):
+def decision_event(i, outcome, reason, candidate=None, divergence=None, context=None, tier="affinity", step=None):
     d = Decision(f"chatcmpl-{i:04d}", outcome, reason, 256 if outcome == "resumed" else 0, 197,
                  tier=None if outcome == "cold" else tier, candidate=candidate,
-                 checkpoint=256 if outcome == "resumed" else None, divergence=divergence)
+                 checkpoint=256 if outcome == "resumed" else None, divergence=divergence, step=step)
     return DecisionEvent(T0 + i, d, 453, None, (SYSTEM, USER1, REPLY1, USER2, GEN), context)
 
 
@@ -47,10 +47,11 @@ RECORDS = [
     StateSnapshot("SmolLM2-135M-Instruct", "cpu", 60.0, 3, PoolStats(1, 10, 32, 100),
                   (("reuse.mode", "exact"), ("affinity", "true")), (session("s1", None, 364, (SYSTEM, USER1, seg(
                       "<|im_start|>assistant", 340, 343, "f6f6f6f6f6f6f6f6"))),)),
-    decision_event(1, "cold", "no nomination: 2 shared segments < 3"),
+    decision_event(1, "cold", "no nomination: 2 shared segments < 3", step="eager"),  # the compiled step was building
     ParkEvent(T0 + 1, session("s2", None, 364, (SYSTEM, USER1)), None),  # the engine parks, then reports the turn
     TurnEvent(T0 + 1, "chatcmpl-0001", "s2", None, 340, 0, 24, 0.91, "cold", "length"),
-    decision_event(2, "resumed", "implicit, 4 shared segments; checkpoint 256; primed 197", candidate="s2"),
+    decision_event(2, "resumed", "implicit, 4 shared segments; checkpoint 256; primed 197", candidate="s2",
+                   step="compiled"),
     ParkEvent(T0 + 2, session("s3", None, 477, (SYSTEM, USER1, REPLY1, USER2, GEN), hits=1), "s2"),
     TurnEvent(T0 + 2, "chatcmpl-0002", "s3", None, 453, 256, 24, 0.41, "resumed", "stop"),
     decision_event(3, "declined", "history diverged at 12 of checkpoint 256", candidate="s3", divergence=12,
@@ -82,6 +83,8 @@ async def test_sessions_chains_and_decisions_fill_from_the_stream():
         table = app.query_one(SessionsTable)
         assert table.row_count == 2 and table.selected_id == "s3"
         assert [e.decision.outcome for e in app.query_one(DecisionLog).shown] == ["cold", "resumed", "declined"]
+        log = app.query_one(DecisionLog)
+        assert [log.get_row_at(row)[3] for row in range(3)] == ["eager", "compiled", "-"]  # the step column
         assert app.state.root_of["s3"] == "s2"  # one conversation across the resume
         assert [t.ttft_s for t in app.state.turns["s2"]] == [0.91, 0.41]
 

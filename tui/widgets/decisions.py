@@ -1,4 +1,5 @@
-"""The decision log, newest last, filterable by outcome."""
+"""The decision log, newest last, filterable by outcome: one row a request, with the decode
+step its reply ran on (compiled, eager while the compiled step builds, or transformers)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ class DecisionLog(DataTable):
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
-        self.add_columns("time", "request", "outcome", "reason")
+        self.add_columns("time", "request", "outcome", "step", "reason")
         self.shown: list[DecisionEvent] = []
 
     def show(self, events: list[DecisionEvent], outcome: str) -> None:
@@ -29,7 +30,7 @@ class DecisionLog(DataTable):
             d = e.decision
             head = f"{d.tier}: {d.outcome}" if d.tier else d.outcome
             self.add_row(time.strftime("%H:%M:%S", time.gmtime(e.at)), d.request_id[-8:],
-                         f"[{STYLES[d.outcome]}]{head}[/]", d.reason, key=str(i))
+                         f"[{STYLES[d.outcome]}]{head}[/]", d.step or "-", d.reason, key=str(i))
         self.border_subtitle = f"filter: {outcome} (f)"
         if self.shown:
             self.move_cursor(row=len(self.shown) - 1 if following else min(row, len(self.shown) - 1))

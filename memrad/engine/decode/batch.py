@@ -111,6 +111,11 @@ class BatchStep:
         self.alone: Callable[[Any, int, int], torch.Tensor] | None = None
         self.smaller: list[BatchStep] = []  # fewer rows, the same bits for a row (set with `alone`)
 
+    @property
+    def step(self) -> str:
+        """Which step a request on this one decodes with (the reply's `step`)."""
+        return "compiled" if self.compiled else "eager"
+
     def fitting(self, count: int) -> "BatchStep":
         """The step of the fewest rows that holds `count` requests: this one or a smaller twin."""
         return min((s for s in (*self.smaller, self) if s.rows >= count), key=lambda s: s.rows)

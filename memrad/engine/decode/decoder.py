@@ -2,7 +2,9 @@
 
     compile = auto   the eager step (memrad.engine.decode.steps.llama) at once, the compiled one built
                      in the background; requests that start after it is ready decode compiled
-                     (the daemon answers meanwhile)
+                     (the daemon answers meanwhile, no reply waits for the build)
+    compile = wait   as auto, but a reply waits for the build (or its failure) before it decodes,
+                     so every start's replies are the same bits
     compile = on     compiled before the daemon answers; a failure stops the start
     compile = off    the step, eager, with torch's attention: the A/B arm of the compiled one
 
@@ -17,14 +19,16 @@ choice carries a reason (/health, `memrad status`, the log).
 
 Compiled and eager steps are not bit-identical to each other (inductor fuses the elementwise
 work and rounds once where eager rounds each op; emulating eager's casts was measured and still
-differs: docs/ARCHITECTURE.md, "The decode step"). So in exact mode (`exact=True`) under auto a
-reply never decodes with the eager step while the compiled one is coming: `feeder()` waits for
-the build (the prompt's prefill has run meanwhile), and a first start answers with the very
-step every later start opens. `memrad pull` builds the package (`prepare()`), so a first start
-after a pull waits for nothing. Fast mode promises no exactness and serves eager at once. Each
-request decodes with one step from its first token to its last (`feeder()`), so a resumed turn
-equals a cold one under the same step; in exact mode decoded KV is never reused (DESIGN:
-Exactness), so parked state does not depend on the step.
+differs: docs/ARCHITECTURE.md, "The decode step"). What that can change is a reply, never parked
+state: in exact mode decoded KV is never reused (DESIGN: Exactness), so the state a turn parks
+does not depend on the step its reply decoded with. So under auto no reply waits: a request
+decodes on the best step open when it is admitted (eager until the compiled one lands), that
+one from its first token to its last (`feeder()` hands it over once, as a `OneRowFeed` naming
+it), and the reply says which (`step`: the decision record's field, the `x-memra-step`
+header). A resumed turn equals a cold one under the same step. Who wants every start's replies
+bit-identical sets compile = wait: `feeder()` then waits for the build, so a first start
+answers with the very step every later start opens. `memrad pull` builds the package
+(`prepare()`), so a first start after a pull serves compiled from its first reply.
 
 With `batch_rows` (max_batch, `batch_decode = "batched"`), the batched step
 (memrad.engine.decode.batch) is compiled too, one package per row count of `batch_sizes`
@@ -43,6 +47,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +67,12 @@ from memrad.engine.state.kv import MAX_RESERVED_TOKENS, all_slabs, reserve
 
 log = logging.getLogger("memrad.engine")
 
-COMPILE_MODES = ("auto", "on", "off")
-# What /health says while compile = auto builds the step, in exact mode and in fast mode.
-_WAITS = "compile = auto, exact mode: replies wait for the compiled step"
-_SERVES_EAGER = "compile = auto: the eager step serves until the compiled step is ready"
+COMPILE_MODES = ("auto", "wait", "on", "off")
+BACKGROUND = ("auto", "wait")  # the modes that build on a background thread while the daemon serves
+# What /health says while the step builds in the background, under wait and under auto.
+_WAITS = "compile = wait: replies wait for the compiled step"
+_SERVES_EAGER = ("compile = auto: new requests decode on the eager step until the compiled step is ready, "
+                 "each on the step it started on to its last token")
 
 
 class CompileFailed(RuntimeError):
@@ -73,6 +80,18 @@ class CompileFailed(RuntimeError):
 
 
 Feed = Callable[[Any, int, int], torch.Tensor]  # (cache, token id, position) -> logits [V] float32
+
+
+@dataclass(frozen=True, eq=False)
+class OneRowFeed:
+    """One request's one-row step for its whole reply, and which it is: "compiled", "eager" or
+    "transformers" (the reply's `step`)."""
+
+    step: str
+    run: Feed
+
+    def __call__(self, cache: Any, token_id: int, position: int) -> torch.Tensor:
+        return self.run(cache, token_id, position)
 
 
 def _attention(kernel: bool, why_not: str | None = None) -> str:
@@ -90,12 +109,11 @@ class Decoder:
     """
 
     def __init__(self, model: Any, context_len: int, device: torch.device, mode: str = "off",
-                 recipe: builder.Recipe | None = None, exact: bool = False, batch_rows: int | None = None) -> None:
+                 recipe: builder.Recipe | None = None, batch_rows: int | None = None) -> None:
         assert mode in COMPILE_MODES, mode
         self.model = model
         self.mode = mode
         self.recipe = recipe  # given: the package is built in a child process (builder.build_in_child)
-        self.exact = exact  # under auto, replies wait for the compiled step rather than decode eager
         self._start_lock = threading.Lock()  # the daemon's start and a waiting reply's, once
         self.capacity = min(context_len, MAX_RESERVED_TOKENS)  # the slabs' rows (memrad.engine.state.kv)
         self.compile_s: float | None = None
@@ -125,7 +143,7 @@ class Decoder:
             self.batch_choice = Choice("eager", f"compile = {mode}: the eager batched step"
                                        + (" (compiled with the one-row step)" if mode != "off" else ""))
         # A kernel built by an earlier start loads in milliseconds: the eager step uses it.
-        kernel = mode == "auto" and decode_attention.load(cxx_compiler(), build_missing=False) is None
+        kernel = mode in BACKGROUND and decode_attention.load(cxx_compiler(), build_missing=False) is None
         self.current = (self.eager, kernel)
         self.choice = Choice("eager", f"compile = off: {_attention(kernel)}" if mode == "off"
                              else f"compile = {mode}: not started; {_attention(kernel)}")
@@ -137,7 +155,7 @@ class Decoder:
         return self.current[0]
 
     def start(self) -> None:
-        """Begin compiling as the mode says: now (on), on a background thread (auto). Once.
+        """Begin compiling as the mode says: now (on), on a background thread (auto, wait). Once.
         A package an earlier start built is opened at once under either mode."""
         with self._start_lock:
             if self.mode == "off" or self.step is None or self._started:
@@ -150,13 +168,13 @@ class Decoder:
                 if self.mode == "on":
                     compile_batch()
                     return
-                self.batch_choice = Choice("compiling", _WAITS if self.exact else _SERVES_EAGER)
+                self.batch_choice = Choice("compiling", _WAITS if self.mode == "wait" else _SERVES_EAGER)
                 self._thread = builder.start_thread(compile_batch)
                 return
             if self.mode == "on":
                 self._compile()
                 return
-            self.choice = Choice("compiling", _WAITS if self.exact else _SERVES_EAGER)
+            self.choice = Choice("compiling", _WAITS if self.mode == "wait" else _SERVES_EAGER)
             if self.batch_rows:
                 self.batch_choice = self.choice
             self._thread = builder.start_thread(self._compile_both)
@@ -304,7 +322,7 @@ class Decoder:
             why = "no C++ compiler for torch.compile (install g++, e.g. `apt install g++`)"
             if self.mode == "on":
                 raise CompileFailed(f"compile = on, but {why}; or set compile = auto or off")
-            self.choice = Choice("eager", f"auto: {why}")
+            self.choice = Choice("eager", f"{self.mode}: {why}")
             return
         started = time.perf_counter()
         no_kernel = decode_attention.load(compiler)
@@ -321,7 +339,7 @@ class Decoder:
             if self.mode == "on":
                 raise CompileFailed(f"{exc}; start again") from exc
             log.warning("%s: decoding with the eager step; the next start builds it again", exc)
-            self.choice = Choice("eager", f"auto: {exc}; the next start builds it again")
+            self.choice = Choice("eager", f"{self.mode}: {exc}; the next start builds it again")
             return
         except Exception as exc:  # export and inductor raise many types; try torch.compile
             if self._closed:
@@ -335,7 +353,7 @@ class Decoder:
                 if self.mode == "on":
                     raise CompileFailed(f"{why}; set compile = auto or off to start with the eager step") from exc
                 log.warning("%s: decoding with the eager step", why)
-                self.choice = Choice("eager", f"auto: {why}")
+                self.choice = Choice("eager", f"{self.mode}: {why}")
                 return
             how = f"torch.compile (inductor, {compiler}; AOTInductor failed: {aoti_failed})"
         self._ready(step, kernel, f"{how}, {_attention(kernel, no_kernel)}", started)
@@ -358,8 +376,8 @@ class Decoder:
         row's bits are the compiled one-row step's, not the eager batched step's. The compiled
         one once its package is open (`batch_rows` rows), else the eager llama-shaped step's
         weights with the attention the current step uses. One BatchStep per (attention,
-        compiled), so a request keeps its bits from first token to last. Exact mode under auto
-        waits for the one-row step's compile as `feeder()` does."""
+        compiled), so a request keeps its bits from first token to last. compile = wait waits
+        for the one-row step's compile as `feeder()` does."""
         if not isinstance(self.eager_step, DecodeStep):
             return None
         self._await_compile(cancelled, lambda: self.choice.value == "compiling")
@@ -408,9 +426,9 @@ class Decoder:
         return alone if same else None
 
     def _await_compile(self, cancelled: Callable[[], bool], pending: Callable[[], bool]) -> None:
-        """Exact mode under auto: wait until the step `pending` names has landed or failed
-        (the compile started here if the daemon has not yet), or the request is cancelled."""
-        if self.exact and self.mode == "auto":
+        """compile = wait: wait until the step `pending` names has landed or failed (the
+        compile started here if the daemon has not yet), or the request is cancelled."""
+        if self.mode == "wait":
             self.start()
             while self.compiling() and pending() and not cancelled():
                 self.wait(0.1)
@@ -419,15 +437,18 @@ class Decoder:
     def eager_step(self) -> Any:
         return getattr(self, "eager", None)
 
-    def feeder(self, cancelled: Callable[[], bool] = lambda: False) -> Feed:
-        """The step one request decodes with, from its first token to its last. Exact mode
-        under auto: waits until the compile has landed or failed (started here if the daemon
-        has not yet), so no reply decodes with a step a later start would not use; a request
-        cancelled meanwhile (a hang-up, `memrad stop`) stops waiting and is ended by its caller."""
+    def feeder(self, cancelled: Callable[[], bool] = lambda: False) -> OneRowFeed:
+        """The step one request decodes with, from its first token to its last: the best one
+        open now (compile = auto never waits; a compile that lands mid-reply serves the requests
+        admitted after it). compile = wait: waits until the compile has landed or failed
+        (started here if the daemon has not yet), so no reply decodes with a step a later start
+        would not use; a request cancelled meanwhile (a hang-up, `memrad stop`) stops waiting
+        and is ended by its caller."""
         self._await_compile(cancelled, lambda: self.choice.value == "compiling")
-        step, kernel = self.current
+        step, kernel = self.current  # read once: this request's step for good
         if step is None:
-            return lambda cache, token_id, position: decode_one_token(self.model, cache, token_id, position)
+            return OneRowFeed("transformers", lambda cache, token_id, position: decode_one_token(
+                self.model, cache, token_id, position))
 
         @torch.inference_mode()
         def feed(cache: Any, token_id: int, position: int) -> torch.Tensor:
@@ -443,4 +464,4 @@ class Decoder:
                 layer.wrote_row(position)
             return logits.float()
 
-        return feed
+        return OneRowFeed("eager" if step is self.eager else "compiled", feed)
