@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -226,6 +227,9 @@ def _wait_until_serving(child: subprocess.Popen, log_file: Path, offset: int) ->
             _clear(interactive)
             print(f"memrad is serving {health['model']} at {info.url}/v1")
             print(f"  device {health['device']} ({health['dtype']}), pid {health['pid']}, log {log_file}")
+            decode = health.get("choices", {}).get("decode")
+            if decode:  # a first start: the compiled step still building, and what serves meanwhile
+                print(f"  decode {decode['value']}: {decode['reason']}")
             return 0
         lines = _new_lines(log_file, offset)
         if lines and lines[-1] != last_line:
@@ -488,8 +492,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 def _build_decode_step(spec: str) -> None:
     """Build the compiled decode step for `spec` as `memrad start` will serve it (the
     configured device, dtype, weights and context), so a first start decodes compiled from
-    its first token: in exact mode its first reply would otherwise wait for the build, and
-    an eager step would answer differently (docs/ARCHITECTURE.md, "The decode step")."""
+    its first token (it would serve eager until its own build lands, and an eager step can
+    answer differently: docs/ARCHITECTURE.md, "The decode step"), the batched packages too
+    (a start builds them only when a second request first decodes beside another). Each
+    build is announced with the last such build's time here, and ticks on a terminal."""
     settings = load_settings({})
     if settings.engine.compile == "off":
         return
@@ -503,9 +509,42 @@ def _build_decode_step(spec: str) -> None:
     # The batched step's package too where the settings decode batched (a start would build it).
     batch_rows = settings.server.max_batch if settings.engine.batch_decode == "batched" else None
     decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", recipe, batch_rows=batch_rows)
-    if decoder.step is not None:
-        print("building the compiled decode step (once per machine, model and torch; about a minute) ...")
-    print(f"decode step: {decoder.prepare()}")
+    with _Ticker() as ticker:
+        said = decoder.prepare(ticker.building)
+    print(f"decode step: {said}")
+
+
+class _Ticker:
+    """Prints each build as it starts ('building the decode step (one row, ...): ~412 s (the last
+    build here)') and, on a terminal, its elapsed seconds once a second until the next line."""
+
+    def __init__(self) -> None:
+        self._what: str | None = None
+        self._since = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="memrad-pull-ticker", daemon=True)
+
+    def __enter__(self) -> "_Ticker":
+        if sys.stdout.isatty():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+            print("\r\033[K", end="", flush=True)
+
+    def building(self, what: str) -> None:
+        if self._thread.is_alive():
+            print("\r\033[K", end="")
+        print(what, flush=True)
+        self._what, self._since = what, time.monotonic()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            if self._what is not None:
+                print(f"\r\033[K  ... {time.monotonic() - self._since:.0f} s", end="", flush=True)
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:

@@ -364,7 +364,10 @@ class Engine:
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
         the decoder's one-row step (flights then run one after another in each iteration).
         Either says which it is (`step`); under compile = wait it waits for the compiled step,
-        at admission."""
+        at admission. Admitted beside another request, it asks for the batched packages
+        (built in the background the first time; this request decodes as before meanwhile)."""
+        if self._batches() and self._flights:  # a second request beside another: the batched packages are wanted
+            self.decoder.want_batch()
         batched = self.decoder.batch_step(self.max_batch, cancelled) if self._batches() else None
         return batched if batched is not None else self.decoder.feeder(cancelled)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memrad.engine.decode import builder
+from memrad.engine.decode import build_times, builder
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.batch import BatchStep
 from memrad.engine.decode.decoder import cxx_compiler
@@ -241,27 +241,36 @@ needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="building the
 @pytest.fixture(scope="module")
 def compiled_engines(q4_dir, tmp_path_factory):
     """Engines (exact mode, compile wait, max_batch 4, batched) over one compile cache that the
-    first of them filled: its first request waited for the one-row package and decoded on it
-    while the batched one was built (both in a child process)."""
+    first of them filled: its first request waited for the one-row package and decoded on it,
+    alone, so no batched package was built; a second request beside it asked for them, decoded
+    on the one-row step meanwhile, and they were built (each package in a child process)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("compile")))
         torch.set_num_threads(1)
         loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
         first = make_engine(loaded, CHUNK, compile="wait", max_batch=4)
         assert first.decoder.batch_choice.value == "eager" and not first.decoder.compiling()
-        flight = first.admit(request(first, conversation("a", 1)[:-1], "a-1"), lambda _: None, lambda: False)
-        building = first.decoder.batch_choice.value
+        alone = first.admit(request(first, conversation("a", 1)[:-1], "a-1"), lambda _: None, lambda: False)
         first.decoder.wait()
-        yield loaded, first, (flight, building), lambda **flags: recording(make_engine(loaded, CHUNK, compile="auto", max_batch=4,
-                                                                           **flags))
+        before = (first.decoder.batch_choice.value, first.decoder._package(True, 2).is_file(),
+                  first.decoder._package(True, 4).is_file())
+        beside = first.admit(request(first, conversation("c", 1)[:-1], "c-1"), lambda _: None, lambda: False)
+        building = (first.decoder.batch_choice.value, first.decoder.batch_choice.reason)
+        first.decoder.wait()
+        yield loaded, first, (alone, beside, before, building), lambda **flags: recording(make_engine(
+            loaded, CHUNK, compile="auto", max_batch=4, **flags))
 
 
 @needs_compiler
-def test_in_exact_mode_a_request_decodes_on_the_compiled_one_row_step_until_the_batched_one_lands(
-        compiled_engines):
-    _, first, (flight, building), _ = compiled_engines
+def test_the_batched_packages_are_built_when_a_second_request_first_decodes_beside_another(compiled_engines):
+    _, first, (alone, beside, before, building), _ = compiled_engines
     decoder = first.decoder
-    assert building == "compiling" and not isinstance(flight.feed, BatchStep)  # not the eager batched step
+    assert before == ("on demand", False, False)  # one request alone: nothing batched was built
+    assert building == ("compiling", "a second request decodes beside another: building the 2 and 4-row packages; "
+                                     "each request on the one-row step until they are open")
+    # neither waited for the batched build: both decode on the compiled one-row step (not the eager batched one)
+    assert not isinstance(alone.feed, BatchStep) and not isinstance(beside.feed, BatchStep)
+    assert alone.feed.step == beside.feed.step == "compiled"
     later = first.admit(request(first, conversation("b", 1)[:-1], "b-1"), lambda _: None, lambda: False)
     assert isinstance(later.feed, BatchStep) and later.feed.compiled and later.feed.rows == 4
     assert later.feed.alone is not None  # the compiled one-row step: a row's bits (INDUCTOR_OPTIONS)
@@ -271,6 +280,11 @@ def test_in_exact_mode_a_request_decodes_on_the_compiled_one_row_step_until_the_
     assert decoder._package(True, 4).is_file() and decoder._package(True, 2).is_file()
     assert first.runtime_choices["batch"]["value"] == "batched, 4 rows"
     assert "compiled: AOTInductor package" in first.runtime_choices["batch"]["reason"]
+    # each build's time is kept for the next estimate (memrad.engine.decode.build_times)
+    for rows in (None, 2, 4):
+        seconds = build_times.last_build_s(decoder._package(True, rows))
+        assert seconds is not None and seconds > 0
+        assert build_times.estimate(decoder._package(True, rows)) == f"~{seconds:.0f} s (the last build here)"
 
 
 @needs_compiler

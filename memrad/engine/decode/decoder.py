@@ -32,9 +32,12 @@ answers with the very step every later start opens. `memrad pull` builds the pac
 
 With `batch_rows` (max_batch, `batch_decode = "batched"`), the batched step
 (memrad.engine.decode.batch) is compiled too, one package per row count of `batch_sizes`
-(2 and max_batch: two requests do not pay for two pad rows), built after the one-row one and
-opened beside it; `batch_step()` hands a request the compiled ones once they are open, and
-the one-row step meanwhile.
+(2 and max_batch: two requests do not pay for two pad rows), opened beside the one-row one.
+Under auto and wait they are built only when a second request first decodes beside another
+(`want_batch()`, after the one-row step: a single agent never pays for them; `memrad pull`
+still builds them ahead); `batch_step()` hands a request the compiled ones once they are
+open, and the one-row step meanwhile. Each build says what it builds and how long the last
+one like it took here (memrad.engine.decode.build_times), in the log and in `choices`.
 
 Why it compiles this way, and what was tried and dropped: docs/ARCHITECTURE.md, "The decode
 step". Measured: docs/BENCHMARKS.md, Decode and Startup and compile.
@@ -54,7 +57,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from memrad.engine.decode import builder
+from memrad.engine.decode import build_times, builder
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.batch import BatchGraph, BatchStep
 from memrad.engine.decode.steps import new_step, support
@@ -73,6 +76,8 @@ BACKGROUND = ("auto", "wait")  # the modes that build on a background thread whi
 _WAITS = "compile = wait: replies wait for the compiled step"
 _SERVES_EAGER = ("compile = auto: new requests decode on the eager step until the compiled step is ready, "
                  "each on the step it started on to its last token")
+_ON_DEMAND = Choice("on demand", "built when a second request first decodes beside another (`memrad pull` builds "
+                                 "them ahead); until then each request decodes on the one-row step")
 
 
 class CompileFailed(RuntimeError):
@@ -119,6 +124,8 @@ class Decoder:
         self.compile_s: float | None = None
         self._thread: threading.Thread | None = None
         self._started = False
+        self._one_row_building = False  # the background thread is building the one-row step
+        self._batch_wanted = False  # a second request decoded beside another: build the batched step
         self._closed = False
         # (step, attend with memra's kernel), read and replaced as one, so a request never
         # pairs one step with the other's attention; no step: transformers decodes.
@@ -164,25 +171,67 @@ class Decoder:
             if self._open_package():
                 return
             if self.step is not self.eager:  # the one-row step opened: only the batched one is left
-                compile_batch = lambda: self._compile_batch(self.current[1])
                 if self.mode == "on":
-                    compile_batch()
-                    return
-                self.batch_choice = Choice("compiling", _WAITS if self.mode == "wait" else _SERVES_EAGER)
-                self._thread = builder.start_thread(compile_batch)
+                    self._compile_batch(self.current[1])
+                else:  # built when a second request first wants it (`want_batch`)
+                    self.batch_choice = _ON_DEMAND
                 return
             if self.mode == "on":
                 self._compile()
+                if isinstance(self.step, step_package.PackagedStep):
+                    self._compile_batch(self.current[1])
                 return
             self.choice = Choice("compiling", _WAITS if self.mode == "wait" else _SERVES_EAGER)
             if self.batch_rows:
-                self.batch_choice = self.choice
-            self._thread = builder.start_thread(self._compile_both)
+                self.batch_choice = _ON_DEMAND
+            self._one_row_building = True
+            self._thread = builder.start_thread(self._compile_in_background)
 
-    def prepare(self) -> str:
-        """Build the package now unless the compile cache has it, as a start would (in a child
-        when there is a recipe), and say what happened (`memrad pull`). Never raises, and
-        never falls back to torch.compile, which leaves nothing a start opens."""
+    def want_batch(self) -> None:
+        """A second request is admitted beside another (auto, wait): build the batched step's
+        packages now in the background, once, unless they are open, cannot be built (no
+        kernel, the one-row step not compiled) or the one-row build is still running (it
+        builds them when it lands). Returns at once; requests meanwhile decode as before."""
+        if not self.batch_rows or self.mode not in BACKGROUND:
+            return
+        with self._start_lock:
+            if self._batch_wanted:
+                return
+            self._batch_wanted = True
+            if self._one_row_building or not self._can_batch():
+                return
+            self._thread = builder.start_thread(lambda: self._compile_batch(self.current[1]))
+
+    def _can_batch(self) -> bool:
+        """The one-row step is a package and a batched size is still to build (sets
+        `batch_choice` to say it is building)."""
+        if not isinstance(self.step, step_package.PackagedStep) or not self._wants_batch(self.current[1]):
+            return False
+        self.batch_choice = Choice("compiling", "a second request decodes beside another: building the "
+                                   f"{' and '.join(map(str, self.batch_sizes))}-row packages; each request on "
+                                   "the one-row step until they are open")
+        return True
+
+    def _compile_in_background(self) -> None:
+        """The one-row step, then the batched one if a second request wanted it meanwhile."""
+        try:
+            self._compile()
+        finally:
+            with self._start_lock:
+                self._one_row_building = False
+                if self.batch_rows and not isinstance(self.step, step_package.PackagedStep):
+                    self.batch_choice = Choice("eager", f"the one-row step is {self.choice.value}: "
+                                                        "the eager batched step")
+                build = self._batch_wanted and not self._closed and self._can_batch()
+        if build:
+            self._compile_batch(self.current[1])
+
+    def prepare(self, say: Callable[[str], None] = lambda _: None) -> str:
+        """Build the packages now unless the compile cache has them, as a start would (in a
+        child when there is a recipe), the batched ones too (a start builds those only when
+        a second request wants them), and say what happened (`memrad pull`); `say` hears each
+        build as it starts, with its estimate. Never raises, and never falls back to
+        torch.compile, which leaves nothing a start opens."""
         if self.step is None:
             return f"not compiled: {self.choice.reason}"
         if self._open_package():
@@ -199,15 +248,25 @@ class Decoder:
                 continue
             started = time.perf_counter()
             try:
-                self._build_package(kernel, rows)
+                self._build_package(kernel, rows, say)
             except Exception as exc:  # export and inductor raise many types; a start tries again
                 return "; ".join([*said, f"not built ({type(exc).__name__}: {_first_line(exc)}); a start compiles it"])
             said.append(f"built {path.name} in {time.perf_counter() - started:.0f} s, {_attention(kernel)}")
         return "; ".join(said)
 
-    def _build_package(self, kernel: bool, rows: int | None = None) -> Path:
-        return builder.build_package(self.recipe, self.eager, self.model.config, self.capacity, kernel,
-                                     self._package(kernel, rows), rows)
+    def _build_package(self, kernel: bool, rows: int | None = None, say: Callable[[str], None] | None = None) -> Path:
+        """Build one package, saying what and how long the last such build took here; keep
+        this one's time for the next estimate."""
+        path = self._package(kernel, rows)
+        what = f"building the decode step ({f'{rows} rows' if rows else 'one row'}, {_attention(kernel)}): " \
+               f"{build_times.estimate(path)}"
+        log.info("%s", what)
+        if say is not None:
+            say(what)
+        started = time.perf_counter()
+        builder.build_package(self.recipe, self.eager, self.model.config, self.capacity, kernel, path, rows)
+        build_times.record(path, time.perf_counter() - started)
+        return path
 
     def compiling(self) -> bool:
         """A background compile is still running."""
@@ -309,13 +368,6 @@ class Decoder:
             log.info("batched decode steps (%s rows) compiled in %.1f s",
                      " and ".join(str(rows) for rows in self.batch_sizes), time.perf_counter() - started)
 
-    def _compile_both(self) -> None:
-        try:
-            self._compile()
-        finally:  # the one-row step fell back (eager, torch.compile): no batched package either
-            if self.batch_choice.value == "compiling":
-                self.batch_choice = Choice("eager", f"the one-row step is {self.choice.value}: the eager batched step")
-
     def _compile(self) -> None:
         compiler = cxx_compiler()
         if compiler is None:
@@ -329,6 +381,9 @@ class Decoder:
         kernel = no_kernel is None
         if not kernel:
             log.warning("decode attention: torch's (%s)", no_kernel)
+        if self.choice.value == "compiling":
+            self.choice = Choice("compiling", f"{self.choice.reason}; building the one-row step: "
+                                              f"{build_times.estimate(self._package(kernel))}")
         try:
             path = self._build_package(kernel)
             step = step_package.load(self.eager, self.capacity, kernel, path)
@@ -358,8 +413,6 @@ class Decoder:
             how = f"torch.compile (inductor, {compiler}; AOTInductor failed: {aoti_failed})"
         self._ready(step, kernel, f"{how}, {_attention(kernel, no_kernel)}", started)
         log.info("decode step compiled in %.1f s (cache %s)", self.compile_s, os.environ["TORCHINDUCTOR_CACHE_DIR"])
-        if isinstance(step, step_package.PackagedStep):  # torch.compile's fallback: no package, no batch
-            self._compile_batch(kernel)
 
     def _ready(self, step: Any, kernel: bool, how: str, started: float) -> None:
         self.compile_s = time.perf_counter() - started

@@ -1,0 +1,94 @@
+"""Build estimates: the last build of a package's family on this machine, never a guess; and
+the batched packages asked for only when a second request decodes beside another."""
+
+import threading
+
+from memrad.engine.decode import build_times
+from memrad.engine.decode import package as step_package
+from memrad.engine.decode.decoder import Decoder
+from memrad.request import GenerationRequest, SamplingParams
+from stories import make_engine
+from test_reuse import SYSTEM
+
+ONE_ROW = "decode-step-SmolLM2-135M-Instruct-int4-bfloat16-attn-memra-torch2.13.0_cpu-avx512"
+
+
+def test_an_estimate_is_the_last_build_of_the_same_family_here(tmp_path):
+    built = tmp_path / f"{ONE_ROW}-c5ce72ad69a4b831.pt2"
+    assert build_times.family(built) == ONE_ROW
+    assert build_times.estimate(built) == "no earlier build here to time it by"
+    build_times.record(built, 412.34)
+    rebuilt = tmp_path / f"{ONE_ROW}-0123456789abcdef.pt2"  # another key (new code): the same family
+    assert build_times.last_build_s(rebuilt) == 412.3
+    assert build_times.estimate(rebuilt) == "~412 s (the last build here)"
+    batched = tmp_path / f"{ONE_ROW.replace('Instruct-', 'Instruct-rows2-')}-c5ce72ad69a4b831.pt2"
+    assert build_times.estimate(batched) == "no earlier build here to time it by"  # another family
+
+
+def test_a_damaged_times_file_loses_only_the_estimate(tmp_path):
+    built = tmp_path / f"{ONE_ROW}-c5ce72ad69a4b831.pt2"
+    (tmp_path / build_times.FILE).write_text("{not json")
+    assert build_times.last_build_s(built) is None
+    build_times.record(built, 30.0)
+    assert build_times.last_build_s(built) == 30.0
+
+
+def request(engine, topic):
+    text, ids = engine.chat.render([SYSTEM, {"role": "user", "content": topic}], None)
+    return GenerationRequest(topic, engine.model_id, tuple(ids), text, SamplingParams(temperature=0.0, max_tokens=4))
+
+
+def test_only_a_second_request_in_flight_asks_for_the_batched_packages(tiny_loaded):
+    engine = make_engine(tiny_loaded, 16, compile="auto", max_batch=2)
+    decoder = engine.decoder
+    engine.admit(request(engine, "a"), lambda _: None, lambda: False)
+    assert not decoder._batch_wanted  # alone: nothing batched is built for it
+    engine.admit(request(engine, "b"), lambda _: None, lambda: False)
+    assert decoder._batch_wanted and not decoder.compiling()  # the one-row step is eager here: nothing to build on
+
+
+def test_the_batched_packages_build_once_in_the_background(tiny_loaded, monkeypatch):
+    decoder = Decoder(tiny_loaded.model, tiny_loaded.context_len, tiny_loaded.device, "auto", batch_rows=4)
+    packaged = object.__new__(step_package.PackagedStep)  # the one-row package, opened
+    decoder.current = (packaged, True)
+    builds, release = [], threading.Event()
+    monkeypatch.setattr(decoder, "_compile_batch", lambda kernel: builds.append(kernel) or release.wait(30))
+    decoder.want_batch()
+    assert decoder.batch_choice.value == "compiling" and decoder.compiling()
+    decoder.want_batch()  # a third request: the build is already under way
+    release.set()
+    decoder.wait()
+    assert builds == [True]
+
+
+def test_a_second_request_during_the_one_row_build_has_the_batched_packages_built_after_it(tiny_loaded, monkeypatch):
+    decoder = Decoder(tiny_loaded.model, tiny_loaded.context_len, tiny_loaded.device, "auto", batch_rows=4)
+    packaged = object.__new__(step_package.PackagedStep)
+    landed, builds = threading.Event(), []
+
+    def one_row():
+        assert landed.wait(30)
+        decoder.current = (packaged, True)
+
+    monkeypatch.setattr(decoder, "_open_package", lambda: False)
+    monkeypatch.setattr(decoder, "_compile", one_row)
+    monkeypatch.setattr(decoder, "_compile_batch", builds.append)
+    decoder.start()
+    assert decoder.batch_choice.value == "on demand"
+    decoder.want_batch()  # while the one-row step builds: it takes the batched ones on when it lands
+    assert builds == []
+    landed.set()
+    decoder.wait()
+    assert builds == [True]
+
+
+def test_without_a_second_request_the_one_row_build_builds_nothing_batched(tiny_loaded, monkeypatch):
+    decoder = Decoder(tiny_loaded.model, tiny_loaded.context_len, tiny_loaded.device, "auto", batch_rows=4)
+    builds = []
+    monkeypatch.setattr(decoder, "_open_package", lambda: False)
+    monkeypatch.setattr(decoder, "_compile", lambda: setattr(decoder, "current", (object.__new__(
+        step_package.PackagedStep), True)))
+    monkeypatch.setattr(decoder, "_compile_batch", builds.append)
+    decoder.start()
+    decoder.wait()
+    assert builds == [] and decoder.batch_choice.value == "on demand"
