@@ -284,13 +284,15 @@ class Engine:
         try:
             # The step is chosen before the decision leaves, so the reply's first bytes say it;
             # it never changes what is reused (exact mode parks no decoded KV).
-            feed = self._feed(cancelled)
-            decision = replace(decided.decision, step=feed.step)
-            log.info("%s %s; decode: %s step", request.request_id, decision.render(), feed.step)
+            step, make_feed = self._choose_step(cancelled)
+            decision = replace(decided.decision, step=step)
+            log.info("%s %s; decode: %s step", request.request_id, decision.render(), step)
             if on_decision is not None:
                 on_decision(decision)
             self.events(lambda: decision_event(self.loaded.tokenizer, self.openers, request, decision,
                                                prompt_segments, self.parking.get(decision.candidate)))
+            feed = make_feed()
+            assert feed.step == step, (feed.step, step)
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
             flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
                             self._snapshotter(cache, pre, checkpoint), feed, self._sampling,
@@ -359,17 +361,17 @@ class Engine:
             self._report(flight)
         return ended
 
-    def _feed(self, cancelled: Callable[[], bool]) -> Any:
+    def _choose_step(self, cancelled: Callable[[], bool]) -> tuple[str, Callable[[], Any]]:
         """The step a new flight decodes with, from its first token to its last: the batched
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
         the decoder's one-row step (flights then run one after another in each iteration).
-        Either says which it is (`step`); under compile = wait it waits for the compiled step,
-        at admission. Admitted beside another request, it asks for the batched packages
-        (built in the background the first time; this request decodes as before meanwhile)."""
+        Returns its name (compiled, eager, transformers) and how to make it (memrad.engine.decode.
+        decoder.Decoder.choose); under compile = wait it waits for the compiled step, at
+        admission. Admitted beside another request, it asks for the batched packages (built
+        in the background the first time; this request decodes as before meanwhile)."""
         if self._batches() and self._flights:  # a second request beside another: the batched packages are wanted
             self.decoder.want_batch()
-        batched = self.decoder.batch_step(self.max_batch, cancelled) if self._batches() else None
-        return batched if batched is not None else self.decoder.feeder(cancelled)
+        return self.decoder.choose(self.max_batch if self._batches() else None, cancelled)
 
     def _finish(self, flight: Flight) -> None:
         """Park a flight that ended and publish its turn; on an error, give its state back."""

@@ -84,8 +84,9 @@ def test_a_request_admitted_before_the_compile_lands_decodes_eager_to_its_last_t
     assert land.is_set() and first.completion_tokens == 10 and nudged.calls == 0  # never switched mid-reply
     assert set(steps_seen) == {"eager"}
     # the same reply as a request that never saw a compile (an engine whose build never lands)
-    alone, _ = engine_with_a_pending_compile(tiny_loaded, monkeypatch)[:2]
+    alone, never, _ = engine_with_a_pending_compile(tiny_loaded, monkeypatch)
     assert run(alone, request(alone, MESSAGES, "a"))[0].text == first.text
+    never.set()
 
     later, heard = run(engine, request(engine, MESSAGES, "b", salt="another"))
     assert heard.step == later.decision.step == "compiled" and nudged.calls == later.completion_tokens - 1
@@ -144,3 +145,20 @@ def test_resumed_equals_cold_on_the_eager_step_while_the_compile_is_pending(tiny
         messages += [{"role": "assistant", "content": warm.text}, {"role": "user", "content": f"turn {turn + 1}"}]
     assert nudged.calls == 0 and engine.decoder.compiling()
     land.set()
+
+
+def test_the_decision_names_the_step_before_the_batched_step_is_made(tiny_loaded, monkeypatch):
+    # the first batched step of a kind is checked on a scratch request (seconds on a busy CPU):
+    # the decision, with its step, leaves first, so a stream's headers carry it
+    engine = make_engine(tiny_loaded, 16, max_batch=2)
+    heard, made = [], []
+    make = engine.decoder._batch_step
+
+    def slow_to_make(*args):
+        made.append(list(heard))
+        return make(*args)
+
+    monkeypatch.setattr(engine.decoder, "_batch_step", slow_to_make)
+    flight = engine.admit(request(engine, MESSAGES, "a", max_tokens=2), lambda _: None, lambda: False,
+                          on_decision=heard.append)
+    assert [[d.step for d in seen] for seen in made] == [["eager"]] and flight.feed.step == "eager"

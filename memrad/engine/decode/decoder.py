@@ -421,6 +421,23 @@ class Decoder:
 
     # -- batched decode (memrad.engine.decode.batch): several requests' tokens in one step --
 
+    def choose(self, rows: int | None, cancelled: Callable[[], bool] = lambda: False
+               ) -> tuple[str, Callable[[], OneRowFeed | BatchStep]]:
+        """The step a new request decodes with from its first token to its last, chosen now:
+        its name ("compiled", "eager", "transformers"), said before the reply's first byte,
+        and how to make it (the first batched step of a kind is checked on a scratch request,
+        which takes a moment: the name must not wait for it). `rows`: the batched step of that
+        many rows where there is one (`batch_step`), else None for the one-row step. What is
+        open is read once, so a compile that lands in between changes neither."""
+        self._await_compile(cancelled, lambda: self.choice.value == "compiling")
+        (step, kernel), package = self.current, self.batch_package
+        if rows is not None and isinstance(self.eager_step, DecodeStep):
+            compiled = package is not None and package.rows == rows
+            if (step is not self.eager) == compiled:  # else: the one-row step compiled, the batched not yet
+                return ("compiled" if compiled else "eager"), lambda: self._batch_step(rows, kernel, compiled)
+        feed = self._one_row(step, kernel)
+        return feed.step, lambda: feed
+
     def batch_step(self, rows: int, cancelled: Callable[[], bool] = lambda: False) -> BatchStep | None:
         """The batched step of `rows` rows a new request decodes with, or None where it
         decodes one row at a time on `feeder()`'s step: where this model has no batched step
@@ -433,11 +450,10 @@ class Decoder:
         for the one-row step's compile as `feeder()` does."""
         if not isinstance(self.eager_step, DecodeStep):
             return None
-        self._await_compile(cancelled, lambda: self.choice.value == "compiling")
-        kernel = self.current[1]
-        compiled = self.batch_package is not None and self.batch_package.rows == rows
-        if (self.step is not self.eager) != compiled:
-            return None
+        feed = self.choose(rows, cancelled)[1]()
+        return feed if isinstance(feed, BatchStep) else None
+
+    def _batch_step(self, rows: int, kernel: bool, compiled: bool) -> BatchStep:
         key = (rows, kernel, compiled)
         if key not in self._batched:
             batched = self._new_batch_step(rows, kernel, compiled)
@@ -497,8 +513,9 @@ class Decoder:
         (started here if the daemon has not yet), so no reply decodes with a step a later start
         would not use; a request cancelled meanwhile (a hang-up, `memrad stop`) stops waiting
         and is ended by its caller."""
-        self._await_compile(cancelled, lambda: self.choice.value == "compiling")
-        step, kernel = self.current  # read once: this request's step for good
+        return self.choose(None, cancelled)[1]()
+
+    def _one_row(self, step: Any, kernel: bool) -> OneRowFeed:
         if step is None:
             return OneRowFeed("transformers", lambda cache, token_id, position: decode_one_token(
                 self.model, cache, token_id, position))
