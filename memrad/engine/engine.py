@@ -195,8 +195,11 @@ class Engine:
         return self.decoder.compiling()
 
     def start_background(self) -> None:
-        """Start what runs beside serving: the decode step's compile (compile = on or auto)."""
+        """Start what runs beside serving: the decode step's compile (compile = on or auto), and
+        the eager batched step's making where requests would decode on it (`warm_batch`)."""
         self.decoder.start()
+        if self._batches():
+            self.decoder.warm_batch(self.max_batch)
 
     def init_worker_thread(self) -> None:
         """Run once on the thread that will call `admit` and `step` (or `generate`): fix the

@@ -92,3 +92,19 @@ def test_without_a_second_request_the_one_row_build_builds_nothing_batched(tiny_
     decoder.start()
     decoder.wait()
     assert builds == [] and decoder.batch_choice.value == "on demand"
+
+
+def test_a_first_start_makes_the_eager_batched_step_before_its_first_request(tiny_loaded, monkeypatch):
+    engine = make_engine(tiny_loaded, 16, compile="off", max_batch=2)
+    made = []
+    make = engine.decoder._made_batch_step
+    monkeypatch.setattr(engine.decoder, "_made_batch_step",
+                        lambda *args: made.append((threading.current_thread().name, args)) or make(*args))
+    engine.start_background()
+    for thread in threading.enumerate():
+        if thread.name == "memrad-batch-check":
+            thread.join(60)
+    assert made == [("memrad-batch-check", (2, False, False))]
+    flight = engine.admit(request(engine, "a"), lambda _: None, lambda: False)
+    assert flight.feed is engine.decoder._batched[(2, False, False)]  # the one made ahead, not another
+    assert len(made) == 2  # the engine asked, under the lock, and found it made
