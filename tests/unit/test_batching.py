@@ -257,8 +257,16 @@ def compiled_engines(q4_dir, tmp_path_factory):
         beside = first.admit(request(first, conversation("c", 1)[:-1], "c-1"), lambda _: None, lambda: False)
         building = (first.decoder.batch_choice.value, first.decoder.batch_choice.reason)
         first.decoder.wait()
-        yield loaded, first, (alone, beside, before, building), lambda **flags: recording(make_engine(
-            loaded, CHUNK, compile="auto", max_batch=4, **flags))
+        yield loaded, first, (alone, beside, before, building), lambda **flags: started(recording(make_engine(
+            loaded, CHUNK, compile="auto", max_batch=4, **flags)))
+
+
+def started(engine):
+    """As the daemon does once it serves: open the packages in the compile cache (compile = auto
+    no longer opens them on a first request: no reply waits)."""
+    engine.start_background()
+    engine.decoder.wait()
+    return engine
 
 
 @needs_compiler
