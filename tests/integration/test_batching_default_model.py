@@ -70,6 +70,8 @@ def test_compiled_one_row_and_batched_steps_give_a_request_the_same_bits(smol_se
                                                        max_batch=4, compile="auto"))
         engine.decoder.start()
         engine.decoder.wait()
+        engine.decoder.want_batch()  # as a second request would (built once, if `memrad pull` has not)
+        engine.decoder.wait()
         assert (engine.decoder.choice.value, engine.decoder.batch_choice.value) == ("compiled", "compiled")
         assert engine.decoder.batch_step(4).alone is not None
         return engine

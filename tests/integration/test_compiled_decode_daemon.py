@@ -2,9 +2,9 @@
 
 `--compile on` compiles before it answers: /health says so, a resumed turn equals its cold
 run, and a second start opens the compiled package from the cache instead of building it again.
-`--compile auto` reports "compiling" until the step is ready; in fast mode it answers at once
-(eager), in exact mode a reply waits for the compiled step, so a first start answers a
-conversation byte for byte as a warm start does.
+`--compile auto` reports "compiling" until the step is ready and answers at once meanwhile
+(eager, in exact mode too: no reply waits for a compile); `--compile wait` makes a reply wait
+for the compiled step, so a first start answers a conversation byte for byte as a warm start does.
 """
 
 from __future__ import annotations
@@ -78,14 +78,15 @@ def first_difference(first_start, warm_start) -> str | None:
 
 
 def test_a_first_start_and_a_warm_start_answer_a_rewriting_conversation_byte_identically(make_daemon, tmp_path):
-    # Exact mode (the default) under compile = auto: the first start's replies wait for the
-    # compiled step rather than decode eager, so they are what every later start answers.
+    # compile = wait: the first start's replies wait for the compiled step rather than decode
+    # eager, so they are what every later start answers.
     daemon = make_daemon()
     daemon.env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "compile")  # an empty compile cache
-    daemon.env["MEMRA_COMPILE"] = "auto"
+    daemon.env["MEMRA_COMPILE"] = "wait"
     assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
-    assert daemon.get_json("/health")["choices"]["decode"] == {
-        "value": "compiling", "reason": "compile = auto, exact mode: replies wait for the compiled step"}
+    decode = daemon.get_json("/health")["choices"]["decode"]
+    assert decode["value"] == "compiling" and decode["reason"].startswith(
+        "compile = wait: replies wait for the compiled step"), decode
     client = client_for(daemon)
     first_reply = client.chat.completions.create(model="default", messages=[SYSTEM, FIRST_USER], temperature=0,
                                                  max_tokens=4)
@@ -105,17 +106,17 @@ def test_a_first_start_and_a_warm_start_answer_a_rewriting_conversation_byte_ide
     assert all(replies) and len(set(replies)) > 1  # real replies, not one repeated string
 
 
-def test_compile_auto_answers_while_it_compiles_in_fast_mode(make_daemon, tmp_path):
+def test_compile_auto_answers_while_it_compiles_in_exact_mode(make_daemon, tmp_path):
     daemon = make_daemon()
     daemon.env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "compile")
-    daemon.env["MEMRA_COMPILE"] = "auto"
-    daemon.env["MEMRA_REUSE_MODE"] = "fast"  # exact mode waits for the compiled step (above)
+    daemon.env["MEMRA_COMPILE"] = "auto"  # exact mode (the default): no reply waits for the compile
     assert daemon.start().returncode == 0, daemon.log_text()[-2000:]
     decode = daemon.get_json("/health")["choices"]["decode"]
-    assert decode == {"value": "compiling",
-                      "reason": "compile = auto: the eager step serves until the compiled step is ready"}
+    assert decode["value"] == "compiling" and decode["reason"].startswith(
+        "compile = auto: new requests decode on the eager step until the compiled step is ready"), decode
     reply = chat(client_for(daemon), [SYSTEM, FIRST_USER])  # served by the eager step meanwhile
     assert reply.choices[0].message.content
+    assert "; decode: eager step" in daemon.log_text()  # the log says which step the reply ran on
     assert wait_until(lambda: daemon.get_json("/health")["choices"]["decode"]["value"] != "compiling", 300, 1.0)
     assert compiled_in_s(daemon) > 0
     assert "decode step compiled in" in daemon.log_text()
