@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-decode", nargs="+", default=["batched"], choices=("batched", "rows"),
                         help="engine.batch_decode: one memrad arm per value (for max_batch > 1)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--compile", default="auto", choices=("auto", "wait", "on", "off"))
     parser.add_argument("--url", help="measure this running server instead of starting memrad arms")
     parser.add_argument("--peer", type=Path, help="llama.cpp's llama-server (also run with -np 4)")
     parser.add_argument("--gguf", type=Path, help="the GGUF llama-server runs (llama-peer.sh prints it)")
