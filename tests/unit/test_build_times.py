@@ -108,3 +108,18 @@ def test_a_first_start_makes_the_eager_batched_step_before_its_first_request(tin
     flight = engine.admit(request(engine, "a"), lambda _: None, lambda: False)
     assert flight.feed is engine.decoder._batched[(2, False, False)]  # the one made ahead, not another
     assert len(made) == 2  # the engine asked, under the lock, and found it made
+
+
+def test_pull_prints_each_build_with_its_estimate_as_it_starts(tiny_loaded, monkeypatch, tmp_path, capsys):
+    from memrad.cli import _Ticker
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    decoder = Decoder(tiny_loaded.model, tiny_loaded.context_len, tiny_loaded.device, "auto")
+    path = decoder._package(False)
+    build_times.record(path, 61.4)
+    monkeypatch.setattr("memrad.engine.decode.builder.build_package", lambda *args: path.write_bytes(b"built"))
+    with _Ticker() as ticker:  # not a terminal here: the lines only, no ticking
+        decoder._build_package(False, None, ticker.building)
+    assert capsys.readouterr().out == ("building the decode step (one row, torch's attention): "
+                                       "~61 s (the last build here)\n")
+    assert build_times.last_build_s(path) is not None and build_times.last_build_s(path) < 61.4  # this build's time
