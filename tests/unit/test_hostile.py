@@ -300,3 +300,16 @@ def test_servings_limits_table_says_what_the_code_does_with_an_oversized_max_tok
     table = (Path(__file__).parents[2] / "docs" / "SERVING.md").read_text()
     row = next(line for line in table.splitlines() if line.startswith("| `max_tokens` / `max_completion_tokens`"))
     assert "lowered" in row and "`limits.max_tokens`" in row and "0: none refused" in row
+
+
+# -- the bench cases (memrad bench faults grammar|slow-body|abandoned-queue), on a fake engine --
+
+@pytest.mark.parametrize("case", ["slow-body", "abandoned-queue"])
+async def test_the_hostile_bench_cases_run_and_pass_against_a_fake_engine(case, capsys):
+    from memrad.bench import hostile
+
+    engine = SlowEngine(step_s=0.02)
+    async with listening(engine, Settings(server=ServerSettings(max_queue=12))) as (url, _):
+        assert await hostile.run(url, case, max_tokens=60)
+    out = capsys.readouterr().out
+    assert out.startswith(f"{case}: /health p99 ") and "longest stream gap" in out and "answered [200" in out
