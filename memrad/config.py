@@ -38,6 +38,7 @@ class ServerSettings:
     header_timeout_s: float = _key(10.0, "MEMRA_HEADER_TIMEOUT_S")
     idle_timeout_s: float = _key(75.0, "MEMRA_IDLE_TIMEOUT_S")
     body_timeout_s: float = _key(60.0, "MEMRA_BODY_TIMEOUT_S")
+    max_body_connections: int = _key(32, "MEMRA_MAX_BODY_CONNECTIONS")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,7 @@ class LimitSettings:
     max_stop_chars: int = _key(256, "MEMRA_MAX_STOP_CHARS")
     max_schema_depth: int = _key(32, "MEMRA_MAX_SCHEMA_DEPTH")
     max_preparing_bytes: int = _key(64 * 1024 * 1024, "MEMRA_MAX_PREPARING_BYTES")
+    grammar_compile_s: float = _key(5.0, "MEMRA_GRAMMAR_COMPILE_S")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,8 @@ from memrad.protocol import Decision
 # Where a request's conversation name came from (docs/SERVING.md: identity precedence).
 IdentitySource = Literal["session_id", "prompt_cache_key", "user", "metadata.user_id", "previous_response_id",
                          "x-session-id"]
-FinishReason = Literal["stop", "length", "cancelled"]
+# "grammar": the reply's grammar could not continue (llguidance hit a limit): never a "stop"
+FinishReason = Literal["stop", "length", "cancelled", "grammar"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,7 @@ class Completion:
     decision: Decision | None = None  # what the reuse tiers decided (None: not planned)
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
     logprobs: tuple[TokenLogprob, ...] | None = None  # per generated token, when the request asked
+    error: str | None = None  # why the reply could not go on (finish_reason "grammar")
 
     @property
     def total_tokens(self) -> int:

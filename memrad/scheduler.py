@@ -7,6 +7,10 @@ while it has room (max_batch; 1 runs one at a time), and each `step` decodes one
 every decoding request and prefills a chunk of the oldest one still prefilling. Text deltas
 cross back to the loop with call_soon_threadsafe. Admission is check-then-act: `submit`
 either queues the job or raises QueueFull, never half of each.
+
+A waiting job whose client hung up (cancelled before it started) holds no place: the queue's
+counts, QueueFull and its Retry-After leave it out at once, and the engine thread drops it
+before its next step (its result is None).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class Job:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     started_at: float | None = None
     result: asyncio.Future | None = None  # -> Completion | None (None: cancelled before start)
+    dropped: bool = False  # cancelled while waiting and taken out of the queue (engine thread)
 
     def cancel(self) -> None:
         """Ask the engine to stop; it notices between prefill chunks and decode steps."""
@@ -113,11 +118,17 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
+        """Jobs waiting for the model whose clients are still there."""
         with self._wake:
-            return sum(1 for j in self._jobs if j.started_at is None)
+            return sum(1 for j in self._jobs if j.started_at is None and not j.cancelled)
+
+    def _holding(self) -> int:
+        """Jobs that hold a place: running, or waiting for a client still there (under _wake)."""
+        return sum(1 for j in self._jobs if j.started_at is not None or not j.cancelled)
 
     def can_admit(self) -> bool:
-        return not self._closing and len(self._jobs) < self.max_batch + self._max_queue
+        with self._wake:
+            return not self._closing and self._holding() < self.max_batch + self._max_queue
 
     def submit(self, request: GenerationRequest) -> Job:
         """Queue `request` or raise QueueFull / ShuttingDown."""
@@ -143,14 +154,19 @@ class Scheduler:
         self._engine.init_worker_thread()
         while True:
             with self._wake:
-                while not self._stopped and not self._flights and not self._next_waiting():
+                while not self._stopped and not self._flights and not self._next_waiting() and not self._abandoned():
                     self._wake.wait()
                 if self._stopped and not self._flights:
                     return
+                dropped = self._abandoned()
+                for job in dropped:
+                    job.dropped = True
                 admitted = []
                 while len(self._flights) + len(admitted) < self.max_batch and (job := self._next_waiting()):
                     job.started_at = time.monotonic()
                     admitted.append(job)
+            for job in dropped:  # their clients hung up while they waited: out before this step
+                self._resolve(job, None)
             for job in admitted:
                 self._start(job)
             if self._flights:
@@ -159,7 +175,11 @@ class Scheduler:
                     self._resolve(job, flight.completion, flight.error)
 
     def _next_waiting(self) -> Job | None:
-        return next((j for j in self._jobs if j.started_at is None), None)
+        return next((j for j in self._jobs if j.started_at is None and not j.cancelled), None)
+
+    def _abandoned(self) -> list[Job]:
+        """Waiting jobs cancelled before they started, not yet dropped (under _wake)."""
+        return [j for j in self._jobs if j.started_at is None and j.cancelled and not j.dropped]
 
     def _start(self, job: Job) -> None:
         if job.cancelled:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -96,7 +97,7 @@ class MemraApp(App):
         flags = " ".join(f"{k}={v}" for k, v in state.flags)
         dropped = f" · {state.dropped} events dropped" if state.dropped else ""
         self.query_one("#status", Static).update(
-            f"{self.status_text} · {state.model} on {state.device} · {flags}{dropped}")
+            Text(f"{self.status_text} · {state.model} on {state.device} · {flags}{dropped}"))
         self._redraw_sessions()
         self.query_one(FlightsTable).show(list(state.flights.values()))
         self.query_one(DecisionLog).show(state.decisions_for(self.outcome), self.outcome)

@@ -14,6 +14,8 @@ from memrad.protocol import DecisionEvent
 
 
 def render_decision(event: DecisionEvent) -> Table:
+    """Every cell is a Text: a Rich table reads a plain string as markup, and names, reasons
+    and the divergence text come from clients (`[/oops]` would raise, `[bold red]` style)."""
     d = event.decision
     table = Table(box=None, show_header=False, expand=True)
     table.add_column(style="bold", width=18)
@@ -22,16 +24,16 @@ def render_decision(event: DecisionEvent) -> Table:
     for name in ("request_id", "outcome", "tier", "candidate", "nomination", "source", "shared_segments",
                  "checkpoint", "divergence", "reused_tokens", "primed_tokens"):
         value = getattr(d, name)
-        table.add_row(name.replace("_", " "), "-" if value is None else str(value))
+        table.add_row(name.replace("_", " "), Text("-" if value is None else str(value)))
     if d.weighed:  # the candidates every tier offered, and why the winner won
         for a in d.weighed:
             reuse = "declined" if a.reused_tokens is None else f"{a.reused_tokens:,} tokens"
             mark = " ◂ won" if a.candidate == d.candidate and a.tier == d.tier else ""
-            table.add_row(f"  {a.tier}", f"{a.candidate}: {reuse}{mark}")
-        table.add_row("won by", d.won_by or "-")
+            table.add_row(Text(f"  {a.tier}"), Text(f"{a.candidate}: {reuse}{mark}"))
+        table.add_row("won by", Text(d.won_by or "-"))
     table.add_row("ttft", "-" if d.ttft_s is None else f"{d.ttft_s:.3f} s")
     table.add_row("prompt tokens", str(event.prompt_tokens))
-    table.add_row("identity", event.identity or "-")
+    table.add_row("identity", Text(event.identity or "-"))
     if event.divergence_context is not None:
         mine, parked = event.divergence_context
         table.add_row("", "")

@@ -16,6 +16,10 @@ cold run of the same prompt answers (greedy, exact mode). Pool and RSS figures c
   floods    idle and slowloris floods: a normal client is still served in its usual time
   big       four 15 MB requests at once: /health p99 and a running stream's gaps
             (floods and big: memrad.bench.floods, loopback only)
+  grammar, slow-body, abandoned-queue
+            costly and slow schemas, request heads that never send their bodies, queue entries
+            whose clients hung up: /health p99 and a running stream's gaps while each runs
+            (memrad.bench.hostile, loopback only)
 """
 
 from __future__ import annotations
@@ -476,11 +480,13 @@ DAEMON_ENV = {"soak": {}, "overload": {"MEMRA_MAX_QUEUE": "4"},
               "churn": {"MEMRA_POOL_MAX_BYTES": str(48 * MB), "MEMRA_POOL_MAX_SESSIONS": "64"},
               "kill9": {"MEMRA_POOL_MAX_SESSIONS": "1"},
               # What floods and big measure does not depend on the decode step: serve eager at once.
-              "floods": {"MEMRA_COMPILE": "off"}, "big": {"MEMRA_COMPILE": "off"}}
+              "floods": {"MEMRA_COMPILE": "off"}, "big": {"MEMRA_COMPILE": "off"},
+              "grammar": {"MEMRA_COMPILE": "off"}, "slow-body": {"MEMRA_COMPILE": "off"},
+              "abandoned-queue": {"MEMRA_COMPILE": "off", "MEMRA_MAX_QUEUE": "12"}}
 
 
 async def _against(url: str, name: str, args, log_path: Path | None = None) -> bool:
-    from memrad.bench import floods
+    from memrad.bench import floods, hostile
 
     if name == "floods":
         from memrad.paths import log_path as own_log
@@ -490,6 +496,8 @@ async def _against(url: str, name: str, args, log_path: Path | None = None) -> b
                                    args.idle, args.slow, args.hold_s)
     if name == "big":
         return await floods.big(url, args.mb)
+    if name in hostile.CASES:
+        return await hostile.run(url, name)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         api = Api(url, session)
         if name == "soak":
@@ -499,7 +507,8 @@ async def _against(url: str, name: str, args, log_path: Path | None = None) -> b
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="memrad bench faults", description=__doc__.split("\n\n")[0])
-    parser.add_argument("harness", choices=("soak", "overload", "kill9", "churn", "floods", "big"))
+    parser.add_argument("harness", choices=("soak", "overload", "kill9", "churn", "floods", "big", "grammar", "slow-body",
+                                            "abandoned-queue"))
     parser.add_argument("--url", help="run against this daemon (not kill9)")
     parser.add_argument("--cuts", type=int, default=200, help="soak: streams to cut")
     parser.add_argument("--long-lines", type=int, default=24, help="soak: lines in the long prompt (~20 tokens each)")

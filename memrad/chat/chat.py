@@ -16,13 +16,14 @@ from memrad.request import Constraint
 
 
 class Chat:
-    def __init__(self, tokenizer: Any, fmt: ChatFormat | None = None, tool_fallback: bool = True) -> None:
+    def __init__(self, tokenizer: Any, fmt: ChatFormat | None = None, tool_fallback: bool = True,
+                 grammar_compile_s: float | None = None) -> None:
         self.tokenizer = tokenizer
         # How chat turns carry tools and reasoning, and how replies parse (`tool_fallback`:
         # memra's tool convention for a template without one, the `tools.fallback` setting).
         self.format = fmt if fmt is not None else chat_format(tokenizer, tool_fallback)
         # Grammars the reply must match (structured outputs, forced tool calls), compiled once each.
-        self.grammars = Grammars(tokenizer)
+        self.grammars = Grammars(tokenizer, grammar_compile_s)
 
     @property
     def vocab_size(self) -> int:
@@ -51,5 +52,10 @@ class Chat:
         return self.grammars.tool_constraint(self.format, tools, mode, name, parallel)
 
     def grammar_error(self, constraint: Constraint) -> str | None:
-        """Why `constraint` does not compile for this tokenizer, None when it does."""
+        """Why `constraint` does not compile for this tokenizer (or compiles too slowly), None when it does."""
         return self.grammars.error(constraint)
+
+    @property
+    def compiling(self) -> str | None:
+        """The request field whose grammar is being (or was last) compiled."""
+        return self.grammars.compiling

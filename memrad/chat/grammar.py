@@ -10,9 +10,16 @@
         `<|python_tag|>`) is a constrained call, any other is free text
 
 A Constraint is plain text (memrad.request); `Grammars` compiles it for one tokenizer once
-per grammar text (an LRU cache) and hands each request a fresh matcher, whose token mask the
-engine applies to the logits before sampling (memrad.engine.sampling). llguidance is Rust
-with no torch, so the server checks a grammar (the 400) without the engine.
+per grammar (an LRU cache keyed by the text's hash) and hands each request a fresh matcher,
+whose token mask the engine applies to the logits before sampling (memrad.engine.sampling).
+llguidance is Rust with no torch, so the server checks a grammar (the 400) without the engine,
+on a worker thread of its own (memrad.server.prepare: llguidance releases the GIL), after
+the schema's cost bound (memrad.chat.schema_cost, checked with the body's limits).
+
+Compiling includes the first step's mask: llguidance builds its lexer lazily, and a grammar's
+first mask can cost seconds (`(a{1000}){1000}`: 2.2 s) that would otherwise stall every
+request batched beside it. A compile (with that mask) slower than `compile_limit_s` is an
+error, cached like any other, so a re-sent schema is refused at once.
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
+
+import xxhash
 
 from memrad.chat.format import BARE_CALL_TAG, CALL_CLOSINGS, CALL_OPENINGS, CALL_SEPARATORS, CALL_TRIGGERS, ChatFormat
 from memrad.request import Constraint
@@ -158,51 +168,89 @@ def _bare_call_grammar(fmt: ChatFormat, head: str, alternatives: str, again: str
         f"calls: {alternatives}", *rules]) + "\n"
 
 
+TOO_SLOW = "compiling took"
+
+
+def too_slow(limit_s: float, took_s: float) -> str:
+    return (f"{TOO_SLOW} {took_s:.1f} s, more than limits.grammar_compile_s ({limit_s:g} s); "
+            "simplify the schema")
+
+
+class GrammarTooSlow(Exception):
+    """A tool's parameters schema compiled, but slower than the limit: the request is refused
+    (its calls must not silently lose their schema)."""
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(reason)
+        self.param = param
+        self.reason = reason
+
+
 class Grammars:
     """One tokenizer's grammar compiler: checks a Constraint (the 400's reason) and hands
     each request a fresh matcher, copied from a compiled one cached by grammar text."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, compile_limit_s: float | None = None) -> None:
         self.tokenizer = tokenizer
+        self.compile_limit_s = compile_limit_s  # None: no limit
         self._lltok: Any = None
+        # grammar hash -> a matcher at the reply's start, or the reason it cannot be used
         self._compiled: OrderedDict[str, Any] = OrderedDict()
-        # The server checks grammars on its loop while the engine thread takes matchers.
+        # The server checks grammars on its worker while the engine thread takes matchers.
         self._lock = threading.Lock()
+        self.compiling: str | None = None  # the param whose grammar is being compiled (for a timeout's 400)
 
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
     def _llg_tokenizer(self) -> Any:
-        if self._lltok is None:  # 0.3 s for a 49k vocabulary: built once, on first use
+        if self._lltok is None:  # 0.3 s for a 49k vocabulary: built once, on first use (a race builds it twice)
             import llguidance.hf
 
             self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
         return self._lltok
 
     def _compile(self, grammar: str) -> Any:
+        """The cached matcher for `grammar`, or the reason (str) it cannot be used."""
         from llguidance import LLMatcher
 
+        key = xxhash.xxh3_128_hexdigest(grammar.encode())
         with self._lock:
-            matcher = self._compiled.get(grammar)
-            if matcher is None:
-                matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-                self._compiled[grammar] = matcher
-                while len(self._compiled) > CACHED_GRAMMARS:
-                    self._compiled.popitem(last=False)
-            self._compiled.move_to_end(grammar)
-            return matcher
+            found = self._compiled.get(key)
+            if found is not None:
+                self._compiled.move_to_end(key)
+                return found
+        # Outside the lock: the engine thread takes matchers of cached grammars meanwhile.
+        tokenizer = self._llg_tokenizer()
+        started = time.perf_counter()
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # the first step's lexer, built here rather than on the engine's step
+        took_s = time.perf_counter() - started
+        found = matcher.get_error() if matcher.is_error() else matcher
+        if not isinstance(found, str) and self.compile_limit_s is not None and took_s > self.compile_limit_s:
+            found = too_slow(self.compile_limit_s, took_s)
+        with self._lock:
+            self._compiled[key] = found
+            while len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return found
 
     def error(self, constraint: Constraint) -> str | None:
-        """Why `constraint` does not compile, or None when it does."""
-        matcher = self._compile(constraint.grammar)
+        """Why `constraint` does not compile (or compiles too slowly), or None when it does."""
+        self.compiling = constraint.param
+        found = self._compile(constraint.grammar)
         # A grammar that does not compile stays cached too: compiling is deterministic, and an
         # agent CLI re-sends the same failing tool schema every turn (Claude Code's TaskCreate).
-        return matcher.get_error() if matcher.is_error() else None
+        return found if isinstance(found, str) else None
 
     def matcher(self, constraint: Constraint) -> Any:
         """A fresh llguidance matcher at the reply's start (the compiled one stays pristine)."""
-        return self._compile(constraint.grammar).deep_copy()
+        found = self._compile(constraint.grammar)
+        if isinstance(found, str):
+            raise ValueError(f"{constraint.param}: the grammar cannot be used: {found}")
+        return found.deep_copy()
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's exact bytes (a byte-level piece of a character is not valid UTF-8 alone)."""
@@ -230,12 +278,14 @@ class Grammars:
 
     def _arguments(self, function: dict) -> dict:
         schema = function.get("parameters") or ANY_OBJECT
-        constraint = json_constraint(schema, "tools")
+        constraint = json_constraint(schema, f"tools ({function['name']})")
         with self._lock:
-            known = constraint.grammar in self._compiled
+            known = xxhash.xxh3_128_hexdigest(constraint.grammar.encode()) in self._compiled
         reason = self.error(constraint)
         if reason is None:
             return closed(schema)
+        if reason.startswith(TOO_SLOW):
+            raise GrammarTooSlow(constraint.param, reason)
         if not known:  # said once per schema, not on every request that re-sends it
             log.warning("tool %r: its parameters schema does not compile (%s); its calls take any JSON object",
                         function["name"], reason.splitlines()[0])

@@ -102,6 +102,8 @@ class EngineOptions:
     # "batched": one step of max_batch rows for the llama-shaped models (weights read once);
     # "rows": each flight on the one-row step (compiled once ready), one after another.
     batch_decode: str = "batched"
+    # A grammar's compile (with its first mask) slower than this is refused (limits.grammar_compile_s).
+    grammar_compile_s: float | None = None
 
 
 class Engine:
@@ -131,7 +133,8 @@ class Engine:
         self.prefill_budget = options.prefill_budget or options.prefill_chunk
         self._flights: list[Flight] = []
         self._steps = 0  # prefill turns handed out (the round-robin's clock)
-        self.chat = Chat(loaded.tokenizer, tool_fallback=options.tool_fallback)
+        self.chat = Chat(loaded.tokenizer, tool_fallback=options.tool_fallback,
+                         grammar_compile_s=options.grammar_compile_s)
         # Next-token choice; a test engine passes a token script (prefill, reuse stay real).
         self.sampler = sampler
         self._sampling = Sampling(lambda *args: self.sampler(*args), loaded.eos_ids, loaded.tokenizer,
@@ -391,6 +394,7 @@ class Engine:
                 total_s=time.perf_counter() - flight.started,
                 decision=replace(decided.decision, ttft_s=out.ttft_s, step=flight.feed.step), stop_sequence=out.stop_sequence,
                 logprobs=tuple(out.logprobs) if request.sampling.logprobs is not None else None,
+                error=out.error,
             )
             session = self.parking.park(request, self.namespace(request), decided, cache, pre, fed, out.text,
                                         flight.prompt_segments)

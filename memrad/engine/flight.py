@@ -44,6 +44,7 @@ class Reply:
     finish: FinishReason = "cancelled"
     stop_sequence: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, if asked
+    error: str | None = None  # why the grammar could not go on (finish "grammar")
 
     @property
     def text(self) -> str:
@@ -154,6 +155,8 @@ class Flight:
         """Sample from `logits` and decide: another token to feed, or the reply's end."""
         out, params, shaper = self.out, self._params, self._shaper
         scores = logits if shaper is None else shaper(logits)
+        if shaper is not None and shaper.error is not None:  # its mask failed: only eos is left, not a reply
+            return self._grammar_failed(shaper.error)
         token = self.sampling.sampler(scores, params, self._generator)
         if out.ttft_s is None:
             out.ttft_s = time.perf_counter() - self.started
@@ -162,6 +165,8 @@ class Flight:
         out.generated.append(token)
         if shaper is not None:
             shaper.accept(token)
+            if shaper.error is not None:  # the grammar refused a token its own mask allowed
+                return self._grammar_failed(shaper.error)
         if params.logprobs is not None:
             out.logprobs.append(token_logprob(scores, token, params.logprobs, self.sampling.token_bytes))
             self.emit(out.logprobs[-1])  # ahead of the token's text: a stream carries it on the next chunk
@@ -177,9 +182,17 @@ class Flight:
             return self._end("cancelled")
         self.pending = token
 
+    def _grammar_failed(self, why: str) -> None:
+        """The grammar cannot continue (llguidance hit a limit at run time): the reply ends
+        as an error the client sees, never as a "stop" with text the grammar did not finish."""
+        if self.out.ttft_s is None:
+            self.out.ttft_s = time.perf_counter() - self.started
+        self.out.error = why
+        self._end("grammar")
+
     def _end(self, finish: FinishReason) -> None:
         self.out.finish, self.phase, self.pending = finish, "done", None
-        if finish != "cancelled":
+        if finish not in ("cancelled", "grammar"):
             self._send(self._stops.feed(self._detok.flush()) + self._stops.flush())
 
     def _send(self, text: str) -> None:

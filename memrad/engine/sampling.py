@@ -97,6 +97,8 @@ class Shaper:
         self.seen = np.zeros(vocab_size, dtype=np.bool_)  # prompt and generated tokens
         if params.repetition_penalty != 1.0 and prompt_ids:
             self.seen[np.array(prompt_ids, dtype=np.int64)] = True
+        self._allowed: np.ndarray | None = None  # the last mask applied
+        self._error: str | None = None  # why llguidance gave up, once it has
         self.bias = np.zeros(vocab_size, dtype=np.float32)
         for token_id, bias in params.logit_bias:
             if 0 <= token_id < vocab_size:
@@ -117,19 +119,31 @@ class Shaper:
         if params.logit_bias:
             out += self.bias
         if self.matcher is not None:
-            out[~(allowed if allowed is not None else self.allowed_tokens(out.size))] = -np.inf
+            self._allowed = allowed if allowed is not None else self.allowed_tokens(out.size)
+            out[~self._allowed] = -np.inf
         return torch.from_numpy(out)
 
     def allowed_tokens(self, size: int) -> np.ndarray:
         """The grammar's mask over `size` token ids for the next step (bool [size])."""
         allowed = np.zeros(size, dtype=np.bool_)
-        if not self.matcher.is_stopped() and not self.matcher.is_error():
+        failed_before = self.matcher.is_error()
+        if not self.matcher.is_stopped() and not failed_before:
             bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
             n = min(size, bits.size)
             allowed[:n] = bits[:n].astype(np.bool_)
+        if not failed_before and self.matcher.is_error():  # the mask itself hit a limit of llguidance's
+            self._error = self.matcher.get_error()
         done = self.matcher.is_stopped() or self.matcher.is_error() or not allowed.any()
         allowed[self.eos] = done or self.matcher.is_accepting()
         return allowed
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar cannot go on (a limit llguidance hit at run time: its mask failed,
+        or it refused a token its own mask allowed), or None."""
+        if self._error is None:
+            return None
+        return self._error.splitlines()[0][:300] if self._error.strip() else "the grammar failed"
 
     @property
     def complete(self) -> bool:
@@ -141,4 +155,7 @@ class Shaper:
         self.counts[token] += 1.0
         self.seen[token] = True
         if self.matcher is not None and not self.matcher.consume_token(token):
-            log.warning("the grammar refused token %d it had allowed: %s", token, self.matcher.get_error()[:200])
+            if self._allowed is None or self._allowed[token]:  # allowed, then refused: llguidance gave up
+                self._error = self.matcher.get_error()
+            # else a sampler that ignored the mask (tests' scripted models): the reply goes on unconstrained
+            log.warning("the grammar refused token %d: %s", token, self.matcher.get_error()[:200])

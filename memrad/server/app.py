@@ -80,7 +80,8 @@ def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str)
     ctx = ServerContext(settings=settings, engine=engine, scheduler=scheduler, device=device, dtype=dtype)
     app[CONTEXT] = ctx
     app[LIMITS] = Limits.from_settings(settings.limits)
-    app[PREPARER] = preparer = Preparer(settings.limits.max_preparing_bytes, settings.server.body_timeout_s)
+    app[PREPARER] = preparer = Preparer(settings.limits.max_preparing_bytes, settings.server.body_timeout_s,
+                                            settings.limits.grammar_compile_s)
     app[METRICS] = metrics = Metrics(lambda: _gauges(ctx))
     ctx.event_sinks.append(metrics.observe)
     engine.events.subscribe(ctx.publish)
@@ -100,7 +101,7 @@ def make_app(settings: Settings, engine: ServingEngine, device: str, dtype: str)
 def connection_limits(settings: Settings) -> connections.ConnectionLimits:
     server = settings.server
     return connections.ConnectionLimits(server.max_connections, server.header_timeout_s, server.idle_timeout_s,
-                                        server.body_timeout_s)
+                                        server.body_timeout_s, server.max_body_connections)
 
 
 def _gauges(ctx: ServerContext) -> dict:

@@ -19,7 +19,7 @@ from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, TokenLogprob
 from memrad.server.decoding import logprob_entries
-from memrad.server.errors import invalid
+from memrad.server.errors import invalid, shown
 from memrad.server.serving import Event, decision_field
 from memrad.server.tools import (OPENAI_MODES, ToolChoice, ToolMode, ToolParts, function_tools, tool_call,
                                  tool_choice_of)
@@ -89,7 +89,7 @@ def _message(message: Any, i: int, notes: Notes) -> dict:
         raise invalid(f"{where} must be an object with role and content", where)
     role = message.get("role")
     if role not in CHAT_ROLES:
-        raise invalid(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{where}.role")
+        raise invalid(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {shown(role)}", f"{where}.role")
     out: dict = {"role": "system" if role == "developer" else role}
     content = message.get("content")
     tool_calls = message.get("tool_calls")

@@ -16,7 +16,13 @@ own. It exists for four things aiohttp does not do:
     its last answer (keep-alive).
   - **At most `max_connections`.** At the cap the longest-idle connection (one with no
     request in flight) is closed to make room, so a flood of idle sockets cannot lock out a
-    real client; when every connection is busy the new one gets a 503 and is closed.
+    real client; then the one that has been sending its body longest. Only a connection
+    whose request is whole (head and body) is busy: when every connection is busy the new
+    one gets a 503 and is closed.
+  - **At most `max_body_connections` bodies arriving at once.** A request head whose body
+    has not arrived holds no serving slot: bodies have their own, smaller budget, and past
+    it the connection that has been sending its body longest is closed (a flood of heads
+    that never finish their bodies cannot take every slot for `body_timeout_s`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class ConnectionLimits:
     header_timeout_s: float  # from accept (or the last answer) to a complete request head
     idle_timeout_s: float  # keep-alive: from the last answer to the next request head
     body_timeout_s: float  # from the request head to the whole body (memrad.server.limits)
+    max_body_connections: int = 32  # connections whose request body is still arriving
 
 
 def _refusal(max_connections: int) -> bytes:
@@ -66,23 +73,43 @@ class Connections:
         self.open: set[Connection] = set()
         self.refused = 0
         self.closed_idle = 0
+        self.closed_reading = 0  # connections closed mid-body to make room
         self._log = RateLimitedLog(log, every_s=10.0)
 
     def admit(self, new: "Connection") -> bool:
-        """Make room for `new` (closing the longest-idle connection at the cap) or refuse it."""
+        """Make room for `new` at the cap (closing the longest-idle connection, else the one
+        sending its body longest) or refuse it: only whole requests hold their slots."""
         if len(self.open) >= self.limits.max_connections:
-            idle = [c for c in self.open if not c.busy and not c.closing]
-            if not idle:
+            live = [c for c in self.open if not c.closing]
+            idle = [c for c in live if c.request is None]
+            if idle:
+                self.closed_idle += 1
+                self._log.info("closed an idle connection to make room: %d open (server.max_connections)",
+                               len(self.open))
+                min(idle, key=lambda c: c.last_active).close()
+            elif not self._close_oldest_reading(live, "server.max_connections"):
                 self.refused += 1
                 self._log.warning("refused a connection: %d open, all with a request in flight "
                                   "(server.max_connections)", len(self.open))
                 return False
-            oldest = min(idle, key=lambda c: c.last_active)
-            self.closed_idle += 1
-            self._log.info("closed an idle connection to make room: %d open (server.max_connections)",
-                           len(self.open))
-            oldest.close()
         self.open.add(new)
+        return True
+
+    def reading(self, new: "Connection") -> None:
+        """`new` has a request head and its body is on the way: keep the bodies arriving at
+        once within `max_body_connections` (closing the one arriving longest)."""
+        live = [c for c in self.open if not c.closing and c.reading]
+        if len(live) > self.limits.max_body_connections:
+            self._close_oldest_reading([c for c in live if c is not new], "server.max_body_connections")
+
+    def _close_oldest_reading(self, live: list["Connection"], setting: str) -> bool:
+        reading = [c for c in live if c.reading]
+        if not reading:
+            return False
+        self.closed_reading += 1
+        self._log.info("closed a connection whose request body was still arriving after %.1f s, to make room "
+                       "(%s)", time.monotonic() - min(c.last_active for c in reading), setting)
+        min(reading, key=lambda c: c.last_active).close()
         return True
 
 
@@ -105,7 +132,13 @@ class Connection(asyncio.Protocol):
 
     @property
     def busy(self) -> bool:
-        return self.request is not None
+        """A whole request (head and body) is in flight: its slot is never taken away."""
+        return self.request is not None and self.request.content.is_eof()
+
+    @property
+    def reading(self) -> bool:
+        """A request head arrived and its body is still on the way."""
+        return self.request is not None and not self.request.content.is_eof()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -158,6 +191,8 @@ class Connection(asyncio.Protocol):
         self._disarm()
         self.request = request
         self.last_active = time.monotonic()
+        if self.reading:
+            self.connections.reading(self)
 
     def end(self) -> None:
         self.request = None

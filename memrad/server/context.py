@@ -38,6 +38,8 @@ class ChatLike(Protocol):
     def tool_constraint(self, tools: list[dict], mode: str, name: str | None,
                         parallel: bool) -> Constraint | None: ...
     def grammar_error(self, constraint: Constraint) -> str | None: ...
+    @property
+    def compiling(self) -> str | None: ...  # the field whose grammar is being compiled now, if any
 
 
 class EventsLike(Protocol):

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from memrad.chat.grammar import json_constraint
+from memrad.chat.grammar import TOO_SLOW, GrammarTooSlow, json_constraint
 from memrad.request import Constraint, SamplingParams, TokenLogprob
-from memrad.server.errors import invalid
+from memrad.server.errors import invalid, shown
 
 MAX_LOGIT_BIAS = 300  # entries: bounds the work one body can ask of every step
 MAX_TOP_LOGPROBS = 20  # OpenAI's range for top_logprobs
@@ -31,7 +31,7 @@ def _number(body: dict, key: str, lo: float, hi: float, *, lo_open: bool = False
     where = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
     if (not isinstance(value, (int, float)) or isinstance(value, bool) or not (lo < value if lo_open else lo <= value)
             or value > hi):
-        raise invalid(f"{key} must be a number {where} and at most {hi:g}; got {value!r}", key)
+        raise invalid(f"{key} must be a number {where} and at most {hi:g}; got {shown(value)}", key)
     return float(value)
 
 
@@ -41,7 +41,7 @@ def top_k_of(body: dict) -> int:
     if value is None:
         return 0
     if not isinstance(value, int) or isinstance(value, bool) or value < -1:
-        raise invalid(f"top_k must be an integer of at least 0 (0 or -1: off); got {value!r}", "top_k")
+        raise invalid(f"top_k must be an integer of at least 0 (0 or -1: off); got {shown(value)}", "top_k")
     return max(value, 0)
 
 
@@ -68,9 +68,9 @@ def logit_bias_of(value: Any) -> tuple[tuple[int, float], ...]:
     out = []
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit()):
-            raise invalid(f"logit_bias keys must be token ids; got {key!r}", "logit_bias")
+            raise invalid(f"logit_bias keys must be token ids; got {shown(key)}", "logit_bias")
         if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
-            raise invalid(f"logit_bias[{key}] must be a number between -100 and 100; got {bias!r}", "logit_bias")
+            raise invalid(f"logit_bias[{key}] must be a number between -100 and 100; got {shown(bias)}", "logit_bias")
         out.append((int(key), float(bias)))
     return tuple(sorted(out))
 
@@ -80,7 +80,7 @@ def _top_logprobs(body: dict) -> int:
     if value is None:
         return 0
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise invalid(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}; got {value!r}", "top_logprobs")
+        raise invalid(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}; got {shown(value)}", "top_logprobs")
     return value
 
 
@@ -177,10 +177,15 @@ def reply_sampling(chat: Any, sampling: SamplingParams, tools: tuple[dict, ...] 
                           "logit_bias")
     constraint = sampling.constraint
     if tools and (mode in ("required", "function") or (mode == "auto" and constraint is None)):
-        constraint = chat.tool_constraint(list(tools), mode, name, parallel) or constraint
+        try:
+            constraint = chat.tool_constraint(list(tools), mode, name, parallel) or constraint
+        except GrammarTooSlow as slow:  # a tool's schema: refused, never silently any JSON object
+            raise invalid(f"{slow.param} cannot be used to constrain the reply: {slow.reason}", "tools",
+                          code="grammar_too_slow") from None
     if constraint is None:
         return sampling
     reason = chat.grammar_error(constraint)
     if reason is not None:
-        raise invalid(f"{constraint.param} cannot be used to constrain the reply: {reason.strip()}", constraint.param)
+        raise invalid(f"{constraint.param} cannot be used to constrain the reply: {reason.strip()}", constraint.param,
+                      code="grammar_too_slow" if reason.startswith(TOO_SLOW) else None)
     return replace(sampling, constraint=constraint)

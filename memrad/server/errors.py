@@ -12,6 +12,7 @@ answers every route in its own API's shape.
 from __future__ import annotations
 
 import json
+import reprlib
 from typing import Literal
 
 from aiohttp import web
@@ -51,6 +52,20 @@ class APIError(Exception):
     def response(self, style: ErrorStyle = "openai") -> web.Response:
         return web.Response(status=self.status, text=json.dumps(self.body(style)),
                             content_type="application/json", headers=self.headers)
+
+
+ECHO_CHARS = 80
+_REPR = reprlib.Repr()  # bounded work and text for a long list, a deep object, a huge number
+_REPR.maxstring, _REPR.maxlong, _REPR.maxother, _REPR.maxlevel = ECHO_CHARS, 40, ECHO_CHARS, 3
+
+
+def shown(value: object, max_chars: int = ECHO_CHARS) -> str:
+    """A client's value quoted back in an error or a note: its repr, cut to `max_chars` with
+    its full length said (a 5 MB `role` must not make a 5 MB error body and log line)."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= max_chars else f"{value[:max_chars]!r}...({len(value)} chars)"
+    text = _REPR.repr(value)
+    return text if len(text) <= max_chars else f"{text[:max_chars]}..."
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:

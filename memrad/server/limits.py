@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from memrad.chat.schema_cost import costly_part
 from memrad.config import LimitSettings
 from memrad.server.errors import APIError, invalid
 from memrad.server.validate import MAX_STOP_SEQUENCES, MAX_STOPS
@@ -25,6 +26,8 @@ ENVELOPE_DEPTH = 8
 MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 STOP_KEYS = {"stop": MAX_STOPS, "stop_sequences": MAX_STOP_SEQUENCES}  # key -> most strings
 MESSAGE_KEYS = ("messages", "input")
+# Where each API's output format holds its schema (Chat, Responses, Messages, Messages' beta).
+FORMAT_KEYS = ("response_format", "text", "output_config", "output_format")
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a "\ud83d"-style escape in the raw body
 
@@ -118,6 +121,19 @@ def check_body(body: Any, limits: Limits) -> None:
             if depth(tool, limits.max_schema_depth) > limits.max_schema_depth:
                 raise invalid(f"tools[{i}] nests more than {limits.max_schema_depth} levels of objects and "
                               "arrays (limits.max_schema_depth)", f"tools[{i}]", code="schema_too_deep")
+            _check_cost(tool, f"tools[{i}]")
+    for key in FORMAT_KEYS:
+        if isinstance(body.get(key), dict):
+            _check_cost(body[key], key)
+
+
+def _check_cost(value: Any, param: str) -> None:
+    """A schema whose grammar would cost too much to compile or to run is a 400 naming its
+    part (memrad.chat.schema_cost), before anything is compiled."""
+    problem = costly_part(value, param)
+    if problem is not None:
+        raise invalid(f"{problem}: its grammar would cost too much to compile (limits on JSON schemas: "
+                      "docs/SERVING.md, Structured outputs)", param, code="schema_too_costly")
 
 
 def _check_stops(value: Any, key: str, most: int, limits: Limits) -> None:

@@ -33,7 +33,7 @@ from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, SamplingParams, TokenLogprob
 from memrad.server.decoding import messages_output_format, top_k_of
-from memrad.server.errors import invalid
+from memrad.server.errors import invalid, shown
 from memrad.server.serving import Event, decision_field
 from memrad.server.tools import (ToolChoice, ToolMode, ToolParts, assistant_message, function_tool, function_tools,
                                  tool_call, tool_choice_of, tool_result)
@@ -120,7 +120,7 @@ def _user(blocks: list, where: str, notes: Notes) -> list[dict]:
         elif kind in MEDIA_PARTS:
             texts.append(notes.placeholder(MEDIA_PARTS[kind]))
         else:
-            raise invalid(f"{here} has type {kind!r}; user messages accept text and tool_result blocks "
+            raise invalid(f"{here} has type {shown(kind)}; user messages accept text and tool_result blocks "
                           "(this model accepts text only)", here)
     if texts:
         out.append({"role": "user", "content": "\n".join(texts)})
@@ -141,7 +141,7 @@ def _assistant(blocks: list, where: str) -> dict:
         elif kind == "tool_use":
             calls.append(tool_call(block.get("id"), block.get("name"), block.get("input", {}), here))
         else:
-            raise invalid(f"{here} has type {kind!r}; assistant messages accept text, thinking and tool_use "
+            raise invalid(f"{here} has type {shown(kind)}; assistant messages accept text, thinking and tool_use "
                           "blocks", here)
     return assistant_message("\n".join(texts), calls, "\n".join(thinking) or None)
 

@@ -29,7 +29,7 @@ from memrad.protocol import Decision
 from memrad.chat.reply import Reply, ReplyDelta
 from memrad.request import Completion, Identity, TokenLogprob
 from memrad.server.decoding import logprob_entries, responses_logprobs, responses_text_format
-from memrad.server.errors import invalid
+from memrad.server.errors import invalid, shown
 from memrad.server.response_store import StoredResponse
 from memrad.server.serving import Event, decision_field
 from memrad.chat.reply import ToolCall
@@ -72,7 +72,7 @@ def parse_responses(body: Any, header_session_id: str | None,
     if previous is not None:
         stored = lookup(previous)
         if stored is None:
-            raise invalid(f"previous_response_id {previous!r} is unknown: memrad keeps its recent responses in "
+            raise invalid(f"previous_response_id {shown(previous)} is unknown: memrad keeps its recent responses in "
                           "memory only (lost on restart, oldest dropped first); send the whole conversation "
                           "as input instead", "previous_response_id")
     notes = Notes()
@@ -133,7 +133,7 @@ def input_messages(value: Any, notes: Notes) -> list[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in INPUT_ROLES:
-                raise invalid(f"{where}.role must be one of {', '.join(INPUT_ROLES)}; got {role!r}", f"{where}.role")
+                raise invalid(f"{where}.role must be one of {', '.join(INPUT_ROLES)}; got {shown(role)}", f"{where}.role")
             text = _text(item.get("content"), f"{where}.content", notes)
             if role == "assistant":
                 current = assistant()
@@ -162,7 +162,7 @@ def input_messages(value: Any, notes: Notes) -> list[dict]:
         elif isinstance(kind, str):
             # Built-in tool calls (web_search_call, …), item references, compaction items: nothing
             # a local model's template can write. Skipped the same way every time.
-            notes.add(f"input items of type {kind!r} were skipped: memrad renders message, reasoning, "
+            notes.add(f"input items of type {shown(kind)} were skipped: memrad renders message, reasoning, "
                       "function_call, custom_tool_call and their outputs")
         else:
             raise invalid(f"{where}.type must be a string", f"{where}.type")

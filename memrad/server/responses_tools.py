@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memrad.chat.reply import ToolCall
-from memrad.server.errors import invalid
+from memrad.server.errors import invalid, shown
 from memrad.server.tools import function_tool
 
 CUSTOM_INPUT = "input"  # the one argument a custom tool's function takes
@@ -61,7 +61,7 @@ def responses_tools(value: Any) -> ResponsesTools:
             for j, fn in enumerate(inner):
                 here = f"{where}.tools[{j}]"
                 if not isinstance(fn, dict) or fn.get("type", "function") != "function":
-                    raise invalid(f"{here} must be a function tool inside namespace {tool['name']!r}", here)
+                    raise invalid(f"{here} must be a function tool inside namespace {shown(tool['name'])}", here)
                 tools.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), here))
                 namespaces.append((fn["name"], tool["name"]))
         elif kind == "custom":

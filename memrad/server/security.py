@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from memrad.config import SecuritySettings
-from memrad.server.errors import APIError
+from memrad.server.errors import APIError, shown
 
 log = logging.getLogger("memrad.security")
 
@@ -130,13 +130,13 @@ def refusal(method: str, path: str, headers: Mapping[str, str], policy: AccessPo
     """The error that refuses this request, or None when it may proceed. Pure."""
     host = headers.get("Host", "")
     if host_name(host) not in policy.hosts:
-        return APIError(403, f"the Host header {host!r} is not allowed: memrad answers only to "
+        return APIError(403, f"the Host header {shown(host)} is not allowed: memrad answers only to "
                         f"{', '.join(sorted(policy.hosts))} (a web page using DNS rebinding sends its own "
                         "name). Add the name to security.allowed_hosts (MEMRA_ALLOWED_HOSTS) if it is yours",
                         type="permission_error", code="host_not_allowed")
     origin = headers.get("Origin")
     if origin is not None and not origin_allowed(origin, host, policy):
-        return APIError(403, f"requests from the browser origin {origin!r} are refused: a web page may not "
+        return APIError(403, f"requests from the browser origin {shown(origin)} are refused: a web page may not "
                         "drive the local model. Add the origin to security.allowed_origins "
                         "(MEMRA_ALLOWED_ORIGINS) if it is yours", type="permission_error",
                         code="origin_not_allowed")

@@ -34,6 +34,7 @@ from memrad.server.context import ReplyParserLike, ServerContext
 from memrad.server.decoding import reply_sampling
 from memrad.server.errors import APIError, ErrorStyle, error_style, invalid, server_error, unavailable
 from memrad.server.metrics import CLIENT_GONE, CLIENT_GONE_KEY, STREAM_FAILED_KEY
+from memrad.server.prepare import compiled
 from memrad.server.tools import tool_names
 from memrad.server.validate import ParsedRequest
 
@@ -88,9 +89,13 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
     """Queue the generation and answer in `shape`, streamed or whole. `parse`: run the reply
     through the model's reply parser (chat APIs); `on_finished` hears the whole reply."""
     check_context(len(ids), parsed.sampling.max_tokens, ctx.engine.context_len)
-    choice = parsed.tool_choice
-    sampling = reply_sampling(ctx.engine.chat, parsed.sampling, parsed.tools if parsed.parse_tools else None,
-                              choice.mode, choice.name, parsed.parallel_tool_calls)
+    choice, chat = parsed.tool_choice, ctx.engine.chat
+    tools = parsed.tools if parsed.parse_tools else None
+    args = (chat, parsed.sampling, tools, choice.mode, choice.name, parsed.parallel_tool_calls)
+    if parsed.sampling.constraint is None and not tools:
+        sampling = reply_sampling(*args)  # no grammar to compile
+    else:  # compiling may take seconds: on the grammar worker, within limits.grammar_compile_s
+        sampling = await compiled(request, lambda: chat.compiling, reply_sampling, *args)
     gen = GenerationRequest(request_id=request_id, model=ctx.engine.model_id, prompt_ids=tuple(ids),
                             prompt_text=text, sampling=sampling, identity=parsed.identity,
                             cache_salt=parsed.cache_salt)
@@ -265,6 +270,8 @@ async def _whole(run: _Run, job: Job, watch: _ClientWatch) -> web.Response:
         return web.Response(status=int(CLIENT_GONE))  # nobody reads it; /metrics counts a 499
     if completion is None or completion.finish_reason == "cancelled":
         raise unavailable("the request was cancelled because memrad is shutting down")
+    if completion.finish_reason == "grammar":
+        raise grammar_failed(job, completion)
     _, reply = run.finish(completion)
     return web.json_response(run.shape.whole(reply, completion, decision), headers=decision_header(decision))
 
@@ -337,12 +344,28 @@ async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch
         request[STREAM_FAILED_KEY] = cancelled.status
         await send(shape.stream_error(cancelled.body(run.style)))
         return response
+    if completion.finish_reason == "grammar":
+        failed = grammar_failed(job, completion)
+        log.warning("%s failed %s %s while streaming: %d %s", run.request_id, request.method, request.path,
+                    failed.status, failed.message)
+        request[STREAM_FAILED_KEY] = failed.status
+        await send(shape.stream_error(failed.body(run.style)))
+        return response
     deltas, reply = run.finish(completion)
     await send_deltas(deltas)
     await send(shape.closing(reply, completion, run.take_logprobs()))
     if not watch.gone:
         await response.write_eof()
     return response
+
+
+def grammar_failed(job: Job, c: Completion) -> APIError:
+    """A reply whose grammar could not go on: an error naming the schema's field, never a
+    finished reply (its text is not valid against the grammar)."""
+    constraint = job.request.sampling.constraint
+    param = constraint.param if constraint is not None else None
+    return APIError(400, f"the reply's grammar (from {param}) could not continue after {c.completion_tokens} tokens: "
+                    f"{c.error}; simplify the schema", param=param, code="grammar_failed")
 
 
 def _log_request(request_id: str, job: Job, c: Completion | None, stream: bool, gone: bool) -> None:

@@ -13,11 +13,12 @@ so the chat template sees the same conversation whichever API it came through (t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from memrad.server.errors import invalid
+from memrad.server.errors import invalid, shown
 
 ToolMode = Literal["auto", "none", "required", "function"]
 
@@ -32,14 +33,28 @@ class ToolChoice:
     name: str | None = None  # the function a `function` choice names
 
 
+# A tool's name: what OpenAI and Anthropic accept, plus `.` and `:` (namespaced MCP tools). The
+# name is written into the prompt and the call grammar: markup (`</tool_call>`), quotes or
+# blanks in it would make every call of it unparseable, so it comes back as content.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+
+
 def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict:
-    """One tool in the internal shape, from the parts every API has."""
+    """One tool in the internal shape, from the parts every API has. A call's arguments are a
+    JSON object, so a parameters schema must describe one (or say nothing of its type)."""
     if not isinstance(name, str) or not name:
         raise invalid(f"{where} needs a non-empty function name", where)
+    if TOOL_NAME.fullmatch(name) is None:
+        raise invalid(f"{where}'s name {shown(name)} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
+                      where, code="invalid_tool_name")
     if description is not None and not isinstance(description, str):
         raise invalid(f"{where}.description must be a string", where)
     if parameters is not None and not isinstance(parameters, dict):
         raise invalid(f"{where}'s parameters must be a JSON schema object", where)
+    kind = (parameters or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and kind == ["object"]):
+        raise invalid(f"{where}'s parameters must be a schema of an object (a call's arguments are a JSON "
+                      f"object); its type is {shown(kind)}", where, code="invalid_tool_parameters")
     function: dict = {"name": name}
     if description is not None:
         function["description"] = description
@@ -73,8 +88,10 @@ def check_choice(choice: ToolChoice, tools: tuple[dict, ...] | None, param: str 
     if choice.mode in ("required", "function") and not tools:
         raise invalid(f"{param} asks for a tool call but the request lists no tools", param)
     if choice.mode == "function" and choice.name not in tool_names(tools):
-        raise invalid(f"{param} names the function {choice.name!r}, which is not among the tools "
-                      f"({', '.join(tool_names(tools))})", param)
+        names = tool_names(tools)
+        listed = ", ".join(names[:20]) + (f", ... ({len(names)} tools)" if len(names) > 20 else "")
+        raise invalid(f"{param} names the function {shown(choice.name)}, which is not among the tools ({listed})",
+                      param)
     return choice
 
 

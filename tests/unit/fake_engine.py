@@ -33,6 +33,8 @@ class FakeChat:
     def grammar_error(self, constraint):
         return None
 
+    compiling = None
+
 
 class FakeParser:
     def feed(self, text):

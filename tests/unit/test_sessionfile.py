@@ -14,19 +14,22 @@ import stories
 from test_disk import CHUNK, ask, make_engine
 
 
-def rewrite(path, mutate, fix_checksum=True, data=None):
+def rewrite(path, mutate, fix_checksum=True, data=None, mutate_table=None):
     """Change a file's memra header the way a hostile local user could (re-checksummed unless
-    `fix_checksum` is False); `data` replaces the tensor bytes and table."""
+    `fix_checksum` is False); `data` replaces the tensor bytes and table, `mutate_table` edits
+    the tensor table in place."""
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     table = json.loads(raw[8:8 + n])
     meta = json.loads(table["__metadata__"]["memra"])
     mutate(meta)
-    if fix_checksum:
-        meta["checksums"]["header"] = header_checksum(meta)
     body = raw[8 + n:]
     if data is not None:
         table, body = {"__metadata__": table["__metadata__"], **data[0]}, data[1]
+    if mutate_table is not None:
+        mutate_table(table)
+    if fix_checksum:
+        meta["checksums"]["header"] = header_checksum(meta, {k: v for k, v in table.items() if k != "__metadata__"})
     table["__metadata__"]["memra"] = json.dumps(meta)
     header = json.dumps(table).encode()
     path.write_bytes(len(header).to_bytes(8, "little") + header + body)
@@ -80,7 +83,8 @@ def test_a_changed_header_field_is_skipped_and_the_start_succeeds(loaded, tmp_pa
                 fix_checksum=fix)
         engine = make_engine(loaded, "llama", sessions)  # used to raise AssertionError at every start
         assert engine.parking.disk.pool.sessions() == [] and not path.exists()
-        assert f"deleted s1.safetensors: {why}" in caplog.text
+        assert (sessions / "s1.safetensors.bad").exists()  # set aside, not deleted (issue 35, item 5)
+        assert f"set aside s1.safetensors in {sessions} as s1.safetensors.bad: {why}" in caplog.text
 
 
 def test_a_file_over_the_cap_is_skipped_and_the_start_succeeds(loaded, tmp_path, caplog):
@@ -127,3 +131,55 @@ def test_scan_reports_models_and_problems_without_torch(loaded, tmp_path):
     assert [(f.session_id, f.model, f.num_bytes) for f in got] == [
         ("s1", loaded["llama"].model_id, path.stat().st_size), ("s2", None, 7)]
     assert got[1].problem.startswith("truncated (no header)") or "header" in got[1].problem
+
+
+# Issue 35, item 5: the tensor table was outside the checksum, so one edited field raised a
+# ValueError at start (every start stopped, the file stayed, the traceback named no file).
+TABLE_EDITS = {
+    "shape": lambda table: table["token_ids"].update(shape=["x"]),
+    "data_offsets": lambda table: table["token_ids"].update(data_offsets=[0, "8"]),
+    "dtype": lambda table: table["token_ids"].update(dtype="F64"),
+}
+
+
+@pytest.mark.parametrize("field", list(TABLE_EDITS))
+@pytest.mark.parametrize("fix", [False, True])
+def test_an_edited_tensor_table_is_set_aside_by_name_and_the_start_goes_on(loaded, tmp_path, caplog, field, fix):
+    caplog.set_level("INFO", logger="memrad.disk")
+    sessions = tmp_path / "sessions"
+    path = one_session(loaded, sessions)
+    rewrite(path, lambda meta: None, fix_checksum=fix, mutate_table=TABLE_EDITS[field])
+    engine = make_engine(loaded, "llama", sessions)  # used to raise ValueError at every start
+    assert engine.parking.disk.pool.sessions() == [] and not path.exists()
+    # re-checksummed by whoever edited it: the table must then tile the data, with the tensors memra reads
+    why = ("header checksum mismatch" if not fix else
+           "no 1-D int64 tensor 'token_ids'" if field == "dtype" else "garbled tensor table (tensor 'token_ids')")
+    assert f"set aside s1.safetensors in {sessions} as s1.safetensors.bad: {why}" in caplog.text
+    ask(engine, [{"role": "user", "content": "list files " * 4}], "a")  # serves; s1 stays claimed
+    assert engine.parking.disk.session_ids() == ["s1"] and engine.close() == []
+    assert sorted(p.name for p in sessions.iterdir()) == ["s1.safetensors.bad", "s2.safetensors"]
+    cleared = sessionfile.clear(sessions)
+    assert [f.session_id for f in cleared] == ["s2"] and list(sessions.iterdir()) == []  # set-aside files too
+
+
+def test_a_check_this_code_lacks_sets_the_file_aside_and_the_start_goes_on(loaded, tmp_path, caplog, monkeypatch):
+    caplog.set_level("INFO", logger="memrad.disk")
+    path = one_session(loaded, tmp_path)
+    monkeypatch.setattr(DiskTier, "_read", lambda self, name: 1 / 0)
+    tier = DiskTier(tmp_path, 2**31, state_format(loaded["llama"], CHUNK, "exact"))
+    assert tier.index() == [] and not path.exists()
+    assert f"set aside s1.safetensors in {tmp_path} as s1.safetensors.bad: ZeroDivisionError: division by zero" \
+        in caplog.text
+
+
+def test_any_entry_named_after_a_session_id_reserves_it(loaded, tmp_path):
+    """Issue 35, item 9: a directory named like a session file was skipped but its id not
+    reserved; a later session got it and was lost at `memrad stop` (IsADirectoryError)."""
+    (tmp_path / "s1.safetensors").mkdir()
+    (tmp_path / "s2").write_text("a user's notes")
+    engine = make_engine(loaded, "llama", tmp_path)
+    assert engine.parking.disk.session_ids() == ["s1", "s2"]
+    ask(engine, [{"role": "user", "content": "list files " * 4}], "a")
+    assert engine.close() == []  # written, none lost
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s1.safetensors", "s2", "s3.safetensors"]
+    assert (tmp_path / "s1.safetensors").is_dir()

@@ -159,7 +159,7 @@ def test_chains_compare_the_request_with_the_candidate_as_it_was():
                           None, (SYSTEM, USER1, REPLY1, USER2, GEN))
     now_parked = session("s3", None, 477, (SYSTEM, USER1, rewritten, USER2, GEN))
     table = render_chains(now_parked, event)
-    assert table.columns[1].header == "parked s2"
+    assert str(table.columns[1].header) == "parked s2"
     assert table.caption == "2 shared leading segments: below the bar of 3; tokens diverge at 371"
 
 
@@ -232,7 +232,7 @@ async def test_the_sessions_table_shows_a_name_as_one_group():
     async with app.run_test(size=(150, 44)) as pilot:
         await settle(pilot)
         table = app.query_one(SessionsTable)
-        rows = [table.get_row_at(i)[:2] for i in range(table.row_count)]
+        rows = [[str(cell) for cell in table.get_row_at(i)[:2]] for i in range(table.row_count)]
         assert rows == [["s7", "-"], ["s8", "ses_7f3a (metadata.user_id)"], ["s5", "claude-1 (metadata.user_id) · 3"],
                         ["s6", "  ″"], ["s9", "  ″"]]
         await pilot.click("#sessions")
@@ -280,7 +280,7 @@ async def test_in_flight_rows_follow_the_requests_on_the_model():
     async with app.run_test(size=(150, 44)) as pilot:
         await settle(pilot)
         table = app.query_one(FlightsTable)
-        rows = [table.get_row_at(i) for i in range(table.row_count)]
+        rows = [[str(cell) for cell in table.get_row_at(i)] for i in range(table.row_count)]
         assert rows == [["req-main", "agent", "s3", "decode", "decoded 28"],
                         ["req-side", "agent", "new", "prefill", "primed 512 of 9,310"]]
         assert table.border_subtitle == "2 on the model"
@@ -289,3 +289,47 @@ async def test_in_flight_rows_follow_the_requests_on_the_model():
         app.redraw()
         await settle(pilot)
         assert table.row_count == 0 and table.border_subtitle == "idle"
+
+
+HOSTILE_NAMES = ("[/oops]", "[bold red]styled?[/bold red]", "[link=file:///etc/passwd]x[/link]")
+
+
+async def test_client_strings_are_shown_as_text_never_read_as_markup():
+    """Issue 35, item 7: a session named `[/oops]` crashed memra-tui (MarkupError) and
+    `[bold red]…` rendered styled. Names reach the sessions table, the in-flight table, the
+    decision log's reasons and the decision screen: each shows them character for character."""
+    from tui.screens import render_decision
+    from tui.widgets.flights import FlightsTable
+
+    sessions = tuple(session(f"s{i}", name, 300 + i, (SYSTEM, USER1)) for i, name in enumerate(HOSTILE_NAMES, 1))
+    flights = tuple(flight(f"req-{i}", "decode", 300, 3, conversation=f"s{i}", identity=name)
+                    for i, name in enumerate(HOSTILE_NAMES, 1))
+    reason = f'declined (named "{HOSTILE_NAMES[0]}" vs unnamed parked session)'
+    event = DecisionEvent(T0, Decision("chatcmpl-[/oops]", "declined", reason, 0, 300, tier="affinity"), 300,
+                          HOSTILE_NAMES[1], (SYSTEM, USER1), None)
+
+    def records():
+        async def gen():
+            yield StateSnapshot("SmolLM2-135M-Instruct", "cpu", 60.0, 3, PoolStats(3, 10, 32, 100), (), sessions,
+                                flights=flights)
+            yield event
+        return gen()
+
+    app = MemraApp(records)
+    async with app.run_test(size=(150, 44)) as pilot:  # used to raise MarkupError here
+        await settle(pilot)
+        table = app.query_one(SessionsTable)
+        cells = {str(table.get_row_at(i)[1]) for i in range(table.row_count)}
+        assert cells == {f"{name} (session_id)" for name in HOSTILE_NAMES}
+        assert all(not table.get_row_at(i)[1].spans for i in range(table.row_count))  # no style read from a name
+        in_flight = app.query_one(FlightsTable)
+        assert {str(in_flight.get_row_at(i)[1]) for i in range(in_flight.row_count)} == set(HOSTILE_NAMES)
+        log = app.query_one(DecisionLog)
+        assert [str(c) for c in log.get_row_at(0)[1:]] == ["-[/oops]", "affinity: declined", reason]
+        await pilot.click("#decisions")
+        await pilot.press("enter")
+        await settle(pilot)
+        assert isinstance(app.screen, DecisionScreen)
+    table = render_decision(event)
+    shown = {str(cell) for column in table.columns for cell in column.cells}
+    assert f"affinity: declined ({reason})" in shown and HOSTILE_NAMES[1] in shown and "chatcmpl-[/oops]" in shown

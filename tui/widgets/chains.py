@@ -31,9 +31,10 @@ def render_chains(session: SessionInfo | None, event: DecisionEvent | None) -> T
     shared = shared_run(parked, request) if request else len(parked)
     table = Table(expand=True, box=None, pad_edge=False)
     table.add_column("#", justify="right", style="dim", width=3)
-    table.add_column(f"parked {parked_name}", ratio=1, no_wrap=True, overflow="ellipsis")
+    # Headers as Text: a Rich table reads a string as markup, and a request id may be the client's.
+    table.add_column(Text(f"parked {parked_name}"), ratio=1, no_wrap=True, overflow="ellipsis")
     table.add_column("", width=1)
-    table.add_column(f"request {event.decision.request_id[-8:]}" if event else "request", ratio=1,
+    table.add_column(Text(f"request {event.decision.request_id[-8:]}" if event else "request"), ratio=1,
                      no_wrap=True, overflow="ellipsis")
     for i in range(max(len(parked), len(request))):
         left = parked[i] if i < len(parked) else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from rich.text import Text
 from textual.widgets import DataTable
 
 from memrad.protocol import DecisionEvent
@@ -29,8 +30,9 @@ class DecisionLog(DataTable):
         for i, e in enumerate(self.shown):
             d = e.decision
             head = f"{d.tier}: {d.outcome}" if d.tier else d.outcome
-            self.add_row(time.strftime("%H:%M:%S", time.gmtime(e.at)), d.request_id[-8:],
-                         f"[{STYLES[d.outcome]}]{head}[/]", d.step or "-", d.reason, key=str(i))
+            # Text, not markup: the reason quotes session names, the request id is the client's.
+            self.add_row(time.strftime("%H:%M:%S", time.gmtime(e.at)), Text(d.request_id[-8:]),
+                         Text(head, style=STYLES[d.outcome]), Text(d.step or "-"), Text(d.reason), key=str(i))
         self.border_subtitle = f"filter: {outcome} (f)"
         if self.shown:
             self.move_cursor(row=len(self.shown) - 1 if following else min(row, len(self.shown) - 1))

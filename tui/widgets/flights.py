@@ -3,6 +3,7 @@ the conversation it continues, its phase and how far it got. Up to max_batch row
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.widgets import DataTable
 
 from memrad.protocol import FlightInfo
@@ -25,6 +26,6 @@ class FlightsTable(DataTable):
     def show(self, flights: list[FlightInfo]) -> None:
         self.clear()
         for f in flights:
-            self.add_row(f.request_id[-12:], f.identity or "-", f.conversation or "new", f.phase, progress(f),
-                         key=f.request_id)
+            self.add_row(Text(f.request_id[-12:]), Text(f.identity or "-"), Text(f.conversation or "new"), f.phase,
+                         progress(f), key=f.request_id)
         self.border_subtitle = f"{len(flights)} on the model" if flights else "idle"

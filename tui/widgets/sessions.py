@@ -3,6 +3,7 @@ agent, its sub-agents, side queries), so its sessions sit together under one lab
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.widgets import DataTable
 
 from memrad.protocol import SessionInfo
@@ -58,7 +59,8 @@ class SessionsTable(DataTable):
         for s, identity in by_name(sessions):
             age_s = age_of[s.session_id]
             where = f"{s.session_id} (disk)" if s.on_disk else s.session_id
-            self.add_row(where, identity, str(s.num_tokens), str(s.prompt_checkpoint),
+            # Text, not str: a DataTable reads a string cell as markup, and names are clients'.
+            self.add_row(Text(where), Text(identity), str(s.num_tokens), str(s.prompt_checkpoint),
                          human_bytes(s.num_bytes), f"{age_s:.0f}s", str(s.hits), key=s.session_id)
         if selected is not None and selected in {s.session_id for s in sessions}:
             self.move_cursor(row=self.get_row_index(selected))

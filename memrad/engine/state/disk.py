@@ -14,8 +14,9 @@ Files are written to a temp name, fsynced and renamed, and the directory is fsyn
 the rename (memrad.durable), so a crash or a power cut leaves a whole file or none (a stray
 temp file is deleted at the next start). A file whose compatibility key (the model,
 tokenizer, dtype, rope, device, chunk and mode it was made under: `state_format`) differs
-from the running engine's, that cannot be parsed (truncated), or whose checksum fails on
-load is skipped with a log line and deleted, never loaded. The tier's records live in a
+from the running engine's is kept for that engine; one that cannot be parsed (truncated),
+fails a check or whose checksum fails on load is never loaded: it is set aside as
+`<name>.bad`, logged with its name and why, and the start goes on (memrad.engine.state.sessionfile). The tier's records live in a
 ReusePool of their own (its byte cap is the disk's, LRU), so the same prefix index serves
 both tiers.
 
@@ -47,8 +48,9 @@ from memrad.engine.threads import pin_to_one
 from memrad.durable import fsync_dir, fsync_file
 from memrad.faultpoint import kill_point
 from memrad.private import FILE_MODE
-from memrad.engine.state.sessionfile import (FORMAT, Header, Unusable, file_name, header_checksum, is_stray_temp,
-                                             read_header, read_int64s, session_id_of, unlink_inside)
+from memrad.engine.state.sessionfile import (FORMAT, SET_ASIDE, Header, Unusable, claimed_id, encode_header,
+                                             file_name, header_checksum, is_set_aside, is_stray_temp, read_header,
+                                             read_int64s, session_id_of, set_aside, tensor_table, unlink_inside)
 from memrad.engine.state.snapshot import ParkedState, Snapshot
 from memrad.engine.state.window import WindowLayer
 from memrad.request import Identity
@@ -88,8 +90,29 @@ def _checksum(tensors: dict[str, torch.Tensor], header: str) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.cpu().reshape(-1).contiguous().view(torch.uint8).numpy().data)
+        h.update(_bytes(t))
     return h.hexdigest()
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.int64: "I64", torch.float32: "F32", torch.int32: "I32",
+                      torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _bytes(t: torch.Tensor):
+    """A tensor's bytes, as safetensors stores them (row-major, little-endian, a 0-dim one as one element)."""
+    return t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().data
+
+
+def write_session_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """`tensors` and memra's header, its checksums taken over the table they are written with."""
+    table = tensor_table({name: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape)) for name, t in tensors.items()})
+    header = header_checksum(meta, table)
+    meta["checksums"] = {"header": header, "tensors": _checksum(tensors, header)}
+    with open(path, "wb") as handle:
+        handle.write(encode_header(meta, table))
+        for name in table:
+            handle.write(_bytes(tensors[name]))
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
@@ -219,6 +242,7 @@ class DiskTier:
     def __init__(self, directory: Path, max_bytes: int, compat: dict[str, str]) -> None:
         self.directory = directory
         self.compat = compat
+        self.claimed: set[str] = set()  # ids any entry here claims (a directory, a set-aside file, ...)
         self.max_bytes = max_bytes
         self.pool = ReusePool(max_sessions=1 << 30, max_bytes=max_bytes)
         self.foreign: dict[str, ForeignFile] = {}
@@ -234,9 +258,10 @@ class DiskTier:
         return self.pool.bytes_parked + sum(f.num_bytes for f in self.foreign.values())
 
     def session_ids(self) -> list[str]:
-        """Every session id with a file here, this engine's and the others' (new ids skip them)."""
+        """Every session id something here claims: this engine's files, the others', and any
+        other entry named after an id (new ids skip them all)."""
         with self._lock:
-            return [s.session_id for s in self.pool.sessions()] + list(self.foreign)
+            return sorted({s.session_id for s in self.pool.sessions()} | set(self.foreign) | self.claimed)
 
     # --- start: index without loading ------------------------------------------------------
 
@@ -246,16 +271,26 @@ class DiskTier:
         are deleted; entries not named in memra's scheme are left alone. Never raises for a file."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         found: list[ParkedSession | ForeignFile] = []
+        set_aside_before = 0
         for entry in sorted(os.scandir(self.directory), key=lambda e: e.name):
             if is_stray_temp(entry.name):
                 self._unlink(entry.name, "a spill that did not finish")
+            elif is_set_aside(entry.name):
+                set_aside_before += 1
             elif session_id_of(entry.name) is None:
                 log.info("left alone %s in %s: not a memra session file", entry.name[:80], self.directory)
             else:
                 try:
                     found.append(self._read(entry.name))
                 except Unusable as exc:
-                    self._unlink(entry.name, str(exc))
+                    self._discard(entry.name, exc)
+                except Exception as exc:  # a check this code lacks: the file goes, the start goes on
+                    self._discard(entry.name, Unusable(f"{type(exc).__name__}: {exc}"))
+        # What stays claims its id, whatever it is (a directory `s10.safetensors`, a set-aside file).
+        self.claimed = {c for c in map(claimed_id, os.listdir(self.directory)) if c is not None}
+        if set_aside_before:
+            log.info("disk tier: %d files set aside earlier (*%s) are kept in %s; `memrad cache clear` deletes them",
+                     set_aside_before, SET_ASIDE, self.directory)
         for record in sorted(found, key=lambda r: r.last_used_at):
             self._make_room(record.num_bytes, lambda _: None)
             if isinstance(record, ForeignFile):
@@ -346,14 +381,12 @@ class DiskTier:
                 return None
         if session.state is None:
             return "it holds no state"
-        from safetensors.torch import save_file
-
         path = self._path(session.session_id)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         try:
             tensors, meta = self._encode(session)
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            save_file(tensors, str(tmp), metadata={"memra": json.dumps(meta)})
+            write_session_file(tmp, tensors, meta)
             kill_point("spill-tmp")
             os.chmod(tmp, FILE_MODE)  # prompt tokens: the owner's only (safetensors makes 0600 today; not its promise)
             fsync_file(tmp)  # a power cut after the rename must not leave an empty file at its name
@@ -389,10 +422,7 @@ class DiskTier:
         fields = {k: getattr(session, k) for k in _SESSION_FIELDS}
         fields.update(cache_salt=session.namespace.cache_salt,
                       identity=[session.identity.name, session.identity.source] if session.identity else None)
-        meta = {"format": FORMAT, "compat": self.compat, "session": fields, "layers": layers}
-        header = header_checksum(meta)
-        meta["checksums"] = {"header": header, "tensors": _checksum(tensors, header)}
-        return tensors, meta
+        return tensors, {"format": FORMAT, "compat": self.compat, "session": fields, "layers": layers}
 
     def load(self, session: ParkedSession, new_cache: Callable[[], Any]) -> ParkedState | None:
         """The state of a disk session, or None (file deleted, logged) if it fails its checks."""
@@ -420,7 +450,11 @@ class DiskTier:
                     final_layers = layers
                 snaps[tag] = Snapshot(num_tokens, layers)
         except Exception as exc:  # truncated, corrupt, or not ours: never load it
-            self.forget(session.session_id, f"skipped ({type(exc).__name__}: {exc})")
+            with self._lock:
+                self.pool.remove(session.session_id)
+                self.claimed.add(session.session_id)
+                self._discard(path.name, exc if isinstance(exc, Unusable)
+                              else Unusable(f"skipped on load ({type(exc).__name__}: {exc})"))
             return None
         log.info("loaded %s from disk (%d tokens, %d bytes) in %.2f s", session.session_id, session.num_tokens,
                  session.num_bytes, time.perf_counter() - started)
@@ -432,6 +466,18 @@ class DiskTier:
         with self._lock:
             if self.pool.remove(session_id) is not None or self._path(session_id).exists():
                 self._unlink(file_name(session_id), why)
+
+    def _discard(self, name: str, problem: Unusable) -> None:
+        """A file that must not be loaded: set aside as `<name>.bad` (corrupt, unsafe), or
+        deleted (whole but unwanted here). Logged with its name either way."""
+        if not problem.set_aside:
+            return self._unlink(name, str(problem))
+        left = set_aside(self.directory, name)
+        if left is None:
+            log.warning("set aside %s in %s as %s%s: %s; it is never loaded (`memrad cache clear` deletes it)",
+                        name[:80], self.directory, name[:80], SET_ASIDE, problem)
+        else:
+            log.warning("skipped %s in %s (%s), not set aside: %s", name[:80], self.directory, problem, left)
 
     def _unlink(self, name: str, why: str) -> None:
         left = unlink_inside(self.directory, name)
