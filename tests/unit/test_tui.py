@@ -84,7 +84,7 @@ async def test_sessions_chains_and_decisions_fill_from_the_stream():
         assert table.row_count == 2 and table.selected_id == "s3"
         assert [e.decision.outcome for e in app.query_one(DecisionLog).shown] == ["cold", "resumed", "declined"]
         log = app.query_one(DecisionLog)
-        assert [log.get_row_at(row)[3] for row in range(3)] == ["eager", "compiled", "-"]  # the step column
+        assert [str(log.get_row_at(row)[3]) for row in range(3)] == ["eager", "compiled", "-"]  # the step column
         assert app.state.root_of["s3"] == "s2"  # one conversation across the resume
         assert [t.ttft_s for t in app.state.turns["s2"]] == [0.91, 0.41]
 
@@ -325,7 +325,7 @@ async def test_client_strings_are_shown_as_text_never_read_as_markup():
         in_flight = app.query_one(FlightsTable)
         assert {str(in_flight.get_row_at(i)[1]) for i in range(in_flight.row_count)} == set(HOSTILE_NAMES)
         log = app.query_one(DecisionLog)
-        assert [str(c) for c in log.get_row_at(0)[1:]] == ["-[/oops]", "affinity: declined", reason]
+        assert [str(c) for c in log.get_row_at(0)[1:]] == ["-[/oops]", "affinity: declined", "-", reason]  # the step column: none
         await pilot.click("#decisions")
         await pilot.press("enter")
         await settle(pilot)
