@@ -278,15 +278,20 @@ class Engine:
         # parked session's fingerprint all read them.
         prompt_segments = segments(prompt, self.openers)
         anchors = find_anchors(prompt, self.reply_header)  # () in fast mode: no header to find
-        decided = self.parking.load(self.plan(request, prompt_segments, anchors),
-                                    replan=lambda: self.plan(request, prompt_segments, anchors))
-        log.info("%s %s", request.request_id, decided.decision.render())
-        if on_decision is not None:
-            on_decision(decided.decision)
-        self.events(lambda: decision_event(self.loaded.tokenizer, self.openers, request, decided.decision,
-                                           prompt_segments, self.parking.get(decided.decision.candidate)))
+        planned = self.plan(request, prompt_segments, anchors)
+        checking_out = time.perf_counter()
+        decided = self.parking.load(planned, replan=lambda: self.plan(request, prompt_segments, anchors))
+        candidate = self.parking.get(decided.decision.candidate)  # before a replace takes it out of the pool
         cache, pre = self.parking.check_out(decided, anchors)
+        # What the resume cost before any priming (memrad.protocol.Decision.render_cost).
+        decided = replace(decided, decision=replace(decided.decision, copied_bytes=pre.copied_bytes,
+                                                    checkout_s=time.perf_counter() - checking_out))
         try:
+            log.info("%s %s; %s", request.request_id, decided.decision.render(), decided.decision.render_cost())
+            if on_decision is not None:
+                on_decision(decided.decision)
+            self.events(lambda: decision_event(self.loaded.tokenizer, self.openers, request, decided.decision,
+                                               prompt_segments, candidate))
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
             flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
                             self._snapshotter(cache, pre, checkpoint), self._feed(cancelled), self._sampling,

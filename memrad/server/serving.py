@@ -116,9 +116,10 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
 
 
 def decision_field(decision: Decision | None, notes: tuple[str, ...] = ()) -> dict:
-    """The `memra` field every API's object carries: the reuse decision's one rendering, and
-    what memrad left out of or changed in the request (validate.Notes)."""
-    field: dict = {"decision": decision.render()} if decision is not None else {}
+    """The `memra` field every API's object carries: the reuse decision's one rendering and
+    what its resume cost (memrad.protocol.Decision.render_cost), and what memrad left out of
+    or changed in the request (validate.Notes)."""
+    field: dict = {"decision": decision.render(), "cost": decision.render_cost()} if decision is not None else {}
     if notes:
         field["notes"] = list(notes)
     return {"memra": field} if field else {}
