@@ -16,8 +16,9 @@ then the one at the highest checkpoint (ties: the request's own conversation, th
 most recently used, then the tier order above). More reuse of the same kind is always
 cheaper, and a fork always beats priming from zero; the price only decides between a fork
 that reuses a few more tokens and a replace that copies nothing (a session that ran the
-same conversation before, offering one more chunk than the request's own). A nomination is
-one candidate among the tiers, never a veto on a longer exact match.
+same conversation before offers the request's next cut, a few tokens past its own session's
+checkpoint, but copying every row below it costs more than priming those few tokens). A
+nomination is one candidate among the tiers, never a veto on a longer exact match.
 Reused tokens are always the request's own, so no winner can poison. The winner is
 **replaced** only when the request continues its conversation (same name or both unnamed,
 and the session's whole prompt is part of the shared prefix); otherwise the request
