@@ -18,12 +18,14 @@ REASON_CLASSES = ("nothing-parked", "no-prefix", "no-control-tokens", "below-bar
 
 @dataclass(frozen=True, slots=True)
 class Alternative:
-    """One candidate the planner weighed: the tier that offered it, and the tokens it would
-    reuse at an exact checkpoint (None: verification declined it)."""
+    """One candidate the planner weighed: the tier that offered it, the tokens it would
+    reuse at an exact checkpoint (None: verification declined it) and what resuming it would
+    cost, in tokens (memrad.reuse.cost; None: declined)."""
 
     tier: Tier
     candidate: str
     reused_tokens: int | None
+    cost_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +40,16 @@ class Decision:
     `reused_tokens` + `primed_tokens` always equal the prompt length; `reason_class` names
     why nothing was reused (None when resumed): one of REASON_CLASSES, for counting.
     `weighed` lists every candidate the tiers offered (the winner among them) and `won_by`
-    says why the winner won ("most reuse", "tie: own conversation", "tie: most recent");
-    both are empty when at most one distinct session was offered. `step` is the decode step
-    the request decodes with from its first token to its last ("compiled", "eager" or
-    "transformers"; None until the engine has chosen it, and from engines that do not say).
+    says why the winner won ("most reuse", "cheaper resume", "tie: own conversation", "tie:
+    most recent"); both are empty when at most one distinct session was offered. `step` is the
+    decode step the request decodes with from its first token to its last ("compiled", "eager"
+    or "transformers"; None until the engine has chosen it, and from engines that do not say).
+
+    What the resume cost: `cost_tokens` is the planner's price of it in tokens
+    (memrad.reuse.cost), `copied_rows` the rows a fork copies first (None: nothing copied);
+    the engine adds, once the state is checked out, `copied_bytes` (what that copy moved)
+    and `checkout_s` (loading, rebuilding and copying the state: the time before priming).
+    `render_cost` says it in words, the same in the log, the API's `memra` field and the TUI.
     """
 
     request_id: str
@@ -61,10 +69,28 @@ class Decision:
     weighed: tuple[Alternative, ...] = ()
     won_by: str | None = None
     step: str | None = None
+    cost_tokens: int | None = None
+    copied_rows: int | None = None
+    copied_bytes: int | None = None
+    checkout_s: float | None = None
 
     def render(self) -> str:
         head = f"{self.tier}: {self.outcome}" if self.tier else self.outcome
         return f"{head} ({self.reason})"
+
+    def render_cost(self) -> str:
+        """What the resume cost, e.g. "cost: primed 232 tokens, copied 1,442 rows (31.7 MiB),
+        state ready in 35.4 ms; priced 290 tokens"."""
+        parts = [f"primed {self.primed_tokens:,} tokens"]
+        if self.copied_rows is not None:
+            moved = "" if self.copied_bytes is None else f" ({self.copied_bytes / 2**20:.1f} MiB)"
+            parts.append(f"copied {self.copied_rows:,} rows{moved}")
+        elif self.outcome == "resumed":
+            parts.append("nothing copied")
+        if self.checkout_s is not None:
+            parts.append(f"state ready in {self.checkout_s * 1e3:.1f} ms")
+        price = "" if self.cost_tokens is None else f"; priced {self.cost_tokens:,} tokens"
+        return "cost: " + ", ".join(parts) + price
 
 
 # --- the control socket's records (memra-tui reads these; see docs/TUI.md) -----------------

@@ -31,6 +31,7 @@ def render_decision(event: DecisionEvent) -> Table:
             mark = " ◂ won" if a.candidate == d.candidate and a.tier == d.tier else ""
             table.add_row(Text(f"  {a.tier}"), Text(f"{a.candidate}: {reuse}{mark}"))
         table.add_row("won by", Text(d.won_by or "-"))
+    table.add_row("cost", Text(d.render_cost()))
     table.add_row("ttft", "-" if d.ttft_s is None else f"{d.ttft_s:.3f} s")
     table.add_row("prompt tokens", str(event.prompt_tokens))
     table.add_row("identity", Text(event.identity or "-"))

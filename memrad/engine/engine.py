@@ -284,19 +284,24 @@ class Engine:
         # parked session's fingerprint all read them.
         prompt_segments = segments(prompt, self.openers)
         anchors = find_anchors(prompt, self.reply_header)  # () in fast mode: no header to find
-        decided = self.parking.load(self.plan(request, prompt_segments, anchors),
-                                    replan=lambda: self.plan(request, prompt_segments, anchors))
+        planned = self.plan(request, prompt_segments, anchors)
+        checking_out = time.perf_counter()
+        decided = self.parking.load(planned, replan=lambda: self.plan(request, prompt_segments, anchors))
+        candidate = self.parking.get(decided.decision.candidate)  # before a replace takes it out of the pool
         cache, pre = self.parking.check_out(decided, anchors)
+        # What the resume cost before any priming (memrad.protocol.Decision.render_cost).
+        decided = replace(decided, decision=replace(decided.decision, copied_bytes=pre.copied_bytes,
+                                                    checkout_s=time.perf_counter() - checking_out))
         try:
             # The step is chosen before the decision leaves, so the reply's first bytes say it;
             # it never changes what is reused (exact mode parks no decoded KV).
             step, make_feed = self._choose_step(cancelled)
             decision = replace(decided.decision, step=step)
-            log.info("%s %s; decode: %s step", request.request_id, decision.render(), step)
+            log.info("%s %s; %s; decode: %s step", request.request_id, decision.render(), decision.render_cost(), step)
             if on_decision is not None:
                 on_decision(decision)
             self.events(lambda: decision_event(self.loaded.tokenizer, self.openers, request, decision,
-                                               prompt_segments, self.parking.get(decision.candidate)))
+                                               prompt_segments, candidate))
             feed = make_feed()
             assert feed.step == step, (feed.step, step)
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)

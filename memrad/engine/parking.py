@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from memrad.engine.events import Publisher
-from memrad.engine.state.snapshot import ParkedState, Snapshot, is_croppable, thin_boundaries
+from memrad.engine.state.snapshot import ParkedState, Snapshot, is_croppable, state_bytes, thin_boundaries
 from memrad.grid import cut_floor, is_cut
 from memrad.protocol import Decision, EvictEvent, ParkEvent, PoolStats, SessionInfo
 from memrad.request import GenerationRequest
@@ -54,6 +54,7 @@ class Prefilled:
     primed_to: int
     snapshots: dict[int, Snapshot]
     anchors: tuple[int, ...] = ()  # reply anchors the prompt is cut at (exact mode; memrad.grid)
+    copied_bytes: int | None = None  # what a fork copied out of its source's state (None: nothing)
 
 
 def essential(prompt_len: int, chunk: int, anchors: tuple[int, ...], mode: Mode) -> set[int]:
@@ -235,9 +236,12 @@ class Parking:
         parent = decided.session
         if decided.fork:
             # Another conversation's state: copy its rows, leave it parked and unchanged.
+            # A disk session's state was just read into buffers of its own: nothing to copy.
             (self.disk.pool if parent.on_disk else self.pool).touch(parent.session_id)
-            cache = parent.state.rebuild(self.model_config, decided.checkpoint, copy=not parent.on_disk)
-            return cache, Prefilled(decided.checkpoint, decided.checkpoint, {}, anchors)
+            copy = not parent.on_disk
+            cache = parent.state.rebuild(self.model_config, decided.checkpoint, copy=copy)
+            copied = state_bytes([Snapshot.adopt(cache, decided.checkpoint)]) if copy else None
+            return cache, Prefilled(decided.checkpoint, decided.checkpoint, {}, anchors, copied)
         # A resume that replaces its parent hands the parent's buffers on (the new rows
         # overwrite the parent's rows past the checkpoint): check it out first, so the pool
         # never lists a state that is being written. Its boundary snapshots below the

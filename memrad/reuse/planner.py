@@ -10,8 +10,14 @@ Each offer is verified: the request resumes only from a checkpoint its own token
 exactly, with at least one token left to prime; below a divergence it falls back to the
 highest checkpoint that still matches.
 
-The most reuse wins: of the verified offers, the one at the highest checkpoint (ties: the
-request's own conversation, then the most recently used, then the tier order above). A
+The most reuse wins, unless it costs more: of the verified offers, the cheapest to resume
+(memrad.reuse.cost: the tokens it primes, plus the rows a fork copies, priced in tokens),
+then the one at the highest checkpoint (ties: the request's own conversation, then the
+most recently used, then the tier order above). More reuse of the same kind is always
+cheaper, and a fork always beats priming from zero; the price only decides between a fork
+that reuses a few more tokens and a replace that copies nothing (a session that ran the
+same conversation before offers the request's next cut, a few tokens past its own session's
+checkpoint, but copying every row below it costs more than priming those few tokens). A
 nomination is one candidate among the tiers, never a veto on a longer exact match.
 Reused tokens are always the request's own, so no winner can poison. The winner is
 **replaced** only when the request continues its conversation (same name or both unnamed,
@@ -39,6 +45,7 @@ from typing import Literal
 from memrad.grid import cuts_up_to, is_cut
 from memrad.protocol import Alternative, Decision, Tier
 from memrad.request import Identity
+from memrad.reuse.cost import resume_cost
 from memrad.reuse.identity import Nomination, Refusal, nominate
 from memrad.reuse.pool import Namespace, ParkedSession, PrefixMatch
 from memrad.reuse.prefix_index import common_prefix_len
@@ -63,6 +70,19 @@ class Plan:
     session: ParkedSession | None = None  # resume from this one's state ...
     checkpoint: int = 0                   # ... at this position (0: cold)
     fork: bool = False                    # copy its rows and leave it parked (else: replace it)
+
+
+def copied_rows(session: ParkedSession, checkpoint: int, fork: bool) -> int | None:
+    """Rows a resume copies before priming: a fork of a session in memory copies the rows it
+    reuses (a replace hands them on; a disk session's state is read into fresh buffers)."""
+    return checkpoint if fork and not session.on_disk else None
+
+
+def _priced(decision: Decision, session: ParkedSession, checkpoint: int, fork: bool) -> Decision:
+    """`decision` with what its resume costs: the rows it copies and its price in tokens."""
+    rows = copied_rows(session, checkpoint, fork)
+    return replace(decision, copied_rows=rows,
+                   cost_tokens=resume_cost(checkpoint, decision.reused_tokens + decision.primed_tokens, rows or 0))
 
 
 def checkpoint_at_or_below(session: ParkedSession, limit: int, mode: Mode, chunk: int,
@@ -163,7 +183,7 @@ def _decide(view: RequestView, tier: Tier, session: ParkedSession, mode: Mode, c
     resumed = replace(base, outcome="resumed", reason=f"{lead}; {verdict.reason}" + ("; forked" if fork else ""),
                       reused_tokens=verdict.checkpoint, primed_tokens=num_prompt - verdict.checkpoint,
                       checkpoint=verdict.checkpoint, reason_class=None)
-    return Plan(resumed, session, verdict.checkpoint, fork=fork)
+    return Plan(_priced(resumed, session, verdict.checkpoint, fork), session, verdict.checkpoint, fork=fork)
 
 
 def plan(view: RequestView, sessions: list[ParkedSession], mode: Mode, chunk: int,
@@ -181,9 +201,7 @@ def plan(view: RequestView, sessions: list[ParkedSession], mode: Mode, chunk: in
     if longest_prefix:
         if matches is None:
             matches = tuple(PrefixMatch(s, common_prefix_len(view.prompt_ids, s.token_ids)) for s in mine)
-        best = _longest_prefix(view, [m for m in matches if m.session.namespace == view.namespace], mode, chunk)
-        if best is not None:
-            offered.append(best)
+        offered += _longest_prefix(view, [m for m in matches if m.session.namespace == view.namespace], mode, chunk)
     return _choose(offered, fallback)
 
 
@@ -191,11 +209,18 @@ TIER_ORDER: tuple[Tier, ...] = ("token-prefix", "text-prefix", "affinity", "pref
 
 
 def _rank(p: Plan) -> tuple:
-    """Most reuse, then the request's own conversation, then the most recent, then tier order."""
-    return p.checkpoint, not p.fork, p.session.last_used_at, -TIER_ORDER.index(p.decision.tier)
+    """Cheapest, then most reuse, then the request's own conversation, then the most recent,
+    then tier order."""
+    return (-p.decision.cost_tokens, p.checkpoint, not p.fork, p.session.last_used_at,
+            -TIER_ORDER.index(p.decision.tier))
 
 
-def _won_by(winner: Plan, runner_up: Plan) -> str:
+CHEAPER = "cheaper resume"
+
+
+def _won_by(winner: Plan, runner_up: Plan, longest: Plan) -> str:
+    if longest.checkpoint > winner.checkpoint:
+        return CHEAPER
     if winner.checkpoint > runner_up.checkpoint:
         return "most reuse"
     if winner.fork != runner_up.fork:
@@ -219,11 +244,15 @@ def _choose(offered: list[Plan], fallback: Plan) -> Plan:
                 if all(q.session.session_id != p.session.session_id for q in resumable[:i])]
     won_by = None
     if len(distinct) > 1:
-        won_by = _won_by(winner, distinct[1])
+        longest = max(distinct, key=lambda p: p.checkpoint)
+        won_by = _won_by(winner, distinct[1], longest)
         listed = ", ".join(f"{p.decision.tier} {p.session.session_id} at {p.checkpoint:,}"
                            for p in sorted(distinct, key=lambda p: TIER_ORDER.index(p.decision.tier)))
         reason += f"; weighed {listed}: {won_by}"
-    weighed = tuple(Alternative(p.decision.tier, p.decision.candidate, p.checkpoint if p.session else None)
+        if won_by == CHEAPER:
+            reason += f" ({_why_cheaper(winner, longest)})"
+    weighed = tuple(Alternative(p.decision.tier, p.decision.candidate, p.checkpoint if p.session else None,
+                                p.decision.cost_tokens)
                     for p in sorted(offered, key=lambda p: TIER_ORDER.index(p.decision.tier)))
     segments = next((x.shared_segments for x in (d, *(p.decision for p in offered), fallback.decision)
                      if x.shared_segments is not None), None)
@@ -231,18 +260,36 @@ def _choose(offered: list[Plan], fallback: Plan) -> Plan:
                                             weighed=weighed if won_by else (), won_by=won_by))
 
 
-def _longest_prefix(view: RequestView, matches: list[PrefixMatch], mode: Mode, chunk: int) -> Plan | None:
-    """The match whose usable checkpoint at or below the shared prefix is highest."""
+def _why_cheaper(winner: Plan, longer: Plan) -> str:
+    """Why an offer reusing fewer tokens won: the longer one's copy costs more than it saves."""
+    rows = longer.decision.copied_rows or 0
+    return (f"forking {longer.session.session_id} at {longer.checkpoint:,} copies {rows:,} rows to prime "
+            f"{longer.decision.primed_tokens:,}: {longer.decision.cost_tokens:,} tokens' worth against "
+            f"{winner.decision.cost_tokens:,} priming {winner.decision.primed_tokens:,}")
+
+
+def _longest_prefix(view: RequestView, matches: list[PrefixMatch], mode: Mode, chunk: int) -> list[Plan]:
+    """The cheapest match to resume (at its highest usable checkpoint at or below the shared
+    prefix), and the match reusing the most tokens when that is another (so the decision
+    shows what the cheaper one was weighed against); [] when no match is usable."""
     num_prompt = len(view.prompt_ids)
     ranked = []
     for m in matches:
         found = checkpoint_at_or_below(m.session, min(m.shared_tokens, num_prompt - 1), mode, chunk, view.anchors)
         if found is not None:
             continues = _continues(view, m.session, m.shared_tokens)
-            ranked.append((found, continues, m.session.last_used_at, m))
+            cost = resume_cost(found, num_prompt, copied_rows(m.session, found, not continues) or 0)
+            ranked.append((-cost, found, continues, m.session.last_used_at, m))
     if not ranked:
-        return None
-    checkpoint, continues, _, m = max(ranked, key=lambda r: r[:3])
+        return []
+    cheapest = max(ranked, key=lambda r: r[:4])
+    longest = max(ranked, key=lambda r: r[1:4])
+    picks = [cheapest] if longest[4] is cheapest[4] else [cheapest, longest]
+    return [_prefix_plan(view, checkpoint, continues, m) for _, checkpoint, continues, _, m in picks]
+
+
+def _prefix_plan(view: RequestView, checkpoint: int, continues: bool, m: PrefixMatch) -> Plan:
+    num_prompt = len(view.prompt_ids)
     session = m.session
     how = "replaces it" if continues else "forked"
     diverged = m.shared_tokens if m.shared_tokens < min(num_prompt, session.num_tokens) else None
@@ -250,7 +297,7 @@ def _longest_prefix(view: RequestView, matches: list[PrefixMatch], mode: Mode, c
                         f"longest prefix with {session.session_id}, {checkpoint:,} of {num_prompt:,}; {how}",
                         checkpoint, num_prompt - checkpoint, tier="prefix", candidate=session.session_id,
                         checkpoint=checkpoint, divergence=diverged)
-    return Plan(decision, session, checkpoint, fork=not continues)
+    return Plan(_priced(decision, session, checkpoint, not continues), session, checkpoint, fork=not continues)
 
 
 def _nominated(view: RequestView, mine: list[ParkedSession], mode: Mode, chunk: int,

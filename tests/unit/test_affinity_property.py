@@ -81,9 +81,13 @@ def test_every_resume_reuses_exactly_the_requests_own_leading_tokens(data, sessi
     same_name = (session.identity and session.identity.name) == (view.identity and view.identity.name)
     holds_prompt = view.prompt_ids[: session.prompt_checkpoint] == session.token_ids[: session.prompt_checkpoint]
     assert decided.fork == (not (same_name and holds_prompt))
-    # the most reuse wins: no parked session of the namespace offers a longer exact resume
+    # the cheapest resume wins, and of those the most reuse: an offer reusing more tokens
+    # lost only to a cheaper one (a fork whose copy costs more than it saves), and says so
     if d.won_by is not None:
-        assert d.reused_tokens == max(a.reused_tokens or 0 for a in d.weighed)
+        offers = [a for a in d.weighed if a.reused_tokens is not None]
+        assert d.cost_tokens == min(a.cost_tokens for a in offers)
+        assert d.reused_tokens == max(a.reused_tokens for a in offers if a.cost_tokens == d.cost_tokens)
+        assert (d.won_by == "cheaper resume") == (d.reused_tokens < max(a.reused_tokens for a in offers))
     assert d.reused_tokens == c and d.candidate == session.session_id
     if mode == "exact":
         assert is_cut(c, C, session.anchors) and c <= session.exact_limit

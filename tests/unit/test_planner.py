@@ -122,3 +122,45 @@ def test_exact_mode_resumes_at_a_reply_anchor_where_the_request_was_cut_alike_be
     assert plan(unlike, [parked], "exact", C).checkpoint == 16
     # Without anchors the request is not checked (fast mode, or a caller that cannot tell).
     assert plan(view(second), [parked], "exact", C).checkpoint == 40
+
+
+# --- what a resume costs: the most reuse must never cost time (issue 37) ------------------
+
+HISTORY = list(range(1000, 2600))      # 1,600 tokens of conversation (a multiple of C)
+NEXT = HISTORY + REPLY + [2, *range(300, 316)]  # the next turn: 20 tokens past the history
+
+
+def test_a_fork_that_copies_more_than_it_saves_loses_to_the_requests_own_conversation():
+    """The agent's conversation ran once before: that run's session holds this whole prompt
+    and offers one more chunk (1,616) than the request's own session (1,600), but only as a
+    fork, which copies all 1,616 rows to save priming 16 tokens. The replace is cheaper."""
+    own = session(HISTORY + REPLY, prompt=1600, exact=1600, sid="s1")
+    earlier = session(NEXT + [7, 8, 2, 9, 9], prompt=len(NEXT) + 3, exact=len(NEXT) + 3, sid="s2")
+    decided = plan(view(NEXT), [own, earlier], "exact", C)
+    d = decided.decision
+    assert d.render() == (
+        "token-prefix: resumed (session s1; checkpoint 1600; primed 20; weighed token-prefix s1 at 1,600, "
+        "prefix s2 at 1,616: cheaper resume (forking s2 at 1,616 copies 1,616 rows to prime 4: 32 tokens' "
+        "worth against 30 priming 20))")
+    assert decided.session is own and not decided.fork and decided.checkpoint == 1600
+    assert (d.won_by, d.reused_tokens, d.primed_tokens, d.copied_rows, d.cost_tokens) == (
+        "cheaper resume", 1600, 20, None, 30)
+    assert [(a.tier, a.candidate, a.reused_tokens, a.cost_tokens) for a in d.weighed] == [
+        ("token-prefix", "s1", 1600, 30), ("prefix", "s1", 1600, 30), ("prefix", "s2", 1616, 32)]
+    assert d.render_cost() == "cost: primed 20 tokens, nothing copied; priced 30 tokens"
+
+
+def test_a_fork_that_saves_more_than_it_copies_still_wins():
+    """The same shape over a short history: the copy (176 rows) costs less than the 16 tokens
+    it saves, so the most reuse wins, and the decision says what it copies."""
+    short = list(range(1000, 1160))
+    own = session(short + REPLY, prompt=160, exact=160, sid="s1")
+    nxt = short + REPLY + [2, *range(300, 316)]
+    earlier = session(nxt + [7, 8, 2], prompt=len(nxt) + 3, exact=len(nxt) + 3, sid="s2")
+    decided = plan(view(nxt), [own, earlier], "exact", C)
+    d = decided.decision
+    assert d.render() == ("prefix: resumed (longest prefix with s2, 176 of 180; forked; "
+                          "weighed token-prefix s1 at 160, prefix s2 at 176: most reuse)")
+    assert decided.session is earlier and decided.fork
+    assert (d.reused_tokens, d.primed_tokens, d.copied_rows, d.cost_tokens) == (176, 4, 176, 7)
+    assert d.render_cost() == "cost: primed 4 tokens, copied 176 rows; priced 7 tokens"
