@@ -10,6 +10,7 @@ block kind before it is used.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,11 @@ _checked = False
 def built(compiler: str) -> bool:
     """Whether an earlier build left this machine's library in the cache."""
     return library_path(compiler, SOURCE).exists()
+
+
+def library() -> Path:
+    """This machine's build of the kernel (named by its source, flags and torch)."""
+    return library_path(cxx_compiler() or "g++", SOURCE)
 
 
 def why_not(build_missing: bool = True) -> str | None:

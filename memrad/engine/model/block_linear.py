@@ -57,6 +57,13 @@ def packable(blocks: Int8Blocks | Int4Blocks) -> bool:
     return all(bool(torch.equal(t.half().float(), t)) for t in exact)
 
 
+def kind_of(blocks: Int8Blocks | Int4Blocks) -> int:
+    """The op's kind `pack` lays `blocks` out as: Q4_1 for 4-bit blocks, Q5_0 where every code fits 5 bits, else Q8_0."""
+    if isinstance(blocks, Int4Blocks):
+        return Q4_1
+    return Q5_0 if int(blocks.codes.min()) >= -16 and int(blocks.codes.max()) <= 15 else Q8_0
+
+
 def pack(blocks: Int8Blocks | Int4Blocks) -> tuple[int, torch.Tensor]:
     """(kind, bytes [N, K/32 · block bytes]): the GGUF block layout of `blocks`: Q4_1 for 4-bit
     blocks, Q5_0 where every 8-bit code fits 5 bits, else Q8_0. Requires `packable(blocks)`."""
@@ -68,7 +75,7 @@ def pack(blocks: Int8Blocks | Int4Blocks) -> tuple[int, torch.Tensor]:
         m = _mins(blocks).half().contiguous().view(torch.uint8).view(n, nb, 2)
         qs = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8)  # weight j low, j + 16 high
         return Q4_1, torch.cat([d, m, qs], dim=-1).reshape(n, nb * _BLOCK_BYTES[Q4_1]).contiguous()
-    if int(codes.min()) >= -16 and int(codes.max()) <= 15:
+    if kind_of(blocks) == Q5_0:
         q = (codes.to(torch.int16) + 16).to(torch.int32)  # 0..31
         bits = (q >> 4) & 1  # [N, nb, 32]: the high bit of weight j is bit j of qh
         qh = (bits << torch.arange(GROUP, dtype=torch.int32)).sum(-1, dtype=torch.int64).to(torch.int32)
