@@ -2,9 +2,10 @@
 
 csrc/block_gemv.cpp multiplies activations by a GGUF's Q8_0 / Q5_0 / Q4_1 blocks as shipped
 (the layout and why: memrad.engine.model.block_linear, which packs the blocks and calls the op
-by name). It is built as every kernel is (memrad.engine.kernels.build), only where torch's CPU
-capability is AVX512 (the only one it was measured on), and checked against float64 on each
-block kind before it is used.
+by name). It is built as every kernel is (memrad.engine.kernels.build), where the kernels' ISA
+is AVX512 (int16 activations) or AVX2 (int8 activations, llama.cpp's integer dot products;
+`MEMRA_KERNEL_ISA=avx2` forces that path on an AVX-512 machine), and checked against float64
+on each block kind, within its activation's rounding, before it is used.
 """
 
 from __future__ import annotations

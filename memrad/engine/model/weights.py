@@ -21,6 +21,10 @@ memrad never opens it), and run by a Q8Linear (memrad.engine.model.quant). The e
 float weight it shares with the head. A folder made before memra kept the head loads with a
 dense head and says what adds it.
 
+Where memra's block kernel runs, the blocks it wins on run there as shipped instead (BlockLinear;
+which groups: memrad.engine.model.kernel_choice, the head on AVX512, each group measured on
+AVX2); they are rebuilt at load and left out of the packed file, whose stamp names them.
+
 Packing for the kernels takes seconds, so the packed layers are kept too, one file per device
 and torch build, stamped with the block files they were made from: new blocks, new packing.
 

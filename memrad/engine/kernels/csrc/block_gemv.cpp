@@ -24,8 +24,8 @@
 // A tile of output rows decodes each block's codes once and applies them to every activation
 // row (register-blocked: ROWS output rows x up to XROWS activation rows of accumulators), so
 // M rows cost less than M times one. Each output (m, n) is still one fixed sequence of
-// operations: per block, the products summed lane-wise (16 lanes, 8 for Q4_1's row pairs; plain
-// C++ in float32 where AVX512 is absent), scaled by d * sx into the output's lane accumulator;
+// operations: per block, the products summed lane-wise (16 lanes, 8 for Q4_1's row pairs; 8 on
+// AVX2, below; plain C++ in float32 without either), scaled by d * sx into the output's lane accumulator;
 // the lanes summed at the end (then, for Q4_1, the min terms: 16 blocks a lane, summed). Rows
 // are cut into fixed tiles of TILE spread over torch's threads, so the result has the same bits
 // with any thread count, any M and any neighbours (a batched request decodes as it does alone).
@@ -500,7 +500,11 @@ inline void tile_rows(const uint8_t* row, int64_t stride, const Activation& a, i
 template <int KIND, bool VNNI, typename T>
 void gemv_with(const Activation& a, int64_t M, int64_t K, int64_t N, const uint8_t* bp, int64_t stride, T* op) {
   const int64_t nb = K / GROUP;
-  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t first, int64_t last) {
+  // Tasks of at least 2^18 weights: a layer smaller than that runs on one thread, which on a busy
+  // machine costs less than waiting at the team's barrier for a descheduled thread (the tiles and
+  // so the bits are the same either way).
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (TILE * K));
+  at::parallel_for(0, (N + TILE - 1) / TILE, grain, [&](int64_t first, int64_t last) {
     float y[ROWS * XROWS_AVX2];
     for (int64_t tile = first; tile < last; ++tile) {
       const int64_t end = std::min(N, (tile + 1) * TILE);
