@@ -1,6 +1,5 @@
 """Which kernel runs a GGUF's blocks for one token: memra's block kernel or torch's int4, by CPU and measurement."""
 
-import itertools
 import json
 
 import pytest
@@ -17,9 +16,8 @@ pytestmark = pytest.mark.skipif(block_gemv.why_not() is not None, reason=str(blo
 
 
 def _timer(block_s: float, int4_s: float):
-    """A fake clock: per shape the block kernel is timed first, then torch's int4 kernel."""
-    times = itertools.cycle([block_s, int4_s])
-    return lambda fn: (fn(), next(times))[1]
+    """A fake clock: (block kernel, torch's int4 kernel) seconds a call, for every shape."""
+    return lambda on_blocks, on_int4: (on_blocks(), on_int4(), (block_s, int4_s))[-1]
 
 
 def _groups():  # [64, 128] blocks: 4 of 32 a row
@@ -40,7 +38,7 @@ def test_the_verdict_names_the_winner_its_path_and_the_measured_ratio():
 def test_on_avx512_the_head_runs_the_blocks_and_the_layers_the_int4_kernel_as_measured_offline(monkeypatch):
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX512")
 
-    def never(_fn):
+    def never(*_fns):
         raise AssertionError("measured on AVX512")
 
     verdicts = kernel_choice.choose(_groups(), {}, torch.float32, timer=never)
@@ -63,7 +61,7 @@ def test_on_avx2_each_group_is_measured_once_and_the_verdict_kept_for_later_star
     assert by_group == {"head Q8_0": {"block_s": 1e-4, "int4_s": 3e-4}, "layers Q4_0": {"block_s": 2e-4, "int4_s": 6e-4}}
     assert all(block_gemv.library().name in key and f"threads {torch.get_num_threads()}" in key for key in kept) and len(kept) == 2
 
-    def never(_fn):
+    def never(*_fns):
         raise AssertionError("measured again")
 
     assert kernel_choice.choose(_groups(), {}, torch.float32, cache=cache, timer=never) == verdicts
@@ -76,9 +74,9 @@ def test_a_group_of_one_shape_is_timed_on_one_layer_and_counted_for_each(monkeyp
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
     calls = []
     kernel_choice.choose({"layers Q4_0": _groups()["layers Q4_0"]}, {}, torch.float32, cache=tmp_path / "c.json",
-                         timer=lambda fn: calls.append(fn) or 1e-4)
+                         timer=lambda *fns: calls.append(fns) or (1e-4, 1e-4))
     kept, = json.loads((tmp_path / "c.json").read_text()).values()
-    assert len(calls) == 2 and kept == {"block_s": 2e-4, "int4_s": 2e-4}  # a tie goes to the block kernel
+    assert len(calls) == 1 and kept == {"block_s": 2e-4, "int4_s": 2e-4}  # a tie goes to the block kernel
 
 
 def _load(folder):
@@ -108,7 +106,7 @@ def test_on_avx2_the_layers_run_the_blocks_where_they_won_and_status_says_why(q4
 
 def _by_kernel(times: dict):
     """A fake clock that times a call by the layer it ran: {(class name, block format or None): seconds}."""
-    def timer(fn):
+    def one(fn):
         ran = []
         handle = torch.nn.modules.module.register_module_forward_hook(
             lambda module, args, out: ran.append((type(module).__name__, getattr(module, "format", None))))
@@ -117,7 +115,7 @@ def _by_kernel(times: dict):
         finally:
             handle.remove()
         return times[ran[0]]
-    return timer
+    return lambda on_blocks, on_int4: (one(on_blocks), one(on_int4))
 
 
 def test_on_avx2_where_the_int4_kernel_wins_the_layers_they_pack_for_it_and_the_head_keeps_its_blocks(

@@ -10,8 +10,8 @@ passes (hi|lo). Which is faster depends on the CPU:
 
 On AVX2 (int8 activations, llama.cpp's dot products) each group (the head; the layers of one
 GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
-each distinct shape (the head: its first HEAD_ROWS rows), both kernels alternately, the
-fastest of REPS calls (the least disturbed by other work), weighted by how many layers have
+each distinct shape (the head: its first HEAD_ROWS rows), the two kernels' calls interleaved
+(so a burst of other work falls on both), the fastest of REPS calls each (the least disturbed), weighted by how many layers have
 that shape. The group runs where the sum is lower. A verdict is kept in the kernel cache beside
 the libraries, named by the kernel build, the group's shapes, dtype and thread count, so later
 starts read it and never re-measure (a verdict never flips between starts of one build).
@@ -39,11 +39,12 @@ from memrad.engine.model.quant import Int4Blocks, Int4Linear, Int8Blocks, Q8Line
 log = logging.getLogger("memrad.engine")
 
 HEAD_ROWS = 32768  # the head is timed on this many of its rows: its cost per row, without packing it all
-REPS = 15
+REPS = 25
 CACHE_NAME = "block-choices.json"
 MEASURED_ON = ("AVX2",)  # kernel ISAs whose choice is measured here; AVX512's was measured once, offline
 
 Blocks = Int4Blocks | Int8Blocks
+Timer = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]]  # seconds a call of each
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +74,11 @@ def decide(group: str, block_s: float, int4_s: float, path: str, int4_name: str)
 
 
 def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Module], dtype: torch.dtype,
-           cache: Path | None = None, timer: Callable[[Callable[[], object]], float] | None = None
-           ) -> dict[str, Verdict]:
+           cache: Path | None = None, timer: Timer | None = None) -> dict[str, Verdict]:
     """{group: Verdict} for {group: {module name: blocks}} (every group's blocks `packable`).
     Requires `block_gemv.why_not() is None`. On a kernel ISA not in MEASURED_ON: the head on
     memra's kernel, the layers on torch's int4, as measured offline. `cache`: the verdicts file
-    (default: beside the kernel libraries); `timer`: seconds one call takes (tests)."""
+    (default: beside the kernel libraries); `timer`: seconds a call of each of two takes (tests)."""
     isa, path = block_gemv.capability(), block_gemv.path()
     if isa not in MEASURED_ON:
         return {group: Verdict(group, group.startswith("head"),
@@ -105,7 +105,7 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
 
 
 def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dtype: torch.dtype,
-             timer: Callable[[Callable[[], object]], float]) -> tuple[float, float]:
+             timer: Timer) -> tuple[float, float]:
     """(block kernel, int4 kernel) seconds a token for the group: one layer per shape, times its count."""
     by_shape: dict[tuple, list[str]] = {}
     for name, blocks in members.items():
@@ -123,8 +123,8 @@ def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dt
             linear, blocks, torch.float16 if dtype == torch.float16 else torch.bfloat16)
         x = torch.randn(1, 1, k, dtype=dtype)  # [1, 1, K]: one token
         with torch.no_grad():
-            block_s += scale * timer(lambda: on_blocks(x))
-            int4_s += scale * timer(lambda: on_int4(x))
+            on_blocks_s, on_int4_s = timer(lambda: on_blocks(x), lambda: on_int4(x))
+        block_s, int4_s = block_s + scale * on_blocks_s, int4_s + scale * on_int4_s
     return block_s, int4_s
 
 
@@ -135,15 +135,17 @@ def _rows(blocks: Blocks, rows: int) -> Blocks:
     return Int4Blocks(blocks.codes[:rows].contiguous(), blocks.scales[:rows].contiguous(), mins)
 
 
-def _fastest(fn: Callable[[], object]) -> float:
+def _fastest(first: Callable[[], object], second: Callable[[], object]) -> tuple[float, float]:
+    """The fastest of REPS calls of each, their calls interleaved."""
     for _ in range(3):
-        fn()
-    best = float("inf")
+        first(), second()
+    best = [float("inf"), float("inf")]
     for _ in range(REPS):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
+        for i, fn in enumerate((first, second)):
+            started = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - started)
+    return best[0], best[1]
 
 
 def _read(cache: Path) -> dict:
