@@ -40,6 +40,7 @@ from pathlib import Path
 from memrad.bench.daemons import Daemon
 from memrad.engine.model.hardware import native_bf16
 from memrad.engine.model.loader import load_model, resolve_model_folder, resolve_threads
+from memrad.engine.threads import pin
 from memrad.engine.model.random_model import NAMED_SHAPES, copy_shape, write_named_shape, write_random_model
 from memrad.engine.timing import (DECODES, Arm, Turn, current_rss_bytes, decode_bytes_per_token, kv_bytes_per_token,
                                  median_s, memory_bandwidth_bytes_s, model_bytes)
@@ -140,6 +141,7 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
         raise SystemExit("--prefill lengths must be multiples of --chunk and cover every --decode-at and --resume-after")
     arms: list[Arm] = []
     loads: dict[str, tuple[float, int]] = {}
+    pin(threads)  # as the daemon does before it loads: what is measured at load runs on the threads served
     for spec in args.arms or default_arms():
         weights, dtype, decode = arm_spec(spec)
         rss, started = current_rss_bytes(), time.perf_counter()

@@ -132,36 +132,85 @@ def test_fused_block_projections_share_the_rows_and_compute_what_each_computes()
 
 
 
-_PLAIN_PATH = """
+_FORCED = """
+import sys
+import numpy as np
 import torch
-from memrad.engine.kernels import block_gemv
-from memrad.engine.kernels import build as kernels
+from gguf import GGMLQuantizationType, quants
+from memrad.engine.kernels import block_gemv, build
 from memrad.engine.model import block_linear
-from memrad.engine.model.quant import Int4Blocks, Int8Blocks
-assert kernels.capability() == "AVX2"
-torch.ops.load_library(str(kernels.build(kernels.cxx_compiler(), block_gemv.SOURCE)))
-g = torch.Generator().manual_seed(0)
-scales = (torch.rand(37, 3, generator=g) / 50).half().float()
-x = torch.randn(5, 96, generator=g)
-for blocks in (Int8Blocks(torch.randint(-127, 128, (37, 96), generator=g).to(torch.int8), scales),
-               Int8Blocks(torch.randint(-16, 16, (37, 96), generator=g).to(torch.int8), scales),
-               Int4Blocks(torch.randint(0, 16, (37, 96), generator=g).to(torch.uint8), scales, -scales)):
-    kind, raw = block_linear.pack(blocks)
-    expected = x.double() @ blocks.dequantize().double().t()
-    error = (torch.ops.memra.block_gemv(x, raw, kind).double() - expected).abs().max() / expected.abs().max()
-    print(kind, float(error))
+from memrad.engine.model.quant import unpack_blocks, unpack_q5_0, unpack_q8_0
+
+if block_gemv.capability() == "DEFAULT":  # not chosen by memrad: loaded as is
+    torch.ops.load_library(str(build.build(build.cxx_compiler(), block_gemv.SOURCE)))
+else:
+    assert block_gemv.why_not() is None, block_gemv.why_not()
+print("path", block_gemv.path().replace(" ", "_"))
+unpack = {"Q8_0": unpack_q8_0, "Q5_0": unpack_q5_0, "Q4_0": lambda raw: unpack_blocks(raw, "Q4_0"),
+          "Q4_1": lambda raw: unpack_blocks(raw, "Q4_1")}
+outputs = {}
+for seed, kind in enumerate(unpack):
+    weights = np.random.default_rng(seed).standard_normal((301, 640)).astype(np.float32)
+    blocks = unpack[kind](quants.quantize(weights, getattr(GGMLQuantizationType, kind)))
+    op_kind, raw = block_linear.pack(blocks)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 640, generator=g)
+    x[0, :32] *= 50  # an outlier block: its small entries lose the most to the rounding
+    others = torch.randn(8, 640, generator=g) * 30  # other neighbours, other magnitudes
+    w = blocks.dequantize().double()  # the shipped weights, exactly
+    expected = x.double() @ w.t()
+    torch.set_num_threads(1)
+    alone = torch.cat([torch.ops.memra.block_gemv(x[i:i + 1], raw, op_kind) for i in range(8)])  # [8, 301]
+    bound = block_gemv.rounding_bound(x, w, block_gemv.activation_step(block_gemv.path()))
+    error = (alone.double() - expected).abs()
+    print("bound", kind, float((error / (1.01 * bound + 1e-6 * expected.abs().max())).max()))
+    torch.set_num_threads(2)
+    same = all(torch.equal(torch.ops.memra.block_gemv(torch.cat([others[:i % m], x[i:i + 1], others[i % m:m - 1]]),
+                                                      raw, op_kind)[i % m], alone[i])
+               for m in (2, 3, 4, 5, 8) for i in range(8))  # row i at position i % m among m rows
+    same = same and torch.equal(torch.ops.memra.block_gemv(x, raw, op_kind), alone)
+    bf16 = torch.ops.memra.block_gemv(x.bfloat16(), raw, op_kind)
+    same = same and bf16.dtype == torch.bfloat16 and torch.equal(
+        bf16, torch.ops.memra.block_gemv(x.bfloat16().float(), raw, op_kind).bfloat16())
+    print("same", kind, same)
+    outputs[kind] = alone
+torch.save(outputs, sys.argv[1])
 """
 
 
-@pytest.mark.skipif(cxx_compiler() is None, reason="needs a C++ compiler")
-def test_the_kernels_plain_cpp_path_multiplies_every_kind_like_float64():
-    """The path AVX2-only builds take (memrad does not choose it, but it must be right)."""
+def _forced(tmp_path, **env):
+    """Run _FORCED in a child under `env` (the kernel's ISA forced); its report and its outputs."""
     import os
     import subprocess
     import sys
 
-    child = subprocess.run([sys.executable, "-c", _PLAIN_PATH], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": os.pathsep.join(sys.path)})
+    out = tmp_path / f"out-{'-'.join(env.values())}.pt"
+    child = subprocess.run([sys.executable, "-c", _FORCED, str(out)], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert child.returncode == 0, child.stderr[-2000:]
-    errors = dict(line.split() for line in child.stdout.splitlines())
-    assert sorted(errors) == ["4", "5", "8"] and all(float(e) < 1e-6 for e in errors.values()), errors
+    report = [line.split() for line in child.stdout.splitlines()]
+    return {(words[0], words[1]): words[-1] for words in report}, torch.load(out)
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="needs a C++ compiler")
+def test_the_forced_avx2_path_holds_its_int8_bound_and_gives_a_row_the_same_bits_alone_batched_and_on_2_threads(
+        tmp_path):
+    """The path AVX2-only CPUs take (int8 activations, llama.cpp's dot products), built here with
+    MEMRA_KERNEL_ISA=avx2 on any x86 machine: with AVX-VNNI where the CPU has it and without."""
+    report, outputs = _forced(tmp_path, MEMRA_KERNEL_ISA="avx2")
+    plain_report, plain_outputs = _forced(tmp_path, MEMRA_KERNEL_ISA="avx2", MEMRA_KERNEL_VNNI="0")
+    assert plain_report[("path", "avx2_int8")] == "avx2_int8"
+    assert report.get(("path", "avx2_int8_avx-vnni"), report.get(("path", "avx2_int8"))) is not None
+    for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1"):
+        for got in (report, plain_report):
+            assert float(got[("bound", kind)]) <= 1.0, (kind, got)  # within the int8 rounding of x
+            assert got[("same", kind)] == "True", kind
+        assert torch.equal(outputs[kind], plain_outputs[kind])  # vpdpbusd and maddubs + madd: the same integers
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="needs a C++ compiler")
+def test_the_kernels_plain_cpp_path_multiplies_every_kind_like_float64(tmp_path):
+    """The path a CPU without AVX2 builds (memrad does not choose it, but it must be right)."""
+    report, _ = _forced(tmp_path, MEMRA_KERNEL_ISA="default")
+    assert report[("path", "plain_float32")] == "plain_float32"
+    assert all(float(report[("bound", kind)]) <= 1.0 for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1"))

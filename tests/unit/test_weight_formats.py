@@ -105,7 +105,9 @@ def test_with_memra_s_block_kernel_the_q8_0_head_runs_its_gguf_blocks_and_a_seco
     int4 = [m for m in model.modules() if type(m) is Int4Linear]
     assert len(int4) == 14 and first.packed_bytes == model.lm_head.blocks.nbytes + sum(
         m.packed.nbytes + m.scales_and_zeros.nbytes for m in int4)
-    assert "lm_head GGUF x1: Q8_0 blocks; " in first.tensors.reason and first.tensors.value == "Q8_0 blocks 1, int4 14"
+    why = f"memra block kernel, {block_gemv.path()}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
+    assert f"lm_head GGUF x1: Q8_0 blocks ({why}); " in first.tensors.reason
+    assert first.tensors.value == "Q8_0 blocks 1, int4 14"
 
     def repack(*_):
         raise AssertionError("packed again")

@@ -2,7 +2,7 @@
 
     decode_attention    memra::decode_attention   the decode steps' attention (any CPU capability)
     prefill_attention   memra::prefill_attention  a prefill chunk's attention (AMX, bf16)
-    block_gemv          memra::block_gemv         a GGUF's Q8_0 / Q5_0 / Q4_1 blocks as shipped (AVX512)
+    block_gemv          memra::block_gemv         a GGUF's Q8_0 / Q5_0 / Q4_1 blocks as shipped (AVX512, AVX2)
 
 Each module builds its kernel the first time it is asked to load it; `prepare()` builds every
 kernel this machine runs ahead of time (`memrad pull`), so a first start only loads them.
@@ -28,7 +28,7 @@ def prepare(say: Callable[[str], None] = print) -> None:
         say("building the CPU prefill-attention kernel (once per machine and torch) ...")
         why_not = prefill_attention.load()
         say(f"prefill kernel: {'built' if why_not is None else f'not built ({why_not}); prefill uses torch attention'}")
-    if capability() == "AVX512" and compiler is not None and not block_gemv.built(compiler):
+    if capability() in ("AVX512", "AVX2") and compiler is not None and not block_gemv.built(compiler):
         say("building memra's block kernel (once per machine and torch) ...")
         why_not = block_gemv.why_not()
-        say(f"block kernel: {'built' if why_not is None else f'not built ({why_not}); the output head runs hi|lo'}")
+        say(f"block kernel: {'built' if why_not is None else f'not built ({why_not}); its blocks run on the int4 kernel'}")

@@ -9,7 +9,8 @@ once per machine and torch, and loaded by its own module (memrad.engine.kernels.
 
 A kernel is compiled with the vector width torch itself dispatches to on this CPU (AVX512, AVX2
 or plain), never `-march=native`, so `ATEN_CPU_CAPABILITY=avx2` emulates an AVX2 machine
-honestly (`-march=native`, `-mtune=native` or AVX512-BF16 conversions were measured to change
+honestly (`MEMRA_KERNEL_ISA=avx2` builds memra's kernels alone that way, under their own
+library name, while torch keeps its own capability) (`-march=native`, `-mtune=native` or AVX512-BF16 conversions were measured to change
 nothing here), and with OpenMP, which `at::parallel_for` is written in (without it the tasks
 ran on one thread; both: docs/BENCHMARKS.md, Decode: the attention kernel). A build takes
 seconds; later loads take milliseconds.
@@ -58,8 +59,19 @@ def cxx_compiler() -> str | None:
     return next((path for path in map(shutil.which, ("g++", "c++", "clang++")) if path), None)
 
 
+ISA_ENV = "MEMRA_KERNEL_ISA"  # avx2 | avx512 | default: build the kernels for this ISA (at most torch's)
+_ISA_ORDER = ("DEFAULT", "AVX2", "AVX512")
+
+
 def capability() -> str:
-    return torch.backends.cpu.get_cpu_capability()
+    """The ISA the kernels are built for: torch's CPU capability, or a lower one named by
+    MEMRA_KERNEL_ISA (the AVX2 path tested and timed on an AVX-512 machine, as on an AVX2-only
+    CPU). A name above torch's capability, or unknown, is ignored: it would not run here."""
+    torch_isa = torch.backends.cpu.get_cpu_capability()
+    forced = os.environ.get(ISA_ENV, "").upper()
+    if forced in _ISA_ORDER and torch_isa in _ISA_ORDER and _ISA_ORDER.index(forced) <= _ISA_ORDER.index(torch_isa):
+        return forced
+    return torch_isa
 
 
 def compile_command(compiler: str, output: Path, source: Path) -> list[str]:

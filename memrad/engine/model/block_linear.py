@@ -11,10 +11,11 @@ blocks themselves:
     Q4_1 block (20 B)  | d fp16 | m fp16 | qs[16] |          w = d·q + m, q = nibble
 
     blocks  [N, K/32 · bytes] uint8, one output row per row, as llama.cpp lays them out
-    x [M, K] (bf16 or fp32) -> int16 per block of 32 -> int32 products, float32 sums -> out [M, N]
+    x [M, K] (bf16 or fp32) -> int16 (AVX512) or int8 (AVX2) per block of 32 -> int32 products,
+                               float32 sums -> out [M, N]
 
 The weights are exactly the shipped ones (fp16 d is exact in float32; hi|lo rounds its scales
-to bf16); the activation moves by at most 2^-16 of its block's largest |x|. A layer's codes go
+to bf16); the activation moves by at most 2^-16 (AVX512) or 1/254 (AVX2) of its block's largest |x|. A layer's codes go
 out as Q5_0 blocks when every code fits 5 bits (all of a Q5_0 tensor's do), else as Q8_0. 4-bit
 blocks (Int4Blocks) go out as Q4_1 where d and m are fp16 values: all of a Q4_1 or Q4_0 tensor's
 (Q4_0's m = −8·d); Q4_K's sub-block scales d·sc and mins −dmin·m are not, so those layers keep
@@ -22,16 +23,14 @@ torch's int4 kernel (`packable`). Each tile of output rows decodes a block's cod
 the activation rows (M ≤ the batch), and each output is one fixed sequence of operations: a
 request's bits are the same alone or batched, on any thread count.
 
-memrad.engine.model.weights runs the output head this way and leaves the layers hi|lo: the
-head streams from memory, where fewer bytes won (the eager gemma step 10-13 % faster at one
-thread), while the layers' blocks sit in cache, where the kernel's Q5_0 unpacking lost to hi|lo
-(docs/BENCHMARKS.md#memras-block-kernel). The Q4_1 kind is not wired either: the
-int4 layers on it were 2-20 % slower per layer than on torch's int4 kernel at M = 1-8, and the
-compiled step 14 % slower (docs/BENCHMARKS.md#memras-block-kernel). The kernel is built, loaded and
-probed by memrad.engine.kernels.block_gemv and chosen where torch's CPU capability is AVX512,
-the only one it was measured on; elsewhere (AVX2-only CPUs, CUDA) and without a compiler the
-head runs hi|lo as before and `block_gemv.why_not` says why. Longer inputs (prefill) run the dense
-`weight` the layer keeps, as Int4Linear does.
+Which groups of blocks run here and which on torch's int4 kernel, memrad.engine.model.kernel_choice
+decides: on AVX512 the head only (the head streams from memory, where fewer bytes won; the
+layers' blocks sit in cache, where the Q5_0 unpacking and the Q4_1 kind lost to torch's int4
+kernel: docs/BENCHMARKS.md#memras-block-kernel); on AVX2, where the activation is rounded to
+int8 and multiplied with llama.cpp's integer dot products, each group as measured at load
+(docs/BENCHMARKS.md#avx2-class-cpus). Without a compiler, on other CPUs and on CUDA the blocks
+run on torch's int4 kernel and `block_gemv.why_not` says why. Longer inputs (prefill) run the
+dense `weight` the layer keeps, as Int4Linear does.
 """
 
 from __future__ import annotations
@@ -57,6 +56,13 @@ def packable(blocks: Int8Blocks | Int4Blocks) -> bool:
     return all(bool(torch.equal(t.half().float(), t)) for t in exact)
 
 
+def kind_of(blocks: Int8Blocks | Int4Blocks) -> int:
+    """The op's kind `pack` lays `blocks` out as: Q4_1 for 4-bit blocks, Q5_0 where every code fits 5 bits, else Q8_0."""
+    if isinstance(blocks, Int4Blocks):
+        return Q4_1
+    return Q5_0 if int(blocks.codes.min()) >= -16 and int(blocks.codes.max()) <= 15 else Q8_0
+
+
 def pack(blocks: Int8Blocks | Int4Blocks) -> tuple[int, torch.Tensor]:
     """(kind, bytes [N, K/32 · block bytes]): the GGUF block layout of `blocks`: Q4_1 for 4-bit
     blocks, Q5_0 where every 8-bit code fits 5 bits, else Q8_0. Requires `packable(blocks)`."""
@@ -68,7 +74,7 @@ def pack(blocks: Int8Blocks | Int4Blocks) -> tuple[int, torch.Tensor]:
         m = _mins(blocks).half().contiguous().view(torch.uint8).view(n, nb, 2)
         qs = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8)  # weight j low, j + 16 high
         return Q4_1, torch.cat([d, m, qs], dim=-1).reshape(n, nb * _BLOCK_BYTES[Q4_1]).contiguous()
-    if int(codes.min()) >= -16 and int(codes.max()) <= 15:
+    if kind_of(blocks) == Q5_0:
         q = (codes.to(torch.int16) + 16).to(torch.int32)  # 0..31
         bits = (q >> 4) & 1  # [N, nb, 32]: the high bit of weight j is bit j of qh
         qh = (bits << torch.arange(GROUP, dtype=torch.int32)).sum(-1, dtype=torch.int64).to(torch.int32)

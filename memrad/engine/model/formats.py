@@ -8,12 +8,15 @@ and what it runs as now:
 
     int4          Int4Linear: the shipped 4-bit codes (Q4_0 / Q4_1 / Q4_K) on the int4 kernel
     int4 hi|lo    Q8Linear: the shipped 8-bit or 5-bit codes (Q8_0 / Q5_0) as two int4 halves
-    Q8_0 blocks   BlockLinear: the shipped Q8_0 head's blocks themselves on memra's kernel
+    Q8_0 blocks   BlockLinear: the shipped blocks themselves on memra's kernel (Q8_0, Q5_0, Q4_1
+                  blocks; a Q4_0 tensor's as Q4_1)
     int8          Int8Linear: per-channel int8 made from the float weights (opt-in)
     dense DTYPE   the float weights transformers made of the blocks, in the model's dtype
 
 The dense ones carry a reason (why no packed form was used), and so does a Q8_0 head that runs
-hi|lo where memra's block kernel would run its blocks themselves (why it does not here).
+hi|lo where memra's block kernel would run its blocks themselves (why it does not here), and
+every group whose kernel was chosen between memra's and torch's int4 ("memra block kernel,
+avx2 int8 avx-vnni, 1.9x torch int4 hi|lo (measured at load, one row)").
 
 The choices themselves were measured per shape on the int4 kernel (docs/BENCHMARKS.md, "GGUF
 k-quants as shipped"): a packed form is used when it is exact as shipped, i.e. its error is only
@@ -76,9 +79,12 @@ def _why_dense(kind: str, module: torch.nn.Module) -> str:
     return _DENSE_WHY.get(kind, f"{kind} has no packed form")
 
 
-def groups(model: Any, kinds: dict[str, str], head_why: str | None = None) -> tuple[TensorGroup, ...]:
+def groups(model: Any, kinds: dict[str, str], head_why: str | None = None,
+           reasons: dict[str, str] | None = None) -> tuple[TensorGroup, ...]:
     """The model's Linear weights grouped; `kinds` is {module name: GGUF type} (empty: no GGUF);
-    `head_why`: why memra's block kernel does not run a hi|lo head (None: not asked)."""
+    `head_why`: why memra's block kernel does not run a hi|lo head (None: not asked); `reasons`:
+    {module name: which kernel runs its blocks and why} where that was chosen (memrad.engine.model.kernel_choice)."""
+    reasons = reasons or {}
     head = model.get_output_embeddings()
     counted: Counter = Counter()
     for name, module in model.named_modules():
@@ -87,8 +93,8 @@ def groups(model: Any, kinds: dict[str, str], head_why: str | None = None) -> tu
         runs = runs_as(module)
         # a packed layer of a folder converted before memra kept the types: from a GGUF, type unrecorded
         kind = kinds.get(name, "float" if runs.startswith("dense") else "GGUF")
-        why = (_why_dense(kind, module) if runs.startswith("dense")
-               else head_why if runs == "int4 hi|lo" and module is head else None)
+        why = (_why_dense(kind, module) if runs.startswith("dense") else reasons.get(name)
+               or (head_why if runs == "int4 hi|lo" and module is head else None))
         counted[(re.sub(r"\.\d+\.", ".*.", name), kind, runs, why)] += 1
     return tuple(TensorGroup(role, kind, runs, count, why) for (role, kind, runs, why), count in sorted(counted.items()))
 

@@ -13,10 +13,10 @@ int4 (memrad.engine.model.quant) on every device torch has an int4 kernel for: C
 (tinygemm) and x86 CPUs. The CPU kernel is fast only with bf16 inputs (with fp32 inputs it
 loses to a dense GEMV; docs/BENCHMARKS.md, Weight formats), so Int4Linear hands it bf16 even
 when the activations are fp32; under AVX2-only kernels that still decodes faster than the
-fp32 dense model (docs/BENCHMARKS.md, AVX2-class CPUs). A Q8_0 output head runs its blocks on
-memra's block kernel where the CPU kernels are AVX512 (memrad.engine.model.block_linear: logits
-in the activation dtype), else on the int4 kernel (Q8Linear: logits in bf16 whatever the
-activations).
+fp32 dense model (docs/BENCHMARKS.md, AVX2-class CPUs). Q8_0 / Q5_0 / Q4_0 / Q4_1 blocks run on
+memra's block kernel where memrad.engine.model.kernel_choice picks it (the head on AVX512; on
+AVX2 each group as measured at load; logits in the activation dtype), else on the int4 kernel
+(Q8Linear: logits in bf16 whatever the activations).
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ memrad never opens it), and run by a Q8Linear (memrad.engine.model.quant). The e
 float weight it shares with the head. A folder made before memra kept the head loads with a
 dense head and says what adds it.
 
+Where memra's block kernel runs, the blocks it wins on run there as shipped instead (BlockLinear;
+which groups: memrad.engine.model.kernel_choice, the head on AVX512, each group measured on
+AVX2); they are rebuilt at load and left out of the packed file, whose stamp names them.
+
 Packing for the kernels takes seconds, so the packed layers are kept too, one file per device
 and torch build, stamped with the block files they were made from: new blocks, new packing.
 
@@ -35,9 +39,10 @@ and torch build, stamped with the block files they were made from: new blocks, n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +51,7 @@ import torch
 
 from memrad.durable import publish
 from memrad.engine.kernels import block_gemv
-from memrad.engine.model import block_linear, formats
+from memrad.engine.model import block_linear, formats, kernel_choice
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.hardware import Choice
 from memrad.engine.model.quant import (
@@ -85,6 +90,7 @@ class WeightsApplied:
     note: str
     head: str = "float"
     groups: tuple = ()  # memrad.engine.model.formats.TensorGroup: what each tensor group runs as
+    reasons: dict = field(default_factory=dict)  # {module name: which kernel runs its blocks and why}
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +323,8 @@ def apply_weights(model: Any, choice: Choice, folder: Path, kernel_dtype: torch.
         applied = WeightsApplied(0, 0, 0, "float")
     head_why = _blocks_why_not(model) if applied.head == "q8_0" else None
     return replace(applied, groups=formats.groups(model, load_kinds(folder),
-                                                  f"memra's block kernel: {head_why}" if head_why else None))
+                                                  f"memra's block kernel: {head_why}" if head_why else None,
+                                                  applied.reasons))
 
 
 def _blocks_why_not(model: Any) -> str | None:
@@ -329,47 +336,74 @@ def _blocks_why_not(model: Any) -> str | None:
 def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsApplied:
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
-    # The Q8_0 head as shipped on memra's kernel where it runs, else hi|lo on the int4 one. Only
-    # the head: it streams 178 MB a token from memory, where the kernel reads fewer bytes and won;
-    # the layers' Q5_0 / Q8_0 blocks sit in cache and decode slower there than hi|lo (measured:
-    # docs/BENCHMARKS.md#memras-block-kernel).
-    blocks_why_not = _blocks_why_not(model)
-    head_name = _head_name(model) if blocks_why_not is None else None
-    stamp = _blocks_stamp(folder) + ("; head as blocks" if head_name else "")
+    # The blocks memra's kernel runs as shipped, where it runs and wins (memrad.engine.model.kernel_choice:
+    # on AVX512 the Q8_0 head, measured once; on AVX2 each group measured here), else torch's int4 kernel.
+    verdicts, groups = _block_plan(model, folder, modules)
+    on_blocks = {name: blocks for group, members in groups.items() if verdicts[group].blocks
+                 for name, blocks in members.items()}
+    stamp = _blocks_stamp(folder) + _blocks_suffix(set(on_blocks), _head_name(model))
     packed = _load_packed(folder, device, kernel_dtype, stamp)
     built = packed is None
     if built:  # first start on this device / torch / block files: pack, keep the result
-        packed = _pack_cached(folder, modules, kernel_dtype, skip=head_name)
+        packed = _pack_cached(folder, modules, kernel_dtype, skip=set(on_blocks))
     for name, (cls, codes, scales_and_zeros) in packed.items():
         _set_module(model, name, cls(modules[name], codes, scales_and_zeros))
     if built:
         _save_packed(folder, device, kernel_dtype, packed, stamp)
-    as_blocks = 0
-    if head_name is not None:  # packing them takes a second: not kept in the packed file
-        blocks = load_q8_cache(folder).get(head_name)
-        if blocks is not None and _fits(modules.get(head_name), blocks, rows_in_sixteens=False) \
-                and block_linear.packable(blocks):
-            _set_module(model, head_name, BlockLinear.from_blocks(modules[head_name], blocks))
-            as_blocks = 1
+    for name, blocks in on_blocks.items():  # packing them takes a second: not kept in the packed file
+        _set_module(model, name, BlockLinear.from_blocks(modules[name], blocks))
+    as_blocks = len(on_blocks)
     head = head_format(model)
     if head == "float":  # a warning where a pull would change that
         level = logging.INFO if (folder / Q8_CACHE).is_file() else logging.WARNING
         log.log(level, "the output head runs dense: %s", _why_dense_head(folder, model))
     cached = count_int4_cache(folder) + count_q8_cache(folder)
-    note = f"int4 group 32 ({INT4_CACHE})" + (" + Q8_0 head as shipped on memra's kernel" if as_blocks else
-                                               " + Q8_0 head as int4 hi|lo" if head == "q8_0" else "")
+    layers_on_blocks = as_blocks - (head.endswith("blocks"))
+    note = (f"int4 group 32 ({INT4_CACHE})" + (f" + {layers_on_blocks} layers as shipped on memra's kernel"
+                                                if layers_on_blocks else "")
+            + (" + Q8_0 head as shipped on memra's kernel" if head.endswith("blocks") else
+               " + Q8_0 head as int4 hi|lo" if head == "q8_0" else ""))
     block_bytes = sum(m.blocks.nbytes for m in model.modules() if isinstance(m, BlockLinear))
+    reasons = {name: verdicts[group].reason for group, members in groups.items() for name in members
+               if verdicts[group].reason}
     return WeightsApplied(len(packed) + as_blocks, cached - len(packed) - as_blocks, packed_bytes(model) + block_bytes,
-                          note, head)
+                          note, head, reasons=reasons)
+
+
+def _block_plan(model: Any, folder: Path, modules: dict[str, torch.nn.Module]
+                ) -> tuple[dict[str, kernel_choice.Verdict], dict[str, dict[str, Int4Blocks | Int8Blocks]]]:
+    """({group: verdict}, {group: {module name: blocks}}): the groups of blocks memra's kernel could
+    run as shipped and where it does (none where the kernel does not run)."""
+    if _blocks_why_not(model) is not None:
+        return {}, {}
+    head_name = _head_name(model)
+    int8 = load_q8_cache(folder)
+    if block_gemv.capability() in kernel_choice.MEASURED_ON:
+        candidates = {**load_int4_cache(folder), **int8}
+    else:  # measured offline: only the head runs on the kernel
+        candidates = {head_name: int8[head_name]} if head_name in int8 else {}
+    groups = kernel_choice.packable_groups(candidates, load_kinds(folder), head_name,
+                                           lambda name, blocks: _fits(modules.get(name), blocks,
+                                                                      rows_in_sixteens=False))
+    return kernel_choice.choose(groups, modules, next(model.parameters()).dtype), groups
+
+
+def _blocks_suffix(names: set[str], head_name: str | None) -> str:
+    """What the packed file's stamp adds for the layers left out of it (they run on memra's kernel)."""
+    if not names:
+        return ""
+    if names == {head_name}:
+        return "; head as blocks"
+    return f"; as blocks {hashlib.sha256(chr(0).join(sorted(names)).encode()).hexdigest()[:16]}"
 
 
 def _pack_cached(folder: Path, modules: dict[str, torch.nn.Module], kernel_dtype: torch.dtype,
-                 skip: str | None = None) -> Packed:
-    """Pack the folder's cached blocks for the layers of `modules` they fit, but `skip`."""
+                 skip: set[str] = frozenset()) -> Packed:
+    """Pack the folder's cached blocks for the layers of `modules` they fit, but those in `skip`."""
     layers = [(name, Int4Linear.from_blocks(modules[name], blocks, kernel_dtype))
-              for name, blocks in load_int4_cache(folder).items() if _fits(modules.get(name), blocks)]
+              for name, blocks in load_int4_cache(folder).items() if _fits(modules.get(name), blocks) and name not in skip]
     layers += [(name, Q8Linear.from_blocks(modules[name], blocks, kernel_dtype))
-               for name, blocks in load_q8_cache(folder).items() if _fits(modules.get(name), blocks) and name != skip]
+               for name, blocks in load_q8_cache(folder).items() if _fits(modules.get(name), blocks) and name not in skip]
     return {name: (type(layer), layer.packed, layer.scales_and_zeros) for name, layer in layers}
 
 

@@ -24,8 +24,8 @@
 // A tile of output rows decodes each block's codes once and applies them to every activation
 // row (register-blocked: ROWS output rows x up to XROWS activation rows of accumulators), so
 // M rows cost less than M times one. Each output (m, n) is still one fixed sequence of
-// operations: per block, the products summed lane-wise (16 lanes, 8 for Q4_1's row pairs; plain
-// C++ in float32 where AVX512 is absent), scaled by d * sx into the output's lane accumulator;
+// operations: per block, the products summed lane-wise (16 lanes, 8 for Q4_1's row pairs; 8 on
+// AVX2, below; plain C++ in float32 without either), scaled by d * sx into the output's lane accumulator;
 // the lanes summed at the end (then, for Q4_1, the min terms: 16 blocks a lane, summed). Rows
 // are cut into fixed tiles of TILE spread over torch's threads, so the result has the same bits
 // with any thread count, any M and any neighbours (a batched request decodes as it does alone).
@@ -41,10 +41,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -349,6 +351,195 @@ void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   });
 }
 
+std::string path_name() { return HAS_VNNI ? "avx512 int16 avx512-vnni" : "avx512 int16"; }
+
+#elif defined(CPU_CAPABILITY_AVX2)
+
+// AVX2 (+FMA, F16C): llama.cpp's way. The activation is rounded to int8 per block of 32 (q8_0:
+// sx = max|x| / 127, x8_j = round(x_j / sx)), so a block is 32 int8 x int8 products summed by
+// `_mm256_maddubs_epi16` + `_mm256_madd_epi16` (or AVX-VNNI's `vpdpbusd`, one instruction) into
+// 8 int32 lanes, exact, and one float32 scale d * sx. maddubs takes one unsigned operand: the
+// signed kinds (Q8_0, Q5_0's q - 16) multiply |w| by x carrying w's sign; each pair's sum is at
+// most 2 * 128 * 127 < 2^15, so nothing saturates and madd and vpdpbusd give the same integers.
+// Q4_1's codes are unsigned already: q * x8, and its min term m * sx * sum_j x8_j.
+
+inline float half_f16c(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);  // exact, as c10::Half's conversion
+}
+
+// The block's 32 codes as bytes, weight j in byte j: int8 w for Q8_0, q - 16 for Q5_0, q (0..15)
+// for Q4_1.
+inline __m256i nibbles(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+}
+
+template <int KIND>
+inline __m256i codes8(const uint8_t* b) {
+  if constexpr (KIND == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else if constexpr (KIND == 4) {
+    return nibbles(b + 4);
+  } else {
+    // byte j = 0xFF where bit j of qh is set: the high bit; where it is clear, 0xF0 | nibble is q - 16
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+    const __m256i bit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(nibbles(b + 6), _mm256_andnot_si256(bit, _mm256_set1_epi8(static_cast<char>(0xF0))));
+  }
+}
+
+const bool HAS_AVX_VNNI = [] {
+  const char* off = std::getenv("MEMRA_KERNEL_VNNI");  // "0": maddubs + madd (the same integers; tested)
+  return __builtin_cpu_supports("avxvnni") && !(off != nullptr && off[0] == '0');
+}();
+
+// sum over each 4 bytes of u (unsigned) * s (signed) into 8 int32 lanes, exact (no pair reaches 2^15).
+template <bool VNNI>
+inline __m256i dot4(__m256i u, __m256i s) {
+  if constexpr (VNNI) {
+    __m256i acc = _mm256_setzero_si256();
+    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));  // AVX-VNNI; not in the AVX2 flags
+    return acc;
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+}
+
+// x as int8 per block of 32 with its scale: x_j ~ sx * x8_j, |error| <= sx / 2 = max|x| / 254.
+struct Activation {
+  std::vector<int8_t> x8;  // [M, K]
+  std::vector<float> sx;  // [M, nb]
+  std::vector<float> sums;  // [M, nb]: sx * sum_j x8_j (Q4_1's min term)
+};
+
+inline Activation quantize(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / GROUP;
+  Activation a{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * GROUP;
+      float amax = 0.f;
+      for (int j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t total = 0;
+      for (int j = 0; j < GROUP; ++j) {
+        const int8_t q = static_cast<int8_t>(std::clamp(std::nearbyint(xb[j] * inv), -127.f, 127.f));
+        a.x8[m * K + b * GROUP + j] = q;
+        total += q;
+      }
+      a.sx[m * nb + b] = amax / 127.f;
+      a.sums[m * nb + b] = a.sx[m * nb + b] * static_cast<float>(total);
+    }
+  }
+  return a;
+}
+
+// The 8 floats' sum in one fixed order.
+inline float sum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+// R output rows from `row` against MC activation rows from x8 (row length K; sx, sums with row
+// pitch nb); out [R][MC]. Per output and block: lanes += (d * sx) * products; then the lanes
+// summed, plus (Q4_1) the min terms summed block by block: one order whatever R, MC or threads.
+template <int KIND, int R, int MC, bool VNNI>
+inline void tile_dot(const uint8_t* row, int64_t stride, const int8_t* x8, const float* sx, const float* sums,
+                     int64_t K, int64_t nb, float* out) {
+  __m256 acc[R][MC];
+  float mins[R][MC];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_setzero_ps(), mins[r][m] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i c[R], u[R];
+    float d[R], mn[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* block = row + r * stride + b * block_bytes<KIND>();
+      c[r] = codes8<KIND>(block);
+      u[r] = KIND == 4 ? c[r] : _mm256_sign_epi8(c[r], c[r]);  // |w| (-128 -> 128 as unsigned)
+      d[r] = half_f16c(block);
+      if constexpr (KIND == 4) mn[r] = half_f16c(block + 2);
+    }
+    for (int m = 0; m < MC; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + m * K + b * GROUP));
+      const float s = sx[m * nb + b];
+      for (int r = 0; r < R; ++r) {
+        const __m256i signed_x = KIND == 4 ? xv : _mm256_sign_epi8(xv, c[r]);  // x with w's sign
+        const __m256 p = _mm256_cvtepi32_ps(dot4<VNNI>(u[r], signed_x));
+        acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * s), p, acc[r][m]);
+        if constexpr (KIND == 4) mins[r][m] = std::fma(mn[r], sums[m * nb + b], mins[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MC; ++m) out[r * MC + m] = KIND == 4 ? sum8(acc[r][m]) + mins[r][m] : sum8(acc[r][m]);
+}
+
+constexpr int64_t XROWS_AVX2 = 2;  // 16 ymm registers: ROWS x 2 accumulators, the codes and their magnitudes
+
+template <int KIND, int R, bool VNNI>
+inline void tile_rows(const uint8_t* row, int64_t stride, const Activation& a, int64_t m0, int64_t mc, int64_t K,
+                      int64_t nb, float* y) {
+  const int8_t* x8 = a.x8.data() + m0 * K;
+  const float* sx = a.sx.data() + m0 * nb;
+  const float* sums = a.sums.data() + m0 * nb;
+  if (mc == 1) {
+    tile_dot<KIND, R, 1, VNNI>(row, stride, x8, sx, sums, K, nb, y);
+  } else {
+    tile_dot<KIND, R, 2, VNNI>(row, stride, x8, sx, sums, K, nb, y);
+  }
+}
+
+template <int KIND, bool VNNI, typename T>
+void gemv_with(const Activation& a, int64_t M, int64_t K, int64_t N, const uint8_t* bp, int64_t stride, T* op) {
+  const int64_t nb = K / GROUP;
+  // Tasks of at least 2^18 weights: a layer smaller than that runs on one thread, which on a busy
+  // machine costs less than waiting at the team's barrier for a descheduled thread (the tiles and
+  // so the bits are the same either way).
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (TILE * K));
+  at::parallel_for(0, (N + TILE - 1) / TILE, grain, [&](int64_t first, int64_t last) {
+    float y[ROWS * XROWS_AVX2];
+    for (int64_t tile = first; tile < last; ++tile) {
+      const int64_t end = std::min(N, (tile + 1) * TILE);
+      for (int64_t n = tile * TILE; n < end; n += ROWS) {
+        const int64_t r = std::min(ROWS, end - n);
+        const uint8_t* row = bp + n * stride;
+        for (int64_t m0 = 0; m0 < M; m0 += XROWS_AVX2) {
+          const int64_t mc = std::min(XROWS_AVX2, M - m0);
+          if (r == ROWS) {
+            tile_rows<KIND, ROWS, VNNI>(row, stride, a, m0, mc, K, nb, y);
+          } else {
+            for (int64_t i = 0; i < r; ++i) tile_rows<KIND, 1, VNNI>(row + i * stride, stride, a, m0, mc, K, nb, y + i * mc);
+          }
+          for (int64_t i = 0; i < r; ++i)
+            for (int64_t m = 0; m < mc; ++m) op[(m0 + m) * N + n + i] = static_cast<T>(y[i * mc + m]);
+        }
+      }
+    }
+  });
+}
+
+template <int KIND, typename T>
+void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
+  const Activation a = quantize(xf.const_data_ptr<float>(), M, K);
+  const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
+  if (HAS_AVX_VNNI) {
+    gemv_with<KIND, true>(a, M, K, N, bp, blocks.stride(0), out.data_ptr<T>());
+  } else {
+    gemv_with<KIND, false>(a, M, K, N, bp, blocks.stride(0), out.data_ptr<T>());
+  }
+}
+
+std::string path_name() { return HAS_AVX_VNNI ? "avx2 int8 avx-vnni" : "avx2 int8"; }
 #else
 
 template <int KIND>
@@ -406,6 +597,9 @@ void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   });
 }
 
+
+std::string path_name() { return "plain float32"; }
+
 #endif
 
 template <int KIND>
@@ -437,6 +631,12 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(memra, m) { m.def("block_gemv(Tensor x, Tensor blocks, int kind) -> Tensor"); }
+// Which path this build runs: its ISA, the activation rounding and the dot instruction.
+std::string block_gemv_path() { return path_name(); }
+
+TORCH_LIBRARY_FRAGMENT(memra, m) {
+  m.def("block_gemv(Tensor x, Tensor blocks, int kind) -> Tensor");
+  m.def("block_gemv_path() -> str", &block_gemv_path);
+}
 
 TORCH_LIBRARY_IMPL(memra, CPU, m) { m.impl("block_gemv", block_gemv); }

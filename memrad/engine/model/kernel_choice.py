@@ -1,0 +1,186 @@
+"""Which kernel runs each kind of a GGUF's blocks for one token: memra's block kernel or torch's int4.
+
+memra's block kernel (memrad.engine.kernels.block_gemv) reads Q8_0 / Q5_0 / Q4_0 / Q4_1 blocks as
+shipped; torch's int4 kernel runs the 4-bit ones directly and the 8- and 5-bit ones as two 4-bit
+passes (hi|lo). Which is faster depends on the CPU:
+
+    kernel ISA   head (Q8_0)                       layers (Q4_0/Q4_1, Q5_0, Q8_0)
+    AVX512       block kernel (int16 activations)  int4: measured once (docs/BENCHMARKS.md#memras-block-kernel)
+    AVX2         measured here, per group          measured here, per group
+
+On AVX2 (int8 activations, llama.cpp's dot products) each group (the head; the layers of one
+GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
+each distinct shape (the head: its first HEAD_ROWS rows), the two kernels' calls interleaved
+(so a burst of other work falls on both), the fastest of REPS calls each (the least disturbed), weighted by how many layers have
+that shape. The group runs where the sum is lower. A verdict is kept in the kernel cache beside
+the libraries, named by the kernel build, the group's shapes, dtype and thread count, so later
+starts read it and never re-measure (a verdict never flips between starts of one build).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memrad.durable import publish
+from memrad.engine.kernels import block_gemv
+from memrad.engine.model import block_linear
+from memrad.engine.model.block_linear import BlockLinear
+from memrad.engine.model.quant import Int4Blocks, Int4Linear, Int8Blocks, Q8Linear
+
+log = logging.getLogger("memrad.engine")
+
+HEAD_ROWS = 32768  # the head is timed on this many of its rows: its cost per row, without packing it all
+REPS = 25
+CACHE_NAME = "block-choices.json"
+MEASURED_ON = ("AVX2",)  # kernel ISAs whose choice is measured here; AVX512's was measured once, offline
+
+# Off by default on AVX2: with the int8 activations SmolLM2's greedy answer to "What is the
+# capital of France?" (forced AVX2 on the Xeon, every group on the kernel) was French gibberish
+# where torch's int4 kernel says "Paris"; the first token already differs, so the head alone
+# flips it. Not yet understood (llama.cpp rounds its activations the same way), so opt-in.
+OPT_IN_ENV = "MEMRA_AVX2_BLOCKS"
+OFF_REASON = ("memra's block kernel is opt-in on AVX2 (MEMRA_AVX2_BLOCKS=1): its int8 activations changed "
+              "SmolLM2's answer (docs/BENCHMARKS.md#avx2-class-cpus)")
+
+Blocks = Int4Blocks | Int8Blocks
+Timer = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]]  # seconds a call of each
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One group's kernel: `blocks` True for memra's block kernel; `reason` as `memrad status` says it."""
+
+    group: str  # "head Q8_0", "layers Q4_1"
+    blocks: bool
+    reason: str
+
+
+def group_of(name: str, kind: str, head_name: str | None) -> str:
+    return f"head {kind}" if name == head_name else f"layers {kind}"
+
+
+def _int4_name(blocks: Blocks) -> str:
+    return "torch int4 hi|lo" if isinstance(blocks, Int8Blocks) else "torch int4"
+
+
+def decide(group: str, block_s: float, int4_s: float, path: str, int4_name: str) -> Verdict:
+    """The verdict for measured times (seconds a token for the group on each kernel)."""
+    if block_s <= int4_s:
+        return Verdict(group, True, f"memra block kernel, {path}, {int4_s / block_s:.1f}x {int4_name} "
+                                    "(measured at load, one row)")
+    return Verdict(group, False, f"{int4_name}, {block_s / int4_s:.1f}x memra block kernel ({path}; "
+                                 "measured at load, one row)")
+
+
+def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Module], dtype: torch.dtype,
+           cache: Path | None = None, timer: Timer | None = None) -> dict[str, Verdict]:
+    """{group: Verdict} for {group: {module name: blocks}} (every group's blocks `packable`).
+    Requires `block_gemv.why_not() is None`. On a kernel ISA not in MEASURED_ON: the head on
+    memra's kernel, the layers on torch's int4, as measured offline. `cache`: the verdicts file
+    (default: beside the kernel libraries); `timer`: seconds a call of each of two takes (tests)."""
+    isa, path = block_gemv.capability(), block_gemv.path()
+    if isa in MEASURED_ON and os.environ.get(OPT_IN_ENV) != "1":
+        return {group: Verdict(group, False, OFF_REASON) for group in groups}
+    if isa not in MEASURED_ON:
+        return {group: Verdict(group, group.startswith("head"),
+                               f"memra block kernel, {path}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
+                               if group.startswith("head") else "")
+                for group in groups}
+    cache = cache or block_gemv.library().parent / CACHE_NAME
+    kept = _read(cache)
+    out: dict[str, Verdict] = {}
+    for group, members in groups.items():
+        shapes = Counter((tuple(b.codes.shape), type(b).__name__) for b in members.values())
+        key = f"{block_gemv.library().name} {group} {sorted(shapes.items())} {dtype} threads {torch.get_num_threads()}"
+        int4_name = _int4_name(next(iter(members.values())))
+        if any(b.codes.shape[0] % 16 for b in members.values()):
+            out[group] = Verdict(group, True, f"memra block kernel, {path} (the int4 kernel packs rows in sixteens)")
+            continue
+        if key not in kept:
+            block_s, int4_s = _measure(members, modules, dtype, timer or _fastest)
+            kept[key] = {"block_s": block_s, "int4_s": int4_s}
+            _write(cache, kept)
+        out[group] = decide(group, kept[key]["block_s"], kept[key]["int4_s"], path, int4_name)
+        log.info("%s: %s", group, out[group].reason)
+    return out
+
+
+def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dtype: torch.dtype,
+             timer: Timer) -> tuple[float, float]:
+    """(block kernel, int4 kernel) seconds a token for the group: one layer per shape, times its count."""
+    by_shape: dict[tuple, list[str]] = {}
+    for name, blocks in members.items():
+        by_shape.setdefault(tuple(blocks.codes.shape), []).append(name)
+    block_s = int4_s = 0.0
+    for shape, names in by_shape.items():
+        blocks, scale = members[names[0]], len(names)
+        if shape[0] > HEAD_ROWS:  # time the first rows, scale by the rest
+            scale *= shape[0] / HEAD_ROWS
+            blocks = _rows(blocks, HEAD_ROWS)
+        n, k = blocks.codes.shape
+        linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
+        on_blocks = BlockLinear.from_blocks(linear, blocks)
+        on_int4 = (Q8Linear if isinstance(blocks, Int8Blocks) else Int4Linear).from_blocks(
+            linear, blocks, torch.float16 if dtype == torch.float16 else torch.bfloat16)
+        x = torch.randn(1, 1, k, dtype=dtype)  # [1, 1, K]: one token
+        with torch.no_grad():
+            on_blocks_s, on_int4_s = timer(lambda: on_blocks(x), lambda: on_int4(x))
+        block_s, int4_s = block_s + scale * on_blocks_s, int4_s + scale * on_int4_s
+    return block_s, int4_s
+
+
+def _rows(blocks: Blocks, rows: int) -> Blocks:
+    if isinstance(blocks, Int8Blocks):
+        return Int8Blocks(blocks.codes[:rows].contiguous(), blocks.scales[:rows].contiguous())
+    mins = None if blocks.mins is None else blocks.mins[:rows].contiguous()
+    return Int4Blocks(blocks.codes[:rows].contiguous(), blocks.scales[:rows].contiguous(), mins)
+
+
+def _fastest(first: Callable[[], object], second: Callable[[], object]) -> tuple[float, float]:
+    """The fastest of REPS calls of each, their calls interleaved."""
+    for _ in range(3):
+        first(), second()
+    best = [float("inf"), float("inf")]
+    for _ in range(REPS):
+        for i, fn in enumerate((first, second)):
+            started = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - started)
+    return best[0], best[1]
+
+
+def _read(cache: Path) -> dict:
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(cache: Path, kept: dict) -> None:
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
+        staging.write_text(json.dumps(kept, indent=1, sort_keys=True))
+        publish(staging, cache)
+    except OSError as exc:  # a read-only cache: the next start measures again
+        log.warning("could not keep the block kernel's verdicts in %s: %s", cache, exc)
+
+
+def packable_groups(named: dict[str, Blocks], kinds: dict[str, str], head_name: str | None,
+                    fits: Callable[[str, Blocks], bool]) -> dict[str, dict[str, Blocks]]:
+    """{group: {module name: blocks}} of the blocks memra's kernel can run as shipped."""
+    out: dict[str, dict[str, Blocks]] = {}
+    for name, blocks in named.items():
+        if fits(name, blocks) and block_linear.packable(blocks):
+            kind = kinds.get(name) or block_linear.FORMATS[block_linear.kind_of(blocks)]
+            out.setdefault(group_of(name, kind, head_name), {})[name] = blocks
+    return out
