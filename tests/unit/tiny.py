@@ -213,6 +213,11 @@ def write_tiny_gguf(path: Path, model) -> Path:
     ):
         raw = quants.quantize(weight.detach().float().numpy(), kind)
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+    return finish_gguf(writer, path)
+
+
+def finish_gguf(writer, path: Path) -> Path:
+    """Write out a GGUFWriter's header, fields and tensors, and close it."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
