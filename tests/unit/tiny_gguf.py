@@ -154,6 +154,7 @@ def _write_tokenizer(writer: GGUFWriter, tokenizer) -> None:
     writer.add_bos_token_id(tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1)
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_unk_token_id(tokenizer.pad_token_id)  # Gemma's tokenizer class needs one
     writer.add_chat_template(tokenizer.chat_template)
 
 
