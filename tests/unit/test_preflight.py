@@ -65,9 +65,7 @@ def test_a_qwen3_gguf_is_described_before_it_loads(ggufs):
     lines = inspect_gguf(ggufs["qwen3"], 0, torch.float32).lines()
     assert lines == [
         "tiny-qwen3.gguf: qwen3 (Qwen3ForCausalLM)",
-        "  fast decode step: no: transformers' forward (Qwen3ForCausalLM has no decode step (the steps cover "
-        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Gemma3ForCausalLM, Qwen3NextForCausalLM, "
-        "FalconH1ForCausalLM))",
+        "  fast decode step: yes, memra's qwen3 step (Qwen3ForCausalLM layers on one graph: 2 full-attention)",
         f"  quants: {QWEN3_QUANTS}",
         "  context: native 1,024, served 1,024 (native)",
         "  KV: 2,048 B/token in float32",  # 2 layers x K and V x 1 KV head x 128 dims x 4 bytes
