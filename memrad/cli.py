@@ -51,7 +51,8 @@ FLAGS = {
 BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk_probe", "fuzz": "fuzz",
                    "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
                    "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns",
-                   "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits"}
+                   "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits",
+                   "arch-steps": "arch_steps"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -149,9 +150,31 @@ def cmd_start(args: argparse.Namespace) -> int:
     note = runtime_dir_note()
     if note is not None:
         print(f"memrad: {note}", file=sys.stderr)
+    if not _said_before_the_wait(settings.model.name, settings):
+        return 1
     if args.foreground:
         return _run_foreground(settings)
     return _start_detached(args, settings)
+
+
+def _said_before_the_wait(spec: str, settings: Settings) -> bool:
+    """For a .gguf file: print what it will be served as (memrad.engine.model.preflight), before
+    any weight is read; False (after saying why) when memrad cannot serve it."""
+    path = Path(spec).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        return True
+    from memrad.engine.model.loader import pick_device, pick_dtype
+    from memrad.engine.model.preflight import inspect_gguf
+    from memrad.engine.model.pull import ModelUnavailable
+
+    try:
+        dtype = pick_dtype(settings.model.dtype, pick_device(settings.model.device))
+        preflight = inspect_gguf(path, settings.model.context, dtype)
+    except ModelUnavailable as exc:
+        print(f"memrad: {exc}", file=sys.stderr)
+        return False
+    print("\n".join(preflight.lines()), flush=True)
+    return True
 
 
 def _run_foreground(settings: Settings) -> int:
@@ -453,6 +476,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
                 print(f"memrad: pull takes {catalog.names()} or a .gguf file; a model folder needs no pull",
                       file=sys.stderr)
                 return 2
+            if not _said_before_the_wait(str(path), load_settings()):
+                return 1
             folder = pull_gguf(path, print)
     except ModelUnavailable as exc:
         print(f"memrad: {exc}", file=sys.stderr)

@@ -96,18 +96,25 @@ def test_a_request_decodes_the_same_bits_alone_and_batched(tiny_loaded, alone, g
 
 def test_every_row_of_the_batched_step_is_its_own_at_any_neighbours(tiny_loaded):
     """The fixed-shape claim itself: a row's logits do not change with the other rows' tokens."""
-    engine = make_engine(tiny_loaded, CHUNK, max_batch=4)
+    rows_are_their_own(make_engine(tiny_loaded, CHUNK, max_batch=4), tiny_loaded.model, CHUNK)
+
+
+def rows_are_their_own(engine, model, chunk: int) -> torch.Tensor:
+    """Run four prompts through `engine`'s batched step of 4 rows in several groupings and
+    check the first prompt's row is the same bits in each; returns that row's logits [V]
+    (token 11 after range(5, 45))."""
+    from memrad.engine.forward import prefill
+
     step = engine.decoder.batch_step(4)
     assert isinstance(step, BatchStep) and step.rows == 4
     assert engine.decoder.batch_step(4) is step  # one per (rows, attention): a request keeps its step
     prompts = [list(range(5, 45)), list(range(7, 20)), list(range(9, 90)), list(range(3, 33))]
 
     def logits(rows):
-        from memrad.engine.forward import prefill
         caches = []
         for i in rows:
             cache = engine.new_cache()
-            prefill(tiny_loaded.model, cache, prompts[i], 0, CHUNK)
+            prefill(model, cache, prompts[i], 0, chunk)
             caches.append(cache)
         return step(caches, [11 + i for i in rows], [len(prompts[i]) for i in rows])
 
@@ -115,6 +122,7 @@ def test_every_row_of_the_batched_step_is_its_own_at_any_neighbours(tiny_loaded)
     assert torch.equal(logits([0, 1])[0], first)
     assert torch.equal(logits([0, 3, 2, 1])[0], first)
     assert torch.equal(logits([2, 0])[1], first)
+    return first
 
 
 def test_a_resumed_request_batched_with_others_equals_its_cold_run(tiny_loaded):

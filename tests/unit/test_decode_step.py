@@ -76,14 +76,15 @@ def test_split_attention_equals_plain_attention(rows):
 
 
 def test_models_the_step_does_not_cover_keep_transformers_forward_and_say_why(tiny_dir):
-    dense = fresh(tiny_dir("qwen3"))
+    dense = fresh(tiny_dir("starcoder2"))
     reason = steps.support(dense.model, dense.context_len)
-    assert reason == ("Qwen3ForCausalLM has no decode step (the steps cover LlamaForCausalLM, MistralForCausalLM, "
-                      "Qwen2ForCausalLM, Gemma3ForCausalLM, Qwen3NextForCausalLM, FalconH1ForCausalLM)")
+    assert reason == ("Starcoder2ForCausalLM has no decode step (the steps cover LlamaForCausalLM, MistralForCausalLM, "
+                      "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                      "Qwen3NextForCausalLM, FalconH1ForCausalLM)")
     chosen = Decoder(dense.model, dense.context_len, dense.device, "auto")
     assert (chosen.choice.value, chosen.choice.reason) == ("transformers", reason)
     assert Engine(dense, EngineOptions(16, 1)).runtime_choices["step"] == {"value": "none", "reason": reason}
-    with pytest.raises(CompileFailed, match="compile = on, but Qwen3ForCausalLM has no decode step"):
+    with pytest.raises(CompileFailed, match="compile = on, but Starcoder2ForCausalLM has no decode step"):
         Decoder(dense.model, dense.context_len, dense.device, "on")
 
 

@@ -95,12 +95,19 @@ def test_the_compiled_gemma_step_computes_what_the_eager_step_computes(tiny_dir)
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
 def test_a_compiled_gemma_engine_resumes_bit_identical_to_cold(tiny_dir):
     loaded = fresh(tiny_dir, "bfloat16")
-    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on")
+    rows = compiled_turns_equal_cold(make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on"))
+    assert all(row["warm"].prompt_tokens > WINDOW for row in rows)
+
+
+def compiled_turns_equal_cold(engine, turns: int = 3) -> list[dict]:
+    """Compile `engine`'s step, then hold a conversation: every turn after the first resumed,
+    its reply the cold run's token for token (test_reuse.conversation's rows)."""
     engine.decoder.start()
     assert engine.decoder.choice.value == "compiled", engine.decoder.choice.reason
-    for turn, row in enumerate(conversation(engine, 3)):
+    rows = conversation(engine, turns)
+    for turn, row in enumerate(rows):
         if turn:
             assert row["warm"].decision.outcome == "resumed", row["warm"].decision.render()
         warm, cold = row["warm_state"].generated_ids, row["cold_state"].generated_ids
         assert warm == cold and len(warm) > 1
-        assert row["warm"].prompt_tokens > WINDOW
+    return rows

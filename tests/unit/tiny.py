@@ -148,7 +148,8 @@ def build_gemma3(vocab_size: int, seed: int = 0, window: int = 8):
 
 
 def save_tiny(folder: Path, kind: str) -> Path:
-    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | qwen3 | mamba.
+    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | qwen3 | starcoder2
+    | mamba.
     llama-short: a native context of 64 tokens, for RoPE scaling past it, with sharp attention
     (q and k weights x8) so that positions move the logits well past rounding."""
     tokenizer = build_tokenizer()
@@ -166,7 +167,15 @@ def save_tiny(folder: Path, kind: str) -> Path:
         model = build_falcon_h1(len(tokenizer))
     elif kind == "gemma3":
         model = build_gemma3(len(tokenizer))
-    elif kind == "qwen3":  # dense, with q/k norms: no decode step covers it
+    elif kind == "starcoder2":  # LayerNorm and a plain (ungated) MLP: no decode step covers it
+        from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+        torch.manual_seed(0)
+        model = Starcoder2ForCausalLM(Starcoder2Config(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=None,
+            eos_token_id=2, bos_token_id=1, pad_token_id=0)).eval()
+    elif kind == "qwen3":  # dense, with per-head q/k norms (the llama-shaped step)
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         torch.manual_seed(0)
@@ -213,6 +222,11 @@ def write_tiny_gguf(path: Path, model) -> Path:
     ):
         raw = quants.quantize(weight.detach().float().numpy(), kind)
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+    return finish_gguf(writer, path)
+
+
+def finish_gguf(writer, path: Path) -> Path:
+    """Write out a GGUFWriter's header, fields and tensors, and close it."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -6,7 +6,7 @@ weights once for all of them, while attention stays per row, over that request's
 
     tokens [B] -> embed -> x [B, 1, hidden]
       per layer:  q, k, v = qkv(norm(x))                     one matmul, M = B rows
-                  rope per row at its own position
+                  q_norm, k_norm per head (Qwen3); rope per row at its own position
                   row r: write k_r, v_r into row positions[r] of request r's slab;
                          o_r = attend(q_r, rows [0, positions[r]] of that slab)
                   x += o_proj(o);  x += down(act(gate) * up) of gate_up(norm(x))
@@ -76,8 +76,8 @@ class BatchGraph(nn.Module):
         # x [B, 1, hidden]; keys[r], values[r]: row r's slab for this layer, [1, H_kv, capacity, D]
         batch, d, h_kv, heads = x.shape[0], layer.head_dim, layer.kv_heads, layer.heads
         q, k, v = layer.qkv(layer.input_norm(x)).split(layer.split, dim=-1)  # [B, 1, *]
-        q = rope(q.view(batch, heads, d), cos, sin)  # [B, H, D]
-        k = rope(k.view(batch, h_kv, d), cos, sin)  # [B, H_kv, D]
+        q = rope(layer.q_norm(q.view(batch, heads, d)), cos, sin)  # [B, H, D]; q_norm: per head (Qwen3)
+        k = rope(layer.k_norm(k.view(batch, h_kv, d)), cos, sin)  # [B, H_kv, D]
         v = v.view(batch, h_kv, d)
         out = []
         for r in range(batch):

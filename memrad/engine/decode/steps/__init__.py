@@ -1,7 +1,9 @@
 """Which one-token step a model decodes with: one module per architecture, all called alike.
 
-    llama.py       the llama-shaped step (Llama, Mistral, Qwen2), and the parts the others share
+    llama.py       the llama-shaped step (Llama, Mistral, Qwen2, Qwen3 dense, Phi-3), and the parts
+                   the others share
     gemma.py       Gemma 3's (sliding-window layers beside full attention)
+    gemma2.py      Gemma 2's (Gemma 3's layers with soft-capped attention scores, one rope)
     qwen3_next.py  Qwen3-Next's (gated delta net layers: gated_delta.py)
     falcon_h1.py   FalconH1's (Mamba-2 beside attention in every layer: mamba2.py)
 
@@ -14,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from memrad.engine.decode.steps import falcon_h1, gemma, llama, qwen3_next
+from memrad.engine.decode.steps import falcon_h1, gemma, gemma2, llama, qwen3_next
 from memrad.engine.model.hardware import Choice
 
 # What each layer kind of transformers' `layer_types` is on the step, for `describe`.
@@ -22,14 +24,20 @@ _KIND_NAMES = {"full_attention": "full-attention", "sliding_attention": "sliding
                "linear_attention": "gated delta net (conv and recurrent state rewritten in place)"}
 
 
+# What `describe` names each step by (every other llama-shaped class: "llama").
+_STEP_NAMES = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+               "Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3-next"}
+
+
 def covered() -> tuple[str, ...]:
     """The model classes some step covers."""
-    return (*llama._LLAMA_SHAPED, *gemma._GEMMA, *qwen3_next._QWEN3_NEXT, *falcon_h1._FALCON_H1)
+    return (*llama._LLAMA_SHAPED, *gemma2._GEMMA2, *gemma._GEMMA, *qwen3_next._QWEN3_NEXT, *falcon_h1._FALCON_H1)
 
 
 # The steps beside the llama-shaped one: (is it this architecture, why not, its step class).
 _OTHER_STEPS = (
     (gemma.is_gemma, gemma.support, gemma.GemmaStep),
+    (gemma2.is_gemma2, gemma2.support, gemma2.Gemma2Step),
     (qwen3_next.is_qwen3_next, qwen3_next.support, qwen3_next.Qwen3NextStep),
     (falcon_h1.is_falcon_h1, falcon_h1.support, falcon_h1.FalconH1Step),
 )
@@ -52,7 +60,8 @@ def support(model: nn.Module, context_len: int) -> str | None:
 
 def describe(model: nn.Module, context_len: int) -> Choice:
     """Which step decodes `model` and what its layers are on it (/health, `memrad status`):
-    value "llama", "gemma3", "qwen3-next", "falcon-h1", or "none" with the reason it has none."""
+    value "llama", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-next", "falcon-h1", or "none" with the reason
+    it has none."""
     why_not = support(model, context_len)
     if why_not is not None:
         return Choice("none", why_not)
@@ -60,7 +69,7 @@ def describe(model: nn.Module, context_len: int) -> Choice:
     if falcon_h1.is_falcon_h1(model):
         return Choice("falcon-h1", f"{type(model).__name__} layers on one graph: {config.num_hidden_layers} Mamba-2 "
                                    "beside full attention (conv and SSM state rewritten in place)")
-    value = "gemma3" if gemma.is_gemma(model) else "qwen3-next" if qwen3_next.is_qwen3_next(model) else "llama"
+    value = _STEP_NAMES.get(type(model).__name__, "llama")
     kinds = Counter(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
     layers = ", ".join(f"{count} {_KIND_NAMES.get(kind, kind)}" for kind, count in kinds.items())
     experts = getattr(config, "num_experts", 0) or 0

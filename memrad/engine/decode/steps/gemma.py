@@ -65,14 +65,13 @@ def is_gemma(model: nn.Module) -> bool:
 
 class _GemmaLayer(_Layer):
     """One Gemma3DecoderLayer's decode-step view; `window` is W for a sliding layer. The
-    llama layer's projections (fused alike), with Gemma's q/k and feed-forward norms;
+    llama layer's projections (fused alike) and q/k norms (Gemma 3's own), with Gemma's feed-forward norms;
     `post_norm` is Gemma's post-attention norm."""
 
     def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:
         super().__init__(layer, heads, kv_heads, head_dim)
         self.window = window
         self.pre_ff_norm, self.post_ff_norm = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
-        self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
                 length: int, key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
@@ -146,7 +145,9 @@ class GemmaStep(nn.Module):
         for layer, sliding, key_rows, value_rows in zip(self.layers, self.sliding, keys, values):
             cos, sin = local if sliding else full
             x = layer(x, cos, sin, position, length, key_rows, value_rows, kernel)
-        logits = self.head(self.norm(x)).view(-1)
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return soft_cap(self.head(self.norm(x)).view(-1), self.final_softcap)
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """tanh(logits / cap) * cap, as transformers' Gemma computes it; `logits` as they are without a cap."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap

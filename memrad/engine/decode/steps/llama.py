@@ -1,5 +1,9 @@
 """One-token decode for llama-shaped models, written as one function over the KV slabs.
 
+Llama-shaped: Llama, Mistral, Qwen2; Qwen3 dense (the same layers with an RMSNorm over each
+query and key head before rope: `q_norm`, `k_norm`, identities elsewhere); Phi-3 (q/k/v and
+gate/up shipped fused as `qkv_proj`, `gate_up_proj`: the step runs them as they are).
+
 transformers' forward spends most of a one-token step outside the kernels (masks, cache
 hooks, per-call dispatch over 30 layers), and its CPU attention for one query with grouped
 KV heads (`enable_gqa`) is the slowest way to ask: the same attention with the query heads of
@@ -9,6 +13,7 @@ the work:
 
     token [1] -> embed -> x [1, 1, hidden]
       per layer:  h = norm(x);  q, k, v = qkv(h)            (one fused matmul)
+                  q, k = q_norm(q), k_norm(k) per head       (Qwen3; identity elsewhere)
                   rope(q, k) at `position`;  write k, v into row `position` of the slab
                   o = attend(q as [1, H_kv, G, D], rows [0, position] of the slab)
                   x += o_proj(o);  x += down(act(gate) * up) of gate_up(norm(x))
@@ -38,8 +43,11 @@ from torch.nn import functional as F
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Q8Linear
 
-# Model classes whose layers are exactly llama's: pre-norm RMSNorm, q/k/v/o, gated MLP, rope.
-_LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Model classes whose layers are exactly llama's: pre-norm RMSNorm, q/k/v/o, gated MLP, rope
+# (Qwen3: with per-head q/k RMSNorms; Phi-3: with q/k/v and gate/up fused as shipped).
+_LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+# The classes whose attention norms each query and key head (over head_dim) before rope.
+_QK_NORMED = ("Qwen3ForCausalLM",)
 # Rope variants whose frequencies do not depend on how long the sequence is. YaRN's attention
 # factor scales cos and sin, and the rotary module folds it into the table DecodeStep reads.
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -66,8 +74,11 @@ def support(model: nn.Module, context_len: int) -> str | None:
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     if rope_type not in _STATIC_ROPE:
         return f"{name} uses {rope_type} rope, whose frequencies depend on the sequence length"
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        return f"{name} rotates part of each head (partial_rotary_factor {config.partial_rotary_factor})"
     attention = model.model.layers[0].self_attn
-    if hasattr(attention, "q_norm") or not hasattr(attention, "q_proj"):
+    if (hasattr(attention, "q_norm") and name not in _QK_NORMED) or not (
+            hasattr(attention, "q_proj") or hasattr(attention, "qkv_proj")):
         return f"{name}'s attention is not plain q/k/v/o projections"
     return None
 
@@ -193,10 +204,13 @@ class _Layer(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scale = float(attention.scaling)
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
-        self.qkv = fuse([attention.q_proj, attention.k_proj, attention.v_proj])
+        # Phi-3 ships q/k/v and gate/up fused: the model's own modules, as they are.
+        self.qkv = getattr(attention, "qkv_proj", None) or fuse([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.q_norm = getattr(attention, "q_norm", None) or nn.Identity()  # [.., D] per head (Qwen3)
+        self.k_norm = getattr(attention, "k_norm", None) or nn.Identity()
         self.o_proj = attention.o_proj
-        self.gate_up = fuse([mlp.gate_proj, mlp.up_proj])
-        self.down_proj, self.act = mlp.down_proj, mlp.act_fn
+        self.gate_up = getattr(mlp, "gate_up_proj", None) or fuse([mlp.gate_proj, mlp.up_proj])
+        self.down_proj, self.act = mlp.down_proj, getattr(mlp, "act_fn", None) or mlp.activation_fn
         self.split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
@@ -204,8 +218,8 @@ class _Layer(nn.Module):
         # x [1, 1, hidden]; key_rows, value_rows: this layer's slab [1, H_kv, capacity, D]
         d, h_kv = self.head_dim, self.kv_heads
         q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
-        q = rope(q.view(self.heads, d), cos, sin)  # [H, D]
-        k = rope(k.view(h_kv, d), cos, sin)  # [H_kv, D]
+        q = rope(self.q_norm(q.view(self.heads, d)), cos, sin)  # [H, D]
+        k = rope(self.k_norm(k.view(h_kv, d)), cos, sin)  # [H_kv, D]
         key_rows.index_copy_(2, position, k.view(1, h_kv, 1, d))
         value_rows.index_copy_(2, position, v.view(1, h_kv, 1, d))
         q = q.view(1, h_kv, self.heads // h_kv, d)  # the G query heads of a KV head as rows
@@ -240,12 +254,20 @@ class DecodeStep(nn.Module):
         `kernel`: attend with memra's CPU kernel (loaded by memrad.engine.kernels.decode_attention).
         """
         assert owner == self.owner, f"{owner} called {self.owner}"
-        length = rows.shape[0]
-        x = self.embed(token).view(1, 1, -1)  # [1, 1, hidden]
-        cos, sin = self.cos.index_select(0, position), self.sin.index_select(0, position)  # [1, D]
-        for layer, key_rows, value_rows in zip(self.layers, keys, values):
-            x = layer(x, cos, sin, position, length, key_rows, value_rows, kernel)
-        return self.head(self.norm(x)).view(-1)
+        return self.head(self.norm(through_layers(self, token, position, rows, keys, values, kernel))).view(-1)
+
+
+def through_layers(step: nn.Module, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
+                   keys: list[torch.Tensor], values: list[torch.Tensor], kernel: bool) -> torch.Tensor:
+    """x [1, 1, hidden] after `token` [1] at `position` [1] through every layer of `step` (one
+    with `embed`, per-position `cos`, `sin` tables and layers called as _Layer is), each
+    writing its KV row: a one-row step's forward up to the final norm."""
+    length = rows.shape[0]
+    x = step.embed(token).view(1, 1, -1)  # [1, 1, hidden]
+    cos, sin = step.cos.index_select(0, position), step.sin.index_select(0, position)  # [1, D]
+    for layer, key_rows, value_rows in zip(step.layers, keys, values):
+        x = layer(x, cos, sin, position, length, key_rows, value_rows, kernel)
+    return x
 
 
 def rope_tables(model: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

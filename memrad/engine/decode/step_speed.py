@@ -1,0 +1,83 @@
+"""The decode step against transformers' forward, per architecture, on tiny random configs.
+
+What a step saves is the forward's work outside the kernels (masks, cache hooks, dispatch per
+layer), so a tiny config, where the kernels cost least, shows it most plainly; real shapes
+dilute it by their weights' bytes. Each architecture is timed on the same random model, the
+same cache kind (memra's in-place slabs and windows) and the same tokens: the eager step's feed
+against `decode_one_token` (transformers' forward), one thread, median of `steps` steps after
+a 40-token prompt. `memrad bench arch-steps` prints it (docs/BENCHMARKS.md, Architectures).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+# The shapes of tests/unit/tiny_gguf.py (rows of whole k-quant super-blocks), llama for scale.
+_COMMON = dict(vocab_size=400, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+               max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+SHAPES = {
+    "llama": ("llama", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1)),
+    "phi3": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "gemma2": ("gemma2", dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                              sliding_window=8)),
+}
+PROMPT = list(range(5, 45))
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpeed:
+    arch: str
+    step: str  # memrad.engine.decode.steps.describe's value
+    dtype: str
+    steps: int
+    step_ms: float  # median ms a token, the step's feed
+    forward_ms: float  # median ms a token, transformers' forward
+
+    @property
+    def ratio(self) -> float:
+        return self.forward_ms / self.step_ms
+
+
+def tiny_model(arch: str, dtype: torch.dtype, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, shape = SHAPES[arch]
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**_COMMON, **shape})
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def measure(arch: str, dtype_name: str = "bfloat16", steps: int = 64, threads: int = 1) -> StepSpeed:
+    """`arch`'s tiny model (SHAPES) in `dtype_name` ("bfloat16" or "float32") timed on its step and
+    on transformers' forward."""
+    from transformers import DynamicCache
+
+    from memrad.engine.decode import steps as step_table
+    from memrad.engine.decode.decoder import Decoder
+    from memrad.engine.forward import decode_one_token, prefill
+    from memrad.engine.state.layers import install
+
+    torch.set_num_threads(threads)
+    dtype = getattr(torch, dtype_name)
+    model = tiny_model(arch, dtype)
+    context = len(PROMPT) + steps + 1
+    feed = Decoder(model, context, torch.device("cpu")).feeder()
+    timings = {}
+    for name, run in (("step", feed), ("forward", lambda c, t, p: decode_one_token(model, c, t, p))):
+        cache = install(DynamicCache(config=model.config), context)
+        with torch.inference_mode():
+            logits = prefill(model, cache, PROMPT, 0, 16)
+            times = []
+            for offset in range(steps):
+                token = int(logits.argmax())
+                started = time.perf_counter()
+                logits = run(cache, token, len(PROMPT) + offset)
+                times.append(time.perf_counter() - started)
+        timings[name] = statistics.median(times[4:]) * 1e3  # the first steps warm the allocator
+    return StepSpeed(arch, step_table.describe(model, context).value, str(dtype).removeprefix("torch."), steps,
+                     timings["step"], timings["forward"])

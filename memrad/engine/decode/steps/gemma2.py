@@ -1,0 +1,127 @@
+"""One-token decode for Gemma 2, written as one function over the KV slabs and windows.
+
+Gemma 3's step (memrad.engine.decode.steps.gemma) without the q/k norms and with one rope for
+every layer, plus what Gemma 2 has and Gemma 3 does not: soft-capped attention logits.
+
+    token [1] -> embed (scaled by sqrt(hidden), inside transformers' embedding) -> x [1, 1, hidden]
+      per layer:  q, k, v = qkv(norm(x));  rope(q, k) at `position`
+                  global:  write row `position` of the slab, attend rows [0, position]
+                  sliding: write the last row of the window view, attend the view (<= W rows)
+                  scores = tanh(q k^T * scale / cap) * cap;  softmax in float32;  o = p v
+                  x += post_attn_norm(o_proj(o))
+                  x += post_ff_norm(down(gelu_tanh(gate) * up)) of gate_up(pre_ff_norm(x))
+    -> norm -> head -> final soft-cap -> logits [V]
+
+Soft-capping sits between the scores and the softmax, so neither torch's fused attention nor
+memra's kernel computes it (transformers runs Gemma 2 on its eager attention for the same
+reason): the step computes the scores as transformers' eager attention does, each query head
+against its KV head's rows expanded to one per query head ([1, H, 1, D] x [1, H, D, n]), the same
+shapes, so the same bits in the step's dtype. The expansion copies the attended rows once per
+layer and step, as transformers' does; the step saves what the forward spends around it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from memrad.engine.decode.steps.gemma import _GemmaLayer, soft_cap
+from memrad.engine.decode.steps.llama import rope, rope_tables, through_layers
+
+_GEMMA2 = ("Gemma2ForCausalLM",)
+_LAYER_KINDS = ("sliding_attention", "full_attention")
+_STATIC_ROPE = ("default", "linear", "yarn")
+_STEP_IDS = itertools.count()
+
+
+def is_gemma2(model: nn.Module) -> bool:
+    return type(model).__name__ in _GEMMA2
+
+
+def support(model: nn.Module, context_len: int) -> str | None:
+    """None if the Gemma 2 step computes `model`'s decode, else why not."""
+    name, config = type(model).__name__, model.config
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds <= set(_LAYER_KINDS):
+        return f"{name} has layers of kinds {sorted(kinds - set(_LAYER_KINDS))}"
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type not in _STATIC_ROPE:
+        return f"{name} uses {rope_type} rope, whose frequencies depend on the sequence length"
+    return None
+
+
+def capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                     softcap: float | None) -> torch.Tensor:
+    """Attention of one token's queries q [1, H, 1, D] over keys, values [1, H_kv, n, D] (every
+    row attended), the scores soft-capped, as transformers' eager attention: [1, H, 1, D]."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    _, _, n, d = keys.shape
+    keys = keys[:, :, None].expand(1, kv_heads, heads // kv_heads, n, d).reshape(1, heads, n, d)
+    values = values[:, :, None].expand(1, kv_heads, heads // kv_heads, n, d).reshape(1, heads, n, d)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [1, H, 1, n]
+    scores = soft_cap(scores, softcap)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, values)  # [1, H, 1, D]
+
+
+class _Gemma2Layer(_GemmaLayer):
+    """One Gemma2DecoderLayer's decode-step view: Gemma 3's layer, no q/k norms, capped scores."""
+
+    def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, window: int | None,
+                 softcap: float | None) -> None:
+        super().__init__(layer, heads, kv_heads, head_dim, window)  # q_norm, k_norm: identities (none in Gemma 2)
+        self.softcap = softcap
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
+                length: int, key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
+        # x [1, 1, hidden]; key_rows, value_rows: the slab [1, H_kv, capacity, D] (global) or the
+        # window view [1, H_kv, n, D] whose last row is this token's (sliding). `kernel`: unused
+        # (no kernel soft-caps), accepted so the decoder calls every step alike.
+        d, h_kv = self.head_dim, self.kv_heads
+        q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
+        q = rope(q.view(self.heads, d), cos, sin)  # [H, D]
+        k = rope(k.view(h_kv, d), cos, sin).view(1, h_kv, 1, d)
+        v = v.view(1, h_kv, 1, d)
+        if self.window is None:
+            key_rows.index_copy_(2, position, k)
+            value_rows.index_copy_(2, position, v)
+            key_rows, value_rows = key_rows[:, :, :length], value_rows[:, :, :length]
+        else:
+            n = key_rows.shape[2]
+            key_rows.narrow(2, n - 1, 1).copy_(k)
+            value_rows.narrow(2, n - 1, 1).copy_(v)
+        o = capped_attention(q.view(1, self.heads, 1, d), key_rows, value_rows, self.scale, self.softcap)
+        x = x + self.post_norm(self.o_proj(o.reshape(1, 1, self.heads * d)))
+        gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
+        return x + self.post_ff_norm(self.down_proj(self.act(gate) * up))
+
+
+class Gemma2Step(nn.Module):
+    """The step for a Gemma 2 model `support` accepts; shares every weight with the model.
+    Called exactly as memrad.engine.decode.steps.llama.DecodeStep; `keys`, `values` hold a
+    window view for each sliding layer."""
+
+    def __init__(self, model: nn.Module, max_positions: int) -> None:
+        super().__init__()
+        self.owner = f"gemma2-step-{next(_STEP_IDS)}"  # unique in the process, never reused
+        config, body = model.config, model.model
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.embed, self.norm, self.head = body.embed_tokens, body.norm, model.lm_head
+        self.final_softcap = config.final_logit_softcapping
+        self.layers = nn.ModuleList(
+            _Gemma2Layer(layer, heads, kv_heads, head_dim,
+                         config.sliding_window if kind == "sliding_attention" else None, config.attn_logit_softcapping)
+            for layer, kind in zip(body.layers, config.layer_types))
+        cos, sin = rope_tables(model, max_positions)
+        self.register_buffer("cos", cos, persistent=False)  # [P, D]
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool = False) -> torch.Tensor:
+        """Logits [V] (model dtype) after `token` [1] at `position` [1]; writes its KV rows.
+        `rows`, `owner`, `kernel`: as DecodeStep.forward."""
+        assert owner == self.owner, f"{owner} called {self.owner}"
+        x = through_layers(self, token, position, rows, keys, values, kernel)  # [1, 1, hidden]
+        return soft_cap(self.head(self.norm(x)).view(-1), self.final_softcap)

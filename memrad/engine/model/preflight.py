@@ -1,0 +1,157 @@
+"""Said before the wait: what `memrad start --model X.gguf` will serve, read from the header.
+
+Converting a GGUF takes transformers ~20 s and loading it more; a user who pointed memrad at
+a model it serves on the slow path, or cannot serve at all, learns that before waiting, not
+after. Everything here comes from the GGUF's header (memrad.engine.model.gguf_header, well
+under a second) and a model built on the meta device (no weights, no memory):
+
+    architecture   the GGUF's and the transformers class it becomes
+    decode step    which compiled step decodes it (memrad.engine.decode.steps), or why none does
+    quants         the GGUF type of each tensor kind (attn_q, ffn_down, ...), as shipped
+    context        native and served (memrad.engine.model.context: the same plan the load makes)
+    KV             bytes per token of context in the activation dtype
+
+Refused here, with the reason: architectures transformers' GGUF loader does not read, and the
+Mamba-1 family (Mamba, FalconMamba, Jamba), whose multi-token forward ignores cached recurrent
+state in transformers 5.x, so chunked prefill and resumed turns would be silently wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memrad.engine.model import context as served_context
+from memrad.engine.model.context import ServedContext
+from memrad.engine.model.gguf_header import GGUFHeader, LongArray, read_header
+from memrad.engine.model.hardware import Choice
+from memrad.engine.model.pull import ModelUnavailable
+
+# GGUF architecture names of the Mamba-1 family (llama.cpp writes FalconMamba as "mamba").
+REFUSED_ARCHITECTURES = ("mamba", "jamba", "falcon_mamba", "falcon-mamba")
+# llama.cpp's names that transformers' GGUF loader renames (transformers.modeling_gguf_pytorch_utils).
+_RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+_TEXT_ONLY = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}  # GGUFs hold the text backbone only
+_ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class Preflight:
+    """What a GGUF will be served as, before its weights are read."""
+
+    path: Path
+    architecture: str  # the GGUF's general.architecture
+    model_class: str  # the transformers class it loads as
+    step: Choice  # memrad.engine.decode.steps.describe: "llama", "gemma3", ..., or "none" and why
+    quants: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]  # (tensor kind, ((GGUF type, tensors), ...))
+    context: ServedContext
+    kv_bytes_per_token: int  # every attention layer's K and V row for one token, in `dtype`
+    dtype: str
+    window_layers: int  # sliding-window layers among the attention ones (their rows stop at the window)
+    window_tokens: int | None
+
+    def lines(self) -> list[str]:
+        """The lines `memrad start` and `memrad pull` print."""
+        step = (f"yes, memra's {self.step.value} step ({self.step.reason})" if self.step.value != "none"
+                else f"no: transformers' forward ({self.step.reason})")
+        quants = "; ".join(f"{kind} " + ", ".join(f"{name}" + (f" x{count}" if len(types) > 1 else "")
+                                                   for name, count in types)
+                           for kind, types in self.quants)
+        window = (f"; {self.window_layers} sliding-window layers keep at most {self.window_tokens:,} rows"
+                  if self.window_layers else "")
+        return [
+            f"{self.path.name}: {self.architecture} ({self.model_class})",
+            f"  fast decode step: {step}",
+            f"  quants: {quants}",
+            f"  context: native {self.context.native_tokens:,}, served {self.context.num_tokens:,} "
+            f"({self.context.describe()})",
+            f"  KV: {self.kv_bytes_per_token:,} B/token in {self.dtype}{window}",
+        ]
+
+
+def inspect_gguf(path: Path, requested_context: int, dtype: torch.dtype) -> Preflight:
+    """The Preflight of the GGUF at `path` served with `requested_context` tokens (0: native)
+    and activations in `dtype`; raises ModelUnavailable for what memrad cannot serve."""
+    from transformers import AutoModelForCausalLM
+
+    from memrad.engine.decode import steps
+
+    header = read_header(path)
+    config = gguf_config(header, path)
+    served = served_context.plan(config, requested_context)
+    served_context.apply(config, served)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as exc:
+        raise ModelUnavailable(f"{path} ({header.architecture}) is not a causal language model "
+                               f"transformers can build: {exc}") from exc
+    step = steps.describe(model, served.num_tokens)
+    kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    kv_heads, head_dim = steps.kv_shape(config)
+    attention_layers = sum(kind in _ATTENTION_KINDS for kind in kinds)
+    window_layers = kinds.count("sliding_attention")
+    return Preflight(
+        path=path, architecture=header.architecture, model_class=type(model).__name__, step=step,
+        quants=quants_by_kind(header), context=served,
+        kv_bytes_per_token=attention_layers * 2 * kv_heads * head_dim * dtype.itemsize,
+        dtype=str(dtype).removeprefix("torch."), window_layers=window_layers,
+        window_tokens=getattr(config, "sliding_window", None) if window_layers else None)
+
+
+def quants_by_kind(header: GGUFHeader) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+    """Each tensor kind (the name without its block number, e.g. "attn_q") with the GGUF types
+    its tensors ship in, the most common first."""
+    kinds: dict[str, Counter] = {}
+    for tensor in header.tensors:
+        kind = re.sub(r"^blk\.\d+\.", "", tensor.name).removesuffix(".weight")
+        kinds.setdefault(kind, Counter())[tensor.kind] += 1
+    return tuple((kind, tuple(types.most_common())) for kind, types in kinds.items())
+
+
+def gguf_config(header: GGUFHeader, path: Path) -> Any:
+    """The transformers config its GGUF loader builds from `header` (the same field mapping),
+    or ModelUnavailable for an architecture memrad cannot serve."""
+    from transformers import CONFIG_MAPPING
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    arch = header.architecture
+    if arch in REFUSED_ARCHITECTURES:
+        raise ModelUnavailable(
+            f"{path} is a {arch} model (the Mamba-1 family): in transformers 5.x its multi-token forward "
+            "ignores cached recurrent state, so chunked prefill and resumed turns would be wrong. Use an "
+            "attention, Mamba-2 or hybrid linear-attention model (e.g. Qwen3, Qwen3-Next, LFM2, FalconH1).")
+    name = _RENAMED.get(arch, arch)
+    if "llama" in arch and "mistral" in str(header.fields.get("general.name", "")).lower():
+        name = "mistral"
+    if name not in GGUF_CONFIG_MAPPING or name in ("general", "tokenizer"):
+        readable = sorted(set(GGUF_CONFIG_MAPPING) - {"general", "tokenizer"})
+        raise ModelUnavailable(f"{path} is a {arch!r} GGUF, which transformers' GGUF loader does not read "
+                               f"(it reads {', '.join(readable)})")
+    mappings = {arch: GGUF_CONFIG_MAPPING[name], "general": GGUF_CONFIG_MAPPING["general"],
+                "tokenizer": GGUF_CONFIG_MAPPING["tokenizer"]}
+    values: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(name, {}))
+    values["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in header.tensors)
+    for key, value in header.fields.items():
+        prefix, _, rest = key.partition(".")
+        attribute = mappings.get(prefix, {}).get(rest)
+        if attribute not in (None, -1) and not isinstance(value, LongArray):
+            values[attribute] = value
+    values["model_type"] = name
+    if "vocab_size" not in values and isinstance(header.fields.get("tokenizer.ggml.tokens"), LongArray):
+        values["vocab_size"] = header.fields["tokenizer.ggml.tokens"].num_items
+    if name == "lfm2":  # as transformers' loader: one KV head count per layer, 0 on the conv layers
+        per_layer = values["num_key_value_heads"]
+        values.update(num_key_value_heads=max(per_layer), block_auto_adjust_ff_dim=False,
+                      full_attn_idxs=[i for i, heads in enumerate(per_layer) if heads > 0])
+    model_type = _TEXT_ONLY.get(values.get("model_type", name), values.get("model_type", name))
+    values["model_type"] = model_type
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(values)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelUnavailable(f"{path}: transformers cannot make a {model_type} config of its header: {exc}") from exc

@@ -1,0 +1,59 @@
+"""The architectures agents run, from a GGUF, through memra's own GGUF path (no hub).
+
+Each tiny model of tests/unit/tiny_gguf.py is written as a Q4_K_M-like GGUF and loaded with
+memrad.engine.model.loader.load_model, which converts it (memrad.engine.model.pull.pull_gguf) and
+keeps its blocks: float weights bit-identical to what the GGUF holds, the Q4_K projections
+on the int4 kernel, the Q8_0 head on its blocks, Q6_K dense with the reason, and the tokenizer
+and chat template as written (the byte-level BPE read back as written, except for Gemma 2, whose
+GGUF vocabulary transformers reads as SentencePiece, as real Gemma GGUFs ship it).
+"""
+
+import pytest
+import torch
+
+from memrad.engine.model.loader import load_model
+from tiny import build_tokenizer
+from tiny_gguf import ARCHITECTURES, tiny_gguf
+
+CLASSES = {"qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+# (int4 tensors, dense Q6_K ffn_down tensors) of each tiny model on `auto`
+PACKED = {"qwen3": (12, 2), "phi3": (6, 2), "gemma2": (24, 4)}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf-models")
+    return {arch: tiny_gguf(folder, arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_gguf_loads_through_memras_path_bit_identical_to_what_it_holds(written, arch):
+    path, model = written[arch]
+    loaded = load_model(str(path), device="cpu", dtype="float32", weights="float", progress=lambda _: None)
+    assert type(loaded.model).__name__ == CLASSES[arch]
+    ours, theirs = loaded.model.state_dict(), model.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
+    tokenizer = build_tokenizer()
+    text = "<|im_start|>user\ndef add(a, b):<|im_end|>\n"
+    if arch != "gemma2":  # transformers reads a gemma GGUF's vocabulary as SentencePiece, not byte-level BPE
+        assert loaded.tokenizer(text).input_ids == tokenizer(text).input_ids
+    assert loaded.tokenizer.chat_template == tokenizer.chat_template
+    assert loaded.eos_ids == frozenset({2})
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_its_quants_run_as_shipped_and_say_which_stay_dense(written, arch):
+    path, _ = written[arch]
+    loaded = load_model(str(path), device="cpu", dtype="bfloat16", weights="auto", progress=lambda _: None)
+    int4, dense = PACKED[arch]
+    assert loaded.weights.value == "int4"
+    assert loaded.tensors.value == f"Q8_0 blocks 1, dense bfloat16 {dense}, int4 {int4}"
+    assert (f"mlp.down_proj Q6_K x{dense}: dense bfloat16 (16-weight sub-blocks with their own scales: no exact "
+            "form in the kernel's 32-weight groups)") in loaded.tensors.reason
+    assert "lm_head Q8_0 x1: Q8_0 blocks" in loaded.tensors.reason

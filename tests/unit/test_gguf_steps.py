@@ -1,0 +1,132 @@
+"""Qwen3 dense, Phi-3 and Gemma 2 from their GGUFs, on memra's decode steps.
+
+Each tiny model of tests/unit/tiny_gguf.py, loaded through memra's GGUF path: Qwen3 (per-head
+q/k RMSNorms) and Phi-3 (fused qkv and gate/up run as shipped) on the llama-shaped step, Gemma 2
+(soft-capped attention and final logits, alternating sliding windows of 8) on its own, each
+named in `memrad status`; in bf16 (what `auto` runs on this CPU) the step's logits are
+transformers' forward's bit for bit, with float weights and with the Q4_K blocks on the int4
+kernel (fp32: within rounding of the fused matmul; Gemma 2's bit for bit too, and it would not
+be without the attention soft-cap); the batched step (llama-shaped) gives a request's row the
+same bits at any neighbours and alone; and an engine resumes turns bit-identically to their
+cold runs.
+"""
+
+import pytest
+import torch
+
+from memrad.engine.decode import decoder as decoder_module
+from memrad.engine.decode import steps
+from memrad.engine.decode.decoder import Decoder
+from memrad.engine.decode.steps.gemma2 import Gemma2Step
+from memrad.engine.decode.steps.llama import DecodeStep
+from memrad.engine.engine import Engine, EngineOptions
+from memrad.engine.forward import decode_one_token, prefill
+from memrad.engine.model.loader import load_model
+from stories import make_engine
+from test_batching import rows_are_their_own
+from test_gemma_step import compiled_turns_equal_cold
+from test_reuse import conversation
+from tiny_gguf import tiny_gguf
+
+STEPPED = ("qwen3", "phi3", "gemma2")
+BATCHED = ("qwen3", "phi3")  # the llama-shaped step's batched twin; Gemma 2 decodes one row at a time
+LAYERS = {"qwen3": "2 full-attention", "phi3": "2 full-attention", "gemma2": "2 sliding-window, 2 full-attention"}
+PROMPT = list(range(5, 45))  # 40 tokens
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf-steps")
+    return {arch: tiny_gguf(folder, arch)[0] for arch in STEPPED}
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
+
+
+def fresh(path, dtype, weights):
+    torch.set_num_threads(1)
+    return load_model(str(path), device="cpu", dtype=dtype, weights=weights, progress=lambda _: None)
+
+
+@pytest.mark.parametrize("arch", STEPPED)
+def test_the_step_covers_it_and_says_so(ggufs, arch):
+    loaded = fresh(ggufs[arch], "bfloat16", "auto")
+    assert steps.support(loaded.model, loaded.context_len) is None
+    reason = f"{type(loaded.model).__name__} layers on one graph: {LAYERS[arch]}"
+    assert steps.describe(loaded.model, loaded.context_len) == steps.Choice(arch, reason)
+    engine = Engine(loaded, EngineOptions(16, 1))
+    assert engine.runtime_choices["step"] == {"value": arch, "reason": reason}
+    assert isinstance(engine.decoder.eager_step, Gemma2Step if arch == "gemma2" else DecodeStep)
+
+
+@pytest.mark.parametrize("arch", STEPPED)
+@pytest.mark.parametrize("dtype,weights,tolerance", [("bfloat16", "float", 0.0), ("bfloat16", "auto", 0.0),
+                                                     ("float32", "float", 1e-6)])
+def test_the_step_decodes_transformers_bits(ggufs, arch, dtype, weights, tolerance):
+    loaded = fresh(ggufs[arch], dtype, weights)
+    assert loaded.weights.value == ("int4" if weights == "auto" else "float")
+    feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
+    engine = Engine(loaded, EngineOptions(16, 1))
+    ours, theirs = engine.new_cache(), engine.new_cache()
+    a = prefill(loaded.model, ours, PROMPT, 0, 16)
+    b = prefill(loaded.model, theirs, PROMPT, 0, 16)
+    if arch == "gemma2":
+        tolerance = 0.0  # no fused matmul changes a shape: every dtype gives the forward's bits
+    for step in range(12):  # Gemma 2: past its window of 8 (the 40-token prompt already is)
+        token = int(b.argmax())
+        a = feed(ours, token, len(PROMPT) + step)
+        b = decode_one_token(loaded.model, theirs, token, len(PROMPT) + step)
+        assert float((a - b).abs().max()) <= tolerance, (step, float((a - b).abs().max()))
+    if tolerance == 0.0:
+        assert torch.equal(ours.layers[1].keys, theirs.layers[1].keys)  # the step's KV rows: forward's bits
+
+
+def test_the_gemma2_step_soft_caps_the_attention_scores(ggufs):
+    """The cap is transformers' default 50 (no GGUF key carries it): dropping it changes the bits."""
+    loaded = fresh(ggufs["gemma2"], "float32", "float")
+    step = Decoder(loaded.model, loaded.context_len, loaded.device).eager_step
+    assert [layer.softcap for layer in step.layers] == [50.0] * 4 and step.final_softcap == 30.0
+    assert [layer.window for layer in step.layers] == [8, None, 8, None]
+    engine = Engine(loaded, EngineOptions(16, 1))
+
+    def logits():
+        cache = engine.new_cache()
+        prefill(loaded.model, cache, PROMPT, 0, 16)
+        return Decoder(loaded.model, loaded.context_len, loaded.device).feeder()(cache, 7, len(PROMPT))
+
+    cache = engine.new_cache()
+    prefill(loaded.model, cache, PROMPT, 0, 16)
+    expected = decode_one_token(loaded.model, cache, 7, len(PROMPT))
+    assert torch.equal(logits(), expected)
+    loaded.model.config.attn_logit_softcapping = None  # a step built now drops the cap
+    assert not torch.equal(logits(), expected)
+
+
+@pytest.mark.parametrize("arch", BATCHED)
+def test_every_row_of_the_batched_step_is_its_own_at_any_neighbours(ggufs, arch):
+    loaded = fresh(ggufs[arch], "bfloat16", "auto")
+    engine = make_engine(loaded, 16, max_batch=4)
+    first = rows_are_their_own(engine, loaded.model, 16)
+    cache = engine.new_cache()  # the one-row step gives the lone row the batched step's bits
+    prefill(loaded.model, cache, list(range(5, 45)), 0, 16)
+    assert torch.equal(engine.decoder.feeder()(cache, 11, 40).float(), first)
+
+
+@pytest.mark.parametrize("arch", STEPPED)
+def test_an_engine_resumes_turns_bit_identical_to_cold(ggufs, arch):
+    engine = make_engine(fresh(ggufs[arch], "bfloat16", "auto"), 16, max_sessions=16, mode="exact")
+    for turn, row in enumerate(conversation(engine, 3)):
+        if turn:
+            assert row["warm"].decision.outcome == "resumed", row["warm"].decision.render()
+            assert row["warm"].cached_tokens > 0
+        assert row["warm_state"].generated_ids == row["cold_state"].generated_ids
+        assert len(row["warm_state"].generated_ids) > 1
+        assert torch.equal(row["warm_state"].prompt_logits, row["cold_state"].prompt_logits)
+
+
+@pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
+def test_a_compiled_qwen3_engine_resumes_bit_identical_to_cold(ggufs):
+    compiled_turns_equal_cold(make_engine(fresh(ggufs["qwen3"], "bfloat16", "auto"), 16, max_sessions=16,
+                                          mode="exact", compile="on"))

@@ -1,0 +1,20 @@
+"""`memrad bench arch-steps`: each architecture's tiny model decodes on its own step, and the
+harness prints one row per architecture with the step that ran."""
+
+from memrad import cli
+from memrad.engine.decode.step_speed import SHAPES, measure
+
+
+def test_each_architecture_is_timed_on_its_own_step():
+    speeds = [measure(arch, "float32", steps=6) for arch in SHAPES]
+    assert [(s.arch, s.step, s.dtype, s.steps) for s in speeds] == [
+        ("llama", "llama", "float32", 6), ("qwen3", "qwen3", "float32", 6), ("phi3", "phi3", "float32", 6),
+        ("gemma2", "gemma2", "float32", 6)]
+    assert all(s.step_ms > 0 and s.forward_ms > 0 and s.ratio == s.forward_ms / s.step_ms for s in speeds)
+
+
+def test_the_harness_prints_a_row_per_architecture(capsys):
+    assert cli.main(["bench", "arch-steps", "--steps", "6", "--dtype", "float32", "--arch", "qwen3", "gemma2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "dtype=float32 threads=1 steps=6 (median ms a token after a 40-token prompt)"
+    assert [line.split()[:2] for line in lines[2:]] == [["qwen3", "qwen3"], ["gemma2", "gemma2"]]

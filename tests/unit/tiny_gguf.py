@@ -1,0 +1,165 @@
+"""Tiny random models written as GGUF files the way llama.cpp ships them, no hub involved.
+
+`build(arch)` makes a tiny random transformers model per architecture, shaped so that every
+linear weight's rows hold whole k-quant super-blocks (256 weights); `write_gguf` writes it with
+the `gguf` package under llama.cpp's names and metadata (the inverse of what transformers' GGUF
+loader reads: its config mapping, its tensor-name map, its per-architecture tensor processors),
+the tokenizer of tests/unit/tiny.py included, so memra loads it through its own GGUF path
+(memrad.engine.model.pull.pull_gguf). Quants as a Q4_K_M file mixes them: attention and
+gate/up projections Q4_K, ffn_down Q6_K, the embedding (and untied head) Q8_0, norms F32.
+gguf-py writes Q8_0 but not the k-quants, so Q4_K and Q6_K blocks are drawn at random; the
+model's float weights are then set to what every block dequantizes to, so the written model
+is exactly what the GGUF holds.
+
+Unmapped config fields (transformers reads no key for them: Qwen3's head_dim, Gemma 2's soft-caps
+and query_pre_attn_scalar) are left at the config class's defaults, so they survive the trip.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T, GGUFWriter, quants
+
+from tiny import build_tokenizer, finish_gguf
+
+ARCHITECTURES = ("qwen3", "phi3", "gemma2")
+_ROW_SCALE = 0.02  # the size of a weight, as transformers' random init draws them
+
+
+def build(arch: str, vocab_size: int, seed: int = 0):
+    """A tiny random model of `arch` (hidden 256: attention rows are whole super-blocks)."""
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                  max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "qwen3":  # head_dim stays the default 128 (no GGUF key carries it)
+        model = Qwen3ForCausalLM(Qwen3Config(**common, num_attention_heads=2, num_key_value_heads=1))
+    elif arch == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**common, num_attention_heads=4, num_key_value_heads=2))
+    elif arch == "gemma2":  # soft-caps 50 / 30 and query_pre_attn_scalar 256: the defaults
+        model = Gemma2ForCausalLM(Gemma2Config(**{**common, "num_hidden_layers": 4}, num_attention_heads=4,
+                                               num_key_value_heads=2, head_dim=64, sliding_window=8))
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # random norm weights, so a step that dropped one would differ
+                param.normal_(1.0 if arch != "gemma2" else 0.0, 0.3)
+    return model.eval()
+
+
+def kind_for(gguf_name: str, shape: tuple[int, ...]) -> T:
+    """The GGUF type a Q4_K_M file gives the tensor."""
+    if len(shape) == 1:
+        return T.F32
+    if gguf_name.startswith(("token_embd", "output.")):
+        return T.Q8_0
+    if ".ffn_down" in gguf_name:
+        return T.Q6_K
+    return T.Q4_K
+
+
+def random_q4_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Q4_K bytes [rows, cols/256 * 144] (fp16 d, dmin; 6-bit sc, m in 12 bytes; 4-bit codes)."""
+    n = rows * cols // 256
+    d = (rng.random(n) * _ROW_SCALE / 200).astype(np.float16)
+    dmin = (rng.random(n) * _ROW_SCALE / 100).astype(np.float16)
+    sc, m = rng.integers(0, 64, (n, 8), dtype=np.uint8), rng.integers(0, 64, (n, 8), dtype=np.uint8)
+    scales = np.zeros((n, 12), dtype=np.uint8)
+    scales[:, 0:4] = (sc[:, 0:4] & 0x3F) | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = (m[:, 0:4] & 0x3F) | ((m[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
+    qs = rng.integers(0, 256, (n, 128), dtype=np.uint8)
+    blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qs], axis=1)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+def random_q6_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Q6_K bytes [rows, cols/256 * 210] (ql 128, qh 64, int8 scales 16, fp16 d)."""
+    n = rows * cols // 256
+    low_high = rng.integers(0, 256, (n, 192), dtype=np.uint8)
+    scales = rng.integers(-32, 32, (n, 16), dtype=np.int8).view(np.uint8)
+    d = (rng.random(n) * _ROW_SCALE / (32 * 32)).astype(np.float16)
+    blocks = np.concatenate([low_high, scales, d.view(np.uint8).reshape(n, 2)], axis=1)
+    return blocks.reshape(rows, cols // 256 * 210)
+
+
+def _encode(weight: np.ndarray, kind: T, rng: np.random.Generator) -> np.ndarray:
+    if kind == T.Q4_K:
+        return random_q4_k(*weight.shape, rng)
+    if kind == T.Q6_K:
+        return random_q6_k(*weight.shape, rng)
+    return quants.quantize(weight, kind)
+
+
+def write_gguf(path: Path, model, tokenizer, seed: int = 0) -> Path:
+    """Write `model` (from `build`) and `tokenizer` as a GGUF at `path`; sets the model's float
+    weights to what the GGUF's blocks dequantize to (mutates `model`)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    config = model.config
+    arch = config.model_type
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    for key, attribute in GGUF_CONFIG_MAPPING[arch].items():
+        value = getattr(config, attribute, None) if attribute not in (None, -1) else None
+        if attribute == "rope_theta":  # transformers 5 keeps it in rope_parameters
+            value = float(config.rope_parameters["rope_theta"])
+        if isinstance(value, bool) or value is None:
+            continue
+        full = f"{arch}.{key}"
+        if isinstance(value, int):
+            writer.add_uint32(full, value)
+        elif isinstance(value, float):
+            writer.add_float32(full, value)
+    _write_tokenizer(writer, tokenizer)
+    rng = np.random.default_rng(seed)
+    names = {hf: gguf for gguf, hf in get_gguf_hf_weights_map(model, TensorProcessor()).items()}
+    params = dict(model.named_parameters())
+    if config.tie_word_embeddings:
+        names.pop("lm_head.weight", None)
+    for hf_name, gguf_name in names.items():
+        param = params[hf_name]
+        stored = param.detach().float().numpy()
+        gemma_norm = arch.startswith("gemma") and "norm.weight" in hf_name  # llama.cpp stores 1 + w
+        if gemma_norm:
+            stored = stored + 1.0
+        kind = kind_for(gguf_name, stored.shape)
+        raw = _encode(stored, kind, rng)
+        back = quants.dequantize(raw, kind).reshape(stored.shape)
+        with torch.no_grad():
+            param.copy_(torch.from_numpy((back - 1.0 if gemma_norm else back).astype(np.float32)))
+        writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=kind)
+    return finish_gguf(writer, path)
+
+
+def _write_tokenizer(writer: GGUFWriter, tokenizer) -> None:
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = state["model"]["vocab"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    specials = set(tokenizer.all_special_tokens)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in specials else 1 for token in tokens])  # 3: control, 1: normal
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_unk_token_id(tokenizer.pad_token_id)  # Gemma's tokenizer class needs one
+    writer.add_chat_template(tokenizer.chat_template)
+
+
+def tiny_gguf(folder: Path, arch: str) -> tuple[Path, object]:
+    """(the GGUF of a tiny `arch` model in `folder`, that model with the GGUF's weights)."""
+    tokenizer = build_tokenizer()
+    model = build(arch, len(tokenizer))
+    return write_gguf(folder / f"tiny-{arch}.gguf", model, tokenizer), model
