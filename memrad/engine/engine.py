@@ -42,6 +42,7 @@ from memrad.engine.model.hardware import Choice
 from memrad.engine.model.loader import LoadedModel
 from memrad.engine.events import Publisher
 from memrad.engine.parking import DiskLike, NoDisk, NoParking, Parking, ParkingLike, Prefilled, essential
+from memrad.engine import speculation
 from memrad.engine.sampling import Shaper, sample, shapes
 from memrad.engine.state.layers import install as install_slabs
 from memrad.engine.state.snapshot import Snapshot, is_croppable
@@ -102,6 +103,8 @@ class EngineOptions:
     # "batched": one step of max_batch rows for the llama-shaped models (weights read once);
     # "rows": each flight on the one-row step (compiled once ready), one after another.
     batch_decode: str = "batched"
+    # Drafts from the context verified as rows of one step (memrad.engine.speculation): auto or off.
+    speculate: str = "off"
 
 
 class Engine:
@@ -127,6 +130,7 @@ class Engine:
         self.on_finished = on_finished
         self.max_batch = options.max_batch
         assert options.batch_decode in ("batched", "rows"), options.batch_decode
+        assert options.speculate in speculation.SETTINGS, options.speculate
         self.batch_decode = options.batch_decode
         self.prefill_budget = options.prefill_budget or options.prefill_chunk
         self._flights: list[Flight] = []
@@ -288,9 +292,11 @@ class Engine:
         cache, pre = self.parking.check_out(decided, anchors)
         try:
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
+            feed = self._feed(cancelled)
             flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
-                            self._snapshotter(cache, pre, checkpoint), self._feed(cancelled), self._sampling,
-                            prompt_segments, max_tokens, started, self.loaded.device)
+                            self._snapshotter(cache, pre, checkpoint), feed, self._sampling,
+                            prompt_segments, max_tokens, started, self.loaded.device,
+                            speculation.plan(self.options.speculate, self.decoder, feed))
         except BaseException:
             self.parking.resume_failed(decided)
             raise
@@ -320,7 +326,8 @@ class Engine:
         one first), so a short prompt is not stuck behind a long one and none starves. Flights that ended are parked and
         returned (`completion` or `error` set)."""
         decoding = [f for f in self._flights if f.phase == "decode" and f.pending is not None]
-        for feed, group in _by_feed(decoding):
+        plain = [f for f in decoding if not self._speculated(f)]
+        for feed, group in _by_feed(plain):
             try:
                 if isinstance(feed, BatchStep):
                     for start in range(0, len(group), feed.rows):
@@ -355,6 +362,27 @@ class Engine:
             self._report(flight)
         return ended
 
+    def _speculated(self, flight: Flight) -> bool:
+        """Run `flight`'s decode step as a verify step of its drafts (memrad.engine.speculation)
+        where it has a draft; False: it decodes plain in this iteration."""
+        drafting = flight.speculating
+        if drafting is None:
+            return False
+        try:
+            left = flight.max_tokens - len(flight.out.generated)  # each row takes one token: never past max_tokens
+            drafts = drafting.draft(flight.request.prompt_ids, flight.out.generated,
+                                    min(left - 1, speculation.room(flight.cache, flight.position)))
+            logits = drafting.verify(flight.cache, [flight.pending, *drafts], flight.position) if drafts else None
+            if logits is None:
+                drafting.plain_step()
+                return False
+            accepted = flight.fed_rows(logits, drafts)
+            speculation.cut_back(flight.cache, flight.position)
+            drafting.record(len(drafts), accepted, accepted + 1)
+        except Exception as exc:  # as a failed plain step: the request fails, its state is not parked
+            flight.fail(exc)
+        return True
+
     def _feed(self, cancelled: Callable[[], bool]) -> Any:
         """The step a new flight decodes with, from its first token to its last: the batched
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
@@ -378,6 +406,7 @@ class Engine:
                 total_s=time.perf_counter() - flight.started,
                 decision=replace(decided.decision, ttft_s=out.ttft_s), stop_sequence=out.stop_sequence,
                 logprobs=tuple(out.logprobs) if request.sampling.logprobs is not None else None,
+                speculation=flight.speculation(),
             )
             session = self.parking.park(request, self.namespace(request), decided, cache, pre, fed, out.text,
                                         flight.prompt_segments)
@@ -390,7 +419,7 @@ class Engine:
             identity=request.identity.name if request.identity else None, prompt_tokens=checkpoint,
             cached_tokens=pre.start, completion_tokens=len(out.generated), ttft_s=out.ttft_s,
             outcome=decided.decision.outcome, finish_reason=out.finish,
-            total_s=completion.total_s))
+            total_s=completion.total_s, speculation=completion.speculation))
         self._hand_on(FinishedState(
             request=request, cache=cache, cache_token_ids=tuple(request.prompt_ids[: pre.primed_to]) + fed,
             generated_ids=tuple(out.generated), prompt_checkpoint=pre.primed_to,

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from memrad.protocol import Decision
+from memrad.protocol import Decision, Speculation
 from memrad.chat.reply import Reply, ReplyBuilder, ReplyDelta, plain_reply_deltas
 from memrad.request import Completion, GenerationRequest, TokenLogprob
 from memrad.scheduler import Job, QueueFull, ShuttingDown
@@ -115,12 +115,16 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
             job.cancel()  # the handler is leaving early (error or cancellation)
 
 
-def decision_field(decision: Decision | None, notes: tuple[str, ...] = ()) -> dict:
-    """The `memra` field every API's object carries: the reuse decision's one rendering, and
-    what memrad left out of or changed in the request (validate.Notes)."""
+def decision_field(decision: Decision | None, notes: tuple[str, ...] = (),
+                   speculation: Speculation | None = None) -> dict:
+    """The `memra` field every API's object carries: the reuse decision's one rendering, what
+    memrad left out of or changed in the request (validate.Notes), and, on a finished reply,
+    how it decoded with drafts (memrad.engine.speculation: acceptance, tokens per step)."""
     field: dict = {"decision": decision.render()} if decision is not None else {}
     if notes:
         field["notes"] = list(notes)
+    if speculation is not None:
+        field["speculation"] = speculation.render()
     return {"memra": field} if field else {}
 
 
