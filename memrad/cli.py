@@ -50,7 +50,8 @@ FLAGS = {
 BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk_probe", "fuzz": "fuzz",
                    "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
                    "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns",
-                   "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits"}
+                   "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits",
+                   "contended": "contended"}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -70,7 +70,8 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
                             affinity=settings.affinity.enabled, longest_prefix=settings.affinity.longest_prefix,
                             compile=settings.engine.compile, tool_fallback=settings.tools.fallback,
                             max_batch=settings.server.max_batch, prefill_budget=settings.engine.prefill_budget or None,
-                            batch_decode=settings.engine.batch_decode)
+                            batch_decode=settings.engine.batch_decode,
+                            adapt_threads=settings.model.threads == 0)
     return Engine(loaded, options, pool, disk, on_finished=on_finished)
 
 

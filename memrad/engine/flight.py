@@ -95,8 +95,9 @@ class Flight:
         self._detok = IncrementalDetokenizer(sampling.tokenizer, sampling.markup_ids)
         self._stops = StopMatcher(self._params.stop)
         self._shaper: Shaper | None = None
-        # A cancel lands between decoder layers where every layer can be cut back (memrad.engine.interrupt)
-        self._interruptible = is_croppable(cache)
+        # Every layer can be cut back: a cancel lands between decoder layers (memrad.engine.interrupt),
+        # a request attached to this one forks it at any cut (memrad.engine.attaching)
+        self.croppable = is_croppable(cache)
 
     @property
     def checkpoint(self) -> int:
@@ -131,7 +132,7 @@ class Flight:
                 return ran
             a, b = self.spans[0]
             try:
-                if self._interruptible:
+                if self.croppable:
                     with between_layers(model, self.cancelled):
                         logits = prefill_span(model, self.cache, self._ids, self.pre.start, a, b)
                 else:
