@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-from memrad.engine.build import in_process
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.request import GenerationRequest, SamplingParams
@@ -71,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", type=Path, help="llama.cpp's llama-bench")
     parser.add_argument("--gguf", type=Path)
     args = parser.parse_args(argv)
-    in_process()
     threads = resolve_threads(0)
     loaded = load_model(args.model, device="cpu", progress=lambda _: None)
     arms = {name: Engine(loaded, EngineOptions(256, threads, compile="auto", adapt_threads=adapt))
