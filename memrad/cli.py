@@ -52,7 +52,8 @@ BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk
                    "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
                    "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns",
                    "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits",
-                   "arch-steps": "arch_steps"}
+                   "arch-steps": "arch_steps",
+                   "contended": "contended"}
 
 
 def _parser() -> argparse.ArgumentParser:

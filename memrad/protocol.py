@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Literal
 
 Outcome = Literal["resumed", "declined", "cold"]
-Tier = Literal["token-prefix", "text-prefix", "affinity", "prefix"]
+Tier = Literal["token-prefix", "text-prefix", "affinity", "prefix", "live"]  # live: memrad.reuse.attach
 REASON_CLASSES = ("nothing-parked", "no-prefix", "no-control-tokens", "below-bar", "named-vs-unnamed",
                   "no-such-name", "diverged", "no-suffix", "no-checkpoint")
 
@@ -233,13 +233,29 @@ class Dropped:
 
 
 @dataclass(frozen=True, slots=True)
+class ThreadsEvent:
+    """The engine moved a phase's intra-op thread count (memrad.engine.team); `summary` is
+    every phase's count now, as the snapshot's `threads` flag says it."""
+
+    at: float
+    phase: str  # prefill, decode or batch
+    before: int
+    after: int
+    reason: str
+    summary: str
+
+    def render(self) -> str:
+        return f"{self.phase} {self.before} → {self.after}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
 class ProtocolError:
     message: str
 
 
 RECORDS = {cls.__name__: cls for cls in (
     Alternative, Decision, SegmentInfo, SessionInfo, PoolStats, FlightInfo, StateSnapshot, DecisionEvent, TurnEvent,
-    FlightEvent, ParkEvent, EvictEvent, Dropped, ProtocolError)}
+    FlightEvent, ParkEvent, EvictEvent, Dropped, ThreadsEvent, ProtocolError)}
 
 
 def _encode(value):

@@ -3,7 +3,8 @@
 The engine runs on one worker thread (torch releases the GIL), so the event loop keeps
 serving /health, errors and streaming while requests decode. The engine (an EngineLike:
 memrad.engine.engine) is driven one iteration at a time: jobs are admitted in arrival order
-while it has room (max_batch; 1 runs one at a time), and each `step` decodes one token for
+while it has room (max_batch; 1 runs one at a time), except a job the engine `holds` (a retry
+waiting for the prefill of the prompt it repeats, to fork it: memrad.engine.attaching), and each `step` decodes one token for
 every decoding request and prefills a chunk of the oldest one still prefilling. Text deltas
 cross back to the loop with call_soon_threadsafe. Admission is check-then-act: `submit`
 either queues the job or raises QueueFull, never half of each.
@@ -46,6 +47,12 @@ class EngineLike(Protocol):
 
     def init_worker_thread(self) -> None:
         """Once, on the engine thread, before the first `admit`."""
+        ...
+
+    def holds(self, request: GenerationRequest) -> bool:
+        """Whether a queued `request` waits for a flight's prefill to reach the state it forks
+        (memrad.engine.attaching) instead of being admitted now; False with nothing in flight.
+        Optional: an engine without it holds nothing (the test fakes)."""
         ...
 
     def admit(self, request: GenerationRequest, emit: Callable[[str | TokenLogprob], None],
@@ -100,6 +107,7 @@ class Scheduler:
         self._engine = engine
         self._max_queue = max_queue
         self.max_batch = max(1, engine.max_batch)
+        self._holds: Callable[[GenerationRequest], bool] = getattr(engine, "holds", lambda request: False)
         self._jobs: list[Job] = []  # FIFO: [running..., waiting...]; guarded by _wake
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -175,7 +183,9 @@ class Scheduler:
                     self._resolve(job, flight.completion, flight.error)
 
     def _next_waiting(self) -> Job | None:
-        return next((j for j in self._jobs if j.started_at is None and not j.cancelled), None)
+        """The first live queued job the engine does not hold back (cancelled ones leave through _abandoned)."""
+        return next((j for j in self._jobs if j.started_at is None and not j.cancelled and not self._holds(j.request)),
+                    None)
 
     def _abandoned(self) -> list[Job]:
         """Waiting jobs cancelled before they started, not yet dropped (under _wake)."""

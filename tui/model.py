@@ -7,7 +7,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from memrad.protocol import (
-    DecisionEvent, Dropped, EvictEvent, FlightEvent, FlightInfo, ParkEvent, SessionInfo, StateSnapshot, TurnEvent,
+    DecisionEvent, Dropped, EvictEvent, FlightEvent, FlightInfo, ParkEvent, SessionInfo, StateSnapshot, ThreadsEvent,
+    TurnEvent,
 )
 
 OUTCOMES = ("all", "resumed", "declined", "cold")
@@ -69,6 +70,9 @@ class InspectorState:
             self.names.setdefault(key, record.identity or key)
         elif isinstance(record, Dropped):
             self.dropped += record.count
+        elif isinstance(record, ThreadsEvent):  # the header's threads flag, with the latest change's reason
+            flag = f"{record.summary} ({record.render()})"
+            self.flags = tuple((k, v) for k, v in self.flags if k != "threads") + (("threads", flag),)
 
     def decisions_for(self, outcome: str) -> list[DecisionEvent]:
         return [d for d in self.decisions if outcome == "all" or d.decision.outcome == outcome]

@@ -71,7 +71,8 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
                             compile=settings.engine.compile, tool_fallback=settings.tools.fallback,
                             max_batch=settings.server.max_batch, prefill_budget=settings.engine.prefill_budget or None,
                             batch_decode=settings.engine.batch_decode,
-                            grammar_compile_s=settings.limits.grammar_compile_s)
+                            grammar_compile_s=settings.limits.grammar_compile_s,
+                            adapt_threads=settings.model.threads == 0)
     return Engine(loaded, options, pool, disk, on_finished=on_finished)
 
 

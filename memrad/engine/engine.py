@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from memrad.chat.chat import Chat
+from memrad.engine.attaching import Attacher, Hold
 from memrad.engine.decode import builder
 from memrad.engine.decode.batch import BatchStep
 from memrad.engine.decode.decoder import Decoder
@@ -41,14 +42,18 @@ from memrad.engine.forward import prefill_spans
 from memrad.engine.model.hardware import Choice
 from memrad.engine.model.loader import LoadedModel
 from memrad.engine.events import Publisher
-from memrad.engine.parking import DiskLike, NoDisk, NoParking, Parking, ParkingLike, Prefilled, essential
+from memrad.engine.parking import (DiskLike, NoDisk, NoParking, Parking, ParkingLike, Prefilled, Snapshotter,
+                                   essential)
 from memrad.engine.sampling import Shaper, sample, shapes
 from memrad.engine.state.layers import install as install_slabs
-from memrad.engine.state.snapshot import Snapshot, is_croppable
+from memrad.engine.state.snapshot import is_croppable
+from memrad.engine.team import PHASES, Ceiling, TeamPolicy
+from memrad.engine.threads import Team, cpu_ceiling
 from memrad.engine.threads import pin as pin_threads
 from memrad.grid import find_anchors
-from memrad.protocol import Decision, FlightEvent, FlightInfo, PoolStats, SessionInfo, TurnEvent
+from memrad.protocol import Decision, FlightEvent, FlightInfo, PoolStats, SessionInfo, ThreadsEvent, TurnEvent
 from memrad.request import Completion, GenerationRequest, TokenLogprob
+from memrad.reuse.attach import Attachment
 from memrad.reuse.fingerprint import Segment, chain, derive_openers, derive_reply_header, segments
 from memrad.reuse.planner import Mode, Plan, RequestView
 from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
@@ -104,6 +109,9 @@ class EngineOptions:
     batch_decode: str = "batched"
     # A grammar's compile (with its first mask) slower than this is refused (limits.grammar_compile_s).
     grammar_compile_s: float | None = None
+    # True: the intra-op count per phase follows the CPU actually free (memrad.engine.team),
+    # `threads` the most it starts at; False: `threads` for every step (model.threads set).
+    adapt_threads: bool = False
 
 
 class Engine:
@@ -151,6 +159,12 @@ class Engine:
         self.parking: ParkingLike = NoParking(self.new_cache) if pool is None else Parking(
             pool, disk, loaded.tokenizer, self.openers, loaded.model.config, self.prefill_chunk, mode,
             self.new_cache, self.events)
+        # A request extending the prompt of one still on the model forks its live state
+        # (memrad.reuse.attach): a reuse tier, so off with the pool.
+        self.attacher = Attacher(self.prefill_chunk, mode, loaded.model.config) if pool is not None else None
+        # The engine thread's intra-op count, per phase (memrad.engine.threads.Team).
+        self.team = Team(_team_policy(options), on_change=self._threads_changed,
+                         ceiling=lambda: _capped(cpu_ceiling(), options.threads))
 
     @property
     def model_id(self) -> str:
@@ -170,7 +184,21 @@ class Engine:
                 "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason},
                 "step": {"value": self.step_choice.value, "reason": self.step_choice.reason},
                 "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()},
-                "batch": self._batch_choice()}
+                "batch": self._batch_choice(), "threads": self._threads_choice()}
+
+    @property
+    def thread_counts(self) -> dict[str, int]:
+        """The intra-op count each phase runs at now (/metrics)."""
+        return {phase: self.team.policy.count(phase) for phase in PHASES}
+
+    def _threads_choice(self) -> dict[str, str]:
+        policy = self.team.policy
+        return {"value": ", ".join(f"{phase} {policy.count(phase)}" for phase in PHASES),
+                "reason": "; ".join(f"{phase}: {policy.reason(phase)}" for phase in PHASES)}
+
+    def _threads_changed(self, change: ThreadsEvent) -> None:
+        at = time.time()  # the policy stamps its own (monotonic) clock
+        self.events(lambda: replace(change, at=at))
 
     def _batch_choice(self) -> dict[str, str]:
         """How requests in flight together decode (`memrad status`, /health)."""
@@ -267,6 +295,28 @@ class Engine:
     def has_room(self) -> bool:
         return len(self._flights) < self.max_batch
 
+    def holds(self, request: GenerationRequest) -> bool:
+        """Check before `admit` (engine thread): True while `request` should stay queued
+        because a flight still prefilling the prompt it extends (a retry, a reconnecting
+        client) will reach the cut it forks at, and nothing parked offers as much: admitted
+        then, it forks that state instead of priming the same tokens beside it
+        (memrad.engine.attaching). False when nothing is in flight."""
+        if self.attacher is None or not self._flights:
+            return False
+        hold = self.attacher.held(request)
+        if hold is None:
+            anchors = find_anchors(request.prompt_ids, self.reply_header)
+            found = self.attacher.source(request, anchors, self._flights)
+            if found is None or self.attacher.ready(*found):
+                return False
+            if found[1] <= self.plan(request, anchors=anchors).decision.reused_tokens:
+                return False
+            hold = self.attacher.hold(request, *found)
+            log.info("%s waits for %s's prefill (at %d of %d) to pass %d", request.request_id,
+                     hold.attachment.source_id, hold.attachment.at, hold.attachment.source_tokens,
+                     hold.attachment.target)
+        return self.attacher.waits(hold, self._flights)
+
     def admit(self, request: GenerationRequest, emit: Callable[[str | TokenLogprob], None],
               cancelled: Callable[[], bool], on_decision: Callable[[Decision], None] | None = None) -> Flight:
         """Plan `request`, check out the state it resumes from and put it in flight (engine
@@ -284,11 +334,20 @@ class Engine:
         # parked session's fingerprint all read them.
         prompt_segments = segments(prompt, self.openers)
         anchors = find_anchors(prompt, self.reply_header)  # () in fast mode: no header to find
+        hold = self.attacher.take(request) if self.attacher is not None else None
         planned = self.plan(request, prompt_segments, anchors)
         checking_out = time.perf_counter()
-        decided = self.parking.load(planned, replan=lambda: self.plan(request, prompt_segments, anchors))
-        candidate = self.parking.get(decided.decision.candidate)  # before a replace takes it out of the pool
-        cache, pre = self.parking.check_out(decided, anchors)
+        live = self._live_fork(request, anchors, planned, hold)
+        if live is not None:
+            decided, cache, pre = live
+            candidate = self.parking.get(decided.decision.candidate)
+        else:
+            decided = self.parking.load(planned, replan=lambda: self.plan(request, prompt_segments, anchors))
+            if hold is not None:  # its source ended before the cut: what it parked is in the plan
+                decided = replace(decided, decision=replace(decided.decision,
+                                                            reason=hold.attachment.ended(decided.decision.reason)))
+            candidate = self.parking.get(decided.decision.candidate)  # before a replace takes it out of the pool
+            cache, pre = self.parking.check_out(decided, anchors)
         # What the resume cost before any priming (memrad.protocol.Decision.render_cost).
         decided = replace(decided, decision=replace(decided.decision, copied_bytes=pre.copied_bytes,
                                                     checkout_s=time.perf_counter() - checking_out))
@@ -315,6 +374,22 @@ class Engine:
         self._report(flight)
         return flight
 
+    def _live_fork(self, request: GenerationRequest, anchors: tuple[int, ...], planned: Plan,
+                   hold: Hold | None) -> tuple[Plan, Any, Prefilled] | None:
+        """Fork a flight's live state where it reuses more than the pool's plan: the plan, the
+        forked cache and its Prefilled; None to go with the pool."""
+        found = self.attacher.source(request, anchors, self._flights) if self.attacher is not None else None
+        if found is None or not self.attacher.ready(*found) or found[1] <= planned.decision.reused_tokens:
+            return None
+        source, target = found
+        at = hold.attachment.at if hold is not None and hold.source is source else source.pre.primed_to
+        attachment = Attachment(source.request.request_id, len(source.request.prompt_ids), at, target)
+        primed = len(request.prompt_ids) - target
+        decision = Decision(request.request_id, "resumed", attachment.forked(primed), target, primed, tier="live",
+                            checkpoint=target)
+        return (Plan(decision, checkpoint=target, fork=True), self.attacher.fork(source, target),
+                Prefilled(target, target, {}, anchors))
+
     def flight_infos(self) -> list[FlightInfo]:
         """The requests on the model now, in admission order (the control snapshot)."""
         return [flight.info() for flight in tuple(self._flights)]
@@ -337,6 +412,8 @@ class Engine:
         one first), so a short prompt is not stuck behind a long one and none starves. Flights that ended are parked and
         returned (`completion` or `error` set)."""
         decoding = [f for f in self._flights if f.phase == "decode" and f.pending is not None]
+        phase = "batch" if len(decoding) > 1 else "decode"
+        threads, started_s = (self.team.size_for(phase), self.team.now()) if decoding else (0, 0.0)
         for feed, group in _by_feed(decoding):
             try:
                 if isinstance(feed, BatchStep):
@@ -356,12 +433,17 @@ class Engine:
                 for flight in group:
                     if flight.phase != "done":
                         flight.fail(exc)
+        if decoding:
+            self.team.ran(phase, threads, len(decoding), started_s)
         prefilling = min((f for f in self._flights if f.phase == "prefill"), key=lambda f: f.prefilled_at, default=None)
         if prefilling is not None:
             self._steps += 1
             prefilling.prefilled_at = self._steps
+            threads, started_s = self.team.size_for("prefill"), self.team.now()
             try:
-                prefilling.prefill(self.loaded.model, self.prefill_budget)
+                ran = prefilling.prefill(self.loaded.model, self.prefill_budget)
+                if ran:
+                    self.team.ran("prefill", threads, ran, started_s)
             except Exception as exc:
                 prefilling.fail(exc)
         ended = [f for f in self._flights if f.phase == "done"]
@@ -428,21 +510,13 @@ class Engine:
         matcher = self.chat.grammars.matcher(params.constraint) if params.constraint is not None else None
         return Shaper(params, request.prompt_ids, logits.numel(), self.loaded.eos_ids, matcher)
 
-    def _snapshotter(self, cache: Any, pre: Prefilled, prompt_len: int) -> Callable[[int], None]:
+    def _snapshotter(self, cache: Any, pre: Prefilled, prompt_len: int) -> Snapshotter:
         """Clone non-croppable state at the essential positions and at each reply anchor below
         P (boundary checkpoints) as prefill passes them."""
         wanted: set[int] = set()
         if not is_croppable(cache):
             wanted = essential(prompt_len, self.prefill_chunk, pre.anchors, self.mode) | {a for a in pre.anchors if a < prompt_len}
-        if pre.start in wanted and pre.start > 0:
-            pre.snapshots[pre.start] = Snapshot.take(cache, pre.start)
-
-        def after_chunk(end: int) -> None:
-            pre.primed_to = end
-            if end in wanted:
-                pre.snapshots[end] = Snapshot.take(cache, end)
-
-        return after_chunk
+        return Snapshotter(cache, pre, wanted)
 
     def close(self) -> list[str]:
         """At `memrad stop`: stop the decode step's compile and write every parked session to
@@ -458,6 +532,23 @@ class Engine:
             self.on_finished(state)
         except Exception:  # a hook failure must not fail the request it came from
             log.exception("on_finished hook failed for %s", state.request.request_id)
+
+
+# Why prefill keeps one count in exact mode (measured: docs/BENCHMARKS.md, Shared machine).
+STEADY_PREFILL = ("exact mode keeps the count it started with: prefill GEMMs reduce in another order at "
+                  "another count (oneDNN bf16), and a resumed prefill must give a cold one's bits")
+
+
+def _team_policy(options: EngineOptions) -> TeamPolicy:
+    """Fixed at options.threads, or following the CPU actually free from at most that."""
+    if not options.adapt_threads:
+        return TeamPolicy(Ceiling(options.threads, "set by model.threads"), fixed=options.threads)
+    return TeamPolicy(_capped(cpu_ceiling(), options.threads), now_s=time.monotonic(),
+                      steady={"prefill": STEADY_PREFILL} if options.mode == "exact" else None)
+
+
+def _capped(ceiling: Ceiling, threads: int) -> Ceiling:
+    return ceiling if ceiling.cpus <= threads else Ceiling(threads, f"at most {threads} threads asked")
 
 
 def _by_feed(flights: list[Flight]) -> list[tuple[Any, list[Flight]]]:

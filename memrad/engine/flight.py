@@ -22,8 +22,10 @@ import torch
 from memrad.chat.detokenize import IncrementalDetokenizer
 from memrad.chat.stops import StopMatcher
 from memrad.engine.forward import cache_length, prefill_span
+from memrad.engine.interrupt import Interrupted, between_layers, rewind_layers
 from memrad.engine.parking import Prefilled
 from memrad.engine.sampling import Shaper, make_generator, token_logprob
+from memrad.engine.state.snapshot import is_croppable
 from memrad.protocol import FlightInfo
 from memrad.request import Completion, FinishReason, GenerationRequest, TokenLogprob
 from memrad.reuse.fingerprint import Segment
@@ -94,6 +96,9 @@ class Flight:
         self._detok = IncrementalDetokenizer(sampling.tokenizer, sampling.markup_ids)
         self._stops = StopMatcher(self._params.stop)
         self._shaper: Shaper | None = None
+        # Every layer can be cut back: a cancel lands between decoder layers (memrad.engine.interrupt),
+        # a request attached to this one forks it at any cut (memrad.engine.attaching)
+        self.croppable = is_croppable(cache)
 
     @property
     def checkpoint(self) -> int:
@@ -119,14 +124,26 @@ class Flight:
 
     def prefill(self, model: Any, budget: int) -> int:
         """Run grid chunks until `budget` tokens ran (at least one chunk); returns the tokens
-        run. The last chunk's logits are sampled at once (the first token)."""
+        run. The last chunk's logits are sampled at once (the first token). A cancel ends the
+        flight between chunks, or between layers mid-chunk (memrad.engine.interrupt): the
+        cache then holds exactly the chunks that completed, up to `pre.primed_to`."""
         ran = 0
         while self.spans and (ran == 0 or ran + self.spans[0][1] - self.spans[0][0] <= budget):
             if self.cancelled():
                 self._end("cancelled")
                 return ran
-            a, b = self.spans.pop(0)
-            logits = prefill_span(model, self.cache, self._ids, self.pre.start, a, b)
+            a, b = self.spans[0]
+            try:
+                if self.croppable:
+                    with between_layers(model, self.cancelled):
+                        logits = prefill_span(model, self.cache, self._ids, self.pre.start, a, b)
+                else:
+                    logits = prefill_span(model, self.cache, self._ids, self.pre.start, a, b)
+            except Interrupted:
+                rewind_layers(self.cache, a)
+                self._end("cancelled")
+                return ran
+            self.spans.pop(0)
             self.after_chunk(b)
             ran += b - a
             if not self.spans:

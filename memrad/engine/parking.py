@@ -57,6 +57,25 @@ class Prefilled:
     copied_bytes: int | None = None  # what a fork copied out of its source's state (None: nothing)
 
 
+class Snapshotter:
+    """Called after each prefill chunk with its end: moves `primed_to`, and clones
+    non-croppable state at the positions wanted (the essential ones, reply anchors below P,
+    and a cut a request attached to this prefill forks at: memrad.engine.attaching)."""
+
+    def __init__(self, cache: Any, pre: Prefilled, wanted: set[int]) -> None:
+        self.cache, self.pre, self.wanted = cache, pre, wanted
+        if pre.start in wanted and pre.start > 0:
+            pre.snapshots[pre.start] = Snapshot.take(cache, pre.start)
+
+    def want(self, position: int) -> None:
+        self.wanted.add(position)
+
+    def __call__(self, end: int) -> None:
+        self.pre.primed_to = end
+        if end in self.wanted:
+            self.pre.snapshots[end] = Snapshot.take(self.cache, end)
+
+
 def essential(prompt_len: int, chunk: int, anchors: tuple[int, ...], mode: Mode) -> set[int]:
     """Snapshot positions every non-croppable session keeps: the exact checkpoint (the last
     cut <= P) and, in fast mode, P itself."""

@@ -14,15 +14,28 @@ pinned to one thread before any torch work, the model loads on a thread that exi
 is done (libgomp frees a thread's team when the thread ends), and the other long-lived
 threads that may touch torch (the spill writer, the request-preparation lanes) are pinned to
 one thread: their ops run inline, without a team.
+
+The engine thread's team is resized per phase (`Team`, as memrad.engine.team decides): the
+count follows the CPU actually free, so a step does not wait at every barrier for a thread
+the kernel descheduled.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
+
+from memrad.engine.team import Ceiling, Phase, TeamPolicy, ceiling_of, parse_cpu_max
+from memrad.protocol import ThreadsEvent
+
+log = logging.getLogger("memrad.engine")
 
 T = TypeVar("T")
 
@@ -59,3 +72,86 @@ def on_passing_thread(fn: Callable[[], T], threads: int, name: str = "memrad-loa
     if not ok:
         raise value
     return value
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+LIMITS_EVERY_S = 5.0  # how often the affinity mask and the quota are read again
+
+
+def quota_cpus(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The tightest cgroup CPU quota over this process's cgroup and its ancestors, in CPUs
+    (v2 `cpu.max`; v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`); None where there is none."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    own = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), "/")
+    parts = [p for p in own.strip("/").split("/") if p]
+    found = []
+    for depth in range(len(parts), -1, -1):
+        try:
+            cpus = parse_cpu_max((root.joinpath(*parts[:depth]) / "cpu.max").read_text())
+        except OSError:
+            continue
+        if cpus is not None:
+            found.append(cpus)
+    for v1 in ("cpu", "cpu,cpuacct"):  # cgroup v1: cfs_quota_us of -1 is no quota
+        try:
+            quota_us = int((root / v1 / "cpu.cfs_quota_us").read_text())
+            period_us = int((root / v1 / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        if quota_us > 0 and period_us > 0:
+            found.append(quota_us / period_us)
+    return min(found) if found else None
+
+
+def cpu_ceiling() -> Ceiling:
+    """What this process may run on now: its affinity mask, lowered to its cgroup quota."""
+    return ceiling_of(len(os.sched_getaffinity(0)), quota_cpus())
+
+
+class Team:
+    """The engine thread's team, resized per phase as a TeamPolicy (memrad.engine.team) says.
+
+    Call `size_for(phase)` before a step and `ran(...)` after it, on the engine thread. A
+    count that changed is applied with `torch.set_num_threads` (libgomp resizes the team at
+    the next parallel region: no thread is created or joined while the pool is warm), and a
+    change is logged and handed to `on_change`.
+    """
+
+    def __init__(self, policy: TeamPolicy, on_change: Callable[[ThreadsEvent], None] = lambda change: None,
+                 clock: Callable[[], float] = time.monotonic, ceiling: Callable[[], Ceiling] = cpu_ceiling) -> None:
+        self.policy = policy
+        self._on_change = on_change
+        self._clock = clock
+        self._ceiling = ceiling
+        self._limits_at_s = clock()
+
+    def size_for(self, phase: Phase) -> int:
+        """Set the count `phase`'s next step runs at; returns it."""
+        now = self._clock()
+        if not self.policy.fixed and now - self._limits_at_s >= LIMITS_EVERY_S:
+            self._limits_at_s = now
+            ceiling = self._ceiling()
+            if ceiling != self.policy.ceiling:
+                for change in self.policy.set_ceiling(ceiling, now):
+                    self._changed(change)
+        threads = self.policy.threads_for(phase, now)
+        if not self.policy.fixed and torch.get_num_threads() != threads:  # fixed: init_worker_thread's pin stays
+            torch.set_num_threads(threads)
+        return threads
+
+    def ran(self, phase: Phase, threads: int, work: int, started_s: float) -> None:
+        """A step of `phase` that `size_for` sized at `threads` ran `work` units since `started_s`."""
+        now = self._clock()
+        change = self.policy.observe(phase, threads, work, now - started_s, now)
+        if change is not None:
+            self._changed(change)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def _changed(self, change: ThreadsEvent) -> None:
+        log.info("threads: %s", change.render())
+        self._on_change(change)

@@ -112,4 +112,7 @@ def _gauges(ctx: ServerContext) -> dict:
     values.update(pool_sessions={"memory": stats.sessions, "disk": stats.disk_sessions},
                   pool_bytes={"memory": stats.bytes_parked, "disk": stats.disk_bytes},
                   pool_max_bytes=stats.max_bytes, pool_max_sessions=stats.max_sessions)
+    counts = getattr(ctx.engine, "thread_counts", None)  # the test fakes have none
+    if counts:
+        values["threads"] = counts
     return values

@@ -283,3 +283,9 @@ class OpenAIShape:
 
     def stream_error(self, body: dict) -> list[Event]:
         return [(None, body)]
+
+    def keepalive(self) -> list[Event]:
+        # A chunk of its own would be a choice without content to every parser; the comment
+        # reaches the clients that time bytes (the SDKs' read timeouts), which is all of them
+        # we pin (docs/SERVING.md, Keepalives).
+        return []

@@ -92,6 +92,9 @@ def state_snapshot(ctx: ServerContext) -> StateSnapshot:
              ("longest_prefix", str(settings.affinity.longest_prefix).lower()),
              ("pool", str(settings.pool.enabled).lower()),
              ("prefill_chunk", str(settings.engine.prefill_chunk)), ("dtype", ctx.dtype))
+    threads = ctx.engine.runtime_choices.get("threads")
+    if threads is not None:  # memra-tui keeps it current from ThreadsEvents
+        flags += (("threads", threads["value"]),)
     return StateSnapshot(model=ctx.engine.model_id, device=ctx.device, uptime_s=round(time.time() - ctx.started_at, 3),
                          requests_served=ctx.scheduler.requests_served, pool=ctx.engine.stats(), flags=flags,
                          sessions=tuple(ctx.engine.infos()), flights=tuple(ctx.engine.flight_infos()))

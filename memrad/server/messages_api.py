@@ -286,3 +286,7 @@ class MessagesShape:
 
     def stream_error(self, body: dict) -> list[Event]:
         return [("error", body)]
+
+    def keepalive(self) -> list[Event]:
+        # Anthropic's own keepalive: an event, so event-counting idle timers see it too.
+        return [("ping", {"type": "ping"})]

@@ -145,6 +145,8 @@ GAUGES = {
     "pool_bytes_ledger": ("Parked bytes in memory per the park/evict events alone (checks pool_bytes)", None),
     "queue_depth": ("Requests waiting for the model", None),
     "running_requests": ("Requests on the model now (0 to max_batch)", None),
+    "threads": ("The engine's intra-op threads per phase now (prefill, decode, batch); the reason: "
+                "`memrad status`", "phase"),
 }
 
 METRICS = web.AppKey("metrics", Metrics)

@@ -382,6 +382,11 @@ class ResponsesShape:
                 part["logprobs"] = logprob_entries(c.logprobs)
         return response
 
+    def keepalive(self) -> list[Event]:
+        """`response.in_progress` again: Codex CLI's stream_idle_timeout waits for the next
+        SSE *event* (comments never reach it), and skips event types it does not act on."""
+        return [self._event("response.in_progress", response=self.response("in_progress"))]
+
     def stream_error(self, body: dict) -> list[Event]:
         """An `error` event, then `response.failed`: Codex acts on the latter's error.code
         (context_length_exceeded is final; anything else is retried)."""

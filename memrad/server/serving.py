@@ -53,6 +53,9 @@ class Shape(Protocol):
     def closing(self, reply: Reply, c: Completion, logprobs: tuple[TokenLogprob, ...] = ()) -> list[Event]: ...
     def whole(self, reply: Reply, c: Completion, decision: Decision | None) -> dict: ...
     def stream_error(self, body: dict) -> list[Event]: ...
+    # What resets the API's clients' idle timers while nothing else flows (prefill, a queue,
+    # a slow step); [] sends an SSE comment, which only byte-counting clients see.
+    def keepalive(self) -> list[Event]: ...
 
 
 # How often a handler checks whether its client went away when its connection is not
@@ -283,8 +286,9 @@ def sse(payload: dict | str, event: str | None = None) -> bytes:
     return f"{head}data: {data}\n\n".encode()
 
 
-# Messages clients expect `ping` events; SSE comment lines are ignored by every SSE parser.
-KEEPALIVES: dict[ErrorStyle, bytes] = {"openai": b": keepalive\n\n", "anthropic": sse({"type": "ping"}, "ping")}
+# An SSE comment: every SSE parser skips it, so only clients that time the bytes see it
+# (httpx's read timeout in the OpenAI and Anthropic Python SDKs, undici's body timeout).
+KEEPALIVE_COMMENT = b": keepalive\n\n"
 
 
 async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch) -> web.StreamResponse:
@@ -296,7 +300,6 @@ async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch
                                            **decision_header(decision)})
     await response.prepare(request)
     shape = run.shape
-    keepalive = KEEPALIVES[run.style]
 
     async def write(data: bytes) -> None:
         if watch.gone:
@@ -323,7 +326,9 @@ async def _stream(request: web.Request, run: _Run, job: Job, watch: _ClientWatch
         elif isinstance(item, TokenLogprob):
             run.pending.append(item)
         elif item is IDLE:
-            await write(keepalive)  # prefill or a queue: keep first-byte and idle timers quiet
+            # prefill or a queue: keep first-byte and idle timers quiet (docs/SERVING.md, Keepalives)
+            events = shape.keepalive()
+            await (send(events) if events else write(KEEPALIVE_COMMENT))
         item = await watch.next_item(KEEPALIVE_S)
     try:
         completion = await job.result

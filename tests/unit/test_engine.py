@@ -121,14 +121,16 @@ def test_eos_ends_generation_without_being_counted_or_sent(tiny_loaded):
 
 def test_cancellation_stops_within_one_decode_step(tiny_engine):
     polls = []
+    req = request_for(tiny_engine, max_tokens=200)
+    chunks = len(canonical_chunks(0, req.num_prompt_tokens, 16, find_anchors(req.prompt_ids, tiny_engine.reply_header)))
+    # prefill polls once per chunk and once before each decoder layer (memrad.engine.interrupt),
+    # then once per decode step
+    polls_before_decode = chunks * (1 + tiny_engine.loaded.model.config.num_hidden_layers)
 
     def cancelled():
         polls.append(1)
-        return len(polls) > 5 + 3  # prefill polls once per chunk, then once per decode step
+        return len(polls) > polls_before_decode + 3
 
-    req = request_for(tiny_engine, max_tokens=200)
-    chunks = len(canonical_chunks(0, req.num_prompt_tokens, 16, find_anchors(req.prompt_ids, tiny_engine.reply_header)))
-    polls_before_decode = chunks
     done, _ = run(tiny_engine, req, cancelled)
     assert done.finish_reason == "cancelled"
     assert done.completion_tokens == len(polls) - polls_before_decode

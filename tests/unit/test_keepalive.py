@@ -1,6 +1,8 @@
-"""Slow prefill and queueing never look like a dead server (issue 20, item 3): a stream's
-headers and first event leave at once, then a keepalive at least every KEEPALIVE_S until
-tokens flow (Messages `ping` events, SSE comments on Chat and Responses)."""
+"""Slow prefill and queueing never look like a dead server (issue 20, item 3; issue 36, item 3):
+a stream's headers and first event leave at once, then a keepalive at least every KEEPALIVE_S
+until tokens flow: what each API's clients count (Messages `ping` events, Responses
+`response.in_progress` events, since Codex CLI's idle timer counts events and never sees a
+comment; SSE comments on Chat Completions, whose clients time bytes)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,14 @@ FIRST = {  # path -> (body, the first event's check)
     "/v1/messages": ({"model": "default", "max_tokens": 2, "messages": USER},
                      lambda e: e["event"] == "message_start" and e["data"]["message"]["usage"]["input_tokens"] > 0),
 }
-KEEPALIVE = {"/v1/chat/completions": ": keepalive", "/v1/responses": ": keepalive", "/v1/messages": "event: ping"}
+KEEPALIVE = {"/v1/chat/completions": ": keepalive", "/v1/responses": "event: response.in_progress",
+             "/v1/messages": "event: ping"}
+
+
+def keepalives(lines, path):
+    """When each keepalive arrived (Responses' opening in_progress event is not one)."""
+    found = [t for t, line in lines if line == KEEPALIVE[path]]
+    return found[1:] if path == "/v1/responses" else found
 
 
 async def timed_lines(resp, started: float) -> list[tuple[float, str]]:
@@ -57,7 +66,7 @@ async def test_a_slow_prefill_streams_its_first_event_at_once_then_keepalives(pa
             lines = await timed_lines(resp, started)
     at, event = first_event(lines)
     assert headers_at < 0.5 and at < 0.5 and is_first(event), (headers_at, lines[:3])
-    pings = [t for t, line in lines if line == KEEPALIVE[path]]
+    pings = keepalives(lines, path)
     assert 3 <= len(pings) <= 5, lines  # 0.8 s of prefill / 0.2 s
     assert all(b - a < 0.35 for a, b in zip([0.0, *pings], pings)), pings
 
@@ -79,6 +88,26 @@ async def test_a_queued_stream_gets_headers_and_its_first_event_while_it_waits(p
     at, event = first_event(lines)
     # The decision waits DECISION_WAIT_S for a running job; a queued one goes without it.
     assert headers_at < serving.DECISION_WAIT_S + 0.3 and at < serving.DECISION_WAIT_S + 0.3 and is_first(event)
-    pings = [t for t, line in lines if line == KEEPALIVE[path]]
+    pings = keepalives(lines, path)
     assert len(pings) >= 6, lines  # ~1 s queued + ~1 s of its own prefill
     assert lines[-1][1] in ("data: [DONE]", 'data: {"type": "message_stop"}') or lines[-2][1] == "event: response.incomplete"  # max_output_tokens
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+async def test_event_counting_clients_get_events_not_comments_before_the_first_token(path, monkeypatch):
+    # Codex CLI: `timeout(stream_idle_timeout, eventsource.next())`: a comment is no event
+    monkeypatch.setattr(serving, "KEEPALIVE_S", 0.2)
+    engine = SlowEngine(step_s=0.01, prefill_chunks=12, chunk_s=0.1)
+    body, _ = FIRST[path]
+    async with listening(engine) as (url, _), aiohttp.ClientSession() as http:
+        async with http.post(url + path, json={**body, "stream": True}) as resp:
+            lines = await timed_lines(resp, time.monotonic())
+    assert not any(line.startswith(":") for _, line in lines), lines
+    events = [json.loads(line[6:]) for _, line in lines if line.startswith("data: ")]
+    first_text = next(i for i, e in enumerate(events) if e["type"] in ("response.output_text.delta", "content_block_delta"))
+    waiting = [e for e in events[:first_text] if e["type"] in ("response.in_progress", "ping")]
+    assert len(waiting) >= 3, events[:first_text]  # 1.2 s of prefill / 0.2 s (+ the opening in_progress)
+    if path == "/v1/responses":
+        numbers = [e["sequence_number"] for e in events]
+        assert numbers == list(range(len(events)))  # one counter for every event, keepalives too
+        assert all(e["response"]["status"] == "in_progress" for e in waiting)

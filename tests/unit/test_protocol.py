@@ -2,7 +2,7 @@ import pytest
 
 from memrad.protocol import (
     RECORDS, Alternative, Decision, DecisionEvent, Dropped, EvictEvent, FlightEvent, FlightInfo, ParkEvent, PoolStats, ProtocolError, SegmentInfo,
-    SessionInfo, StateSnapshot, TurnEvent, from_line, to_line,
+    SessionInfo, StateSnapshot, ThreadsEvent, TurnEvent, from_line, to_line,
 )
 
 SEG = SegmentInfo("<|im_start|>user", 7, 14, "00ff00ff00ff00ff")
@@ -32,6 +32,7 @@ EXAMPLES = [
     ParkEvent(3.0, SESSION, "s2"),
     EvictEvent(4.0, "s1", 100, 4_608_000),
     Dropped(12),
+    ThreadsEvent(5.0, "decode", 2, 1, "steps 4.1x their quiet time for 3 s", "prefill 2, decode 1, batch 2"),
     ProtocolError("unknown op 'x'"),
 ]
 
@@ -63,3 +64,8 @@ def test_the_protocol_imports_only_the_standard_library():
     source = open(protocol.__file__).read()
     modules = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
     assert modules == {"__future__", "json", "dataclasses", "typing"}
+
+
+def test_a_threads_change_renders_its_phase_counts_and_reason():
+    event = ThreadsEvent(5.0, "decode", 2, 1, "steps 4.1x their quiet time for 3 s", "prefill 2, decode 1, batch 2")
+    assert event.render() == "decode 2 → 1: steps 4.1x their quiet time for 3 s"

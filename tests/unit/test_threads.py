@@ -78,3 +78,44 @@ def test_the_spill_writer_keeps_one_intra_op_thread(tmp_path):
                      lambda _, why: (seen.append((why, torch.get_num_threads())), done.set()))
     assert done.wait(10)
     assert seen == [("it holds no state", 1)]
+
+
+def test_the_team_applies_each_phases_count_and_reports_a_change_with_its_reason():
+    from memrad.engine.team import Ceiling, TeamPolicy
+    from memrad.engine.threads import Team
+
+    now, limits, changes = [0.0], [Ceiling(2, "2 CPUs in the affinity mask")], []
+    team = Team(TeamPolicy(limits[0]), on_change=changes.append, clock=lambda: now[0], ceiling=lambda: limits[0])
+    before = torch.get_num_threads()
+    try:
+        pin(2)
+        for step in range(2000):  # 7 s quiet (a probe at 1 loses at 5 s), then one busy process beside
+            threads = team.size_for("decode")
+            assert torch.get_num_threads() == threads
+            started = now[0]
+            now[0] += {2: 0.010 if step < 700 else 0.040, 1: 0.018}[threads]
+            team.ran("decode", threads, 1, started)
+            if changes:
+                break
+        assert [c.render() for c in changes] == ["decode 2 → 1: steps 4.0x their quiet time for 3 s"]
+        assert team.size_for("decode") == 1 == torch.get_num_threads() and team.policy.count("prefill") == 2
+        limits[0] = Ceiling(1, "the cgroup quota allows 1.5 CPUs")  # read again within LIMITS_EVERY_S
+        now[0] += 5.0
+        team.size_for("prefill")
+        assert [c.render() for c in changes[1:]] == ["prefill 2 → 1: the cgroup quota allows 1.5 CPUs",
+                                                 "batch 2 → 1: the cgroup quota allows 1.5 CPUs"]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_fixed_count_leaves_the_pinned_count_alone():
+    from memrad.engine.team import Ceiling, TeamPolicy
+    from memrad.engine.threads import Team
+
+    before = torch.get_num_threads()
+    try:
+        pin(1)
+        team = Team(TeamPolicy(Ceiling(2, "set by model.threads"), fixed=2), ceiling=lambda: Ceiling(1, "x"))
+        assert team.size_for("decode") == 2 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
