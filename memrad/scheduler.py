@@ -51,8 +51,7 @@ class EngineLike(Protocol):
 
     def holds(self, request: GenerationRequest) -> bool:
         """Whether a queued `request` waits for a flight's prefill to reach the state it forks
-        (memrad.engine.attaching) instead of being admitted now; False with nothing in flight.
-        Optional: an engine without it holds nothing (the test fakes)."""
+        (memrad.engine.attaching) instead of being admitted now; False with nothing in flight."""
         ...
 
     def admit(self, request: GenerationRequest, emit: Callable[[str | TokenLogprob], None],
@@ -107,7 +106,6 @@ class Scheduler:
         self._engine = engine
         self._max_queue = max_queue
         self.max_batch = max(1, engine.max_batch)
-        self._holds: Callable[[GenerationRequest], bool] = getattr(engine, "holds", lambda request: False)
         self._jobs: list[Job] = []  # FIFO: [running..., waiting...]; guarded by _wake
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -184,7 +182,7 @@ class Scheduler:
 
     def _next_waiting(self) -> Job | None:
         """The first live queued job the engine does not hold back (cancelled ones leave through _abandoned)."""
-        return next((j for j in self._jobs if j.started_at is None and not j.cancelled and not self._holds(j.request)),
+        return next((j for j in self._jobs if j.started_at is None and not j.cancelled and not self._engine.holds(j.request)),
                     None)
 
     def _abandoned(self) -> list[Job]:

@@ -66,6 +66,9 @@ class OneAtATime:
 
     max_batch = 1
 
+    def holds(self, request):
+        return False  # nothing waits for another's prefill: one at a time
+
     def admit(self, request, emit, cancelled, on_decision=None):
         flight = Done(self.generate(request, emit, cancelled, on_decision))
         self.__dict__.setdefault("_done", []).append(flight)

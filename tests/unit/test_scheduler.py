@@ -93,9 +93,14 @@ class FakeBatchEngine:
         self.flights = []
         self.admitted = []
         self.in_flight_per_step = []
+        self.go = threading.Event()  # the engine thread starts once the test has queued its jobs
+        self.go.set()
 
     def init_worker_thread(self):
-        pass
+        self.go.wait(10)
+
+    def holds(self, request):
+        return False
 
     def admit(self, request, emit, cancelled, on_decision=None):
         assert len(self.flights) < self.max_batch
@@ -124,9 +129,11 @@ class FakeBatchEngine:
 
 async def test_a_batching_engine_runs_max_batch_jobs_together_and_admits_in_arrival_order():
     engine = FakeBatchEngine(max_batch=2, steps=3)
+    engine.go.clear()  # all three queued before the engine thread admits any: no race on who is first seen
     scheduler = Scheduler(engine, max_queue=4)
     assert scheduler.max_batch == 2
     jobs = [scheduler.submit(req(i)) for i in range(3)]
+    engine.go.set()
     texts = [await drain(j) for j in jobs]
     completions = await asyncio.gather(*(j.result for j in jobs))
     assert [c.finish_reason for c in completions] == ["length"] * 3
