@@ -121,7 +121,7 @@ class LimitSettings:
     max_stop_chars: int = _key(256, "MEMRA_MAX_STOP_CHARS")
     max_schema_depth: int = _key(32, "MEMRA_MAX_SCHEMA_DEPTH")
     max_preparing_bytes: int = _key(64 * 1024 * 1024, "MEMRA_MAX_PREPARING_BYTES")
-    grammar_compile_s: float = _key(5.0, "MEMRA_GRAMMAR_COMPILE_S")
+    grammar_compile_s: float = _key(60.0, "MEMRA_GRAMMAR_COMPILE_S")
 
 
 @dataclass(frozen=True, slots=True)
