@@ -80,30 +80,40 @@ LIMITS_EVERY_S = 5.0  # how often the affinity mask and the quota are read again
 
 def quota_cpus(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
     """The tightest cgroup CPU quota over this process's cgroup and its ancestors, in CPUs
-    (v2 `cpu.max`; v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`); None where there is none."""
+    (v2 `cpu.max`; v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us` under the cpu controller's
+    mount, from the process's own v1 cgroup up); None where there is none."""
     try:
         lines = self_cgroup.read_text().splitlines()
     except OSError:
         return None
-    own = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), "/")
-    parts = [p for p in own.strip("/").split("/") if p]
-    found = []
-    for depth in range(len(parts), -1, -1):
-        try:
-            cpus = parse_cpu_max((root.joinpath(*parts[:depth]) / "cpu.max").read_text())
-        except OSError:
-            continue
-        if cpus is not None:
-            found.append(cpus)
+    paths = {}  # controller list ("" for v2, "cpu", "cpu,cpuacct") -> the process's cgroup path
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        paths[controllers] = path
+    found = [cpus for folder in _ancestors(root, paths.get("", "/"))
+             if (cpus := _read(lambda: parse_cpu_max((folder / "cpu.max").read_text()))) is not None]
     for v1 in ("cpu", "cpu,cpuacct"):  # cgroup v1: cfs_quota_us of -1 is no quota
-        try:
-            quota_us = int((root / v1 / "cpu.cfs_quota_us").read_text())
-            period_us = int((root / v1 / "cpu.cfs_period_us").read_text())
-        except (OSError, ValueError):
-            continue
-        if quota_us > 0 and period_us > 0:
-            found.append(quota_us / period_us)
+        own = next((path for controllers, path in paths.items() if v1 in controllers.split(",")), "/")
+        for folder in _ancestors(root / v1, own):
+            quota = _read(lambda: (int((folder / "cpu.cfs_quota_us").read_text()),
+                                   int((folder / "cpu.cfs_period_us").read_text())))
+            if quota is not None and quota[0] > 0 and quota[1] > 0:
+                found.append(quota[0] / quota[1])
     return min(found) if found else None
+
+
+def _ancestors(root: Path, path: str) -> list[Path]:
+    """`root`/`path` and each folder above it up to `root` (a container's mount shows its own
+    cgroup at the root, so a path from /proc/self/cgroup may not exist below it: skipped)."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    return [root.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def _read(read: Callable[[], T]) -> T | None:
+    try:
+        return read()
+    except (OSError, ValueError):
+        return None
 
 
 def cpu_ceiling() -> Ceiling:

@@ -9,7 +9,7 @@ import torch
 from memrad import daemon
 from memrad.config import ModelSettings, Settings
 from memrad.engine.state.disk import DiskTier
-from memrad.engine.threads import on_passing_thread, pin
+from memrad.engine.threads import on_passing_thread, pin, quota_cpus
 
 
 def _on_thread(fn):
@@ -119,3 +119,32 @@ def test_a_fixed_count_leaves_the_pinned_count_alone():
         assert team.size_for("decode") == 2 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def cgroup_tree(tmp_path, proc_lines, files):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "self").write_text("\n".join(proc_lines) + "\n")
+    for name, text in files.items():
+        path = tmp_path / "fs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path / "fs", tmp_path / "self"
+
+
+def test_the_quota_is_read_from_the_processs_own_cgroup_and_its_ancestors(tmp_path):
+    # v2: the tightest of the own cgroup's cpu.max and its parents'
+    root, me = cgroup_tree(tmp_path / "v2", ["0::/box/job"], {"box/job/cpu.max": "max 100000",
+                                                                 "box/cpu.max": "150000 100000"})
+    assert quota_cpus(root, me) == 1.5
+    # v1: the cpu controller's own cgroup (a `docker run --cpus 1.5` or a sub-cgroup beside a shell)
+    root, me = cgroup_tree(tmp_path / "v1", ["4:memory:/x", "1:cpu:/memra15", "0::/"],
+                           {"cpu/memra15/cpu.cfs_quota_us": "150000\n", "cpu/memra15/cpu.cfs_period_us": "100000\n",
+                            "cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
+    assert quota_cpus(root, me) == 1.5
+    # v1 in a container: the mount shows the container's own cgroup at its root
+    root, me = cgroup_tree(tmp_path / "ctr", ["3:cpu,cpuacct:/docker/abc", "0::/"],
+                           {"cpu,cpuacct/cpu.cfs_quota_us": "50000", "cpu,cpuacct/cpu.cfs_period_us": "100000"})
+    assert quota_cpus(root, me) == 0.5
+    root, me = cgroup_tree(tmp_path / "none", ["1:cpu:/", "0::/"], {"cpu/cpu.cfs_quota_us": "-1",
+                                                                    "cpu/cpu.cfs_period_us": "100000"})
+    assert quota_cpus(root, me) is None
