@@ -47,6 +47,7 @@ from memrad.engine.parking import (DiskLike, NoDisk, NoParking, Parking, Parking
 from memrad.engine.sampling import Shaper, sample, shapes
 from memrad.engine.state.layers import install as install_slabs
 from memrad.engine.state.snapshot import is_croppable
+from memrad.engine.model.products import Products
 from memrad.engine.team import PHASES, Ceiling, TeamPolicy
 from memrad.engine.threads import Team, cpu_ceiling
 from memrad.engine.threads import pin as pin_threads
@@ -163,7 +164,7 @@ class Engine:
         # (memrad.reuse.attach): a reuse tier, so off with the pool.
         self.attacher = Attacher(self.prefill_chunk, mode, loaded.model.config) if pool is not None else None
         # The engine thread's intra-op count, per phase (memrad.engine.threads.Team).
-        self.team = Team(_team_policy(options), on_change=self._threads_changed,
+        self.team = Team(_team_policy(options, loaded.products), on_change=self._threads_changed,
                          ceiling=lambda: _capped(cpu_ceiling(), options.threads))
 
     @property
@@ -184,6 +185,8 @@ class Engine:
                 "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason},
                 "step": {"value": self.step_choice.value, "reason": self.step_choice.reason},
                 "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()},
+                "attention": {"value": loaded.attention.value, "reason": loaded.attention.reason},
+                "products": {"value": loaded.products.choice.value, "reason": loaded.products.choice.reason},
                 "batch": self._batch_choice(), "threads": self._threads_choice()}
 
     @property
@@ -441,7 +444,8 @@ class Engine:
             prefilling.prefilled_at = self._steps
             threads, started_s = self.team.size_for("prefill"), self.team.now()
             try:
-                ran = prefilling.prefill(self.loaded.model, self.prefill_budget)
+                with self.loaded.products.context():  # the same bits at any count (model.products)
+                    ran = prefilling.prefill(self.loaded.model, self.prefill_budget)
                 if ran:
                     self.team.ran("prefill", threads, ran, started_s)
             except Exception as exc:
@@ -534,17 +538,16 @@ class Engine:
             log.exception("on_finished hook failed for %s", state.request.request_id)
 
 
-# Why prefill keeps one count in exact mode (measured: docs/BENCHMARKS.md, Shared machine).
-STEADY_PREFILL = ("exact mode keeps the count it started with: prefill GEMMs reduce in another order at "
-                  "another count (oneDNN bf16), and a resumed prefill must give a cold one's bits")
-
-
-def _team_policy(options: EngineOptions) -> TeamPolicy:
-    """Fixed at options.threads, or following the CPU actually free from at most that."""
+def _team_policy(options: EngineOptions, products: Products) -> TeamPolicy:
+    """Fixed at options.threads, or following the CPU actually free from at most that. In exact
+    mode prefill adapts only where its products give the same bits at any count."""
     if not options.adapt_threads:
         return TeamPolicy(Ceiling(options.threads, "set by model.threads"), fixed=options.threads)
-    return TeamPolicy(_capped(cpu_ceiling(), options.threads), now_s=time.monotonic(),
-                      steady={"prefill": STEADY_PREFILL} if options.mode == "exact" else None)
+    steady = None
+    if options.mode == "exact" and products.slices is None:
+        steady = {"prefill": f"exact mode keeps the count it started with: prefill products follow the count "
+                             f"({products.choice.reason}), and a resumed prefill must give a cold one's bits"}
+    return TeamPolicy(_capped(cpu_ceiling(), options.threads), now_s=time.monotonic(), steady=steady)
 
 
 def _capped(ceiling: Ceiling, threads: int) -> Ceiling:

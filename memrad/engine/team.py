@@ -23,11 +23,11 @@ of what the process may run at all, and moves it by one on what its steps say:
 
 A phase adapts only where its steps give the same bits at any count, so a change never
 changes what a request computes, only how fast: the one-row and batched decode steps, eager
-and compiled (tests/integration/test_threads_default_model.py). Prefill does not: oneDNN's
-bf16 GEMMs reduce in another order at another count (the default model's down projection,
-256 x 1536 -> 576, differs at 1 and 2 threads on Sapphire Rapids), and in exact mode a
-resumed prefill must be a cold one's bits, so there it keeps the count it started with
-(`steady`).
+and compiled, and prefill where its dense products run in fixed spans (memrad.engine.model
+.products; tests/integration/test_threads_default_model.py). Where they cannot (no compiler
+for the sliced product, a hybrid model), oneDNN's bf16 GEMMs reduce in another order at
+another count, and in exact mode a resumed prefill must be a cold one's bits, so there
+prefill keeps the count it started with (`steady`).
 """
 
 from __future__ import annotations

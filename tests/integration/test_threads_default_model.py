@@ -51,3 +51,39 @@ def test_one_row_and_batched_decode_give_the_same_bits_at_1_and_2_threads(served
         two = decode_at(engine, requests(engine, f"two{count}-", count), 2)
         one = decode_at(engine, requests(engine, f"one{count}-", count), 1)
         assert all(torch.equal(a, b) for a, b in zip(one, two)), (compile, count)
+
+
+def prefill_at(engine, request, counts):
+    """Run `request` with each prefill step at the next of `counts` (cycled) and decode at 2:
+    every step's logits and the parked state's keys of layer 0."""
+    before = torch.get_num_threads()
+    try:
+        flight = engine.admit(request, lambda _: None, lambda: False)
+        steps = 0
+        while flight.completion is None and flight.error is None:
+            torch.set_num_threads(counts[steps % len(counts)] if flight.phase == "prefill" else 2)
+            engine.step()
+            steps += 1
+    finally:
+        torch.set_num_threads(before)
+    state = engine.finished[-1]
+    return torch.stack(engine.scores[id(request.sampling)]), state.cache.layers[0].keys[:, :, : state.prompt_checkpoint].clone()
+
+
+def test_prefill_gives_the_same_bits_at_1_and_2_threads_so_its_count_may_follow_the_cpu(served):
+    """The default model's prefill chunks under memra's sliced products (memrad.engine.model.products):
+    a 3-chunk prompt prefilled at 2 threads, at 1, and switching every chunk gives the same
+    logits at every step and the same parked keys."""
+    assert served.products.choice.value == "sliced x2"
+    engine = stories.recording(stories.make_engine(served, 256, 2, pool=True, compile="off"))
+    text, ids = engine.chat.render([{"role": "user", "content": "Tell me about the tides and the moon. " * 70}], None)
+    assert 512 < len(ids) <= 768
+
+    def request(tag):
+        return GenerationRequest(tag, engine.model_id, tuple(ids), text, SamplingParams(temperature=0.0, max_tokens=3),
+                                 cache_salt=tag)
+
+    two = prefill_at(engine, request("two"), [2])
+    for counts in ([1], [1, 2]):
+        got = prefill_at(engine, request(f"at{counts}"), counts)
+        assert torch.equal(got[0], two[0]) and torch.equal(got[1], two[1]), counts

@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -156,3 +157,28 @@ def checked_load(compiler: str, source: Path, check: Callable[[], str | None]) -
         except (OSError, RuntimeError) as exc:
             why_not = str(exc)
     return why_not.splitlines()[0][:300] if why_not else None
+
+
+class ProbedKernel:
+    """One kernel of csrc/ made callable once per process: built (unless the cache must
+    already have it), loaded and checked by its `probe` ("" or None when it computes what it
+    should). `why_not()` is None once it runs, else why not; never raises."""
+
+    def __init__(self, source: Path, name: str, probe: Callable[[], str | None]) -> None:
+        self.source, self.name, self.probe = source, name, probe
+        self._lock = threading.Lock()
+        self._why_not: str | None = None
+        self._checked = False
+
+    def why_not(self, build_missing: bool = True) -> str | None:
+        """`build_missing=False` only loads a library an earlier build left in the cache."""
+        with self._lock:
+            if self._checked:
+                return self._why_not
+            compiler = cxx_compiler()
+            untried = unavailable(compiler, self.source, self.name, build_missing)
+            if untried is not None:
+                return untried
+            self._why_not = checked_load(compiler, self.source, self.probe)
+            self._checked = True
+            return self._why_not

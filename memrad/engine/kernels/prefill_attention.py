@@ -17,20 +17,14 @@ float64 before it is used; where a model runs it is decided at load (memrad.engi
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
-from memrad.engine.kernels.build import CSRC, checked_load, cxx_compiler, library_path, unavailable
+from memrad.engine.kernels.build import CSRC, ProbedKernel, library_path
 
 SOURCE = CSRC / "prefill_attention.cpp"
 # The probe's worst difference from float64 attention; bf16 outputs round at ~4e-3 of their size.
 _PROBE_TOLERANCE = 2e-2
-
-_lock = threading.Lock()
-_loaded: str | None = None  # why the kernel is unusable here, "" once it runs
-_checked = False
-
 
 def built(compiler: str) -> bool:
     """Whether an earlier build left this machine's library in the cache."""
@@ -46,17 +40,7 @@ def has_amx() -> bool:
 def load(build_missing: bool = True) -> str | None:
     """Make `torch.ops.memra.prefill_attention` callable and check it on a small case; None if
     it is, else why not. Never raises. `build_missing=False` only loads an earlier build."""
-    global _loaded, _checked
-    with _lock:
-        if _checked:
-            return _loaded or None
-        compiler = cxx_compiler()
-        why_not = unavailable(compiler, SOURCE, "the prefill kernel", build_missing)
-        if why_not is not None:
-            return why_not
-        _loaded = checked_load(compiler, SOURCE, _probe) or ""
-        _checked = True
-        return _loaded or None
+    return _KERNEL.why_not(build_missing)
 
 
 def _probe() -> str:
@@ -74,3 +58,6 @@ def _probe() -> str:
     if not math.isfinite(error) or error > _PROBE_TOLERANCE:
         return f"the prefill kernel's probe is off by {error:.3g} from float64 attention"
     return ""
+
+
+_KERNEL = ProbedKernel(SOURCE, "the prefill kernel", _probe)

@@ -13,6 +13,7 @@ import torch
 from memrad.engine.model import catalog, context as served_context, formats
 from memrad.engine.model.context import ServedContext
 from memrad.engine.model.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
+from memrad.engine.model.products import TORCH, Products, choose as prefill_products
 from memrad.engine.model.pull import (
     ModelUnavailable, Progress, has_block_caches, is_converted, model_dir, pull_gguf, pull_named,
 )
@@ -45,6 +46,9 @@ class LoadedModel:
     tensors: Choice = Choice("", "")
     # Prefill attention (memrad.engine.model.attention): "memra" (the AMX kernel) or "torch".
     attention: Choice = Choice("torch", "set by engine.prefill_attention")
+    # A prefill chunk's dense products (memrad.engine.model.products): fixed spans whose bits
+    # hold at any thread count (so prefill's team may follow the CPU), or torch's own.
+    products: Products = TORCH
 
     @property
     def context_len(self) -> int:
@@ -147,6 +151,10 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
 
     attention = install_attention(model, prefill_attention)
     progress(f"prefill attention {attention.value}: {attention.reason}")
+    from memrad.engine.threads import cpu_ceiling
+
+    products = prefill_products(model.config, cpu_ceiling().cpus)
+    progress(f"prefill products {products.choice.value}: {products.choice.reason}")
     progress(f"context {served.describe()}: {served.reason()}")
     head = " with the Q8_0 head" if applied.head.startswith("q8_0") else ""
     progress(f"weights {weights_choice.value}: {weights_choice.reason} ({applied.packed} layers packed{head}, "
@@ -166,6 +174,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         head=applied.head,
         tensors=Choice(formats.summary(applied.groups), formats.describe(applied.groups)),
         attention=attention,
+        products=products,
     )
 
 

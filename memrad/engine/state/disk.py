@@ -78,6 +78,7 @@ def state_format(loaded: Any, prefill_chunk: int, mode: str) -> dict[str, str]:
             "head": loaded.head,
             "rope": rope_key(loaded.model.config),  # a scaled context rotates every row differently
             "attention": loaded.attention.value,  # memra's prefill kernel and SDPA round differently
+            "products": loaded.products.choice.value,  # sliced (any count) or torch's (memrad.engine.model.products)
             "device": loaded.device.type,
             "chunk": str(prefill_chunk), "mode": mode}
 
