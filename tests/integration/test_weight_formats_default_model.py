@@ -2,6 +2,11 @@
 resumed turn equals its cold run, and `auto` picks int4 (the shipped Q4_1 blocks and Q8_0
 head) with the dtype the hardware is fast at."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -63,14 +68,51 @@ def test_auto_runs_the_shipped_4_bit_blocks_in_the_dtype_the_cpu_is_fast_at(load
     assert smol.model.lm_head.weight is smol.model.model.embed_tokens.weight  # the embedding stays float
 
 
-def test_the_q8_0_head_answers_a_short_question_sensibly(loaded):
+_FORCED_AVX2 = """
+import json
+import torch
+from memrad.engine.kernels import block_gemv
+from memrad.engine.model import kernel_choice
+from memrad.engine.model.block_linear import BlockLinear
+from memrad.engine.model.loader import load_model
+from memrad.request import GenerationRequest, SamplingParams
+from stories import make_engine
+
+torch.set_num_threads(2)
+# every group on the block kernel, whatever the load-time timing says
+kernel_choice.choose = lambda groups, *_: {g: kernel_choice.Verdict(g, True, "every group (test)") for g in groups}
+loaded = load_model("default", device="cpu", dtype="auto", weights="auto", context=8192)
+engine = make_engine(loaded, 256, 2, max_sessions=8, max_bytes=2**31, mode="exact")
+text, ids = engine.chat.render([{"role": "user", "content": "What is the capital of France?"}], None)
+reply = engine.generate(GenerationRequest("paris", engine.model_id, tuple(ids), text,
+                                          SamplingParams(temperature=0.0, max_tokens=16)), lambda _: None, lambda: False)
+blocks = [n for n, m in loaded.model.named_modules() if isinstance(m, BlockLinear)]
+print(json.dumps({"path": block_gemv.path(), "dtype": str(loaded.dtype), "head": "lm_head" in blocks,
+                  "on_blocks": len(blocks), "text": reply.text}))
+"""
+
+
+def test_the_q8_0_head_answers_a_short_question_sensibly_and_so_does_the_forced_avx2_path():
     # At the model's native 8,192: under the default 32k (yarn x4) SmolLM2 answers this one
     # in French gibberish ("La femme à France, …"; docs/BENCHMARKS.md, Long context), which
     # says nothing about the head. The head's sense is this test's point.
     engine = make_engine(load_model("default", device="cpu", dtype="auto", weights="auto", context=8192),
                          CHUNK, 2, max_sessions=8, max_bytes=2**31, mode="exact")
     reply, _ = _ask(engine, [{"role": "user", "content": "What is the capital of France?"}], "paris")
-    assert "Paris" in reply.text
+    assert reply.text == "The capital of France is Paris."
+    # The AVX2 path as an AVX2-only CPU runs it (torch and memra's kernels at AVX2, fp32), the head
+    # and all 210 Q4_1 layers on memra's block kernel: SmolLM2's float64 logits put "The" 0.08
+    # above "L" here; int8 activations (llama.cpp's q8_0) flipped it to "L'Étoile, ..." (as
+    # llama.cpp answers); the int16 activations keep the default path's reply word for word.
+    env = {**os.environ, "MEMRA_KERNEL_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.run([sys.executable, "-c", _FORCED_AVX2], capture_output=True, text=True,
+                           timeout=600, env=env)
+    assert child.returncode == 0, child.stderr[-2000:]
+    forced = json.loads(child.stdout.splitlines()[-1])
+    assert forced["path"].startswith("avx2 int16") and forced["dtype"] == "torch.float32"
+    assert forced["head"] and forced["on_blocks"] == 211  # the head and 30 layers x 7
+    assert forced["text"] == reply.text
 
 
 @pytest.mark.parametrize("weights,dtype,compile", [("int4", "bfloat16", "off"), ("int4", "bfloat16", "on"),

@@ -29,10 +29,10 @@ def _groups():  # [64, 128] blocks: 4 of 32 a row
 
 
 def test_the_verdict_names_the_winner_its_path_and_the_measured_ratio():
-    assert decide("head Q8_0", 0.010, 0.019, "avx2 int8 avx-vnni", "torch int4 hi|lo") == Verdict(
-        "head Q8_0", True, "memra block kernel, avx2 int8 avx-vnni, 1.9x torch int4 hi|lo (measured at load, one row)")
-    assert decide("layers Q4_1", 0.012, 0.010, "avx2 int8", "torch int4") == Verdict(
-        "layers Q4_1", False, "torch int4, 1.2x memra block kernel (avx2 int8; measured at load, one row)")
+    assert decide("head Q8_0", 0.010, 0.019, "avx2 int16 avx-vnni", "torch int4 hi|lo") == Verdict(
+        "head Q8_0", True, "memra block kernel, avx2 int16 avx-vnni, 1.9x torch int4 hi|lo (measured at load, one row)")
+    assert decide("layers Q4_1", 0.012, 0.010, "avx2 int16", "torch int4") == Verdict(
+        "layers Q4_1", False, "torch int4, 1.2x memra block kernel (avx2 int16; measured at load, one row)")
 
 
 def test_on_avx512_the_head_runs_the_blocks_and_the_layers_the_int4_kernel_as_measured_offline(monkeypatch):
@@ -49,7 +49,6 @@ def test_on_avx512_the_head_runs_the_blocks_and_the_layers_the_int4_kernel_as_me
 
 def test_on_avx2_each_group_is_measured_once_and_the_verdict_kept_for_later_starts(monkeypatch, tmp_path):
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
-    monkeypatch.setenv(kernel_choice.OPT_IN_ENV, "1")
     cache = tmp_path / "choices.json"
     path = block_gemv.path()
     verdicts = kernel_choice.choose(_groups(), {}, torch.float32, cache=cache, timer=_timer(1e-4, 3e-4))
@@ -73,7 +72,6 @@ def test_on_avx2_each_group_is_measured_once_and_the_verdict_kept_for_later_star
 
 def test_a_group_of_one_shape_is_timed_on_one_layer_and_counted_for_each(monkeypatch, tmp_path):
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
-    monkeypatch.setenv(kernel_choice.OPT_IN_ENV, "1")
     calls = []
     kernel_choice.choose({"layers Q4_0": _groups()["layers Q4_0"]}, {}, torch.float32, cache=tmp_path / "c.json",
                          timer=lambda *fns: calls.append(fns) or (1e-4, 1e-4))
@@ -89,7 +87,6 @@ def _load(folder):
 def test_on_avx2_the_layers_run_the_blocks_where_they_won_and_status_says_why(q4_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))  # a fresh verdicts file
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
-    monkeypatch.setenv(kernel_choice.OPT_IN_ENV, "1")
     monkeypatch.setattr(kernel_choice, "_fastest", _timer(1e-4, 2e-4))
     loaded = _load(q4_dir)
     model = loaded.model
@@ -125,7 +122,6 @@ def test_on_avx2_where_the_int4_kernel_wins_the_layers_they_pack_for_it_and_the_
         q4_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
-    monkeypatch.setenv(kernel_choice.OPT_IN_ENV, "1")
     monkeypatch.setattr(kernel_choice, "_fastest", _by_kernel({("BlockLinear", "Q8_0"): 1e-4, ("Q8Linear", None): 4e-4,
                                                                ("BlockLinear", "Q4_1"): 3e-4, ("Int4Linear", None): 2e-4}))
     loaded = _load(q4_dir)
@@ -136,14 +132,3 @@ def test_on_avx2_where_the_int4_kernel_wins_the_layers_they_pack_for_it_and_the_
             f"({path}; measured at load, one row))") in loaded.tensors.reason
     assert f"lm_head GGUF x1: Q8_0 blocks (memra block kernel, {path}, 4.0x torch int4 hi|lo" in loaded.tensors.reason
     assert not any(isinstance(m, Q8Linear) for m in loaded.model.modules())
-
-
-def test_on_avx2_the_block_kernel_is_opt_in_and_every_group_says_so(monkeypatch):
-    monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
-    monkeypatch.delenv(kernel_choice.OPT_IN_ENV, raising=False)
-
-    def never(*_fns):
-        raise AssertionError("measured while off")
-
-    verdicts = kernel_choice.choose(_groups(), {}, torch.float32, timer=never)
-    assert all(not v.blocks and v.reason == kernel_choice.OFF_REASON for v in verdicts.values())

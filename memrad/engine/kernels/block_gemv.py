@@ -3,8 +3,8 @@
 csrc/block_gemv.cpp multiplies activations by a GGUF's Q8_0 / Q5_0 / Q4_1 blocks as shipped
 (the layout and why: memrad.engine.model.block_linear, which packs the blocks and calls the op
 by name). It is built as every kernel is (memrad.engine.kernels.build), where the kernels' ISA
-is AVX512 (int16 activations) or AVX2 (int8 activations, llama.cpp's integer dot products;
-`MEMRA_KERNEL_ISA=avx2` forces that path on an AVX-512 machine), and checked against float64
+is AVX512 or AVX2 (int16 activations and integer multiply-adds on both, 16 or 8 lanes;
+`MEMRA_KERNEL_ISA=avx2` forces the AVX2 path on an AVX-512 machine), and checked against float64
 on each block kind, within its activation's rounding, before it is used.
 """
 
@@ -64,15 +64,15 @@ def _shape_of_output(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.
 
 
 def path() -> str:
-    """The loaded kernel's path: "avx2 int8 avx-vnni", "avx512 int16", ... (ISA, how the activation is
+    """The loaded kernel's path: "avx2 int16 avx-vnni", "avx512 int16", ... (ISA, how the activation is
     rounded, the dot instruction where it is not the ISA's own). Requires `why_not() is None`."""
     return torch.ops.memra.block_gemv_path()
 
 
 def activation_step(path_name: str) -> float:
-    """The activation's rounding as a fraction of its block's largest |x|: half a step of int8
-    (1/254) or int16 (1/65534); 0 for float32 (no rounding)."""
-    return {"int8": 1 / 254, "int16": 1 / 65534}.get(path_name.split()[1], 0.0)
+    """The activation's rounding as a fraction of its block's largest |x|: half a step of int16
+    (1/65534); 0 for float32 (no rounding)."""
+    return {"int16": 1 / 65534}.get(path_name.split()[1], 0.0)
 
 
 def _probe() -> str | None:

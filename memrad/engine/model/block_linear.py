@@ -11,11 +11,11 @@ blocks themselves:
     Q4_1 block (20 B)  | d fp16 | m fp16 | qs[16] |          w = d·q + m, q = nibble
 
     blocks  [N, K/32 · bytes] uint8, one output row per row, as llama.cpp lays them out
-    x [M, K] (bf16 or fp32) -> int16 (AVX512) or int8 (AVX2) per block of 32 -> int32 products,
+    x [M, K] (bf16 or fp32) -> int16 per block of 32 (AVX512, AVX2) -> int32 products,
                                float32 sums -> out [M, N]
 
 The weights are exactly the shipped ones (fp16 d is exact in float32; hi|lo rounds its scales
-to bf16); the activation moves by at most 2^-16 (AVX512) or 1/254 (AVX2) of its block's largest |x|. A layer's codes go
+to bf16); the activation moves by at most 2^-16 of its block's largest |x|. A layer's codes go
 out as Q5_0 blocks when every code fits 5 bits (all of a Q5_0 tensor's do), else as Q8_0. 4-bit
 blocks (Int4Blocks) go out as Q4_1 where d and m are fp16 values: all of a Q4_1 or Q4_0 tensor's
 (Q4_0's m = −8·d); Q4_K's sub-block scales d·sc and mins −dmin·m are not, so those layers keep
@@ -26,9 +26,8 @@ request's bits are the same alone or batched, on any thread count.
 Which groups of blocks run here and which on torch's int4 kernel, memrad.engine.model.kernel_choice
 decides: on AVX512 the head only (the head streams from memory, where fewer bytes won; the
 layers' blocks sit in cache, where the Q5_0 unpacking and the Q4_1 kind lost to torch's int4
-kernel: docs/BENCHMARKS.md#memras-block-kernel); on AVX2, where the activation is rounded to
-int8 and multiplied with llama.cpp's integer dot products, each group as measured at load
-(docs/BENCHMARKS.md#avx2-class-cpus). Without a compiler, on other CPUs and on CUDA the blocks
+kernel: docs/BENCHMARKS.md#memras-block-kernel); on AVX2, where torch's int4 kernel has half
+the width too, each group as measured at load (docs/BENCHMARKS.md#avx2-class-cpus). Without a compiler, on other CPUs and on CUDA the blocks
 run on torch's int4 kernel and `block_gemv.why_not` says why. Longer inputs (prefill) run the
 dense `weight` the layer keeps, as Int4Linear does.
 """

@@ -16,7 +16,7 @@ and what it runs as now:
 The dense ones carry a reason (why no packed form was used), and so does a Q8_0 head that runs
 hi|lo where memra's block kernel would run its blocks themselves (why it does not here), and
 every group whose kernel was chosen between memra's and torch's int4 ("memra block kernel,
-avx2 int8 avx-vnni, 1.9x torch int4 hi|lo (measured at load, one row)").
+avx2 int16 avx-vnni, 1.9x torch int4 hi|lo (measured at load, one row)").
 
 The choices themselves were measured per shape on the int4 kernel (docs/BENCHMARKS.md, "GGUF
 k-quants as shipped"): a packed form is used when it is exact as shipped, i.e. its error is only

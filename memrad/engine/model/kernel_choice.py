@@ -8,7 +8,7 @@ passes (hi|lo). Which is faster depends on the CPU:
     AVX512       block kernel (int16 activations)  int4: measured once (docs/BENCHMARKS.md#memras-block-kernel)
     AVX2         measured here, per group          measured here, per group
 
-On AVX2 (int8 activations, llama.cpp's dot products) each group (the head; the layers of one
+On AVX2 (int16 activations, integer multiply-adds as on AVX512) each group (the head; the layers of one
 GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
 each distinct shape (the head: its first HEAD_ROWS rows), the two kernels' calls interleaved
 (so a burst of other work falls on both), the fastest of REPS calls each (the least disturbed), weighted by how many layers have
@@ -42,14 +42,6 @@ HEAD_ROWS = 32768  # the head is timed on this many of its rows: its cost per ro
 REPS = 25
 CACHE_NAME = "block-choices.json"
 MEASURED_ON = ("AVX2",)  # kernel ISAs whose choice is measured here; AVX512's was measured once, offline
-
-# Off by default on AVX2: with the int8 activations SmolLM2's greedy answer to "What is the
-# capital of France?" (forced AVX2 on the Xeon, every group on the kernel) was French gibberish
-# where torch's int4 kernel says "Paris"; the first token already differs, so the head alone
-# flips it. Not yet understood (llama.cpp rounds its activations the same way), so opt-in.
-OPT_IN_ENV = "MEMRA_AVX2_BLOCKS"
-OFF_REASON = ("memra's block kernel is opt-in on AVX2 (MEMRA_AVX2_BLOCKS=1): its int8 activations changed "
-              "SmolLM2's answer (docs/BENCHMARKS.md#avx2-class-cpus)")
 
 Blocks = Int4Blocks | Int8Blocks
 Timer = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]]  # seconds a call of each
@@ -88,8 +80,6 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
     memra's kernel, the layers on torch's int4, as measured offline. `cache`: the verdicts file
     (default: beside the kernel libraries); `timer`: seconds a call of each of two takes (tests)."""
     isa, path = block_gemv.capability(), block_gemv.path()
-    if isa in MEASURED_ON and os.environ.get(OPT_IN_ENV) != "1":
-        return {group: Verdict(group, False, OFF_REASON) for group in groups}
     if isa not in MEASURED_ON:
         return {group: Verdict(group, group.startswith("head"),
                                f"memra block kernel, {path}; measured once: docs/BENCHMARKS.md#memras-block-kernel"

@@ -19,7 +19,8 @@
 // block's largest |x|: see `quantize`), so a block is one int16 x int16 multiply-add (exact) and
 // one float32 scale; a float32 product per weight needed twice the instructions and ran no
 // faster than hi|lo. Q4_1's min term is m * sum_j x_j = m * sx * (sum_j x16_j): the int sum is
-// exact, taken once per activation row and block.
+// exact, taken once per activation row and block. AVX2 does the same arithmetic at half the
+// width (8 lanes; int8 activations, llama.cpp's q8_0, flipped a near-tie greedy answer: below).
 //
 // A tile of output rows decodes each block's codes once and applies them to every activation
 // row (register-blocked: ROWS output rows x up to XROWS activation rows of accumulators), so
@@ -68,6 +69,48 @@ constexpr int64_t block_bytes() { return KIND == 8 ? 34 : KIND == 5 ? 22 : 20; }
 
 inline int64_t bytes_of(int64_t kind) { return kind == 8 ? block_bytes<8>() : kind == 5 ? block_bytes<5>() : block_bytes<4>(); }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+
+// x as int16 per block of 32 with its scale: x_j ~ sx * x16_j, |error| <= sx / 2 = 2^-16 of the
+// block's largest |x| (bf16 itself rounds that one by 2^-9). Products of the codes and int16
+// are exact in int32, and a lane's sum (2 products on AVX512, 4 on AVX2: < 2^24) exact in float32.
+struct Activation {
+  std::vector<int16_t> x16;  // [M, K]
+  std::vector<float> sx;  // [M, nb_pad], zeros past nb
+  std::vector<float> sums;  // [M, nb_pad]: sx * sum_j x16_j (Q4_1's min term), zeros past nb
+};
+
+inline Activation quantize(const float* x, int64_t M, int64_t K, int64_t nb_pad) {
+  const int64_t nb = K / GROUP;
+  Activation a{std::vector<int16_t>(M * K), std::vector<float>(M * nb_pad, 0.f), std::vector<float>(M * nb_pad, 0.f)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * GROUP;
+      float amax = 0.f;
+      for (int j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      int32_t total = 0;
+      for (int j = 0; j < GROUP; ++j) {
+        const int16_t q = static_cast<int16_t>(std::nearbyint(xb[j] * inv));
+        a.x16[m * K + b * GROUP + j] = q;
+        total += q;
+      }
+      a.sx[m * nb_pad + b] = amax / 32767.f;
+      a.sums[m * nb_pad + b] = a.sx[m * nb_pad + b] * static_cast<float>(total);
+    }
+  }
+  return a;
+}
+
+// The 8 floats' sum in one fixed order.
+inline float sum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+#endif
+
 #if defined(CPU_CAPABILITY_AVX512)
 
 // The block's 32 codes as int16 (q_j; q_j - 16 for Q5_0), weight j in lane j.
@@ -111,37 +154,6 @@ inline void scales(const uint8_t* row, int64_t stride, int64_t nb, int64_t nb_pa
   }
 }
 
-// x as int16 per block of 32 with its scale: x_j ~ sx * x16_j, |error| <= sx / 2 = 2^-16 of the
-// block's largest |x| (bf16 itself rounds that one by 2^-9). Products of the codes and int16
-// are exact in int32, and a pair's sum (< 2^24) exact in float32.
-struct Activation {
-  std::vector<int16_t> x16;  // [M, K]
-  std::vector<float> sx;  // [M, nb_pad], zeros past nb
-  std::vector<float> sums;  // [M, nb_pad]: sx * sum_j x16_j (Q4_1's min term), zeros past nb
-};
-
-inline Activation quantize(const float* x, int64_t M, int64_t K, int64_t nb_pad) {
-  const int64_t nb = K / GROUP;
-  Activation a{std::vector<int16_t>(M * K), std::vector<float>(M * nb_pad, 0.f), std::vector<float>(M * nb_pad, 0.f)};
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * GROUP;
-      float amax = 0.f;
-      for (int j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      int32_t total = 0;
-      for (int j = 0; j < GROUP; ++j) {
-        const int16_t q = static_cast<int16_t>(std::nearbyint(xb[j] * inv));
-        a.x16[m * K + b * GROUP + j] = q;
-        total += q;
-      }
-      a.sx[m * nb_pad + b] = amax / 32767.f;
-      a.sums[m * nb_pad + b] = a.sx[m * nb_pad + b] * static_cast<float>(total);
-    }
-  }
-  return a;
-}
-
 // The products' scales d * sx, [r][M][nb_pad], 16 blocks at a time.
 inline void products(const float* d, const float* sx, int64_t r, int64_t M, int64_t nb_pad, float* ds) {
   for (int64_t i = 0; i < r; ++i)
@@ -173,13 +185,6 @@ inline void tile_dot(const uint8_t* row, int64_t stride, const int16_t* x16, int
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) out[r * MC + m] = _mm512_reduce_add_ps(acc[r][m]);
-}
-
-// The 8 floats' sum in one fixed order.
-inline float sum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 
 // Q4_1: two output rows per vector. Their blocks' 16 code bytes side by side, widened to int16,
@@ -355,13 +360,15 @@ std::string path_name() { return HAS_VNNI ? "avx512 int16 avx512-vnni" : "avx512
 
 #elif defined(CPU_CAPABILITY_AVX2)
 
-// AVX2 (+FMA, F16C): llama.cpp's way. The activation is rounded to int8 per block of 32 (q8_0:
-// sx = max|x| / 127, x8_j = round(x_j / sx)), so a block is 32 int8 x int8 products summed by
-// `_mm256_maddubs_epi16` + `_mm256_madd_epi16` (or AVX-VNNI's `vpdpbusd`, one instruction) into
-// 8 int32 lanes, exact, and one float32 scale d * sx. maddubs takes one unsigned operand: the
-// signed kinds (Q8_0, Q5_0's q - 16) multiply |w| by x carrying w's sign; each pair's sum is at
-// most 2 * 128 * 127 < 2^15, so nothing saturates and madd and vpdpbusd give the same integers.
-// Q4_1's codes are unsigned already: q * x8, and its min term m * sx * sum_j x8_j.
+// AVX2 (+FMA, F16C): the AVX512 path's arithmetic at half the width. The activation is rounded
+// to int16 per block of 32 (`quantize`, above), a block's codes widened to int16, and its 32
+// products summed by two `_mm256_madd_epi16` (or one madd and AVX-VNNI's `vpdpwssd`) into 8
+// int32 lanes: each lane 4 products, at most 4 * 128 * 32767 < 2^24, exact in int32 and in
+// float32; then one float32 scale d * sx per block. int8 activations (llama.cpp's q8_0, the
+// `maddubs` way) cost no fewer instructions a block here and move each entry by up to 1/254 of
+// its block's largest |x|: on SmolLM2's head that flipped "What is the capital of France?"
+// from "The" (25.325 against 25.243 in float64) to "L'Étoile, ...", as llama.cpp answers too
+// (docs/BENCHMARKS.md#avx2-class-cpus). Q4_1's min term is m * sx * sum_j x16_j, as on AVX512.
 
 inline float half_f16c(const uint8_t* p) {
   uint16_t bits;
@@ -369,19 +376,22 @@ inline float half_f16c(const uint8_t* p) {
   return _cvtsh_ss(bits);  // exact, as c10::Half's conversion
 }
 
-// The block's 32 codes as bytes, weight j in byte j: int8 w for Q8_0, q - 16 for Q5_0, q (0..15)
-// for Q4_1.
+// The 16 code bytes' nibbles, weight j in byte j (j < 16: low nibbles; 16..31: high).
 inline __m256i nibbles(const uint8_t* qs) {
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
 }
 
+// The block's 32 codes as int16: weights 0..15 in lo, 16..31 in hi (q_j; q_j - 16 for Q5_0).
 template <int KIND>
-inline __m256i codes8(const uint8_t* b) {
+inline void codes16(const uint8_t* b, __m256i& lo, __m256i& hi) {
   if constexpr (KIND == 8) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
   } else if constexpr (KIND == 4) {
-    return nibbles(b + 4);
+    const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+    lo = _mm256_and_si256(q, _mm256_set1_epi16(15));
+    hi = _mm256_srli_epi16(q, 4);
   } else {
     // byte j = 0xFF where bit j of qh is set: the high bit; where it is clear, 0xF0 | nibble is q - 16
     uint32_t qh;
@@ -390,91 +400,54 @@ inline __m256i codes8(const uint8_t* b) {
         _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
     const __m256i bit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
                                           _mm256_set1_epi64x(-1));
-    return _mm256_or_si256(nibbles(b + 6), _mm256_andnot_si256(bit, _mm256_set1_epi8(static_cast<char>(0xF0))));
+    const __m256i q = _mm256_or_si256(nibbles(b + 6), _mm256_andnot_si256(bit, _mm256_set1_epi8(static_cast<char>(0xF0))));
+    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
   }
 }
 
 const bool HAS_AVX_VNNI = [] {
-  const char* off = std::getenv("MEMRA_KERNEL_VNNI");  // "0": maddubs + madd (the same integers; tested)
+  const char* off = std::getenv("MEMRA_KERNEL_VNNI");  // "0": two madds (the same integers; tested)
   return __builtin_cpu_supports("avxvnni") && !(off != nullptr && off[0] == '0');
 }();
 
-// sum over each 4 bytes of u (unsigned) * s (signed) into 8 int32 lanes, exact (no pair reaches 2^15).
+// lo * x0 + hi * x1 summed in pairs into 8 int32 lanes, exact: VNNI's vpdpwssd does the second
+// multiply-add and the sum in one instruction (the same integers as madd + add). Written as asm:
+// AVX-VNNI is not in the AVX2 flags, and chosen at run time.
 template <bool VNNI>
-inline __m256i dot4(__m256i u, __m256i s) {
+inline __m256i pair_sums(__m256i lo, __m256i x0, __m256i hi, __m256i x1) {
+  __m256i sums = _mm256_madd_epi16(lo, x0);
   if constexpr (VNNI) {
-    __m256i acc = _mm256_setzero_si256();
-    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));  // AVX-VNNI; not in the AVX2 flags
-    return acc;
+    asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(sums) : "x"(hi), "x"(x1));
   } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(hi, x1));
   }
+  return sums;
 }
 
-// x as int8 per block of 32 with its scale: x_j ~ sx * x8_j, |error| <= sx / 2 = max|x| / 254.
-struct Activation {
-  std::vector<int8_t> x8;  // [M, K]
-  std::vector<float> sx;  // [M, nb]
-  std::vector<float> sums;  // [M, nb]: sx * sum_j x8_j (Q4_1's min term)
-};
-
-inline Activation quantize(const float* x, int64_t M, int64_t K) {
-  const int64_t nb = K / GROUP;
-  Activation a{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * GROUP;
-      float amax = 0.f;
-      for (int j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t total = 0;
-      for (int j = 0; j < GROUP; ++j) {
-        const int8_t q = static_cast<int8_t>(std::clamp(std::nearbyint(xb[j] * inv), -127.f, 127.f));
-        a.x8[m * K + b * GROUP + j] = q;
-        total += q;
-      }
-      a.sx[m * nb + b] = amax / 127.f;
-      a.sums[m * nb + b] = a.sx[m * nb + b] * static_cast<float>(total);
-    }
-  }
-  return a;
-}
-
-// The 8 floats' sum in one fixed order.
-inline float sum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
-}
-
-// R output rows from `row` against MC activation rows from x8 (row length K; sx, sums with row
+// R output rows from `row` against MC activation rows from x16 (row length K; sx, sums with row
 // pitch nb); out [R][MC]. Per output and block: lanes += (d * sx) * products; then the lanes
 // summed, plus (Q4_1) the min terms summed block by block: one order whatever R, MC or threads.
 template <int KIND, int R, int MC, bool VNNI>
-inline void tile_dot(const uint8_t* row, int64_t stride, const int8_t* x8, const float* sx, const float* sums,
+inline void tile_dot(const uint8_t* row, int64_t stride, const int16_t* x16, const float* sx, const float* sums,
                      int64_t K, int64_t nb, float* out) {
   __m256 acc[R][MC];
   float mins[R][MC];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_setzero_ps(), mins[r][m] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i c[R], u[R];
-    float d[R], mn[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* block = row + r * stride + b * block_bytes<KIND>();
-      c[r] = codes8<KIND>(block);
-      u[r] = KIND == 4 ? c[r] : _mm256_sign_epi8(c[r], c[r]);  // |w| (-128 -> 128 as unsigned)
-      d[r] = half_f16c(block);
-      if constexpr (KIND == 4) mn[r] = half_f16c(block + 2);
-    }
-    for (int m = 0; m < MC; ++m) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + m * K + b * GROUP));
-      const float s = sx[m * nb + b];
-      for (int r = 0; r < R; ++r) {
-        const __m256i signed_x = KIND == 4 ? xv : _mm256_sign_epi8(xv, c[r]);  // x with w's sign
-        const __m256 p = _mm256_cvtepi32_ps(dot4<VNNI>(u[r], signed_x));
-        acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * s), p, acc[r][m]);
-        if constexpr (KIND == 4) mins[r][m] = std::fma(mn[r], sums[m * nb + b], mins[r][m]);
+      __m256i lo, hi;
+      codes16<KIND>(block, lo, hi);  // decoded once for the MC activation rows
+      const float d = half_f16c(block);
+      for (int m = 0; m < MC; ++m) {
+        const int16_t* xb = x16 + m * K + b * GROUP;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
+        const __m256 p = _mm256_cvtepi32_ps(pair_sums<VNNI>(lo, x0, hi, x1));
+        acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(d * sx[m * nb + b]), p, acc[r][m]);
+        if constexpr (KIND == 4) mins[r][m] = std::fma(half_f16c(block + 2), sums[m * nb + b], mins[r][m]);
       }
     }
   }
@@ -482,18 +455,18 @@ inline void tile_dot(const uint8_t* row, int64_t stride, const int8_t* x8, const
     for (int m = 0; m < MC; ++m) out[r * MC + m] = KIND == 4 ? sum8(acc[r][m]) + mins[r][m] : sum8(acc[r][m]);
 }
 
-constexpr int64_t XROWS_AVX2 = 2;  // 16 ymm registers: ROWS x 2 accumulators, the codes and their magnitudes
+constexpr int64_t XROWS_AVX2 = 2;  // 16 ymm registers: ROWS x 2 accumulators, a row's codes and the activation
 
 template <int KIND, int R, bool VNNI>
 inline void tile_rows(const uint8_t* row, int64_t stride, const Activation& a, int64_t m0, int64_t mc, int64_t K,
                       int64_t nb, float* y) {
-  const int8_t* x8 = a.x8.data() + m0 * K;
+  const int16_t* x16 = a.x16.data() + m0 * K;
   const float* sx = a.sx.data() + m0 * nb;
   const float* sums = a.sums.data() + m0 * nb;
   if (mc == 1) {
-    tile_dot<KIND, R, 1, VNNI>(row, stride, x8, sx, sums, K, nb, y);
+    tile_dot<KIND, R, 1, VNNI>(row, stride, x16, sx, sums, K, nb, y);
   } else {
-    tile_dot<KIND, R, 2, VNNI>(row, stride, x8, sx, sums, K, nb, y);
+    tile_dot<KIND, R, 2, VNNI>(row, stride, x16, sx, sums, K, nb, y);
   }
 }
 
@@ -530,7 +503,7 @@ template <int KIND, typename T>
 void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
-  const Activation a = quantize(xf.const_data_ptr<float>(), M, K);
+  const Activation a = quantize(xf.const_data_ptr<float>(), M, K, K / GROUP);  // row pitch nb: no padding
   const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
   if (HAS_AVX_VNNI) {
     gemv_with<KIND, true>(a, M, K, N, bp, blocks.stride(0), out.data_ptr<T>());
@@ -539,7 +512,7 @@ void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   }
 }
 
-std::string path_name() { return HAS_AVX_VNNI ? "avx2 int8 avx-vnni" : "avx2 int8"; }
+std::string path_name() { return HAS_AVX_VNNI ? "avx2 int16 avx-vnni" : "avx2 int16"; }
 #else
 
 template <int KIND>
