@@ -521,7 +521,8 @@ def _build_decode_step(spec: str) -> None:
     its first token (it would serve eager until its own build lands, and an eager step can
     answer differently: docs/ARCHITECTURE.md, "The decode step"), the batched packages too
     (a start builds them only when a second request first decodes beside another). Each
-    build is announced with the last such build's time here, and ticks on a terminal."""
+    build is announced with the last such build's time here, then shows its phase: a bar
+    redrawn each second on a terminal (`_Ticker`), a line a phase elsewhere."""
     settings = load_settings({})
     if settings.engine.compile == "off":
         return

@@ -104,6 +104,10 @@ def main(argv: list[str]) -> int:
     from memrad.engine.model.loader import load_model
     from memrad.engine.state.kv import MAX_RESERVED_TOKENS
 
+    # The precompiled headers' directory is fixed when inductor's codecache is first imported
+    # (often before this harness runs): point it into this cache too, so a fresh cache is fresh.
+    codecache._HEADER_DIR = str(cache / "precompiled_headers")
+    codecache._HEADER_LOCK_DIR = str(cache / "precompiled_headers" / "locks")
     if args.wrapper_opt:
         package._AOTI_OPTIONS["aot_inductor.compile_wrapper_opt_level"] = args.wrapper_opt
     if args.line_tables:

@@ -195,3 +195,19 @@ def test_a_build_child_s_phases_reach_the_parent_as_they_come_and_its_failure_sa
     assert heard == ["loading the model", "exporting the graph"] and not builder._children
     with pytest.raises(RuntimeError, match="^building the package took more than 1 s$"):
         builder.run_child([sys.executable, "-c", "import time; time.sleep(30)"], 1, heard.append)
+
+
+def test_pull_redraws_the_bar_in_place_on_a_terminal(monkeypatch, capsys):
+    from memrad.cli import _Ticker
+
+    ticker = _Ticker()
+    ticker._terminal = True  # as on a terminal; the once-a-second redraw is not started here
+    monkeypatch.setattr("memrad.cli.time.monotonic", lambda: 100.0)
+    ticker.building(build_times.Progress("the decode step (one row, memra's attention kernel)", 97.0))
+    monkeypatch.setattr("memrad.cli.time.monotonic", lambda: 129.0)
+    ticker.building(build_times.Progress("the decode step (one row, memra's attention kernel)", 97.0,
+                                         build_times.PHASES[1]))
+    assert capsys.readouterr().out == (
+        "\r\033[Kbuilding the decode step (one row, memra's attention kernel): ~97 s (the last build here)\n"
+        "\r\033[K  [....................]   0 s of ~97 s (the last build here)"
+        "\r\033[K\r\033[K  [######..............]  29 s of ~97 s (the last build here); exporting the graph (2/4)")
