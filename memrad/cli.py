@@ -52,7 +52,7 @@ BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk
                    "faults": "faults", "plan-cost": "plan_cost", "sharing": "sharing",
                    "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns",
                    "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits",
-                   "arch-steps": "arch_steps",
+                   "arch-steps": "arch_steps", "build-phases": "build_phases",
                    "contended": "contended"}
 
 
@@ -521,7 +521,8 @@ def _build_decode_step(spec: str) -> None:
     its first token (it would serve eager until its own build lands, and an eager step can
     answer differently: docs/ARCHITECTURE.md, "The decode step"), the batched packages too
     (a start builds them only when a second request first decodes beside another). Each
-    build is announced with the last such build's time here, and ticks on a terminal."""
+    build is announced with the last such build's time here, then shows its phase: a bar
+    redrawn each second on a terminal (`_Ticker`), a line a phase elsewhere."""
     settings = load_settings({})
     if settings.engine.compile == "off":
         return
@@ -541,17 +542,21 @@ def _build_decode_step(spec: str) -> None:
 
 
 class _Ticker:
-    """Prints each build as it starts ('building the decode step (one row, ...): ~412 s (the last
-    build here)') and, on a terminal, its elapsed seconds once a second until the next line."""
+    """Prints each build as it starts ('building the decode step (one row, ...): ~97 s (the last
+    build here)'); then, on a terminal, redraws its bar once a second (against that estimate,
+    else against its phases: memrad.engine.decode.build_times.Progress.line), and elsewhere
+    (a log, a pipe) prints each phase as a line."""
 
     def __init__(self) -> None:
-        self._what: str | None = None
+        self._progress = None  # build_times.Progress of the build under way
         self._since = 0.0
+        self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._terminal = sys.stdout.isatty()
         self._thread = threading.Thread(target=self._tick, name="memrad-pull-ticker", daemon=True)
 
     def __enter__(self) -> "_Ticker":
-        if sys.stdout.isatty():
+        if self._terminal:
             self._thread.start()
         return self
 
@@ -561,16 +566,31 @@ class _Ticker:
             self._thread.join()
             print("\r\033[K", end="", flush=True)
 
-    def building(self, what: str) -> None:
-        if self._thread.is_alive():
-            print("\r\033[K", end="")
-        print(what, flush=True)
-        self._what, self._since = what, time.monotonic()
+    def building(self, progress) -> None:
+        from memrad.engine.decode.build_times import PHASES, estimate_of
+
+        with self._lock:
+            starts = self._progress is None or progress.what != self._progress.what
+            if starts:
+                self._since = time.monotonic()
+            self._progress = progress
+            if self._terminal:
+                print("\r\033[K", end="")
+            if starts:
+                print(f"building {progress.what}: {estimate_of(progress.estimate_s)}", flush=True)
+            elif not self._terminal and progress.phase in PHASES:
+                print(f"  phase {PHASES.index(progress.phase) + 1}/{len(PHASES)}: {progress.phase}", flush=True)
+            if self._terminal:
+                self._draw()
+
+    def _draw(self) -> None:
+        print(f"\r\033[K  {self._progress.line(time.monotonic() - self._since)}", end="", flush=True)
 
     def _tick(self) -> None:
         while not self._stop.wait(1.0):
-            if self._what is not None:
-                print(f"\r\033[K  ... {time.monotonic() - self._since:.0f} s", end="", flush=True)
+            with self._lock:
+                if self._progress is not None:
+                    self._draw()
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:

@@ -408,7 +408,11 @@ def test_the_llama_shaped_packages_are_compiled_to_round_where_eager_rounds(tiny
 
     monkeypatch.setattr(torch._inductor, "aot_compile", recording)
     step = new_step(tiny_loaded.model, 64)
+    heard = []
     for rows in (None, 4):
         with pytest.raises(Stop):
-            step_package.build(step, tiny_loaded.model.config, 64, True, Path("unused"), rows=rows)
+            step_package.build(step, tiny_loaded.model.config, 64, True, Path("unused"), rows=rows, phase=heard.append)
     assert [o.get("emulate_precision_casts") for o in asked] == [True, True]
+    # No line tables (-g1: they doubled the wrapper's compile and change no code g++ emits).
+    assert [o.get("aot_inductor.enable_line_tables") for o in asked] == [False, False]
+    assert heard == ["exporting the graph", "compiling (inductor's codegen, then g++)"] * 2  # each as it starts

@@ -123,3 +123,91 @@ def test_pull_prints_each_build_with_its_estimate_as_it_starts(tiny_loaded, monk
     assert capsys.readouterr().out == ("building the decode step (one row, torch's attention): "
                                        "~61 s (the last build here)\n")
     assert build_times.last_build_s(path) is not None and build_times.last_build_s(path) < 61.4  # this build's time
+
+
+def test_the_bar_runs_against_the_last_build_here_else_against_the_phases():
+    exporting = build_times.PHASES[1]
+    timed = build_times.Progress("the decode step (one row, memra's attention kernel)", 97.0, exporting)
+    assert timed.line(29) == "[######..............]  29 s of ~97 s (the last build here); exporting the graph (2/4)"
+    assert timed.line(120) == ("[####################] 120 s, past the ~97 s the last build here took; "
+                               "exporting the graph (2/4)")
+    untimed = build_times.Progress("the decode step (one row, memra's attention kernel)", None, exporting)
+    assert untimed.line(29) == ("[#####...............] phase 2/4, exporting the graph; 29 s "
+                                "(no earlier build here to time it by)")  # phases done, never a guess
+    assert build_times.Progress("x", None).line(3) == "[....................] 3 s (no earlier build here to time it by)"
+
+
+def test_pull_prints_each_phase_of_a_build_off_a_terminal(tiny_loaded, monkeypatch, tmp_path, capsys):
+    from memrad.cli import _Ticker
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    decoder = Decoder(tiny_loaded.model, tiny_loaded.context_len, tiny_loaded.device, "auto")
+    path = decoder._package(False)
+
+    def build(*args):  # as the child reports them
+        for phase in build_times.PHASES:
+            args[-1](phase)
+        path.write_bytes(b"built")
+
+    monkeypatch.setattr("memrad.engine.decode.builder.build_package", build)
+    with _Ticker() as ticker:
+        decoder._build_package(False, None, ticker.building)
+    assert capsys.readouterr().out == (
+        "building the decode step (one row, torch's attention): no earlier build here to time it by\n"
+        "  phase 1/4: loading the model\n  phase 2/4: exporting the graph\n"
+        "  phase 3/4: compiling (inductor's codegen, then g++)\n  phase 4/4: writing the package\n")
+
+
+def test_a_first_start_says_which_phase_the_one_row_build_is_in(tiny_loaded, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    decoder = Decoder(tiny_loaded.model, tiny_loaded.context_len, tiny_loaded.device, "auto")
+    build_times.record(decoder._package(False), 97.0)
+    monkeypatch.setattr("memrad.engine.decode.decoder.decode_attention.load", lambda *a, **k: "off in this test")
+    reasons, stop = [], RuntimeError("stopped after the export (the test)")
+
+    def build(*args):
+        args[-1](build_times.PHASES[1])
+        reasons.append(decoder.choice.reason)
+        raise stop
+
+    monkeypatch.setattr("memrad.engine.decode.builder.build_package", build)
+    monkeypatch.setattr("memrad.engine.decode.builder.torch_compiled", lambda *a: (_ for _ in ()).throw(stop))
+    decoder.start()
+    decoder.wait()
+    assert reasons == ["compile = auto: new requests decode on the eager step until the compiled step is ready, "
+                       "each on the step it started on to its last token; building the one-row step: "
+                       "exporting the graph (2/4), ~97 s (the last build here)"]
+
+
+def test_a_build_child_s_phases_reach_the_parent_as_they_come_and_its_failure_says_why():
+    import sys
+
+    import pytest
+
+    from memrad.engine.decode import builder
+
+    heard = []
+    script = ("import sys; print('memra-phase: loading the model', flush=True); print('other output');"
+              "print('memra-phase: exporting the graph', flush=True); print('no such weights', file=sys.stderr);"
+              "sys.exit(4)")
+    with pytest.raises(RuntimeError, match="^the package build exited with 4: no such weights$"):
+        builder.run_child([sys.executable, "-c", script], 60, heard.append)
+    assert heard == ["loading the model", "exporting the graph"] and not builder._children
+    with pytest.raises(RuntimeError, match="^building the package took more than 1 s$"):
+        builder.run_child([sys.executable, "-c", "import time; time.sleep(30)"], 1, heard.append)
+
+
+def test_pull_redraws_the_bar_in_place_on_a_terminal(monkeypatch, capsys):
+    from memrad.cli import _Ticker
+
+    ticker = _Ticker()
+    ticker._terminal = True  # as on a terminal; the once-a-second redraw is not started here
+    monkeypatch.setattr("memrad.cli.time.monotonic", lambda: 100.0)
+    ticker.building(build_times.Progress("the decode step (one row, memra's attention kernel)", 97.0))
+    monkeypatch.setattr("memrad.cli.time.monotonic", lambda: 129.0)
+    ticker.building(build_times.Progress("the decode step (one row, memra's attention kernel)", 97.0,
+                                         build_times.PHASES[1]))
+    assert capsys.readouterr().out == (
+        "\r\033[Kbuilding the decode step (one row, memra's attention kernel): ~97 s (the last build here)\n"
+        "\r\033[K  [....................]   0 s of ~97 s (the last build here)"
+        "\r\033[K\r\033[K  [######..............]  29 s of ~97 s (the last build here); exporting the graph (2/4)")

@@ -159,7 +159,7 @@ def test_the_batched_steps_build_at_a_lower_priority_than_serving(q4_dir, tmp_pa
     niced, built = [], []
     monkeypatch.setattr(os, "nice", niced.append)
     monkeypatch.setattr(builder, "die_with", lambda parent: None)
-    monkeypatch.setattr(step_package, "build", lambda *args: built.append(args[-1]))
+    monkeypatch.setattr(step_package, "build", lambda *args: built.append(args[5]))  # (..., path, rows, phase)
     argv = [str(q4_dir), loaded.dtype_name, loaded.weights_name, str(loaded.context_len), "kernel", str(path),
             str(rows), str(os.getpid())]
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 FILE = "build-times.json"
@@ -51,5 +52,50 @@ def last_build_s(package: Path) -> float | None:
 
 def estimate(package: Path) -> str:
     """The wait ahead in words: '~412 s (the last build here)' or 'no earlier build here to time it by'."""
-    seconds = last_build_s(package)
+    return estimate_of(last_build_s(package))
+
+
+# What a package build goes through, in order (memrad.engine.decode.package.build; the child
+# of memrad.engine.decode.builder loads the model first): a bar without an estimate counts them.
+PHASES = ("loading the model", "exporting the graph", "compiling (inductor's codegen, then g++)",
+          "writing the package")
+BAR_WIDTH = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where a build is: what it builds, the last such build's time here (None: never
+    measured), and the phase it reached (one of PHASES; None before the first)."""
+
+    what: str  # "the decode step (one row, memra's attention kernel)"
+    estimate_s: float | None
+    phase: str | None = None
+
+    def line(self, elapsed_s: float) -> str:
+        """The bar a terminal redraws each second: against the estimate where there is one,
+        else against the phases (never a guess).
+
+            [######..............]  29 s of ~97 s (the last build here); exporting the graph (2/4)
+            [#####...............] phase 2/4, exporting the graph; 29 s (no earlier build here to time it by)
+        """
+        at = PHASES.index(self.phase) if self.phase in PHASES else None
+        phase = f"{self.phase} ({at + 1}/{len(PHASES)})" if at is not None else None
+        if self.estimate_s is not None:
+            if elapsed_s > self.estimate_s:
+                fraction, text = 1.0, f"{elapsed_s:3.0f} s, past the ~{self.estimate_s:.0f} s the last build here took"
+            else:
+                fraction = elapsed_s / self.estimate_s
+                text = f"{elapsed_s:3.0f} s of ~{self.estimate_s:.0f} s (the last build here)"
+            return f"[{_bar(fraction)}] {text}" + (f"; {phase}" if phase else "")
+        where = f"phase {at + 1}/{len(PHASES)}, {self.phase}; " if at is not None else ""
+        return f"[{_bar((at or 0) / len(PHASES))}] {where}{elapsed_s:.0f} s ({estimate_of(None)})"
+
+
+def _bar(fraction: float) -> str:
+    filled = round(fraction * BAR_WIDTH)
+    return "#" * filled + "." * (BAR_WIDTH - filled)
+
+
+def estimate_of(seconds: float | None) -> str:
+    """An estimate in words: '~412 s (the last build here)' or 'no earlier build here to time it by'."""
     return f"~{seconds:.0f} s (the last build here)" if seconds is not None else "no earlier build here to time it by"

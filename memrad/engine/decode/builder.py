@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from memrad.engine.decode import package, steps
+from memrad.engine.decode import build_times, package, steps
 from memrad.engine.decode.steps import llama as decode_step
 from memrad.engine.decode.steps.llama import attended_rows
 from memrad.engine.kernels import decode_attention
@@ -49,13 +50,14 @@ def start_thread(target: Callable[[], None]) -> threading.Thread:
 
 
 def build_package(recipe: "Recipe | None", step: Any, config: Any, capacity: int, kernel: bool, path: Path,
-                  rows: int | None = None) -> Path:
+                  rows: int | None = None, phase: Callable[[str], None] = lambda _: None) -> Path:
     """The package at `path` built: in a child process when there is a `recipe` (a daemon),
-    else in this one (a test, a bench). Returns `path`."""
+    else in this one (a test, a bench). `phase` hears each phase as the build reaches it
+    (memrad.engine.decode.build_times.PHASES). Returns `path`."""
     if recipe is not None:
-        build_in_child(recipe, kernel, path, rows=rows)
+        build_in_child(recipe, kernel, path, rows=rows, phase=phase)
     else:
-        package.build(step, config, capacity, kernel, path, rows)
+        package.build(step, config, capacity, kernel, path, rows, phase)
     return path
 
 
@@ -130,31 +132,50 @@ class BuildKilled(RuntimeError):
     not a sign that AOTInductor cannot compile the step, so no fallback is tried."""
 
 
-def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 1800, rows: int | None = None) -> None:
+PHASE_LINE = "memra-phase: "  # how the child says which phase it reached, one line on its stdout each
+
+
+def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 1800, rows: int | None = None,
+                   phase: Callable[[str], None] = lambda _: None) -> None:
     """`package.build` in a child process that loads the model itself. Export and inductor are
     Python-heavy: on the daemon's own interpreter they held the GIL against the engine thread,
     and a reply served meanwhile decoded at a small fraction of its speed (measured:
     docs/BENCHMARKS.md, Decode: the step's parts). The child runs one torch thread, leaving the
-    other core to serving. `rows`: the batched step's package. Raises
-    RuntimeError with the child's last lines if it fails."""
+    other core to serving. `rows`: the batched step's package. `phase` hears each phase the
+    child reaches (its PHASE_LINE lines). Raises RuntimeError with the child's last lines if
+    it fails."""
     args = [sys.executable, "-m", "memrad.engine.decode.builder", recipe.folder, recipe.dtype, recipe.weights,
             str(recipe.context_len), "kernel" if kernel else "torch", str(path), str(rows or 0), str(os.getpid())]
-    child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             stdin=subprocess.DEVNULL)
-    _children.add(child)
-    try:
-        _, err = child.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        raise RuntimeError(f"building the package took more than {timeout_s:.0f} s") from None
-    finally:
-        _children.discard(child)
-    if child.returncode < 0:
-        raise BuildKilled(f"the package build was killed (signal {-child.returncode})")
-    if child.returncode != 0:
-        last = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {child.returncode}"]
-        raise RuntimeError(f"the package build exited with {child.returncode}: {last[0][:300]}")
+    run_child(args, timeout_s, phase)
+
+
+def run_child(args: list[str], timeout_s: float, phase: Callable[[str], None]) -> None:
+    """Run a build's child (`args`) to its end, relaying each PHASE_LINE it prints to `phase`
+    as it comes; raises BuildKilled if a signal ended it, RuntimeError (with its stderr's
+    last line) if it failed or ran past `timeout_s`."""
+    with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: the child never blocks on it
+        child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, stdin=subprocess.DEVNULL)
+        _children.add(child)
+        timed_out = threading.Event()
+        timer = threading.Timer(timeout_s, lambda: timed_out.set() or child.kill())
+        timer.start()
+        try:
+            for line in child.stdout:  # until the child ends (or is killed): its phases as they come
+                if line.startswith(PHASE_LINE):
+                    phase(line.removeprefix(PHASE_LINE).strip())
+            child.wait()
+        finally:
+            timer.cancel()
+            child.stdout.close()
+            _children.discard(child)
+        if timed_out.is_set():
+            raise RuntimeError(f"building the package took more than {timeout_s:.0f} s")
+        if child.returncode < 0:
+            raise BuildKilled(f"the package build was killed (signal {-child.returncode})")
+        if child.returncode != 0:
+            err.seek(0)
+            last = [line for line in err.read().splitlines() if line.strip()][-1:] or [f"exit {child.returncode}"]
+            raise RuntimeError(f"the package build exited with {child.returncode}: {last[0][:300]}")
 
 
 def stop_children() -> None:
@@ -193,6 +214,11 @@ def main(argv: list[str]) -> int:
     if rows:  # the batched steps build while the daemon serves on the one-row step: serving first
         os.nice(_BATCH_BUILD_NICENESS)
     torch.set_num_threads(1)
+
+    def say(phase: str) -> None:
+        print(f"{PHASE_LINE}{phase}", flush=True)
+
+    say(build_times.PHASES[0])
     loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights, allow_pull=False,
                         progress=lambda _: None, context=int(context_len))
     if kernel and decode_attention.load(cxx_compiler()) is not None:
@@ -204,7 +230,7 @@ def main(argv: list[str]) -> int:
     if mine != Path(path):  # another load would make another step: never build it under this name
         print(f"the child's step is {mine.name}, not {Path(path).name}", file=sys.stderr)
         return 3
-    package.build(step, loaded.model.config, capacity, kernel, Path(path), rows)
+    package.build(step, loaded.model.config, capacity, kernel, Path(path), rows, say)
     return 0
 
 

@@ -50,7 +50,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,7 +227,7 @@ class Decoder:
         if build:
             self._compile_batch(self.current[1])
 
-    def prepare(self, say: Callable[[str], None] = lambda _: None) -> str:
+    def prepare(self, say: Callable[[build_times.Progress], None] = lambda _: None) -> str:
         """Build the packages now unless the compile cache has them, as a start would (in a
         child when there is a recipe), the batched ones too (a start builds those only when
         a second request wants them), and say what happened (`memrad pull`); `say` hears each
@@ -255,17 +255,27 @@ class Decoder:
             said.append(f"built {path.name} in {time.perf_counter() - started:.0f} s, {_attention(kernel)}")
         return "; ".join(said)
 
-    def _build_package(self, kernel: bool, rows: int | None = None, say: Callable[[str], None] | None = None) -> Path:
-        """Build one package, saying what and how long the last such build took here; keep
-        this one's time for the next estimate."""
+    def _build_package(self, kernel: bool, rows: int | None = None,
+                       say: Callable[[build_times.Progress], None] | None = None) -> Path:
+        """Build one package, saying what and how long the last such build took here, then
+        each phase it reaches (`say` hears the Progress each time); keep this one's time for
+        the next estimate."""
         path = self._package(kernel, rows)
-        what = f"building the decode step ({f'{rows} rows' if rows else 'one row'}, {_attention(kernel)}): " \
-               f"{build_times.estimate(path)}"
-        log.info("%s", what)
+        progress = build_times.Progress(f"the decode step ({f'{rows} rows' if rows else 'one row'}, "
+                                        f"{_attention(kernel)})", build_times.last_build_s(path))
+        log.info("building %s: %s", progress.what, build_times.estimate_of(progress.estimate_s))
         if say is not None:
-            say(what)
+            say(progress)
+
+        def reached(phase: str) -> None:
+            nonlocal progress
+            progress = replace(progress, phase=phase)
+            log.debug("building %s: %s", progress.what, phase)
+            if say is not None:
+                say(progress)
+
         started = time.perf_counter()
-        builder.build_package(self.recipe, self.eager, self.model.config, self.capacity, kernel, path, rows)
+        builder.build_package(self.recipe, self.eager, self.model.config, self.capacity, kernel, path, rows, reached)
         build_times.record(path, time.perf_counter() - started)
         return path
 
@@ -382,11 +392,17 @@ class Decoder:
         kernel = no_kernel is None
         if not kernel:
             log.warning("decode attention: torch's (%s)", no_kernel)
-        if self.choice.value == "compiling":
-            self.choice = Choice("compiling", f"{self.choice.reason}; building the one-row step: "
-                                              f"{build_times.estimate(self._package(kernel))}")
+        waiting = self.choice.reason if self.choice.value == "compiling" else None
+
+        def building(progress: build_times.Progress) -> None:  # /health and `memrad status` say where it is
+            if waiting is not None and self.choice.value == "compiling":
+                at = f"{progress.phase} ({build_times.PHASES.index(progress.phase) + 1}/{len(build_times.PHASES)}), " \
+                    if progress.phase in build_times.PHASES else ""
+                self.choice = Choice("compiling", f"{waiting}; building the one-row step: {at}"
+                                                  f"{build_times.estimate_of(progress.estimate_s)}")
+
         try:
-            path = self._build_package(kernel)
+            path = self._build_package(kernel, say=building)
             step = step_package.load(self.eager, self.capacity, kernel, path)
             how = f"AOTInductor ({compiler}), package built"
         except builder.BuildKilled as exc:  # killed from outside: tracing in-process would not help

@@ -45,7 +45,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from memrad.engine.decode import batch as batch_step
+from memrad.engine.decode import build_times
 from memrad.engine.decode import steps
 from memrad.engine.decode.batch import BatchGraph
 from memrad.engine.decode.steps import falcon_h1, gated_delta, gemma, mamba2, qwen3_next
@@ -79,10 +82,15 @@ from memrad.process import pid_alive
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 # What AOTInductor is asked for besides: the weights stay out of the library (supplied at
 # load), and the constants it makes itself come back to the caller so they can be kept beside it.
+# No line tables (g++ -g1, for profilers): debug info never changes the code g++ emits, and
+# -g1 doubled the compile of the wrapper (one 14k-line C++ file, the longest phase after
+# inductor's Python: docs/BENCHMARKS.md, Startup and compile). The wrapper stays at -O1:
+# -O0 halved its compile too but decoded ~4% slower.
 _AOTI_OPTIONS = {
     "aot_inductor.package": True,
     "aot_inductor.package_constants_in_so": False,
     "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+    "aot_inductor.enable_line_tables": False,
 }
 _LAYOUT = "1"  # of the files this module writes; bump when it changes
 KEEP_PACKAGES = 8  # in the compile cache: several models and configurations side by side
@@ -217,22 +225,52 @@ def options_for(step: Any) -> dict[str, Any]:
     return dict(INDUCTOR_OPTIONS) if isinstance(step, DecodeStep) else {}
 
 
-def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path, rows: int | None = None) -> None:
+def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path, rows: int | None = None,
+          phase: Callable[[str], None] = lambda _: None) -> None:
     """Export the step's graphs (`rows`: the batched step's one graph of that many rows),
     compile them with AOTInductor and write the package and its constants at `path`
-    (atomically: a package is only ever there complete). Minutes."""
+    (atomically: a package is only ever there complete). `phase` hears each phase as it
+    starts (build_times.PHASES). A minute or more (docs/BENCHMARKS.md, Startup and compile)."""
     from torch._inductor import aot_compile
 
+    _, exporting, compiling, writing = build_times.PHASES
     files, weights = {}, {}
-    programs = _batch_programs(step, config, capacity, kernel, rows) if rows else _step_programs(
-        step, config, capacity, kernel)
+    phase(exporting)
+    checks = _check_isas_beside()
+    programs = list(_batch_programs(step, config, capacity, kernel, rows) if rows else _step_programs(
+        step, config, capacity, kernel))
+    checks.join()
+    phase(compiling)
     options = {**_AOTI_OPTIONS, **options_for(step)}
     for graph, program in programs:
         compiled = aot_compile(program.module(check_guards=False), *program.example_inputs, options=options)
         files[graph] = [item for item in compiled if isinstance(item, str)]
         weights[graph] = {name: tensor for item in compiled if not isinstance(item, str)
                           for name, (tensor, _) in item.items()}
+    phase(writing)
     _write(step, path, files, weights)
+
+
+def _check_isas_beside() -> threading.Thread:
+    """Inductor's ISA checks started on a thread, so they run beside the export.
+
+    To learn what the CPU runs, inductor compiles and loads a small library per vector ISA the
+    CPU claims (up to 10 g++ runs on a fresh cache; a quarter of a first build's time here:
+    docs/BENCHMARKS.md, Startup and compile), one after another, on the first codegen. They
+    are g++ processes, so they do not hold the GIL: on a second core they cost the export
+    nothing. Their answers are kept where inductor keeps them (its cache directory and its
+    own memo), and inductor then reads the same answers it would have computed itself."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    def check() -> None:
+        try:
+            valid_vec_isa_list()
+        except Exception:  # noqa: BLE001 - inductor asks again on its own codegen and says why there
+            pass
+
+    thread = threading.Thread(target=check, name="memrad-isa-checks", daemon=True)
+    thread.start()
+    return thread
 
 
 def _batch_programs(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int):
