@@ -59,4 +59,10 @@ def test_its_quants_run_as_shipped_and_say_which_stay_dense(written, arch):
         assert loaded.tensors.value == f"Q8_0 blocks 1, dense bfloat16 {dense}, int4 {int4}"
         assert (f"mlp.down_proj Q6_K x{dense}: dense bfloat16 (16-weight sub-blocks with their own scales: no exact "
                 "form in the kernel's 32-weight groups)") in loaded.tensors.reason
+    else:  # Qwen3-MoE: the 3-D experts, dense, and what a token reads of them (2 of 8, 2 layers, bf16)
+        assert loaded.tensors.value == f"Q8_0 blocks 1, dense bfloat16 4, int4 {int4}"
+        assert ("mlp.experts.down_proj Q6_K x2: dense bfloat16 (3-D expert tensors, dequantised: no packed form; "
+                f"a token reads {2 * 2 * 256 * 768 * 2:,} B of them)") in loaded.tensors.reason
+        assert ("mlp.experts.gate_up_proj Q4_K x2: dense bfloat16 (3-D expert tensors, dequantised: no packed form; "
+                f"a token reads {2 * 2 * 1536 * 256 * 2:,} B of them)") in loaded.tensors.reason
     assert "lm_head Q8_0 x1: Q8_0 blocks" in loaded.tensors.reason

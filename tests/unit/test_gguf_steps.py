@@ -130,6 +130,7 @@ def test_an_engine_resumes_turns_bit_identical_to_cold(ggufs, arch):
 
 
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
-def test_a_compiled_qwen3_engine_resumes_bit_identical_to_cold(ggufs):
-    compiled_turns_equal_cold(make_engine(fresh(ggufs["qwen3"], "bfloat16", "auto"), 16, max_sessions=16,
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_a_compiled_engine_resumes_bit_identical_to_cold(ggufs, arch):
+    compiled_turns_equal_cold(make_engine(fresh(ggufs[arch], "bfloat16", "auto"), 16, max_sessions=16,
                                           mode="exact", compile="on"))
