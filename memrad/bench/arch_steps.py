@@ -4,7 +4,8 @@
 
 What it runs and why: memrad.engine.decode.step_speed (tiny random configs, one thread).
 Prints one row per architecture: the step that decodes it, ms a token on the step and on
-transformers' forward, and their ratio.
+transformers' forward, their ratio, and for a mixture of experts the feed-forward KiB a token
+reads (router and top-k experts) against every expert's.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--arch", nargs="*", choices=tuple(SHAPES), default=list(SHAPES))
     args = parser.parse_args(argv)
     print(f"dtype={args.dtype} threads={args.threads} steps={args.steps} (median ms a token after a 40-token prompt)")
-    print(f"{'arch':8} {'step':8} {'step ms':>8} {'forward ms':>10} {'ratio':>6}")
+    print(f"{'arch':10} {'step':10} {'step ms':>8} {'forward ms':>10} {'ratio':>6}  ffn KiB/token (every expert)")
     for arch in args.arch:
         speed = measure(arch, args.dtype, args.steps, args.threads)
-        print(f"{speed.arch:8} {speed.step:8} {speed.step_ms:8.2f} {speed.forward_ms:10.2f} {speed.ratio:5.1f}x")
+        ffn = (f"  {speed.ffn_bytes[0] / 1024:,.0f} ({speed.ffn_bytes[1] / 1024:,.0f})" if speed.ffn_bytes else "")
+        print(f"{speed.arch:10} {speed.step:10} {speed.step_ms:8.2f} {speed.forward_ms:10.2f} {speed.ratio:5.1f}x{ffn}")
     return 0

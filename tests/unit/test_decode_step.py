@@ -79,7 +79,8 @@ def test_models_the_step_does_not_cover_keep_transformers_forward_and_say_why(ti
     dense = fresh(tiny_dir("starcoder2"))
     reason = steps.support(dense.model, dense.context_len)
     assert reason == ("Starcoder2ForCausalLM has no decode step (the steps cover LlamaForCausalLM, MistralForCausalLM, "
-                      "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                      "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, "
+                      "Gemma3ForCausalLM, "
                       "Qwen3NextForCausalLM, FalconH1ForCausalLM)")
     chosen = Decoder(dense.model, dense.context_len, dense.device, "auto")
     assert (chosen.choice.value, chosen.choice.reason) == ("transformers", reason)

@@ -15,9 +15,11 @@ from memrad.engine.model.loader import load_model
 from tiny import build_tokenizer
 from tiny_gguf import ARCHITECTURES, tiny_gguf
 
-CLASSES = {"qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
-# (int4 tensors, dense Q6_K ffn_down tensors) of each tiny model on `auto`
-PACKED = {"qwen3": (12, 2), "phi3": (6, 2), "gemma2": (24, 4)}
+CLASSES = {"qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+           "qwen3_moe": "Qwen3MoeForCausalLM"}
+# (int4 tensors, dense Q6_K ffn_down tensors) of each tiny model on `auto` (Qwen3-MoE's ffn_down
+# is its 3-D experts': memrad.engine.model.formats says what they run as)
+PACKED = {"qwen3": (12, 2), "phi3": (6, 2), "gemma2": (24, 4), "qwen3_moe": (8, 0)}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,14 @@ def test_its_quants_run_as_shipped_and_say_which_stay_dense(written, arch):
     loaded = load_model(str(path), device="cpu", dtype="bfloat16", weights="auto", progress=lambda _: None)
     int4, dense = PACKED[arch]
     assert loaded.weights.value == "int4"
-    assert loaded.tensors.value == f"Q8_0 blocks 1, dense bfloat16 {dense}, int4 {int4}"
-    assert (f"mlp.down_proj Q6_K x{dense}: dense bfloat16 (16-weight sub-blocks with their own scales: no exact "
-            "form in the kernel's 32-weight groups)") in loaded.tensors.reason
+    if dense:
+        assert loaded.tensors.value == f"Q8_0 blocks 1, dense bfloat16 {dense}, int4 {int4}"
+        assert (f"mlp.down_proj Q6_K x{dense}: dense bfloat16 (16-weight sub-blocks with their own scales: no exact "
+                "form in the kernel's 32-weight groups)") in loaded.tensors.reason
+    else:  # Qwen3-MoE: the 3-D experts, dense, and what a token reads of them (2 of 8, 2 layers, bf16)
+        assert loaded.tensors.value == f"Q8_0 blocks 1, dense bfloat16 4, int4 {int4}"
+        assert ("mlp.experts.down_proj Q6_K x2: dense bfloat16 (3-D expert tensors, dequantised: no packed form; "
+                f"a token reads {2 * 2 * 256 * 768 * 2:,} B of them)") in loaded.tensors.reason
+        assert ("mlp.experts.gate_up_proj Q4_K x2: dense bfloat16 (3-D expert tensors, dequantised: no packed form; "
+                f"a token reads {2 * 2 * 1536 * 256 * 2:,} B of them)") in loaded.tensors.reason
     assert "lm_head Q8_0 x1: Q8_0 blocks" in loaded.tensors.reason

@@ -28,9 +28,11 @@ from test_gemma_step import compiled_turns_equal_cold
 from test_reuse import conversation
 from tiny_gguf import tiny_gguf
 
-STEPPED = ("qwen3", "phi3", "gemma2")
-BATCHED = ("qwen3", "phi3")  # the llama-shaped step's batched twin; Gemma 2 decodes one row at a time
-LAYERS = {"qwen3": "2 full-attention", "phi3": "2 full-attention", "gemma2": "2 sliding-window, 2 full-attention"}
+STEPPED = ("qwen3", "phi3", "gemma2", "qwen3_moe")
+BATCHED = ("qwen3", "phi3", "qwen3_moe")  # the llama-shaped step's batched twin; Gemma 2 decodes one row at a time
+LAYERS = {"qwen3": "2 full-attention", "phi3": "2 full-attention", "gemma2": "2 sliding-window, 2 full-attention",
+          "qwen3_moe": "2 full-attention; experts: top 2 of 8 per token"}
+NAMES = {"qwen3_moe": "qwen3-moe"}  # what `memrad status` names the step, where not the architecture
 PROMPT = list(range(5, 45))  # 40 tokens
 
 
@@ -55,9 +57,10 @@ def test_the_step_covers_it_and_says_so(ggufs, arch):
     loaded = fresh(ggufs[arch], "bfloat16", "auto")
     assert steps.support(loaded.model, loaded.context_len) is None
     reason = f"{type(loaded.model).__name__} layers on one graph: {LAYERS[arch]}"
-    assert steps.describe(loaded.model, loaded.context_len) == steps.Choice(arch, reason)
+    name = NAMES.get(arch, arch)
+    assert steps.describe(loaded.model, loaded.context_len) == steps.Choice(name, reason)
     engine = Engine(loaded, EngineOptions(16, 1))
-    assert engine.runtime_choices["step"] == {"value": arch, "reason": reason}
+    assert engine.runtime_choices["step"] == {"value": name, "reason": reason}
     assert isinstance(engine.decoder.eager_step, Gemma2Step if arch == "gemma2" else DecodeStep)
 
 
@@ -127,6 +130,7 @@ def test_an_engine_resumes_turns_bit_identical_to_cold(ggufs, arch):
 
 
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
-def test_a_compiled_qwen3_engine_resumes_bit_identical_to_cold(ggufs):
-    compiled_turns_equal_cold(make_engine(fresh(ggufs["qwen3"], "bfloat16", "auto"), 16, max_sessions=16,
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_a_compiled_engine_resumes_bit_identical_to_cold(ggufs, arch):
+    compiled_turns_equal_cold(make_engine(fresh(ggufs[arch], "bfloat16", "auto"), 16, max_sessions=16,
                                           mode="exact", compile="on"))

@@ -27,7 +27,7 @@ QWEN3_QUANTS = ("token_embd Q8_0; attn_q Q4_K; attn_k Q4_K; attn_v Q4_K; attn_ou
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ggufs")
-    return {arch: tiny_gguf(folder, arch)[0] for arch in ("qwen3", "phi3", "gemma2")}
+    return {arch: tiny_gguf(folder, arch)[0] for arch in ("qwen3", "phi3", "gemma2", "qwen3_moe")}
 
 
 def _header_only(path, arch):
@@ -50,7 +50,7 @@ def test_the_header_reader_keeps_what_gguf_py_reads_and_counts_the_long_arrays(g
     assert read_header(ggufs["qwen3"]).fields["tokenizer.ggml.tokens"] == LongArray(400)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2", "qwen3_moe"])
 def test_the_config_is_the_one_transformers_gguf_loader_builds(ggufs, arch):
     from transformers import AutoConfig
 
@@ -70,6 +70,16 @@ def test_a_qwen3_gguf_is_described_before_it_loads(ggufs):
         "  context: native 1,024, served 1,024 (native)",
         "  KV: 2,048 B/token in float32",  # 2 layers x K and V x 1 KV head x 128 dims x 4 bytes
     ]
+
+
+def test_a_qwen3_moe_gguf_says_its_experts_and_their_quants_before_it_loads(ggufs):
+    lines = inspect_gguf(ggufs["qwen3_moe"], 0, torch.bfloat16).lines()
+    assert lines[:2] == [
+        "tiny-qwen3_moe.gguf: qwen3moe (Qwen3MoeForCausalLM)",
+        "  fast decode step: yes, memra's qwen3-moe step (Qwen3MoeForCausalLM layers on one graph: 2 full-attention; "
+        "experts: top 2 of 8 per token)"]
+    assert "ffn_gate_exps Q4_K; ffn_up_exps Q4_K; ffn_down_exps Q6_K; ffn_gate_inp F32" in lines[2]
+    assert lines[4] == "  KV: 1,024 B/token in bfloat16"  # 2 layers x K and V x 1 KV head x 128 dims x 2 bytes
 
 
 def test_a_gemma2_gguf_served_past_its_length_says_the_scaling_and_its_windows(ggufs):

@@ -12,7 +12,12 @@ model's float weights are then set to what every block dequantizes to, so the wr
 is exactly what the GGUF holds.
 
 Unmapped config fields (transformers reads no key for them: Qwen3's head_dim, Gemma 2's soft-caps
-and query_pre_attn_scalar) are left at the config class's defaults, so they survive the trip.
+and query_pre_attn_scalar, Qwen3-MoE's moe_intermediate_size) are left at the config class's
+defaults, so they survive the trip.
+
+Qwen3-MoE's experts are 3-D tensors as llama.cpp ships them (`ffn_gate_exps`, `ffn_up_exps`
+[E, I, H], `ffn_down_exps` [E, H, I]; transformers joins gate and up into `gate_up_proj`
+[E, 2I, H]), Q4_K / Q4_K / Q6_K; the router (`ffn_gate_inp`) F32, as llama.cpp keeps it.
 """
 
 from __future__ import annotations
@@ -26,14 +31,16 @@ from gguf import GGMLQuantizationType as T, GGUFWriter, quants
 
 from tiny import build_tokenizer, finish_gguf
 
-ARCHITECTURES = ("qwen3", "phi3", "gemma2")
+ARCHITECTURES = ("qwen3", "phi3", "gemma2", "qwen3_moe")
+# transformers' model_type -> llama.cpp's architecture name, where they differ
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe"}
 _ROW_SCALE = 0.02  # the size of a weight, as transformers' random init draws them
 
 
 def build(arch: str, vocab_size: int, seed: int = 0):
     """A tiny random model of `arch` (hidden 256: attention rows are whole super-blocks)."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
@@ -45,6 +52,9 @@ def build(arch: str, vocab_size: int, seed: int = 0):
     elif arch == "gemma2":  # soft-caps 50 / 30 and query_pre_attn_scalar 256: the defaults
         model = Gemma2ForCausalLM(Gemma2Config(**{**common, "num_hidden_layers": 4}, num_attention_heads=4,
                                                num_key_value_heads=2, head_dim=64, sliding_window=8))
+    elif arch == "qwen3_moe":  # 8 experts of moe_intermediate_size 768 (the default), 2 per token
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_attention_heads=2, num_key_value_heads=1,
+                                                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=True))
     else:
         raise ValueError(arch)
     with torch.no_grad():
@@ -56,7 +66,7 @@ def build(arch: str, vocab_size: int, seed: int = 0):
 
 def kind_for(gguf_name: str, shape: tuple[int, ...]) -> T:
     """The GGUF type a Q4_K_M file gives the tensor."""
-    if len(shape) == 1:
+    if len(shape) == 1 or ".ffn_gate_inp" in gguf_name:  # norms; the MoE router
         return T.F32
     if gguf_name.startswith(("token_embd", "output.")):
         return T.Q8_0
@@ -102,11 +112,12 @@ def write_gguf(path: Path, model, tokenizer, seed: int = 0) -> Path:
     """Write `model` (from `build`) and `tokenizer` as a GGUF at `path`; sets the model's float
     weights to what the GGUF's blocks dequantize to (mutates `model`)."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     config = model.config
     arch = config.model_type
-    writer = GGUFWriter(str(path), arch)
+    gguf_arch = _GGUF_ARCH.get(arch, arch)
+    writer = GGUFWriter(str(path), gguf_arch)
     writer.add_name(f"tiny-{arch}")
     for key, attribute in GGUF_CONFIG_MAPPING[arch].items():
         value = getattr(config, attribute, None) if attribute not in (None, -1) else None
@@ -114,29 +125,34 @@ def write_gguf(path: Path, model, tokenizer, seed: int = 0) -> Path:
             value = float(config.rope_parameters["rope_theta"])
         if isinstance(value, bool) or value is None:
             continue
-        full = f"{arch}.{key}"
+        full = f"{gguf_arch}.{key}"
         if isinstance(value, int):
             writer.add_uint32(full, value)
         elif isinstance(value, float):
             writer.add_float32(full, value)
+    if getattr(config, "moe_intermediate_size", None):  # llama.cpp reads it; transformers does not
+        writer.add_uint32(f"{gguf_arch}.expert_feed_forward_length", config.moe_intermediate_size)
     _write_tokenizer(writer, tokenizer)
     rng = np.random.default_rng(seed)
-    names = {hf: gguf for gguf, hf in get_gguf_hf_weights_map(model, TensorProcessor()).items()}
+    processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor) if arch.endswith("_moe") else TensorProcessor
     params = dict(model.named_parameters())
-    if config.tie_word_embeddings:
-        names.pop("lm_head.weight", None)
-    for hf_name, gguf_name in names.items():
-        param = params[hf_name]
-        stored = param.detach().float().numpy()
+    for gguf_name, hf_name in get_gguf_hf_weights_map(model, processor()).items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        target = params[hf_name].detach()  # a view: what the GGUF tensor becomes in the model
+        if ".ffn_gate_exps" in gguf_name or ".ffn_up_exps" in gguf_name:  # gate_up_proj [E, 2I, H]: gate, then up
+            half = target.shape[1] // 2
+            target = target[:, :half] if ".ffn_gate_exps" in gguf_name else target[:, half:]
+        stored = target.float().numpy()
         gemma_norm = arch.startswith("gemma") and "norm.weight" in hf_name  # llama.cpp stores 1 + w
         if gemma_norm:
             stored = stored + 1.0
         kind = kind_for(gguf_name, stored.shape)
-        raw = _encode(stored, kind, rng)
+        raw = _encode(stored.reshape(-1, stored.shape[-1]), kind, rng).reshape(*stored.shape[:-1], -1)
         back = quants.dequantize(raw, kind).reshape(stored.shape)
-        with torch.no_grad():
-            param.copy_(torch.from_numpy((back - 1.0 if gemma_norm else back).astype(np.float32)))
-        writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=kind)
+        target.copy_(torch.from_numpy((back - 1.0 if gemma_norm else back).astype(np.float32)))
+        name = gguf_name if gguf_name.endswith((".weight", ".bias")) else f"{gguf_name}.weight"  # the 3-D experts
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
     return finish_gguf(writer, path)
 
 

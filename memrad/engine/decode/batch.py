@@ -10,6 +10,7 @@ weights once for all of them, while attention stays per row, over that request's
                   row r: write k_r, v_r into row positions[r] of request r's slab;
                          o_r = attend(q_r, rows [0, positions[r]] of that slab)
                   x += o_proj(o);  x += down(act(gate) * up) of gate_up(norm(x))
+                             (Qwen3-MoE: routed experts, row by row: memrad.engine.decode.steps.experts)
     -> norm -> head -> logits [B, V]
 
 `BatchGraph` is that function over tensors only, so it runs eager or is exported and
@@ -86,8 +87,7 @@ class BatchGraph(nn.Module):
             q_r = q[r].view(1, h_kv, heads // h_kv, d)
             out.append(attend(q_r, keys[r], values[r], lengths[r], layer.scale, self.kernel))  # [1, H_kv, G, D]
         x = x + layer.o_proj(torch.cat(out).reshape(batch, 1, heads * d))
-        gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
-        return x + layer.down_proj(layer.act(gate) * up)
+        return x + layer.feed_forward(layer.post_norm(x))  # routed experts (Qwen3-MoE): each row on its own
 
 
 class BatchStep:

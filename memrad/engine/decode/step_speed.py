@@ -6,6 +6,8 @@ dilute it by their weights' bytes. Each architecture is timed on the same random
 same cache kind (memra's in-place slabs and windows) and the same tokens: the eager step's feed
 against `decode_one_token` (transformers' forward), one thread, median of `steps` steps after
 a 40-token prompt. `memrad bench arch-steps` prints it (docs/BENCHMARKS.md, Architectures).
+For a mixture of experts it also counts the feed-forward bytes a token reads: the router and
+its top k experts, against every expert (memrad.engine.decode.steps.experts.bytes_per_token).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ SHAPES = {
     "phi3": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2)),
     "gemma2": ("gemma2", dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                               sliding_window=8)),
+    "qwen3_moe": ("qwen3_moe", dict(num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2,
+                                    norm_topk_prob=True)),  # experts of 768 (the default moe_intermediate_size)
 }
 PROMPT = list(range(5, 45))
 
@@ -37,6 +41,7 @@ class StepSpeed:
     steps: int
     step_ms: float  # median ms a token, the step's feed
     forward_ms: float  # median ms a token, transformers' forward
+    ffn_bytes: tuple[int, int] | None = None  # MoE: (feed-forward bytes a token reads, reading every expert)
 
     @property
     def ratio(self) -> float:
@@ -59,6 +64,7 @@ def measure(arch: str, dtype_name: str = "bfloat16", steps: int = 64, threads: i
 
     from memrad.engine.decode import steps as step_table
     from memrad.engine.decode.decoder import Decoder
+    from memrad.engine.decode.steps import experts
     from memrad.engine.forward import decode_one_token, prefill
     from memrad.engine.state.layers import install
 
@@ -79,5 +85,6 @@ def measure(arch: str, dtype_name: str = "bfloat16", steps: int = 64, threads: i
                 logits = run(cache, token, len(PROMPT) + offset)
                 times.append(time.perf_counter() - started)
         timings[name] = statistics.median(times[4:]) * 1e3  # the first steps warm the allocator
+    sparse = any(experts.is_sparse(layer.mlp) for layer in model.model.layers)
     return StepSpeed(arch, step_table.describe(model, context).value, str(dtype).removeprefix("torch."), steps,
-                     timings["step"], timings["forward"])
+                     timings["step"], timings["forward"], experts.bytes_per_token(model) if sparse else None)

@@ -13,6 +13,11 @@ and what it runs as now:
     int8          Int8Linear: per-channel int8 made from the float weights (opt-in)
     dense DTYPE   the float weights transformers made of the blocks, in the model's dtype
 
+A mixture of experts (Qwen3-MoE) ships its experts as 3-D tensors (`ffn_gate_exps`, `ffn_up_exps`,
+`ffn_down_exps`, transformers' `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj`
+[E, H, I]): no Linear, so no packed form; they run dense, dequantised at conversion, and their
+group says so with the bytes a token reads of them (its top k of E experts, every layer).
+
 The dense ones carry a reason (why no packed form was used), and so does a Q8_0 head that runs
 hi|lo where memra's block kernel would run its blocks themselves (why it does not here), and
 every group whose kernel was chosen between memra's and torch's int4 ("memra block kernel,
@@ -96,7 +101,31 @@ def groups(model: Any, kinds: dict[str, str], head_why: str | None = None,
         why = (_why_dense(kind, module) if runs.startswith("dense") else reasons.get(name)
                or (head_why if runs == "int4 hi|lo" and module is head else None))
         counted[(re.sub(r"\.\d+\.", ".*.", name), kind, runs, why)] += 1
+    for role, kind, runs, why, count in _expert_groups(model, kinds):
+        counted[(role, kind, runs, why)] += count
     return tuple(TensorGroup(role, kind, runs, count, why) for (role, kind, runs, why), count in sorted(counted.items()))
+
+
+def _expert_groups(model: Any, kinds: dict[str, str]) -> list[tuple[str, str, str, str, int]]:
+    """(role, GGUF type, runs, why, count) of the routed experts' 3-D weights: dense, dequantised,
+    with the bytes a token reads of them (top k of E per layer, summed over the layers)."""
+    found: dict[tuple[str, str, str], list[int]] = {}  # (role, kind, runs) -> [count, bytes a token]
+    for name, block in model.named_modules():
+        experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
+        if experts is None or not hasattr(router, "top_k") or not hasattr(experts, "num_experts"):
+            continue
+        for attribute in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, attribute, None)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+                continue
+            full = f"{name}.experts.{attribute}"
+            key = (re.sub(r"\.\d+\.", ".*.", full), kinds.get(full, "float"),
+                   f"dense {str(weight.dtype).removeprefix('torch.')}")
+            entry = found.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += weight.numel() * weight.element_size() * router.top_k // experts.num_experts
+    return [(role, kind, runs, f"3-D expert tensors, dequantised: no packed form; a token reads {total:,} B of them",
+             count) for (role, kind, runs), (count, total) in found.items()]
 
 
 def describe(found: tuple[TensorGroup, ...]) -> str:

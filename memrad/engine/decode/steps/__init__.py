@@ -1,7 +1,8 @@
 """Which one-token step a model decodes with: one module per architecture, all called alike.
 
-    llama.py       the llama-shaped step (Llama, Mistral, Qwen2, Qwen3 dense, Phi-3), and the parts
-                   the others share
+    llama.py       the llama-shaped step (Llama, Mistral, Qwen2, Qwen3 dense, Phi-3, Qwen3-MoE), and
+                   the parts the others share
+    experts.py     the routed mixture-of-experts feed-forward (Qwen3-MoE) on it
     gemma.py       Gemma 3's (sliding-window layers beside full attention)
     gemma2.py      Gemma 2's (Gemma 3's layers with soft-capped attention scores, one rope)
     qwen3_next.py  Qwen3-Next's (gated delta net layers: gated_delta.py)
@@ -25,7 +26,8 @@ _KIND_NAMES = {"full_attention": "full-attention", "sliding_attention": "sliding
 
 
 # What `describe` names each step by (every other llama-shaped class: "llama").
-_STEP_NAMES = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+_STEP_NAMES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3-moe", "Phi3ForCausalLM": "phi3",
+               "Gemma2ForCausalLM": "gemma2",
                "Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3-next"}
 
 
@@ -60,7 +62,7 @@ def support(model: nn.Module, context_len: int) -> str | None:
 
 def describe(model: nn.Module, context_len: int) -> Choice:
     """Which step decodes `model` and what its layers are on it (/health, `memrad status`):
-    value "llama", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-next", "falcon-h1", or "none" with the reason
+    value "llama", "qwen3", "qwen3-moe", "phi3", "gemma2", "gemma3", "qwen3-next", "falcon-h1", or "none" with the reason
     it has none."""
     why_not = support(model, context_len)
     if why_not is not None:

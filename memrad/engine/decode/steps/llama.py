@@ -2,7 +2,8 @@
 
 Llama-shaped: Llama, Mistral, Qwen2; Qwen3 dense (the same layers with an RMSNorm over each
 query and key head before rope: `q_norm`, `k_norm`, identities elsewhere); Phi-3 (q/k/v and
-gate/up shipped fused as `qkv_proj`, `gate_up_proj`: the step runs them as they are).
+gate/up shipped fused as `qkv_proj`, `gate_up_proj`: the step runs them as they are); Qwen3-MoE
+(Qwen3's attention, the gated MLP replaced by top-k routed experts: memrad.engine.decode.steps.experts).
 
 transformers' forward spends most of a one-token step outside the kernels (masks, cache
 hooks, per-call dispatch over 30 layers), and its CPU attention for one query with grouped
@@ -17,6 +18,7 @@ the work:
                   rope(q, k) at `position`;  write k, v into row `position` of the slab
                   o = attend(q as [1, H_kv, G, D], rows [0, position] of the slab)
                   x += o_proj(o);  x += down(act(gate) * up) of gate_up(norm(x))
+                                   (Qwen3-MoE: x += the top-k experts' sum of norm(x))
     -> norm -> head -> logits [V]
 
     slab keys [1, H_kv, capacity, D]:  | rows 0 .. position-1 (prompt, earlier steps) | k | unused |
@@ -40,14 +42,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from memrad.engine.decode.steps import experts
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Q8Linear
 
 # Model classes whose layers are exactly llama's: pre-norm RMSNorm, q/k/v/o, gated MLP, rope
-# (Qwen3: with per-head q/k RMSNorms; Phi-3: with q/k/v and gate/up fused as shipped).
-_LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+# (Qwen3: with per-head q/k RMSNorms; Phi-3: with q/k/v and gate/up fused as shipped; Qwen3-MoE:
+# Qwen3's attention, routed experts for the MLP).
+_LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                 "Qwen3MoeForCausalLM")
 # The classes whose attention norms each query and key head (over head_dim) before rope.
-_QK_NORMED = ("Qwen3ForCausalLM",)
+_QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Rope variants whose frequencies do not depend on how long the sequence is. YaRN's attention
 # factor scales cos and sin, and the rotary module folds it into the table DecodeStep reads.
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -209,9 +214,19 @@ class _Layer(nn.Module):
         self.q_norm = getattr(attention, "q_norm", None) or nn.Identity()  # [.., D] per head (Qwen3)
         self.k_norm = getattr(attention, "k_norm", None) or nn.Identity()
         self.o_proj = attention.o_proj
-        self.gate_up = getattr(mlp, "gate_up_proj", None) or fuse([mlp.gate_proj, mlp.up_proj])
-        self.down_proj, self.act = mlp.down_proj, getattr(mlp, "act_fn", None) or mlp.activation_fn
+        self.sparse = mlp if experts.is_sparse(mlp) else None  # Qwen3-MoE: the model's routed block
+        if self.sparse is None:
+            self.gate_up = getattr(mlp, "gate_up_proj", None) or fuse([mlp.gate_proj, mlp.up_proj])
+            self.down_proj, self.act = mlp.down_proj, getattr(mlp, "act_fn", None) or mlp.activation_fn
         self.split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP of h [B, 1, hidden] (normed): the gated MLP, one matmul per projection for every
+        row, or the routed experts, each row on its own (memrad.engine.decode.steps.experts)."""
+        if self.sparse is not None:
+            return experts.feed_forward(self.sparse, h)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
                 length: int, key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
@@ -225,8 +240,7 @@ class _Layer(nn.Module):
         q = q.view(1, h_kv, self.heads // h_kv, d)  # the G query heads of a KV head as rows
         o = attend(q, key_rows, value_rows, length, self.scale, kernel)  # [1, H_kv, G, D]
         x = x + self.o_proj(o.reshape(1, 1, self.heads * d))
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(self.act(gate) * up)
+        return x + self.feed_forward(self.post_norm(x))
 
 
 class DecodeStep(nn.Module):

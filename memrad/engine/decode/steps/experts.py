@@ -1,0 +1,62 @@
+"""A mixture-of-experts feed-forward on the decode steps: top-k routing, only the chosen experts read.
+
+Qwen3-MoE's layers are Qwen3's with the gated MLP replaced by a sparse block: a router scores
+every expert for the token, the top k are kept (their probabilities renormalised: the GGUF
+loader's norm_topk_prob), and only those k experts' gate/up and down projections run, their
+outputs summed with the router's weights:
+
+    h [1, H] -> router logits [E] -> softmax (float32) -> top k: ids [k], weights [k] (renormalised)
+             -> rows sorted by expert id -> grouped matmul over gate_up [E, 2I, H] (only the k
+                groups with a row are computed) -> act(gate) * up -> grouped down [E, H, I]
+             -> * weights -> sum over the k in float32 -> [1, H]
+
+The step calls the model's own sparse block (transformers' router and its experts forward,
+`grouped_mm` on the CPU), one token at a time: the router's choice is the forward's, the same
+ids and weights, and the experts' bits are the forward's at one token, because they are the
+same ops on the same shapes. The grouped matmul skips the groups no row falls in, so an expert
+the token did not choose is never read (a test poisons them with NaN). Per token, the bytes
+read are the router's plus k of E experts' (`bytes_per_token`).
+
+Several tokens (the batched step's rows) run one call each: the grouped matmul's bits for a
+token depend on how many tokens share its expert in fp32 (measured: a 3-token call differs from
+three 1-token calls by 2e-8), so a row batched with others takes exactly the one-row step's
+path and its bits never depend on its neighbours' routing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def is_sparse(mlp: nn.Module) -> bool:
+    """Whether a decoder layer's `mlp` is a routed mixture of experts (a router `gate` and
+    stacked `experts`), not a gated MLP."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate") and not hasattr(mlp, "gate_proj")
+
+
+def feed_forward(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The sparse block's output for h [B, 1, hidden], each row routed and computed on its own:
+    [B, 1, hidden]."""
+    if h.shape[0] == 1:
+        return mlp(h)
+    return torch.cat([mlp(h[r : r + 1]) for r in range(h.shape[0])])
+
+
+def bytes_per_token(model: nn.Module) -> tuple[int, int]:
+    """(bytes the feed-forward layers read per token with top-k routing, bytes a dense model
+    reading every expert would): the router's weights plus k of E experts' per sparse layer, and
+    every dense MLP's weights in both."""
+    routed = dense = 0
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        weights = sum(p.numel() * p.element_size() for p in mlp.parameters())
+        if not is_sparse(mlp):
+            routed, dense = routed + weights, dense + weights
+            continue
+        experts = mlp.experts
+        router = sum(p.numel() * p.element_size() for p in mlp.gate.parameters())
+        expert_bytes = (weights - router) // experts.num_experts
+        routed += router + mlp.gate.top_k * expert_bytes
+        dense += weights
+    return routed, dense
