@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from memrad.engine.model import catalog, context as served_context, formats
+from memrad.engine.model import catalog, context as served_context, formats, rope as rope_switch
 from memrad.engine.model.context import ServedContext
 from memrad.engine.model.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
 from memrad.engine.model.pull import (
@@ -45,6 +46,11 @@ class LoadedModel:
     tensors: Choice = Choice("", "")
     # Prefill attention (memrad.engine.model.attention): "memra" (the AMX kernel) or "torch".
     attention: Choice = Choice("torch", "set by engine.prefill_attention")
+    # Served past the native length: the model's rotary module, with the native rope beside
+    # the scaled one (memrad.engine.model.rope); None: one rope for every request.
+    rope: Any = None
+    # {scaling name: rope parameters as JSON} of the ropes its state can be computed under.
+    rope_keys: dict = dataclasses.field(default_factory=dict)
 
     @property
     def context_len(self) -> int:
@@ -134,6 +140,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         config = AutoConfig.from_pretrained(folder)
         entry = catalog.lookup(spec)
         served = served_context.plan(config, context, entry.served_context if entry else None)
+        shipped = rope_switch.native_copy(config) if served.scaling != "native" else None
         served_context.apply(config, served)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dt).to(dev).eval()
@@ -146,6 +153,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     from memrad.engine.model.attention import install as install_attention
 
     attention = install_attention(model, prefill_attention)
+    switch = rope_switch.install(model, shipped, served) if shipped is not None else None
     progress(f"prefill attention {attention.value}: {attention.reason}")
     progress(f"context {served.describe()}: {served.reason()}")
     head = " with the Q8_0 head" if applied.head.startswith("q8_0") else ""
@@ -166,6 +174,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         head=applied.head,
         tensors=Choice(formats.summary(applied.groups), formats.describe(applied.groups)),
         attention=attention,
+        rope=switch,
+        rope_keys=rope_switch.keys(served, model.config, shipped if switch is not None else None),
     )
 
 
