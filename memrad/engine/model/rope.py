@@ -146,7 +146,7 @@ class RopeRule:
     def reason(self) -> str:
         """The rule in words (/health, `memrad status`, /v1/models' `context_rule`)."""
         if not self.per_conversation:
-            return self.context.reason() + (f"; {self.why}" if self.why else "")
+            return self.context.reason() + (f"; {self.why}" if self.context.scaling != NATIVE else "")
         c = self.context
         return (f"{c.num_tokens:,} tokens served: a request whose prompt + max_tokens fits the native "
                 f"{c.native_tokens:,} runs at the model's native RoPE; one that needs more runs under "
