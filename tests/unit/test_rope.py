@@ -139,6 +139,10 @@ def test_session_files_record_the_rope_and_a_restart_resumes_under_each(short, t
     assert sorted(on_disk.values()) == ["native", "yarn x4"]  # t2's and t4's sessions (t1, t3 were replaced)
     # A yarn file's key is the one memrad wrote before ropes were per conversation: it loads as yarn.
     assert after.parking.disk.ropes["yarn x4"] == state_format(served, CHUNK, "exact")["rope"]
+    # A tier told nothing of the ropes never files a session under a rope it was not computed under.
+    served_key = state_format(served, CHUNK, "exact")["rope"]
+    assert DiskTier(tmp_path / "told-nothing", 10**9, state_format(served, CHUNK, "exact")).ropes == {
+        f"unnamed scaled rope {served_key}": served_key}
     native_file = next(sid for sid, rope in on_disk.items() if rope == "native")
     # ... and a native file is what the model served at its native length writes: it loads there too.
     assert restarted(native).parking.disk.pool.get(native_file).rope == "native"

@@ -242,12 +242,15 @@ class DiskTier:
     def __init__(self, directory: Path, max_bytes: int, compat: dict[str, str],
                  ropes: dict[str, str] | None = None) -> None:
         """`ropes`: {scaling name: rope key} of the ropes this engine runs requests under
-        (memrad.engine.model.rope.keys); None: one, "native", `compat`'s. A file records the rope
-        its session was computed under in its compat key (files older than per-conversation
-        rope did too: the served rope, all they ran under) and loads as that rope's session."""
+        (memrad.engine.model.rope.keys, as LoadedModel.rope_keys); None: `compat`'s rope alone,
+        named "native" where it scales nothing (else no request's rope names it: such files are
+        never resumed, and no session of another rope is ever written under its key). A file
+        records the rope its session was computed under in its compat key (files older than
+        per-conversation rope did too: the served rope, all they ran under) and loads as that
+        rope's session."""
         self.directory = directory
         self.compat = compat
-        self.ropes = ropes or {NATIVE: compat.get("rope", "")}
+        self.ropes = ropes if ropes is not None else {_unscaled_name(compat.get("rope")): compat.get("rope")}
         self.claimed: set[str] = set()  # ids any entry here claims (a directory, a set-aside file, ...)
         self.max_bytes = max_bytes
         self.pool = ReusePool(max_sessions=1 << 30, max_bytes=max_bytes)
@@ -439,7 +442,9 @@ class DiskTier:
                       identity=[session.identity.name, session.identity.source] if session.identity else None)
         if session.rope not in self.ropes:
             raise Unusable(f"it was computed under the {session.rope} rope, which this engine does not run")
-        compat = {**self.compat, "rope": self.ropes[session.rope]}  # the rope it was computed under
+        compat = dict(self.compat)
+        if self.ropes[session.rope] is not None:  # None: a key without ropes (a test's)
+            compat["rope"] = self.ropes[session.rope]  # the rope it was computed under
         return tensors, {"format": FORMAT, "compat": compat, "session": fields, "layers": layers}
 
     def load(self, session: ParkedSession, new_cache: Callable[[], Any]) -> ParkedState | None:
@@ -503,6 +508,19 @@ class DiskTier:
             log.info("deleted %s: %s", name, why)
         else:
             log.warning("skipped %s (%s), not deleted: %s", name[:80], why, left)
+
+
+def _unscaled_name(key: str | None) -> str:
+    """"native" for a rope key (canonical JSON) that scales nothing (or none at all), else a name
+    no request runs under."""
+    if key is None:
+        return NATIVE
+    try:
+        params = json.loads(key)
+    except ValueError:
+        params = None
+    scaled = not isinstance(params, dict) or params.get("rope_type", "default") != "default" or "factor" in params
+    return f"unnamed scaled rope {key}" if scaled else NATIVE
 
 
 def _session(header: Header, token_ids: tuple[int, ...], model: str, rope: str = NATIVE) -> ParkedSession:
