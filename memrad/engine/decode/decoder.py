@@ -560,12 +560,12 @@ class Decoder:
         return self.choose(None, cancelled)[1]()
 
     def _one_row(self, step: Any, kernel: bool, native: bool = False) -> OneRowFeed:
-        if native:  # the same step under the native rope, its name said as it is
-            served = self._one_row(step, kernel)
+        if native:  # the step's twin under the native rope, its name said as it is
+            served = self._one_row(None, kernel)
             if step is not None:
-                step = self.native.one_row(step, kernel, self._package(kernel))
-                served = self._one_row_on(step, kernel, step.eager if isinstance(step, step_package.PackagedStep)
-                                          else step, "eager" if step is self.native.eager else "compiled")
+                twin = self.native.one_row(step, kernel, self._package(kernel))
+                served = self._one_row_on(twin, kernel, twin.eager if isinstance(twin, step_package.PackagedStep)
+                                          else twin, "eager" if twin is self.native.eager else "compiled")
             return OneRowFeed(served.step, native_steps.under_native(self.switch, served.run))
         if step is None:
             return OneRowFeed("transformers", lambda cache, token_id, position: decode_one_token(
@@ -574,6 +574,7 @@ class Decoder:
 
     def _one_row_on(self, step: Any, kernel: bool, eager: Any, name: str) -> OneRowFeed:
         """The feed that runs `step` (whose eager form, owner included, is `eager`)."""
+        owner = eager.owner
 
         @torch.inference_mode()
         def feed(cache: Any, token_id: int, position: int) -> torch.Tensor:
@@ -584,7 +585,7 @@ class Decoder:
             device = tree_leaves(buffers[0])[0].device  # a layer may hand pairs (FalconH1)
             logits = step(torch.tensor([token_id], device=device), torch.tensor([position], device=device),
                           attended_rows(position + 1, device), [k for k, _ in buffers], [v for _, v in buffers],
-                          eager.owner, kernel)
+                          owner, kernel)
             for layer in layers:
                 layer.wrote_row(position)
             return logits.float()
