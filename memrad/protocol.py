@@ -13,7 +13,7 @@ from typing import Literal
 Outcome = Literal["resumed", "declined", "cold"]
 Tier = Literal["token-prefix", "text-prefix", "affinity", "prefix", "live"]  # live: memrad.reuse.attach
 REASON_CLASSES = ("nothing-parked", "no-prefix", "no-control-tokens", "below-bar", "named-vs-unnamed",
-                  "no-such-name", "diverged", "no-suffix", "no-checkpoint")
+                  "no-such-name", "diverged", "no-suffix", "no-checkpoint", "rescaled")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,10 @@ class Decision:
     most recent"); both are empty when at most one distinct session was offered. `step` is the
     decode step the request decodes with from its first token to its last ("compiled", "eager"
     or "transformers"; None until the engine has chosen it, and from engines that do not say).
+    `rope` is the RoPE the request runs under from its first token to its last: "native", or
+    the served scaling ("yarn x4") where its prompt + reply does not fit the native length
+    (memrad.engine.model.rope; None from engines that do not say). A parked state computed
+    under another rope is never resumed: reason class "rescaled".
 
     What the resume cost: `cost_tokens` is the planner's price of it in tokens
     (memrad.reuse.cost), `copied_rows` the rows a fork copies first (None: nothing copied);
@@ -73,6 +77,7 @@ class Decision:
     copied_rows: int | None = None
     copied_bytes: int | None = None
     checkout_s: float | None = None
+    rope: str | None = None
 
     def render(self) -> str:
         head = f"{self.tier}: {self.outcome}" if self.tier else self.outcome

@@ -33,7 +33,8 @@ def _request(engine: Engine, rid: str, salt: str, lines: int) -> GenerationReque
 
 
 def run(loaded, threads: int, sync: bool, rep: int, lines: int = 45) -> tuple[float, float, float, float, int]:
-    disk = DiskTier(Path(tempfile.mkdtemp(prefix="memra-spill-ttft-")), 2**33, state_format(loaded, CHUNK, "exact"))
+    disk = DiskTier(Path(tempfile.mkdtemp(prefix="memra-spill-ttft-")), 2**33, state_format(loaded, CHUNK, "exact"),
+                    loaded.rope_keys)
     if sync:  # the write inside the evicting request, on the engine thread
         disk.spill_later = lambda s, evicted, done: done(s, disk.spill(s, evicted))
     engine = Engine(loaded, EngineOptions(CHUNK, threads, "exact"), ReusePool(1, 2**33), disk)

@@ -40,12 +40,14 @@ class Attacher:
         self._holds: OrderedDict[str, Hold] = OrderedDict()
 
     def source(self, request: GenerationRequest, anchors: tuple[int, ...],
-               flights: list[Flight]) -> tuple[Flight, int] | None:
+               flights: list[Flight], rope: str | None = None) -> tuple[Flight, int] | None:
         """The flight whose prompt `request` extends with the highest cut to fork at, now or
-        once its prefill gets there, and that cut (pure)."""
+        once its prefill gets there, and that cut (pure). Only a flight running under the same
+        `rope` (memrad.engine.model.rope): its rows were rotated by it."""
         best = None
         for flight in flights:
-            if flight.phase == "done" or flight.request.cache_salt != request.cache_salt:
+            if (flight.phase == "done" or flight.request.cache_salt != request.cache_salt
+                    or flight.decided.decision.rope != rope):
                 continue
             target = fork_point(request.prompt_ids, anchors, flight.request.prompt_ids, self.chunk)
             if target is not None and self._forkable(flight, target) and (best is None or target > best[1]):

@@ -63,7 +63,7 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
                  settings.pool.max_sessions, max_bytes / 2**30)
         if settings.disk.enabled and settings.disk.max_bytes > 0:
             disk = _disk_tier(settings, state_format(loaded, settings.engine.prefill_chunk, settings.reuse.mode),
-                              pool)
+                              pool, loaded.rope_keys)
     else:
         log.info("reuse pool disabled: every request runs cold")
     options = EngineOptions(settings.engine.prefill_chunk, threads, mode=settings.reuse.mode,
@@ -88,13 +88,14 @@ def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None
                     disk=DiskSettings(enabled=False))
 
 
-def _disk_tier(settings: Settings, compat: dict[str, str], pool: ReusePool) -> DiskTier:
+def _disk_tier(settings: Settings, compat: dict[str, str], pool: ReusePool,
+               ropes: dict[str, str] | None = None) -> DiskTier:
     """Index the disk tier's files (headers only) and keep new session ids clear of theirs."""
     directory = Path(settings.disk.dir).expanduser() if settings.disk.dir else sessions_dir()
     # Parked state holds prompts: its folder is the owner's only (memrad.private); a folder
     # the user named is created 0700 but not narrowed.
     private_dir(directory, tighten=not settings.disk.dir)
-    disk = DiskTier(directory, settings.disk.max_bytes, compat)
+    disk = DiskTier(directory, settings.disk.max_bytes, compat, ropes)
     found = disk.index()
     pool.skip_ids_up_to(disk.session_ids())  # every model's files: new ids never name an existing file
     log.info("disk tier: %d parked sessions (%.1f MiB) in %s, up to %.1f GiB", len(found),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,6 +42,7 @@ from memrad.engine.flight import Flight, Sampling
 from memrad.engine.forward import prefill_spans
 from memrad.engine.model.hardware import Choice
 from memrad.engine.model.loader import LoadedModel
+from memrad.engine.model.rope import Scaling, rule_for
 from memrad.engine.events import Publisher
 from memrad.engine.parking import (DiskLike, NoDisk, NoParking, Parking, ParkingLike, Prefilled, Snapshotter,
                                    essential)
@@ -155,6 +157,9 @@ class Engine:
         # Which step that is (llama-shaped, Gemma 3, Qwen3-Next) and its layers; none where transformers decodes.
         self.step_choice = (Choice("none", self.decoder.choice.reason) if self.decoder.step is None
                             else describe_step(loaded.model, loaded.context_len))
+        # Which rope each request runs under: native where it fits, scaled past (memrad.engine.model.rope).
+        self.rope_rule = rule_for(loaded.context, loaded.rope, self.decoder.native_why is None,
+                                  self.decoder.native_why or "")
         # Control-socket events (memrad.protocol records); published on the engine thread.
         self.events = events if events is not None else Publisher()
         self.parking: ParkingLike = NoParking(self.new_cache) if pool is None else Parking(
@@ -184,7 +189,9 @@ class Engine:
                 "tensors": {"value": loaded.tensors.value, "reason": loaded.tensors.reason},
                 "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason},
                 "step": {"value": self.step_choice.value, "reason": self.step_choice.reason},
-                "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()},
+                "context": {"value": self.rope_rule.describe(), "reason": self.rope_rule.reason(),
+                            "native_context_length": loaded.context.native_tokens,
+                            "context_scaling": loaded.context.describe()},
                 "attention": {"value": loaded.attention.value, "reason": loaded.attention.reason},
                 "products": {"value": loaded.products.choice.value, "reason": loaded.products.choice.reason},
                 "batch": self._batch_choice(), "threads": self._threads_choice()}
@@ -259,17 +266,28 @@ class Engine:
         """Every parked session as a SessionInfo record (least recently used first)."""
         return self.parking.infos()
 
+    def scaling(self, request: GenerationRequest) -> Scaling:
+        """The rope `request` runs under, from its prompt and its reply budget (max_tokens as the
+        server fitted it; none: the rest of the context). Pure."""
+        num_prompt = len(request.prompt_ids)
+        budget = request.sampling.max_tokens
+        return self.rope_rule.choose(num_prompt, budget if budget is not None else self.context_len - num_prompt)
+
     def plan(self, request: GenerationRequest, prompt_segments: tuple[Segment, ...] | None = None,
              anchors: tuple[int, ...] | None = None) -> Plan:
         """Decide reuse for `request` (pure; the pool is only read). `anchors`: the prompt's
-        reply anchors, found here if not given (exact mode)."""
+        reply anchors, found here if not given (exact mode). Only state computed under the
+        request's rope is resumed; the decision says the rope (`Decision.rope`)."""
+        scaling = self.scaling(request)
         view = RequestView(request.request_id, request.prompt_ids, request.prompt_text,
                            self.namespace(request), request.identity,
                            tuple(seg.hash for seg in prompt_segments) if prompt_segments is not None
                            else chain(request.prompt_ids, self.openers),
                            None if self.mode != "exact"
-                           else anchors if anchors is not None else find_anchors(request.prompt_ids, self.reply_header))
-        return self.parking.plan(view, self.affinity, self.longest_prefix)
+                           else anchors if anchors is not None else find_anchors(request.prompt_ids, self.reply_header),
+                           rope=scaling.name, rope_reason=scaling.reason)
+        planned = self.parking.plan(view, self.affinity, self.longest_prefix)
+        return replace(planned, decision=replace(planned.decision, rope=scaling.name))
 
     def generate(self, request: GenerationRequest, emit: Callable[[str | TokenLogprob], None],
                  cancelled: Callable[[], bool],
@@ -309,7 +327,7 @@ class Engine:
         hold = self.attacher.held(request)
         if hold is None:
             anchors = find_anchors(request.prompt_ids, self.reply_header)
-            found = self.attacher.source(request, anchors, self._flights)
+            found = self.attacher.source(request, anchors, self._flights, self.scaling(request).name)
             if found is None or self.attacher.ready(*found):
                 return False
             if found[1] <= self.plan(request, anchors=anchors).decision.reused_tokens:
@@ -357,9 +375,10 @@ class Engine:
         try:
             # The step is chosen before the decision leaves, so the reply's first bytes say it;
             # it never changes what is reused (exact mode parks no decoded KV).
-            step, make_feed = self._choose_step(cancelled)
+            step, make_feed = self._choose_step(cancelled, decided.decision.rope)
             decision = replace(decided.decision, step=step)
-            log.info("%s %s; %s; decode: %s step", request.request_id, decision.render(), decision.render_cost(), step)
+            log.info("%s %s; %s; decode: %s step; rope: %s", request.request_id, decision.render(),
+                     decision.render_cost(), step, decision.rope)
             if on_decision is not None:
                 on_decision(decision)
             self.events(lambda: decision_event(self.loaded.tokenizer, self.openers, request, decision,
@@ -381,7 +400,8 @@ class Engine:
                    hold: Hold | None) -> tuple[Plan, Any, Prefilled] | None:
         """Fork a flight's live state where it reuses more than the pool's plan: the plan, the
         forked cache and its Prefilled; None to go with the pool."""
-        found = self.attacher.source(request, anchors, self._flights) if self.attacher is not None else None
+        rope = self.scaling(request).name
+        found = self.attacher.source(request, anchors, self._flights, rope) if self.attacher is not None else None
         if found is None or not self.attacher.ready(*found) or found[1] <= planned.decision.reused_tokens:
             return None
         source, target = found
@@ -389,7 +409,7 @@ class Engine:
         attachment = Attachment(source.request.request_id, len(source.request.prompt_ids), at, target)
         primed = len(request.prompt_ids) - target
         decision = Decision(request.request_id, "resumed", attachment.forked(primed), target, primed, tier="live",
-                            checkpoint=target)
+                            checkpoint=target, rope=rope)
         return (Plan(decision, checkpoint=target, fork=True), self.attacher.fork(source, target),
                 Prefilled(target, target, {}, anchors))
 
@@ -444,7 +464,7 @@ class Engine:
             prefilling.prefilled_at = self._steps
             threads, started_s = self.team.size_for("prefill"), self.team.now()
             try:
-                with self.loaded.products.context():  # the same bits at any count (model.products)
+                with self.loaded.products.context(), self._rope_of(prefilling):  # model.products: any count
                     ran = prefilling.prefill(self.loaded.model, self.prefill_budget)
                 if ran:
                     self.team.ran("prefill", threads, ran, started_s)
@@ -458,17 +478,24 @@ class Engine:
             self._report(flight)
         return ended
 
-    def _choose_step(self, cancelled: Callable[[], bool]) -> tuple[str, Callable[[], Any]]:
+    def _rope_of(self, flight: Flight) -> Any:
+        """The block a flight's model forwards run in: its rope in force (memrad.engine.model.rope)."""
+        switch = self.loaded.rope
+        return switch.under(flight.decided.decision.rope) if switch is not None else nullcontext()
+
+    def _choose_step(self, cancelled: Callable[[], bool], rope: str | None = None) -> tuple[str, Callable[[], Any]]:
         """The step a new flight decodes with, from its first token to its last: the batched
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
         the decoder's one-row step (flights then run one after another in each iteration).
         Returns its name (compiled, eager, transformers) and how to make it (memrad.engine.decode.
         decoder.Decoder.choose); under compile = wait it waits for the compiled step, at
         admission. Admitted beside another request, it asks for the batched packages (built
-        in the background the first time; this request decodes as before meanwhile)."""
+        in the background the first time; this request decodes as before meanwhile). `rope`
+        "native": the step's native twin (memrad.engine.decode.native)."""
         if self._batches() and self._flights:  # a second request beside another: the batched packages are wanted
             self.decoder.want_batch()
-        return self.decoder.choose(self.max_batch if self._batches() else None, cancelled)
+        native = rope == "native" and self.rope_rule.per_conversation
+        return self.decoder.choose(self.max_batch if self._batches() else None, cancelled, native)
 
     def _finish(self, flight: Flight) -> None:
         """Park a flight that ended and publish its turn; on an error, give its state back."""

@@ -28,7 +28,7 @@ from memrad.protocol import Decision, EvictEvent, ParkEvent, PoolStats, SessionI
 from memrad.request import GenerationRequest
 from memrad.reuse.fingerprint import Segment, chain
 from memrad.reuse.planner import Mode, Plan, RequestView, plan
-from memrad.reuse.pool import Namespace, ParkedSession, PrefixMatch, ReusePool
+from memrad.reuse.pool import NATIVE, Namespace, ParkedSession, PrefixMatch, ReusePool
 from memrad.reuse.report import session_info
 
 log = logging.getLogger("memrad.engine")
@@ -316,6 +316,7 @@ class Parking:
             hits=parent.hits + 1 if succeeds else 0,
             anchors=tuple(a for a in pre.anchors if a <= pre.primed_to),
             state=state,
+            rope=decided.decision.rope or NATIVE,
         )
         if not self.pool.can_park(session.num_bytes):
             log.info("%s not parked: %d bytes exceed the pool's cap of %d bytes", request.request_id,

@@ -35,6 +35,14 @@ Usable checkpoints of a session, by mode (C = prefill chunk, P = prompt checkpoi
                                             so a resume there is bit-identical to cold,
                                             provided the request was cut alike below it
     fast:   any position <= len(tokens) (attention-only), or any snapshot (recurrent)
+
+Only state computed under the request's rope is resumed (memrad.engine.model.rope: a request
+runs native where its prompt + reply fits the model's window, scaled past it). Where a
+session of the other rope would have reused more than the winner, the decision says so, and
+if nothing else is resumed it is declined with reason class "rescaled":
+
+    token-prefix: declined (rescaled: 8,452 tokens (prompt 4,356 + reply 4,096) > native 8,192;
+                            s3 was primed under the native rope, 4,352 tokens not reused)
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from memrad.protocol import Alternative, Decision, Tier
 from memrad.request import Identity
 from memrad.reuse.cost import resume_cost
 from memrad.reuse.identity import Nomination, Refusal, nominate
-from memrad.reuse.pool import Namespace, ParkedSession, PrefixMatch
+from memrad.reuse.pool import NATIVE, Namespace, ParkedSession, PrefixMatch
 from memrad.reuse.prefix_index import common_prefix_len
 
 Mode = Literal["exact", "fast"]
@@ -62,6 +70,8 @@ class RequestView:
     identity: Identity | None = None
     fingerprint: tuple[int, ...] = ()
     anchors: tuple[int, ...] | None = None  # reply anchors (exact mode); None: not checked
+    rope: str = NATIVE  # the RoPE the request runs under; only sessions primed under it resume
+    rope_reason: str = ""  # why that one, e.g. "8,301 tokens (prompt 4,205 + reply 4,096) > native 8,192"
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,11 +202,44 @@ def plan(view: RequestView, sessions: list[ParkedSession], mode: Mode, chunk: in
     """Decide for one request; `sessions` are all parked sessions (any namespace), `matches`
     the pool index's prefix candidates for this prompt (None: compare with every session).
 
-    Every tier offers its candidate, verified; the plan reusing the most tokens wins."""
+    Every tier offers its candidate, verified; the plan reusing the most tokens wins, among
+    the sessions primed under the request's rope (a longer one under the other rope is said)."""
     mine = [s for s in sessions if s.namespace == view.namespace]
     if not mine:
         return Plan(Decision(view.request_id, "cold", "nothing parked for this model and cache_salt", 0,
                              len(view.prompt_ids), reason_class="nothing-parked"))
+    if all(s.rope == view.rope for s in mine):
+        return _plan_among(view, mine, mode, chunk, affinity, longest_prefix, matches)
+    same = [s for s in mine if s.rope == view.rope]
+    chosen = (_plan_among(view, same, mode, chunk, affinity, longest_prefix,
+                          None if matches is None else tuple(m for m in matches if m.session.rope == view.rope))
+              if same else Plan(Decision(view.request_id, "cold", f"nothing parked under the {view.rope} rope", 0,
+                                         len(view.prompt_ids), reason_class="nothing-parked")))
+    other = [s for s in mine if s.rope != view.rope]
+    elsewhere = _plan_among(view, other, mode, chunk, affinity, longest_prefix,
+                            None if matches is None else tuple(m for m in matches if m.session.rope != view.rope))
+    return _other_rope(view, chosen, elsewhere)
+
+
+def _other_rope(view: RequestView, chosen: Plan, elsewhere: Plan) -> Plan:
+    """`chosen` (among the sessions of the request's rope), saying what `elsewhere` (the best
+    plan among the other rope's) would have reused where that is more: declined "rescaled"
+    when nothing of the request's rope is resumed."""
+    if elsewhere.session is None or elsewhere.checkpoint <= chosen.checkpoint:
+        return chosen
+    session = elsewhere.session
+    lead = "unscaled" if view.rope == NATIVE else "rescaled"
+    note = (f"{lead}: {view.rope_reason or 'the request runs under the ' + view.rope + ' rope'}; "
+            f"{session.session_id} was primed under the {session.rope} rope, {elsewhere.checkpoint:,} tokens not reused")
+    if chosen.session is None:
+        return Plan(Decision(view.request_id, "declined", note, 0, len(view.prompt_ids),
+                             tier=elsewhere.decision.tier, candidate=session.session_id, reason_class="rescaled"))
+    return replace(chosen, decision=replace(chosen.decision, reason=f"{chosen.decision.reason}; {note}"))
+
+
+def _plan_among(view: RequestView, mine: list[ParkedSession], mode: Mode, chunk: int, affinity: bool,
+                longest_prefix: bool, matches: tuple[PrefixMatch, ...] | None) -> Plan:
+    """`plan` over `mine`, the namespace's sessions (non-empty)."""
     offered, fallback = _nominated(view, mine, mode, chunk, affinity)
     if longest_prefix:
         if matches is None:

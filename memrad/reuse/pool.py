@@ -29,6 +29,9 @@ from memrad.request import Identity
 from memrad.reuse.prefix_index import BLOCK, PrefixIndex, common_prefix_len
 
 
+NATIVE = "native"  # the rope as the model shipped it (memrad.engine.model.rope.NATIVE)
+
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Reuse never crosses a namespace: a different model or cache_salt shares nothing."""
@@ -56,6 +59,9 @@ class ParkedSession:
     anchors: tuple[int, ...] = ()  # reply anchors its prompt was also cut at (memrad.grid)
     state: Any = field(default=None, compare=False, repr=False)  # engine-owned tensors
     on_disk: bool = False          # the state is in the disk tier's file, loaded when chosen
+    # The RoPE its state was computed under: "native" or the served scaling ("yarn x4",
+    # memrad.engine.model.rope). The planner resumes it only for a request under the same.
+    rope: str = "native"
 
     @property
     def num_tokens(self) -> int:

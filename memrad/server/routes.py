@@ -152,13 +152,18 @@ def render(ctx: ServerContext, parsed: ParsedRequest) -> tuple[str, list[int]]:
 
 async def models(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
+    context = ctx.engine.runtime_choices["context"]
     return web.json_response({"object": "list", "data": [{
         "id": ctx.engine.model_id, "object": "model", "created": int(ctx.started_at), "owned_by": "memra",
         # One number under each name a client reads it from: context_length (OpenRouter, LM
         # Studio), max_model_len (vLLM), context_window (opencode, LiteLLM-style catalogs).
         "context_length": ctx.engine.context_len, "max_model_len": ctx.engine.context_len,
         "context_window": ctx.engine.context_len,
-        "context_scaling": ctx.engine.runtime_choices["context"]["value"],  # "native", "yarn x4"
+        # Both lengths and the rule: native RoPE where prompt + max_tokens fits the native length,
+        # the scaling ("yarn x4") past it (memrad.engine.model.rope); "native" when served within it.
+        "native_context_length": context.get("native_context_length", ctx.engine.context_len),
+        "context_scaling": context.get("context_scaling", context["value"]),
+        "context_rule": context["reason"],
     }]})
 
 

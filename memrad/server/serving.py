@@ -126,11 +126,14 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
 def decision_field(decision: Decision | None, notes: tuple[str, ...] = ()) -> dict:
     """The `memra` field every API's object carries: the reuse decision's one rendering and
     what its resume cost (memrad.protocol.Decision.render_cost), the decode step the reply
-    runs on (`step`: compiled, eager or transformers), and what memrad left out of or changed
+    runs on (`step`: compiled, eager or transformers), the RoPE it runs under (`rope`: native or
+    e.g. yarn x4, memrad.engine.model.rope), and what memrad left out of or changed
     in the request (validate.Notes)."""
     field: dict = {"decision": decision.render(), "cost": decision.render_cost()} if decision is not None else {}
     if decision is not None and decision.step is not None:
         field["step"] = decision.step
+    if decision is not None and decision.rope is not None:
+        field["rope"] = decision.rope  # "native", or the scaling past the native length ("yarn x4")
     if notes:
         field["notes"] = list(notes)
     return {"memra": field} if field else {}

@@ -29,7 +29,7 @@ def test_a_catalog_models_cache_spills_and_reloads_bit_exact(name, tmp_path):
     loaded = load_model(name, device="cpu", dtype="float32", allow_pull=False)
 
     def engine():
-        disk = DiskTier(tmp_path, 2**32, state_format(loaded, CHUNK, "exact"))
+        disk = DiskTier(tmp_path, 2**32, state_format(loaded, CHUNK, "exact"), loaded.rope_keys)
         return stories.make_engine(loaded, CHUNK, 2, max_sessions=4, max_bytes=2**32, disk=disk, mode="exact")
 
     before = engine()

@@ -138,6 +138,16 @@ def test_the_compiled_step_decodes_scaled_positions_as_transformers_does(short_d
     feed = compiled.feeder()
     for position in range(180, 190):
         assert (feed(cache, TOKENS[position], position) - expected[position]).abs().max() < 1e-4, position
+    # The native twin: the same package opened over the native rope's tables (memrad.engine.decode.native)
+    native = whole_forward(reference(short_dir, torch.float32, None), TOKENS[:NATIVE])
+    cache = Engine(loaded, EngineOptions(16, 1)).new_cache()
+    with loaded.rope.under("native"):
+        prefill(loaded.model, cache, TOKENS[:48], 0, 16)
+    name, make = compiled.choose(None, native=True)
+    feed = make()
+    assert (name, feed.step) == ("compiled", "compiled")
+    for position in range(48, 60):
+        assert (feed(cache, TOKENS[position], position) - native[position]).abs().max() < 1e-4, position
 
 
 def test_the_decode_steps_rope_table_carries_yarns_attention_factor(short_dir):
@@ -198,5 +208,8 @@ async def test_models_and_health_say_what_is_served_and_how(short_dir):
     assert (model["context_length"], model["max_model_len"], model["context_window"]) == (SERVED,) * 3
     assert model["context_scaling"] == "yarn x4"
     assert health["context_len"] == SERVED
-    assert health["choices"]["context"]["value"] == "yarn x4"
-    assert health["choices"]["context"]["reason"].startswith("256 tokens: yarn RoPE scaling x4 over the native 64")
+    assert (model["native_context_length"], model["context_rule"]) == (NATIVE, health["choices"]["context"]["reason"])
+    assert health["choices"]["context"]["value"] == "native to 64, yarn x4 to 256"
+    assert health["choices"]["context"]["reason"].startswith(
+        "256 tokens served: a request whose prompt + max_tokens fits the native 64 runs at the model's native RoPE; "
+        "one that needs more runs under yarn x4 from its first token")

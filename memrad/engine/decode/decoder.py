@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from memrad.engine.decode import build_times, builder
+from memrad.engine.decode import build_times, builder, native as native_steps
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.batch import BatchGraph, BatchStep
 from memrad.engine.decode.steps import new_step, support
@@ -137,6 +137,10 @@ class Decoder:
         self.batch_rows = batch_rows if batch_rows and batch_rows > 1 else None
         self.batch_packages: dict[int, step_package.PackagedBatch] = {}  # rows -> the package
         self.batch_choice = Choice("eager", "no batched step asked for")
+        # Served past the native length: native requests decode on twins of the steps with the
+        # native rope's tables (memrad.engine.decode.native); None where there is one rope.
+        self.switch = native_steps.switch_of(model)
+        self.native: native_steps.NativeSteps | None = None
         unsupported = support(model, context_len) if device.type == "cpu" else (
             "the step runs over CPU slabs; CUDA decodes with transformers' forward")
         if unsupported is not None:
@@ -145,6 +149,8 @@ class Decoder:
                 raise CompileFailed(f"compile = on, but {unsupported}: set compile = auto or off")
             return
         self.eager = new_step(model, context_len)
+        if self.switch is not None and isinstance(self.eager, DecodeStep):
+            self.native = native_steps.NativeSteps(self.switch, model, self.eager, context_len, self.capacity)
         if self.batch_rows and not isinstance(self.eager, DecodeStep):
             self.batch_rows = None  # Gemma 3, the hybrids: no batched step, one row at a time
         if self.batch_rows:
@@ -438,21 +444,32 @@ class Decoder:
 
     # -- batched decode (memrad.engine.decode.batch): several requests' tokens in one step --
 
-    def choose(self, rows: int | None, cancelled: Callable[[], bool] = lambda: False
+    @property
+    def native_why(self) -> str | None:
+        """None where a request can decode under the native rope (`choose(native=True)`), else why
+        not: the model has one rope, or its step (Gemma 3, the hybrids) has tables of its own."""
+        if self.switch is None:
+            return "the model has one rope"
+        if self.step is not None and self.native is None:
+            return f"the {type(self.eager).__name__} decode step has one rope table"
+        return None
+
+    def choose(self, rows: int | None, cancelled: Callable[[], bool] = lambda: False, native: bool = False
                ) -> tuple[str, Callable[[], OneRowFeed | BatchStep]]:
         """The step a new request decodes with from its first token to its last, chosen now:
         its name ("compiled", "eager", "transformers"), said before the reply's first byte,
         and how to make it (the first batched step of a kind is checked on a scratch request,
         which takes a moment: the name must not wait for it). `rows`: the batched step of that
         many rows where there is one (`batch_step`), else None for the one-row step. What is
-        open is read once, so a compile that lands in between changes neither."""
+        open is read once, so a compile that lands in between changes neither. `native`: the
+        step's twin under the native rope (memrad.engine.decode.native; `native_why` None)."""
         self._await_compile(cancelled, lambda: self.choice.value == "compiling")
         (step, kernel), package = self.current, self.batch_package
         if rows is not None and isinstance(self.eager_step, DecodeStep):
             compiled = package is not None and package.rows == rows
             if (step is not self.eager) == compiled:  # else: the one-row step compiled, the batched not yet
-                return ("compiled" if compiled else "eager"), lambda: self._batch_step(rows, kernel, compiled)
-        feed = self._one_row(step, kernel)
+                return ("compiled" if compiled else "eager"), lambda: self._batch_step(rows, kernel, compiled, native)
+        feed = self._one_row(step, kernel, native)
         return feed.step, lambda: feed
 
     def batch_step(self, rows: int, cancelled: Callable[[], bool] = lambda: False) -> BatchStep | None:
@@ -488,9 +505,13 @@ class Decoder:
 
         threading.Thread(target=make, name="memrad-batch-check", daemon=True).start()
 
-    def _batch_step(self, rows: int, kernel: bool, compiled: bool) -> BatchStep:
+    def _batch_step(self, rows: int, kernel: bool, compiled: bool, native: bool = False) -> BatchStep:
         with self._batch_lock:
-            return self._made_batch_step(rows, kernel, compiled)
+            served = self._made_batch_step(rows, kernel, compiled)
+            if not native:
+                return served
+            return self.native.batch(served, lambda size: self._package(kernel, size),
+                                     self._one_row(*self.current, native=True))
 
     def _made_batch_step(self, rows: int, kernel: bool, compiled: bool) -> BatchStep:
         key = (rows, kernel, compiled)
@@ -554,10 +575,22 @@ class Decoder:
         and is ended by its caller."""
         return self.choose(None, cancelled)[1]()
 
-    def _one_row(self, step: Any, kernel: bool) -> OneRowFeed:
+    def _one_row(self, step: Any, kernel: bool, native: bool = False) -> OneRowFeed:
+        if native:  # the step's twin under the native rope, its name said as it is
+            served = self._one_row(None, kernel)
+            if step is not None:
+                twin = self.native.one_row(step, kernel, self._package(kernel))
+                served = self._one_row_on(twin, kernel, twin.eager if isinstance(twin, step_package.PackagedStep)
+                                          else twin, "eager" if twin is self.native.eager else "compiled")
+            return OneRowFeed(served.step, native_steps.under_native(self.switch, served.run))
         if step is None:
             return OneRowFeed("transformers", lambda cache, token_id, position: decode_one_token(
                 self.model, cache, token_id, position))
+        return self._one_row_on(step, kernel, self.eager, "eager" if step is self.eager else "compiled")
+
+    def _one_row_on(self, step: Any, kernel: bool, eager: Any, name: str) -> OneRowFeed:
+        """The feed that runs `step` (whose eager form, owner included, is `eager`)."""
+        owner = eager.owner
 
         @torch.inference_mode()
         def feed(cache: Any, token_id: int, position: int) -> torch.Tensor:
@@ -568,9 +601,9 @@ class Decoder:
             device = tree_leaves(buffers[0])[0].device  # a layer may hand pairs (FalconH1)
             logits = step(torch.tensor([token_id], device=device), torch.tensor([position], device=device),
                           attended_rows(position + 1, device), [k for k, _ in buffers], [v for _, v in buffers],
-                          self.eager.owner, kernel)
+                          owner, kernel)
             for layer in layers:
                 layer.wrote_row(position)
             return logits.float()
 
-        return OneRowFeed("eager" if step is self.eager else "compiled", feed)
+        return OneRowFeed(name, feed)

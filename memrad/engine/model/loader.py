@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from memrad.engine.model import catalog, context as served_context, formats
+from memrad.engine.model import catalog, context as served_context, formats, rope as rope_switch
 from memrad.engine.model.context import ServedContext
 from memrad.engine.model.hardware import Choice, pick_dtype as _pick_dtype, pick_weights
 from memrad.engine.model.products import TORCH, Products, choose as prefill_products
@@ -49,6 +50,11 @@ class LoadedModel:
     # A prefill chunk's dense products (memrad.engine.model.products): fixed spans whose bits
     # hold at any thread count (so prefill's team may follow the CPU), or torch's own.
     products: Products = TORCH
+    # Served past the native length: the model's rotary module, with the native rope beside
+    # the scaled one (memrad.engine.model.rope); None: one rope for every request.
+    rope: Any = None
+    # {scaling name: rope parameters as JSON} of the ropes its state can be computed under.
+    rope_keys: dict = dataclasses.field(default_factory=dict)
 
     @property
     def context_len(self) -> int:
@@ -138,6 +144,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         config = AutoConfig.from_pretrained(folder)
         entry = catalog.lookup(spec)
         served = served_context.plan(config, context, entry.served_context if entry else None)
+        shipped = rope_switch.native_copy(config) if served.scaling != "native" else None
         served_context.apply(config, served)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dt).to(dev).eval()
@@ -150,6 +157,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     from memrad.engine.model.attention import install as install_attention
 
     attention = install_attention(model, prefill_attention)
+    switch = rope_switch.install(model, shipped, served) if shipped is not None else None
     progress(f"prefill attention {attention.value}: {attention.reason}")
     from memrad.engine.threads import cpu_ceiling
 
@@ -175,6 +183,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         tensors=Choice(formats.summary(applied.groups), formats.describe(applied.groups)),
         attention=attention,
         products=products,
+        rope=switch,
+        rope_keys=rope_switch.keys(served, model.config, shipped if switch is not None else None),
     )
 
 

@@ -54,7 +54,7 @@ from memrad.engine.state.sessionfile import (FORMAT, SET_ASIDE, Header, Unusable
 from memrad.engine.state.snapshot import ParkedState, Snapshot
 from memrad.engine.state.window import WindowLayer
 from memrad.request import Identity
-from memrad.reuse.pool import Namespace, ParkedSession, ReusePool
+from memrad.reuse.pool import NATIVE, Namespace, ParkedSession, ReusePool
 
 log = logging.getLogger("memrad.disk")
 
@@ -240,9 +240,18 @@ class DiskTier:
 
     eviction = "spilling to disk"  # what becomes of a session the memory cap evicts
 
-    def __init__(self, directory: Path, max_bytes: int, compat: dict[str, str]) -> None:
+    def __init__(self, directory: Path, max_bytes: int, compat: dict[str, str],
+                 ropes: dict[str, str] | None = None) -> None:
+        """`ropes`: {scaling name: rope key} of the ropes this engine runs requests under
+        (memrad.engine.model.rope.keys, as LoadedModel.rope_keys); None: `compat`'s rope alone,
+        named "native" where it scales nothing (else no request's rope names it: such files are
+        never resumed, and no session of another rope is ever written under its key). A file
+        records the rope its session was computed under in its compat key (files older than
+        per-conversation rope did too: the served rope, all they ran under) and loads as that
+        rope's session."""
         self.directory = directory
         self.compat = compat
+        self.ropes = ropes if ropes is not None else {_unscaled_name(compat.get("rope")): compat.get("rope")}
         self.claimed: set[str] = set()  # ids any entry here claims (a directory, a set-aside file, ...)
         self.max_bytes = max_bytes
         self.pool = ReusePool(max_sessions=1 << 30, max_bytes=max_bytes)
@@ -307,10 +316,19 @@ class DiskTier:
     def _read(self, name: str) -> ParkedSession | ForeignFile:
         """One file's record from its header (and token ids, if it is this engine's)."""
         header = read_header(self.directory, name, self.max_bytes)
-        if header.meta.get("compat") != self.compat:
+        rope = self._rope_of(header.meta.get("compat"))
+        if rope is None:
             return ForeignFile(header.session_id, header.model, header.num_bytes, header.last_used_at)
         token_ids = tuple(read_int64s(self.directory, header, "token_ids", limit=header.num_bytes // 8))
-        return _session(header, token_ids, self.compat["model"])
+        return _session(header, token_ids, self.compat["model"], rope)
+
+    def _rope_of(self, compat: Any) -> str | None:
+        """The rope a file's session was computed under, if its compat key is this engine's
+        under one of its ropes; else None (another model or setting: not loaded here)."""
+        if not isinstance(compat, dict) or {k: v for k, v in compat.items() if k != "rope"} != {
+                k: v for k, v in self.compat.items() if k != "rope"}:
+            return None
+        return next((name for name, key in self.ropes.items() if key == compat.get("rope")), None)
 
     def _make_room(self, num_bytes: int, on_evicted: Callable[[ParkedSession], None]) -> None:
         """Delete least recently used files, of any model, until `num_bytes` more fit the cap.
@@ -423,7 +441,12 @@ class DiskTier:
         fields = {k: getattr(session, k) for k in _SESSION_FIELDS}
         fields.update(cache_salt=session.namespace.cache_salt,
                       identity=[session.identity.name, session.identity.source] if session.identity else None)
-        return tensors, {"format": FORMAT, "compat": self.compat, "session": fields, "layers": layers}
+        if session.rope not in self.ropes:
+            raise Unusable(f"it was computed under the {session.rope} rope, which this engine does not run")
+        compat = dict(self.compat)
+        if self.ropes[session.rope] is not None:  # None: a key without ropes (a test's)
+            compat["rope"] = self.ropes[session.rope]  # the rope it was computed under
+        return tensors, {"format": FORMAT, "compat": compat, "session": fields, "layers": layers}
 
     def load(self, session: ParkedSession, new_cache: Callable[[], Any]) -> ParkedState | None:
         """The state of a disk session, or None (file deleted, logged) if it fails its checks."""
@@ -435,7 +458,7 @@ class DiskTier:
             # The header again, checked before a tensor is read: the file may have changed.
             header = read_header(self.directory, path.name, self.max_bytes)
             meta = header.meta
-            if meta.get("compat") != self.compat:
+            if self._rope_of(meta.get("compat")) != session.rope:
                 raise Unusable("its compatibility key changed since the start")
             with safe_open(str(path), framework="pt") as f:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
@@ -488,7 +511,20 @@ class DiskTier:
             log.warning("skipped %s (%s), not deleted: %s", name[:80], why, left)
 
 
-def _session(header: Header, token_ids: tuple[int, ...], model: str) -> ParkedSession:
+def _unscaled_name(key: str | None) -> str:
+    """"native" for a rope key (canonical JSON) that scales nothing (or none at all), else a name
+    no request runs under."""
+    if key is None:
+        return NATIVE
+    try:
+        params = json.loads(key)
+    except ValueError:
+        params = None
+    scaled = not isinstance(params, dict) or params.get("rope_type", "default") != "default" or "factor" in params
+    return f"unnamed scaled rope {key}" if scaled else NATIVE
+
+
+def _session(header: Header, token_ids: tuple[int, ...], model: str, rope: str = NATIVE) -> ParkedSession:
     """A disk session's record from its checked header; raises Unusable for a field that is
     missing, of the wrong type, or breaks an invariant the pool relies on."""
     s = header.meta.get("session")
@@ -501,7 +537,7 @@ def _session(header: Header, token_ids: tuple[int, ...], model: str) -> ParkedSe
             text=str(s["text"]), prompt_checkpoint=int(s["prompt_checkpoint"]), checkpoints=ints("checkpoints"),
             croppable=bool(s["croppable"]), exact_limit=int(s["exact_limit"]), fingerprint=ints("fingerprint"),
             num_bytes=header.num_bytes, created_at=float(s["created_at"]), last_used_at=float(s["last_used_at"]),
-            hits=int(s["hits"]), anchors=ints("anchors"), state=None, on_disk=True)
+            hits=int(s["hits"]), anchors=ints("anchors"), state=None, on_disk=True, rope=rope)
     except (KeyError, TypeError, ValueError, IndexError):
         raise Unusable("garbled session fields") from None
     if s["cache_salt"] is not None and not isinstance(s["cache_salt"], str):
