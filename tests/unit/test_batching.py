@@ -241,6 +241,25 @@ def test_a_lone_request_runs_padded_where_the_one_row_steps_bits_differ(tiny_loa
     assert len(calls) >= 3 and set(calls) == {(4, 1)}  # every decode step after the first token: 4 rows
 
 
+def test_a_request_admitted_while_the_eager_batched_step_is_checked_decodes_on_the_one_row_step(tiny_loaded):
+    """A first start makes the eager batched step in the background (`warm_batch`, its checks
+    take seconds on a busy machine): a request admitted meanwhile decodes its whole reply on
+    the one-row eager step instead of waiting; once made, requests get the batched step."""
+    engine = recording(make_engine(tiny_loaded, CHUNK, max_batch=4))
+    decoder = engine.decoder
+    with decoder._batch_lock:  # the check under way
+        step, make = decoder.choose(4)
+        assert step == "eager" and not isinstance(make(), BatchStep)
+        flight = engine.admit(request(engine, conversation("w", 1)[:-1], "w-1", max_tokens=4), lambda _: None,
+                              lambda: False)
+        assert not isinstance(flight.feed, BatchStep) and flight.feed.step == "eager"
+    while flight.completion is None:
+        engine.step()
+    assert flight.completion.decision.step == "eager"
+    step, make = decoder.choose(4)
+    assert step == "eager" and isinstance(make(), BatchStep)
+
+
 # -- the batched step compiled (memrad.engine.decode.package, rows): the tiny int4 llama in bf16 --
 
 needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="building the package needs a C++ compiler")

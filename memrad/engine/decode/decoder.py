@@ -468,7 +468,11 @@ class Decoder:
         if rows is not None and isinstance(self.eager_step, DecodeStep):
             compiled = package is not None and package.rows == rows
             if (step is not self.eager) == compiled:  # else: the one-row step compiled, the batched not yet
-                return ("compiled" if compiled else "eager"), lambda: self._batch_step(rows, kernel, compiled, native)
+                if compiled or (rows, kernel, False) in self._batched or not self._batch_lock.locked():
+                    return ("compiled" if compiled else "eager"), lambda: self._batch_step(rows, kernel, compiled,
+                                                                                           native)
+                # The eager batched step is being made and checked (`warm_batch`, a first start): this
+                # request decodes on the one-row eager step rather than wait for the check.
         feed = self._one_row(step, kernel, native)
         return feed.step, lambda: feed
 
@@ -491,8 +495,8 @@ class Decoder:
         """Make the eager batched step of `rows` rows now, on a background thread, while the
         one-row step is eager (a first start, compile = auto or off): its scratch-request
         checks took 13.5 s of a first reply's 15.4 s TTFT on a busy 2-core Xeon, and the
-        daemon is idle until its first request. A request admitted meanwhile waits for the
-        same check rather than running another."""
+        daemon is idle until its first request. A request admitted meanwhile decodes on the
+        one-row eager step, its whole reply (`choose`), rather than wait for the check."""
         if not isinstance(self.eager_step, DecodeStep) or self.mode == "wait" or self.step is not self.eager:
             return
         kernel = self.current[1]
