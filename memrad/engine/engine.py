@@ -44,6 +44,7 @@ from memrad.engine.model.loader import LoadedModel
 from memrad.engine.events import Publisher
 from memrad.engine.parking import (DiskLike, NoDisk, NoParking, Parking, ParkingLike, Prefilled, Snapshotter,
                                    essential)
+from memrad.engine import speculation
 from memrad.engine.sampling import Shaper, sample, shapes
 from memrad.engine.state.layers import install as install_slabs
 from memrad.engine.state.snapshot import is_croppable
@@ -112,6 +113,8 @@ class EngineOptions:
     # True: the intra-op count per phase follows the CPU actually free (memrad.engine.team),
     # `threads` the most it starts at; False: `threads` for every step (model.threads set).
     adapt_threads: bool = False
+    # Drafts from the context verified as rows of one step (memrad.engine.speculation): auto or off.
+    speculate: str = "off"
 
 
 class Engine:
@@ -137,6 +140,7 @@ class Engine:
         self.on_finished = on_finished
         self.max_batch = options.max_batch
         assert options.batch_decode in ("batched", "rows"), options.batch_decode
+        assert options.speculate in speculation.SETTINGS, options.speculate
         self.batch_decode = options.batch_decode
         self.prefill_budget = options.prefill_budget or options.prefill_chunk
         self._flights: list[Flight] = []
@@ -364,9 +368,11 @@ class Engine:
             feed = make_feed()
             assert feed.step == step, (feed.step, step)
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
+            feed = self._feed(cancelled)
             flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
                             self._snapshotter(cache, pre, checkpoint), feed, self._sampling,
-                            prompt_segments, max_tokens, started, self.loaded.device)
+                            prompt_segments, max_tokens, started, self.loaded.device,
+                            speculation.plan(self.options.speculate, self.decoder, feed))
         except BaseException:
             self.parking.resume_failed(decided)
             raise
@@ -414,7 +420,8 @@ class Engine:
         decoding = [f for f in self._flights if f.phase == "decode" and f.pending is not None]
         phase = "batch" if len(decoding) > 1 else "decode"
         threads, started_s = (self.team.size_for(phase), self.team.now()) if decoding else (0, 0.0)
-        for feed, group in _by_feed(decoding):
+        plain = [f for f in decoding if not self._speculated(f)]
+        for feed, group in _by_feed(plain):
             try:
                 if isinstance(feed, BatchStep):
                     for start in range(0, len(group), feed.rows):
@@ -454,6 +461,27 @@ class Engine:
             self._report(flight)
         return ended
 
+    def _speculated(self, flight: Flight) -> bool:
+        """Run `flight`'s decode step as a verify step of its drafts (memrad.engine.speculation)
+        where it has a draft; False: it decodes plain in this iteration."""
+        drafting = flight.speculating
+        if drafting is None:
+            return False
+        try:
+            left = flight.max_tokens - len(flight.out.generated)  # each row takes one token: never past max_tokens
+            drafts = drafting.draft(flight.request.prompt_ids, flight.out.generated,
+                                    min(left - 1, speculation.room(flight.cache, flight.position)))
+            logits = drafting.verify(flight.cache, [flight.pending, *drafts], flight.position) if drafts else None
+            if logits is None:
+                drafting.plain_step()
+                return False
+            accepted = flight.fed_rows(logits, drafts)
+            speculation.cut_back(flight.cache, flight.position)
+            drafting.record(len(drafts), accepted, accepted + 1)
+        except Exception as exc:  # as a failed plain step: the request fails, its state is not parked
+            flight.fail(exc)
+        return True
+
     def _choose_step(self, cancelled: Callable[[], bool]) -> tuple[str, Callable[[], Any]]:
         """The step a new flight decodes with, from its first token to its last: the batched
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
@@ -482,6 +510,7 @@ class Engine:
                 decision=replace(decided.decision, ttft_s=out.ttft_s, step=flight.feed.step), stop_sequence=out.stop_sequence,
                 logprobs=tuple(out.logprobs) if request.sampling.logprobs is not None else None,
                 error=out.error,
+                speculation=flight.speculation(),
             )
             session = self.parking.park(request, self.namespace(request), decided, cache, pre, fed, out.text,
                                         flight.prompt_segments)
@@ -494,7 +523,7 @@ class Engine:
             identity=request.identity.name if request.identity else None, prompt_tokens=checkpoint,
             cached_tokens=pre.start, completion_tokens=len(out.generated), ttft_s=out.ttft_s,
             outcome=decided.decision.outcome, finish_reason=out.finish,
-            total_s=completion.total_s, step=flight.feed.step))
+            total_s=completion.total_s, step=flight.feed.step, speculation=completion.speculation))
         self._hand_on(FinishedState(
             request=request, cache=cache, cache_token_ids=tuple(request.prompt_ids[: pre.primed_to]) + fed,
             generated_ids=tuple(out.generated), prompt_checkpoint=pre.primed_to,

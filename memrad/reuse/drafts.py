@@ -13,7 +13,8 @@ what greedy decoding would have produced, so a wrong draft costs time, never out
 The index keys every position by the 1, 2 and 3 tokens that end there (`KEYS`): a lookup takes the
 longest key the tail shares with an earlier position, then extends each of that key's most recent
 `CANDIDATES` occurrences backwards (up to `MAX_MATCH` tokens); the longest match wins, then the
-most recent. Pure Python over token ids; appending a token costs three dict updates.
+most recent. A draft is no longer than its match (a copy earns its length as it runs). Pure
+Python over token ids; appending a token costs three dict updates.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class DraftIndex:
 
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens that followed the longest earlier match of the tail (ties: the most
-        recent); [] when the tail's last token never occurred before or k < 1."""
+        recent), and no more than the match is long: a one-token match is weak evidence, a
+        copy that has run for 8 tokens is strong; [] when the tail's last token never occurred
+        before or k < 1."""
         seq, end = self.tokens, len(self.tokens)
         if k < 1 or end == 0:
             return []
@@ -69,7 +72,7 @@ class DraftIndex:
                 length = _match_length(seq, j, end)
                 if length > best_len:
                     best, best_len = j, length
-            return seq[best : best + k]
+            return seq[best : best + min(k, best_len)]
         return []
 
 

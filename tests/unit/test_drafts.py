@@ -16,7 +16,7 @@ def reference(seq: list[int], k: int) -> list[int]:
             length += 1
         if length and length >= best_len:  # >=: a later j of the same length is more recent
             best, best_len = j, length
-    return [] if best is None else seq[best : best + k]
+    return [] if best is None else seq[best : best + min(k, best_len)]
 
 
 @settings(max_examples=300, deadline=None)
@@ -40,8 +40,10 @@ def test_a_rewrite_drafts_the_rest_of_the_line_it_is_copying():
     prompt = [10, 11, 12, 13, 14, 15, 16, 17, 2, 30, 31]  # ... the file, then the request
     index = DraftIndex(prompt)
     index.extend([10, 11, 12])  # the reply starts copying the file
-    assert index.propose(4) == [13, 14, 15, 16]
-    assert index.propose(100) == [13, 14, 15, 16, 17, 2, 30, 31, 10, 11, 12]  # up to the end of the context
+    assert index.propose(8) == [13, 14, 15]  # no longer than the match
+    index.extend([13, 14, 15, 16, 17])
+    assert index.propose(4) == [2, 30, 31, 10]
+    assert index.propose(100) == [2, 30, 31, 10, 11, 12, 13, 14]
 
 
 def test_the_longer_match_beats_the_more_recent_one():

@@ -132,6 +132,7 @@ class Decoder:
         self.current: tuple[Any, bool] = (None, False)
         self._batched: dict[tuple[int, bool, bool], BatchStep] = {}  # (rows, kernel, compiled) -> the batched step
         self._batch_lock = threading.Lock()  # one maker of a batched step at a time (`warm_batch`, the engine)
+        self._verify: dict[tuple[int, bool], BatchStep | None] = {}  # (rows, kernel) -> speculation's step, checked
         # The batched step compiled beside the one-row step (llama-shaped, memra's kernel):
         # its packages are built and opened with the one-row one, and `batch_choice` says how it went.
         self.batch_rows = batch_rows if batch_rows and batch_rows > 1 else None
@@ -486,6 +487,20 @@ class Decoder:
                 batched.smaller = [twin for twin in twins if self._same_bits_alone(twin) is not None]
             self._batched[key] = batched
         return self._batched[key]
+
+    def verify_step(self, rows: int, kernel: bool) -> BatchStep | None:
+        """The eager batched step of `rows` rows that speculation verifies drafts on
+        (memrad.engine.speculation), where its row has the eager one-row step's bits with
+        `kernel`'s attention: checked once per (rows, kernel) on a scratch request, and only
+        while that eager step is the current one (the check compares against it). None where
+        the bits differ (fp32 matmuls) or the check cannot run (the step is compiled now)."""
+        key = (rows, kernel)
+        if key not in self._verify:
+            if self.step is not self.eager or self.current[1] != kernel or not isinstance(self.eager, DecodeStep):
+                return None
+            step = self._new_batch_step(rows, kernel, compiled=False)
+            self._verify[key] = step if self._same_bits_alone(step) is not None else None
+        return self._verify[key]
 
     def _new_batch_step(self, rows: int, kernel: bool, compiled: bool) -> BatchStep:
         eager = BatchGraph(self.eager, kernel)
