@@ -145,6 +145,7 @@ class Engine:
         self.prefill_budget = options.prefill_budget or options.prefill_chunk
         self._flights: list[Flight] = []
         self._steps = 0  # prefill turns handed out (the round-robin's clock)
+        self._rotation = 0  # batched steps run (which flight drafts first: memrad.engine.speculation)
         self.chat = Chat(loaded.tokenizer, tool_fallback=options.tool_fallback,
                          grammar_compile_s=options.grammar_compile_s)
         # Next-token choice; a test engine passes a token script (prefill, reuse stay real).
@@ -367,12 +368,12 @@ class Engine:
                                                prompt_segments, candidate))
             feed = make_feed()
             assert feed.step == step, (feed.step, step)
+            speculating = speculation.plan(self.options.speculate, self.decoder, feed)
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
-            feed = self._feed(cancelled)
             flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
                             self._snapshotter(cache, pre, checkpoint), feed, self._sampling,
                             prompt_segments, max_tokens, started, self.loaded.device,
-                            speculation.plan(self.options.speculate, self.decoder, feed))
+                            speculating)
         except BaseException:
             self.parking.resume_failed(decided)
             raise
@@ -420,22 +421,14 @@ class Engine:
         decoding = [f for f in self._flights if f.phase == "decode" and f.pending is not None]
         phase = "batch" if len(decoding) > 1 else "decode"
         threads, started_s = (self.team.size_for(phase), self.team.now()) if decoding else (0, 0.0)
-        plain = [f for f in decoding if not self._speculated(f)]
-        for feed, group in _by_feed(plain):
+        for feed, group in _by_feed(decoding):
             try:
                 if isinstance(feed, BatchStep):
                     for start in range(0, len(group), feed.rows):
-                        rows = group[start : start + feed.rows]
-                        if len(rows) == 1 and feed.alone is not None:  # the same bits, no pad rows
-                            rows[0].fed(feed.alone(rows[0].cache, rows[0].pending, rows[0].position))
-                            continue
-                        logits = feed.fitting(len(rows))([f.cache for f in rows], [f.pending for f in rows],
-                                                         [f.position for f in rows])
-                        for flight, row in zip(rows, logits):
-                            flight.fed(row)
+                        self._batched_step(feed, group[start : start + feed.rows])
                 else:
                     for flight in group:
-                        flight.fed(feed(flight.cache, flight.pending, flight.position))
+                        self._one_row_step(feed, flight)
             except Exception as exc:  # a step that fails fails the requests it was computing
                 for flight in group:
                     if flight.phase != "done":
@@ -461,26 +454,37 @@ class Engine:
             self._report(flight)
         return ended
 
-    def _speculated(self, flight: Flight) -> bool:
-        """Run `flight`'s decode step as a verify step of its drafts (memrad.engine.speculation)
-        where it has a draft; False: it decodes plain in this iteration."""
+    def _batched_step(self, feed: BatchStep, flights: list[Flight]) -> None:
+        """One step of `feed` for up to feed.rows flights: each feeds its pending token, and
+        those that speculate their drafts after it in the rows the others leave free, shared
+        evenly (memrad.engine.speculation). Which rows a flight gets changes its speed only: a
+        row's bits do not depend on its neighbours."""
+        free = feed.rows - len(flights)
+        runs: dict[int, list[int]] = {}
+        self._rotation += 1  # who drafts first turns round, so no flight starves of free rows
+        for turn in range(len(flights)):
+            index = (turn + self._rotation) % len(flights)
+            runs[index] = speculation.drafts_for(flights[index], -(-free // (len(flights) - turn)))
+            free -= len(runs[index])
+        runs = [runs[index] for index in range(len(flights))]
+        rows = len(flights) + sum(map(len, runs))
+        if rows == 1 and feed.alone is not None:  # the same bits, no pad rows
+            flight = flights[0]
+            return speculation.take_run(flight, feed.alone(flight.cache, flight.pending, flight.position)[None], [])
+        logits = feed.fitting(rows).runs([f.cache for f in flights], [[f.pending, *d] for f, d in zip(flights, runs)],
+                                         [f.position for f in flights])
+        for flight, drafts, run in zip(flights, runs, logits):
+            speculation.take_run(flight, run, drafts)
+
+    def _one_row_step(self, feed: Any, flight: Flight) -> None:
+        """One decode step of a flight on a one-row step: its pending token alone, or with its
+        drafts as a run on the multi-row step whose rows have that step's bits."""
         drafting = flight.speculating
-        if drafting is None:
-            return False
-        try:
-            left = flight.max_tokens - len(flight.out.generated)  # each row takes one token: never past max_tokens
-            drafts = drafting.draft(flight.request.prompt_ids, flight.out.generated,
-                                    min(left - 1, speculation.room(flight.cache, flight.position)))
-            logits = drafting.verify(flight.cache, [flight.pending, *drafts], flight.position) if drafts else None
-            if logits is None:
-                drafting.plain_step()
-                return False
-            accepted = flight.fed_rows(logits, drafts)
-            speculation.cut_back(flight.cache, flight.position)
-            drafting.record(len(drafts), accepted, accepted + 1)
-        except Exception as exc:  # as a failed plain step: the request fails, its state is not parked
-            flight.fail(exc)
-        return True
+        drafts = speculation.drafts_for(flight, drafting.length.most) if drafting is not None else []
+        step = drafting.step_for(1 + len(drafts)) if drafts else None
+        if step is None:
+            return speculation.take_run(flight, feed(flight.cache, flight.pending, flight.position)[None], [])
+        speculation.take_run(flight, step.runs([flight.cache], [[flight.pending, *drafts]], [flight.position])[0], drafts)
 
     def _choose_step(self, cancelled: Callable[[], bool]) -> tuple[str, Callable[[], Any]]:
         """The step a new flight decodes with, from its first token to its last: the batched
@@ -490,7 +494,9 @@ class Engine:
         decoder.Decoder.choose); under compile = wait it waits for the compiled step, at
         admission. Admitted beside another request, it asks for the batched packages (built
         in the background the first time; this request decodes as before meanwhile)."""
-        if self._batches() and self._flights:  # a second request beside another: the batched packages are wanted
+        # A second request beside another, or one that speculates (its runs ride the batched step): the
+        # batched packages are wanted.
+        if self._batches() and (self._flights or self.options.speculate == "auto"):
             self.decoder.want_batch()
         return self.decoder.choose(self.max_batch if self._batches() else None, cancelled)
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from memrad.chat.grammar import json_constraint
-from memrad.engine.decode.batch import BatchStep
 from memrad.engine.model.loader import load_model
 from memrad.protocol import Speculation, TurnEvent, from_line, to_line
 from memrad.request import GenerationRequest, SamplingParams
@@ -168,7 +167,8 @@ def test_requests_batched_together_speculate_each_on_its_own_rows(tiny_loaded):
     assert_same(runs)
     for rid in "abc":
         spec = runs["auto"][rid][0].speculation
-        assert spec.reason == "on the eager batched step of 4 rows, up to 3 drafted" and spec.accepted_tokens > 0
+        assert spec.reason == "on the eager batched step of 4 rows, up to 3 drafted in the rows its neighbours leave"
+        assert spec.accepted_tokens > 0, rid
 
 
 def test_where_no_step_gives_a_row_the_one_row_steps_bits_speculation_turns_off_and_says_so(tiny_loaded):
@@ -182,15 +182,6 @@ def test_where_no_step_gives_a_row_the_one_row_steps_bits_speculation_turns_off_
     assert (spec.drafted_tokens, spec.verify_steps) == (0, 0)
     assert spec.reason == ("on the eager step, up to 8 drafted; then off: no multi-row step of 3 rows has "
                            "the one-row step's bits here")
-
-
-def test_a_flight_on_a_batched_step_that_is_compiled_does_not_speculate(tiny_loaded, monkeypatch):
-    engine = make_engine(tiny_loaded, CHUNK, speculate="auto", max_batch=4)
-    feed = engine.decoder.batch_step(4)
-    assert isinstance(feed, BatchStep)
-    monkeypatch.setattr(feed, "compiled", True)
-    flight = engine.admit(request(engine, "r"), lambda _: None, lambda: False)
-    assert flight.speculating is None and "the decode step is compiled" in flight.speculation().reason
 
 
 def test_the_figures_cross_the_control_socket():

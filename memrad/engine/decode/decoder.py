@@ -94,6 +94,7 @@ class OneRowFeed:
 
     step: str
     run: Feed
+    kernel: bool = False  # attends with memra's kernel (the multi-row step speculation verifies on matches it)
 
     def __call__(self, cache: Any, token_id: int, position: int) -> torch.Tensor:
         return self.run(cache, token_id, position)
@@ -488,19 +489,48 @@ class Decoder:
             self._batched[key] = batched
         return self._batched[key]
 
-    def verify_step(self, rows: int, kernel: bool) -> BatchStep | None:
-        """The eager batched step of `rows` rows that speculation verifies drafts on
-        (memrad.engine.speculation), where its row has the eager one-row step's bits with
-        `kernel`'s attention: checked once per (rows, kernel) on a scratch request, and only
-        while that eager step is the current one (the check compares against it). None where
-        the bits differ (fp32 matmuls) or the check cannot run (the step is compiled now)."""
-        key = (rows, kernel)
-        if key not in self._verify:
-            if self.step is not self.eager or self.current[1] != kernel or not isinstance(self.eager, DecodeStep):
-                return None
-            step = self._new_batch_step(rows, kernel, compiled=False)
-            self._verify[key] = step if self._same_bits_alone(step) is not None else None
+    def verify_step(self, feed: OneRowFeed, rows: int) -> BatchStep | None:
+        """The eager batched step of exactly `rows` rows whose row gives a request on the eager
+        one-row `feed` that feed's bits (with its attention), for speculation's runs
+        (memrad.engine.speculation): checked once per (rows, attention) against the one-row
+        step, and to keep a run's rows in order (`runs_exact`); None where the bits differ (a
+        matmul's row depends on M: fp32) or `feed` is not the eager step."""
+        if not isinstance(self.eager_step, DecodeStep) or feed.step != "eager":
+            return None
+        key = (rows, feed.kernel)
+        with self._batch_lock:
+            if key not in self._verify:
+                made = self._new_batch_step(rows, feed.kernel, compiled=False)
+                same = self._same_bits_alone(made, self._one_row(self.eager, feed.kernel)) is not None
+                self._verify[key] = made if same and self.runs_exact(made) else None
         return self._verify[key]
+
+    def runs_exact(self, step: BatchStep) -> bool:
+        """Whether a run of rows on one slab (`BatchStep.runs`: row j attends the rows before it,
+        written in the same step) gives each row the bits `step` gives it one row at a time:
+        checked once per step on a scratch request (3 tokens primed, then `step.rows` tokens fed
+        as one run and one by one, every logit). Holds on the eager graph by construction (each
+        row writes, then attends, in order); on a compiled graph where its code writes every
+        row's KV before the attention that reads it."""
+        if step.runs_exact is None:
+            from transformers import DynamicCache
+
+            from memrad.engine.forward import prefill
+            from memrad.engine.state.layers import install
+
+            tokens = [4 + i for i in range(step.rows)]
+            caches = []
+            for _ in range(2):
+                cache = install(DynamicCache(config=self.model.config), self.capacity)
+                prefill(self.model, cache, [1, 2, 3], 0, 256)
+                caches.append(cache)
+            together = step.runs([caches[0]], [tokens], [3])[0]
+            apart = torch.cat([step.runs([caches[1]], [[token]], [3 + i])[0] for i, token in enumerate(tokens)])
+            step.runs_exact = bool(torch.equal(together, apart))
+            log.log(logging.INFO if step.runs_exact else logging.WARNING, "a run of %d rows on one slab (%s): %s",
+                    step.rows, step.step, "each row's bits as fed one at a time" if step.runs_exact else
+                    "the bits differ from rows fed one at a time: no speculation on this step")
+        return step.runs_exact
 
     def _new_batch_step(self, rows: int, kernel: bool, compiled: bool) -> BatchStep:
         eager = BatchGraph(self.eager, kernel)
@@ -509,7 +539,7 @@ class Decoder:
                    for _ in range(rows - 1)]
         return BatchStep(self.batch_packages[rows] if compiled else eager, rows, kernel, scratch, eager, compiled)
 
-    def _same_bits_alone(self, batched: BatchStep) -> Feed | None:
+    def _same_bits_alone(self, batched: BatchStep, alone: OneRowFeed | None = None) -> Feed | None:
         """The one-row feed where it gives a request the bits `batched` gives it, else None:
         checked on a scratch request (3 tokens primed, 3 decoded each way, every logit). Holds
         where the matmuls' rows do not depend on M (memrad.engine.decode.batch)."""
@@ -518,7 +548,7 @@ class Decoder:
         from memrad.engine.forward import prefill
         from memrad.engine.state.layers import install
 
-        alone = self.feeder()
+        alone = alone or self.feeder()
         logits = []
         for feed in (alone, lambda cache, token, position: batched([cache], [token], [position])[0]):
             cache = install(DynamicCache(config=self.model.config), self.capacity)
@@ -572,4 +602,4 @@ class Decoder:
                 layer.wrote_row(position)
             return logits.float()
 
-        return OneRowFeed("eager" if step is self.eager else "compiled", feed)
+        return OneRowFeed("eager" if step is self.eager else "compiled", feed, kernel)
