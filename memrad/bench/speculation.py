@@ -3,12 +3,16 @@
     memrad bench speed --spec [--threads 2] [--max-tokens 400] [--reps 1]
 
 In one process, each greedy reply (no pool: every run cold, the same prompt each time) runs on
-    compiled        the compiled one-row step, speculate = off (what the daemon serves by default)
-    eager           the eager one-row step (compile = off), speculate = off
-    eager+spec      the eager one-row step, speculate = auto (memrad.engine.speculation)
+    compiled        the compiled steps as the daemon serves them (compile = auto, max_batch 4, the
+                    batched packages open: a lone request decodes on the compiled one-row step),
+                    speculate = off
+    compiled+spec   the same, speculate = auto: drafts as runs of rows of the compiled 2- or
+                    4-row step (memrad.engine.speculation)
+    eager           the eager one-row step (compile = off, max_batch 1), speculate = off
+    eager+spec      the same, speculate = auto: runs on eager batched steps of up to 9 rows
 and the table gives decode tok/s (the tokens after the first over the time after the first),
 acceptance (drafts kept of drafted), tokens per decode step, and whether the reply's tokens
-equal the plain eager arm's (they must: speculation is exact). Arms interleave per rep, order
+equal its plain arm's (they must: speculation is exact). Arms interleave per rep, order
 reversed every rep; cells are medians. Never run in CI.
 """
 
@@ -20,7 +24,9 @@ import time
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.request import GenerationRequest, SamplingParams
 
-ARMS = {"compiled": ("auto", "off"), "eager": ("off", "off"), "eager+spec": ("off", "auto")}
+# arm -> (compile, speculate, max_batch, its plain arm)
+ARMS = {"compiled": ("auto", "off", 4, "compiled"), "compiled+spec": ("auto", "auto", 4, "compiled"),
+        "eager": ("off", "off", 1, "eager"), "eager+spec": ("off", "auto", 1, "eager")}
 
 
 def rewrite_file(name: str = "total") -> str:
@@ -58,10 +64,13 @@ def make_request(engine: Engine, messages: list[dict], rid: str, max_tokens: int
 
 def run(loaded, threads: int, chunk: int, max_tokens: int, reps: int, cpu: str) -> dict:
     engines = {}
-    for arm, (compile_mode, speculate) in ARMS.items():
-        engine = Engine(loaded, EngineOptions(chunk, threads, compile=compile_mode, speculate=speculate))
+    for arm, (compile_mode, speculate, max_batch, _) in ARMS.items():
+        engine = Engine(loaded, EngineOptions(chunk, threads, compile=compile_mode, speculate=speculate,
+                                              max_batch=max_batch))
         engine.init_worker_thread()
         engine.decoder.start()
+        engine.decoder.wait()
+        engine.decoder.want_batch()  # the batched packages open (built here first if the cache lacks them)
         engine.decoder.wait()
         engines[arm] = engine
     prompts = {"rewrite": rewrite_messages(), "fresh": fresh_messages()}
@@ -81,9 +90,9 @@ def run(loaded, threads: int, chunk: int, max_tokens: int, reps: int, cpu: str) 
                 last[(name, arm)] = completion
         print(f"rep {rep + 1}/{reps} done", flush=True)
     print(f"\nspeculation: model={loaded.model_id} threads={threads} cpu={cpu} max_tokens={max_tokens} reps={reps}")
-    print(f"steps: {', '.join(f'{a}={e.decoder.choice.value}' for a, e in engines.items())}")
+    print(f"steps: {', '.join(f'{a}={e.decoder.choice.value}/batch {e.decoder.batch_choice.value}' for a, e in engines.items())}")
     print("| reply | arm | tokens | decode tok/s | x plain eager | x compiled | accepted / drafted | tokens per step "
-          "| same tokens as eager |")
+          "| same tokens as its plain arm |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     out = {}
     for name in prompts:
@@ -95,7 +104,8 @@ def run(loaded, threads: int, chunk: int, max_tokens: int, reps: int, cpu: str) 
             spec = c.speculation
             figures = (f"{spec.accepted_tokens} / {spec.drafted_tokens}" if spec is not None and spec.on else "-")
             per_step = f"{spec.tokens_per_step:.2f}" if spec is not None and spec.on and spec.decode_steps else "1.00"
-            same = c.text == last[(name, "eager")].text and c.finish_reason == last[(name, "eager")].finish_reason
+            plain = last[(name, ARMS[arm][3])]
+            same = c.text == plain.text and c.finish_reason == plain.finish_reason
             print(f"| {name} | {arm} | {c.completion_tokens} | {rate:.1f} | {rate / base:.2f} | {rate / compiled:.2f} "
                   f"| {figures} | {per_step} | {'yes' if same else 'NO'} |")
             out[(name, arm)] = rate

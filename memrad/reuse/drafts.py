@@ -44,14 +44,18 @@ class DraftIndex:
         return len(self.tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """Append tokens (the prompt once, then each generated token)."""
-        for token in tokens:
-            # The position this token takes now has a continuation: register what ends there.
-            j, seq = len(self.tokens), self.tokens
-            for n in KEYS:
-                if j >= n:
-                    self._ends[n].setdefault(tuple(seq[j - n : j]), []).append(j)
-            seq.append(token)
+        """Append tokens (the prompt once, then each generated token). Each position j the
+        new tokens take has a continuation (tokens[j]) now: what ends there is registered, in
+        bulk (a 16k-token prompt in tens of milliseconds, before its first draft)."""
+        seq = self.tokens
+        old = len(seq)
+        seq.extend(tokens)
+        for n in KEYS:
+            first = max(old, n)  # positions j in [first, len(seq)): the gram seq[j - n : j] ends there
+            grams = zip(*(seq[first - n + i : len(seq) - n + i] for i in range(n)))
+            ends = self._ends[n]
+            for j, gram in zip(range(first, len(seq)), grams):
+                ends.setdefault(gram, []).append(j)
 
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens that followed the longest earlier match of the tail (ties: the most

@@ -37,15 +37,17 @@ def request(engine, rid, max_tokens=40, file=FILE, **sampling):
 
 
 def copying(engine, script):
-    """The sampler of a model that copies: it answers `script` token by token (then argmax),
-    recording every step's logits as `recording` does."""
+    """The sampler of a model that copies: it answers `script` (or, None, `engine.script` as set
+    when the request's first token is sampled) token by token (then argmax), recording every
+    step's logits as `recording` does."""
     recording(engine)
-    taken = {}
+    taken, scripts = {}, {}
 
     def sampler(scores, params, generator):
         engine.scores.setdefault(id(params), []).append(scores.clone())
         i = taken[id(params)] = taken.get(id(params), -1) + 1
-        return script[i] if i < len(script) else int(scores.argmax())
+        chosen = scripts.setdefault(id(params), script if script is not None else engine.script)
+        return chosen[i] if i < len(chosen) else int(scores.argmax())
 
     engine.sampler = sampler
     return engine
@@ -191,3 +193,13 @@ def test_the_figures_cross_the_control_socket():
     assert from_line(to_line(event)) == event
     assert spec.render() == ("speculation: on (on the eager step, up to 8 drafted; accepted 30 of 40 drafted (75%) "
                              "in 6 verify steps; 3.50 tokens per step)")
+
+
+def test_speculation_asks_for_the_batched_packages_at_admission(q4_bf16, monkeypatch):
+    # its runs ride the compiled batched step: a lone agent's first request wants them built
+    for arm, wanted in (("off", 0), ("auto", 1)):
+        engine = make_engine(q4_bf16, CHUNK, speculate=arm, max_batch=4, compile="auto")
+        calls = []
+        monkeypatch.setattr(engine.decoder, "want_batch", lambda: calls.append(1))
+        flight = engine.admit(request(engine, "r"), lambda _: None, lambda: False)
+        assert len(calls) == wanted and flight.feed.step == "eager"
