@@ -146,6 +146,7 @@ class Engine:
         self._flights: list[Flight] = []
         self._steps = 0  # prefill turns handed out (the round-robin's clock)
         self._rotation = 0  # batched steps run (which flight drafts first: memrad.engine.speculation)
+        self._drafts_so_far = (0, 0, 0, 0)  # finished replies' drafted, accepted, decode steps, fed tokens
         self.chat = Chat(loaded.tokenizer, tool_fallback=options.tool_fallback,
                          grammar_compile_s=options.grammar_compile_s)
         # Next-token choice; a test engine passes a token script (prefill, reuse stay real).
@@ -189,12 +190,24 @@ class Engine:
                 "decode": {"value": self.decoder.choice.value, "reason": self.decoder.choice.reason},
                 "step": {"value": self.step_choice.value, "reason": self.step_choice.reason},
                 "context": {"value": loaded.context.describe(), "reason": loaded.context.reason()},
-                "batch": self._batch_choice(), "threads": self._threads_choice()}
+                "batch": self._batch_choice(), "threads": self._threads_choice(),
+                "speculation": self._speculation_choice()}
 
     @property
     def thread_counts(self) -> dict[str, int]:
         """The intra-op count each phase runs at now (/metrics)."""
         return {phase: self.team.policy.count(phase) for phase in PHASES}
+
+    def _speculation_choice(self) -> dict[str, str]:
+        """Whether replies draft from their context, and how the finished ones fared (`memrad status`)."""
+        if self.options.speculate == "off":
+            return {"value": "off", "reason": "speculate = off: one token per decode step"}
+        drafted, accepted, steps, fed = self._drafts_so_far
+        figures = (f"finished replies so far: {accepted} of {drafted} drafted tokens kept"
+                   + (f" ({accepted / drafted:.0%})" if drafted else "")
+                   + (f", {fed / steps:.2f} tokens per decode step" if steps else ""))
+        return {"value": "auto", "reason": "drafts from the context verified as rows of the step each reply decodes "
+                                           f"on (memra.speculation says per reply); {figures}"}
 
     def _threads_choice(self) -> dict[str, str]:
         policy = self.team.policy
@@ -524,6 +537,10 @@ class Engine:
             flight.error = exc
             return
         flight.completion = completion
+        spec = completion.speculation
+        if spec is not None and spec.on:
+            self._drafts_so_far = tuple(a + b for a, b in zip(self._drafts_so_far, (
+                spec.drafted_tokens, spec.accepted_tokens, spec.decode_steps, spec.fed_tokens)))
         self.events(lambda: TurnEvent(
             at=time.time(), request_id=request.request_id, conversation=session.session_id if session else None,
             identity=request.identity.name if request.identity else None, prompt_tokens=checkpoint,

@@ -61,7 +61,7 @@ def file_tokens(engine, file=FILE):
 
 
 def outcome(result):
-    completion, state, scores = result
+    completion, state, scores = result[:3]
     return (completion.text, completion.finish_reason, completion.prompt_tokens, completion.completion_tokens,
             completion.cached_tokens, completion.stop_sequence,
             tuple((lp.token, lp.logprob, lp.top) for lp in completion.logprobs or ()),
@@ -74,7 +74,8 @@ def both(loaded, make_requests, sampler=None, cancel_after=None, **flags):
     for arm in ("off", "auto"):
         engine = make_engine(loaded, CHUNK, speculate=arm, **flags)
         engine = sampler(engine) if sampler is not None else recording(engine)
-        out[arm] = run_together(engine, make_requests(engine), cancel_after=cancel_after)
+        out[arm] = {rid: (*result, engine) for rid, result in
+                    run_together(engine, make_requests(engine), cancel_after=cancel_after).items()}
     return out
 
 
@@ -115,6 +116,10 @@ def test_a_copying_reply_is_plain_decodings_bits_with_most_drafts_accepted(q4_bf
     # the back-off pauses drafting until the copy picks up again
     assert (spec.fed_tokens, spec.decode_steps, spec.verify_steps) == (39, 19, 15)
     assert (spec.drafted_tokens, spec.accepted_tokens) == (38, 20)
+    assert runs["auto"]["r"][3].runtime_choices["speculation"] == {  # `memrad status`
+        "value": "auto", "reason": "drafts from the context verified as rows of the step each reply decodes on "
+                                   "(memra.speculation says per reply); finished replies so far: 20 of 38 drafted "
+                                   "tokens kept (53%), 2.05 tokens per decode step"}
     assert spec.fed_tokens == spec.accepted_tokens + spec.decode_steps
     assert "tokens per step" in spec.render() and spec.render().startswith("speculation: on (on the eager step")
 
