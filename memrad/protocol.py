@@ -98,6 +98,41 @@ class Decision:
         return "cost: " + ", ".join(parts) + price
 
 
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """How one reply decoded with drafts from its context (memrad.engine.speculation).
+
+    `on` False: no draft was verified, and `reason` says why (the setting, the decode step, the
+    model). `drafted_tokens` were offered in `verify_steps` multi-row steps and
+    `accepted_tokens` of them kept; `decode_steps` counts every decode step the reply ran
+    (verify steps and plain one-token steps), `fed_tokens` the tokens those steps fed, so
+    `tokens_per_step` is 1.0 for plain decoding."""
+
+    on: bool
+    reason: str
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    decode_steps: int = 0
+    fed_tokens: int = 0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return self.fed_tokens / self.decode_steps if self.decode_steps else None
+
+    def render(self) -> str:
+        if not self.on:
+            return f"speculation: off ({self.reason})"
+        figures = (f"accepted {self.accepted_tokens} of {self.drafted_tokens} drafted"
+                   + (f" ({self.acceptance:.0%})" if self.drafted_tokens else "")
+                   + f" in {self.verify_steps} verify steps; {self.tokens_per_step or 0:.2f} tokens per step")
+        return f"speculation: on ({self.reason}; {figures})"
+
+
 # --- the control socket's records (memra-tui reads these; see docs/TUI.md) -----------------
 
 
@@ -204,6 +239,7 @@ class TurnEvent:
     finish_reason: str
     total_s: float | None = None  # request start to the last token
     step: str | None = None  # the decode step its reply ran on: "compiled", "eager", "transformers"
+    speculation: Speculation | None = None  # how the reply decoded with drafts (None: not recorded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,8 +295,8 @@ class ProtocolError:
 
 
 RECORDS = {cls.__name__: cls for cls in (
-    Alternative, Decision, SegmentInfo, SessionInfo, PoolStats, FlightInfo, StateSnapshot, DecisionEvent, TurnEvent,
-    FlightEvent, ParkEvent, EvictEvent, Dropped, ThreadsEvent, ProtocolError)}
+    Alternative, Decision, Speculation, SegmentInfo, SessionInfo, PoolStats, FlightInfo, StateSnapshot,
+    DecisionEvent, TurnEvent, FlightEvent, ParkEvent, EvictEvent, Dropped, ThreadsEvent, ProtocolError)}
 
 
 def _encode(value):

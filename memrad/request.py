@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from memrad.protocol import Decision
+from memrad.protocol import Decision, Speculation
 
 # Where a request's conversation name came from (docs/SERVING.md: identity precedence).
 IdentitySource = Literal["session_id", "prompt_cache_key", "user", "metadata.user_id", "previous_response_id",
@@ -109,6 +109,7 @@ class Completion:
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
     logprobs: tuple[TokenLogprob, ...] | None = None  # per generated token, when the request asked
     error: str | None = None  # why the reply could not go on (finish_reason "grammar")
+    speculation: Speculation | None = None  # drafts verified while decoding (memrad.engine.speculation)
 
     @property
     def total_tokens(self) -> int:

@@ -12,6 +12,7 @@
                                                          # agent-sized contexts (yarn x4 past 8k)
     memrad bench speed --prefill-attention torch ...     # the same with torch's SDPA in prefill
     memrad bench speed --grammar                         # decode with a JSON-schema / tool grammar
+    memrad bench speed --spec                            # a file rewrite and a fresh reply, plain vs speculative
 
 Per arm, in one process: cold prefill tok/s at each --prefill length (one grid prefill of the
 longest, timed at each mark: its seconds are the cold TTFT minus one step and HTTP), a
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode tok/s with a JSON-schema and a tool-call grammar (each also with the mask "
                              "computed ahead on a worker thread) against unconstrained, at each --decode-at "
                              "(the first --arms arm, default the compiled step of what auto picks)")
+    parser.add_argument("--spec", action="store_true",
+                        help="a file-rewrite and a fresh reply, decode tok/s plain vs speculative "
+                             "(memrad.bench.speculation; --max-tokens, --reps)")
+    parser.add_argument("--max-tokens", type=int, default=400, help="--spec: tokens per reply")
     args = parser.parse_args(argv)
     if args.random_like:
         return _random_model(args)
@@ -130,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         return _kv_layout(args, threads)
     if args.grammar:
         return _grammar(args, threads)
+    if args.spec:
+        return _spec(args, threads)
     return _speed(args, threads)
 
 
@@ -193,6 +200,15 @@ def _grammar(args: argparse.Namespace, threads: int) -> int:
     print(f"model={args.model} arm={spec} context={loaded.context.describe()} threads={threads} cpu={_cpu_name()} "
           f"step={arm.engine.decoder.choice.value} ({arm.engine.decoder.choice.reason})", flush=True)
     grammar_cost.run(arm, args.decode_at, args.decode_steps, args.reps)
+    return 0
+
+
+def _spec(args: argparse.Namespace, threads: int) -> int:
+    from memrad.bench import speculation
+
+    weights, dtype, _ = arm_spec((args.arms or [default_arms()[0]])[0])
+    loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights, context=args.context)
+    speculation.run(loaded, threads, args.chunk, args.max_tokens, args.reps, _cpu_name())
     return 0
 
 

@@ -72,7 +72,7 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
                             max_batch=settings.server.max_batch, prefill_budget=settings.engine.prefill_budget or None,
                             batch_decode=settings.engine.batch_decode,
                             grammar_compile_s=settings.limits.grammar_compile_s,
-                            adapt_threads=settings.model.threads == 0)
+                            adapt_threads=settings.model.threads == 0, speculate=settings.engine.speculate)
     return Engine(loaded, options, pool, disk, on_finished=on_finished)
 
 

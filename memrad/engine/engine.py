@@ -46,6 +46,7 @@ from memrad.engine.model.rope import Scaling, rule_for
 from memrad.engine.events import Publisher
 from memrad.engine.parking import (DiskLike, NoDisk, NoParking, Parking, ParkingLike, Prefilled, Snapshotter,
                                    essential)
+from memrad.engine import speculation
 from memrad.engine.sampling import Shaper, sample, shapes
 from memrad.engine.state.layers import install as install_slabs
 from memrad.engine.state.snapshot import is_croppable
@@ -115,6 +116,8 @@ class EngineOptions:
     # True: the intra-op count per phase follows the CPU actually free (memrad.engine.team),
     # `threads` the most it starts at; False: `threads` for every step (model.threads set).
     adapt_threads: bool = False
+    # Drafts from the context verified as rows of one step (memrad.engine.speculation): auto or off.
+    speculate: str = "off"
 
 
 class Engine:
@@ -140,10 +143,13 @@ class Engine:
         self.on_finished = on_finished
         self.max_batch = options.max_batch
         assert options.batch_decode in ("batched", "rows"), options.batch_decode
+        assert options.speculate in speculation.SETTINGS, options.speculate
         self.batch_decode = options.batch_decode
         self.prefill_budget = options.prefill_budget or options.prefill_chunk
         self._flights: list[Flight] = []
         self._steps = 0  # prefill turns handed out (the round-robin's clock)
+        self._rotation = 0  # batched steps run (which flight drafts first: memrad.engine.speculation)
+        self._drafts_so_far = (0, 0, 0, 0)  # finished replies' drafted, accepted, decode steps, fed tokens
         self.chat = Chat(loaded.tokenizer, tool_fallback=options.tool_fallback,
                          grammar_compile_s=options.grammar_compile_s)
         # Next-token choice; a test engine passes a token script (prefill, reuse stay real).
@@ -194,12 +200,24 @@ class Engine:
                             "context_scaling": loaded.context.describe()},
                 "attention": {"value": loaded.attention.value, "reason": loaded.attention.reason},
                 "products": {"value": loaded.products.choice.value, "reason": loaded.products.choice.reason},
-                "batch": self._batch_choice(), "threads": self._threads_choice()}
+                "batch": self._batch_choice(), "threads": self._threads_choice(),
+                "speculation": self._speculation_choice()}
 
     @property
     def thread_counts(self) -> dict[str, int]:
         """The intra-op count each phase runs at now (/metrics)."""
         return {phase: self.team.policy.count(phase) for phase in PHASES}
+
+    def _speculation_choice(self) -> dict[str, str]:
+        """Whether replies draft from their context, and how the finished ones fared (`memrad status`)."""
+        if self.options.speculate == "off":
+            return {"value": "off", "reason": "speculate = off: one token per decode step"}
+        drafted, accepted, steps, fed = self._drafts_so_far
+        figures = (f"finished replies so far: {accepted} of {drafted} drafted tokens kept"
+                   + (f" ({accepted / drafted:.0%})" if drafted else "")
+                   + (f", {fed / steps:.2f} tokens per decode step" if steps else ""))
+        return {"value": "auto", "reason": "drafts from the context verified as rows of the step each reply decodes "
+                                           f"on (memra.speculation says per reply); {figures}"}
 
     def _threads_choice(self) -> dict[str, str]:
         policy = self.team.policy
@@ -385,10 +403,13 @@ class Engine:
                                                prompt_segments, candidate))
             feed = make_feed()
             assert feed.step == step, (feed.step, step)
+            native = decision.rope == "native" and self.rope_rule.per_conversation
+            speculating = speculation.plan(self.options.speculate, self.decoder, feed, native)
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
             flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
                             self._snapshotter(cache, pre, checkpoint), feed, self._sampling,
-                            prompt_segments, max_tokens, started, self.loaded.device)
+                            prompt_segments, max_tokens, started, self.loaded.device,
+                            speculating)
         except BaseException:
             self.parking.resume_failed(decided)
             raise
@@ -441,17 +462,10 @@ class Engine:
             try:
                 if isinstance(feed, BatchStep):
                     for start in range(0, len(group), feed.rows):
-                        rows = group[start : start + feed.rows]
-                        if len(rows) == 1 and feed.alone is not None:  # the same bits, no pad rows
-                            rows[0].fed(feed.alone(rows[0].cache, rows[0].pending, rows[0].position))
-                            continue
-                        logits = feed.fitting(len(rows))([f.cache for f in rows], [f.pending for f in rows],
-                                                         [f.position for f in rows])
-                        for flight, row in zip(rows, logits):
-                            flight.fed(row)
+                        self._batched_step(feed, group[start : start + feed.rows])
                 else:
                     for flight in group:
-                        flight.fed(feed(flight.cache, flight.pending, flight.position))
+                        self._one_row_step(feed, flight)
             except Exception as exc:  # a step that fails fails the requests it was computing
                 for flight in group:
                     if flight.phase != "done":
@@ -483,6 +497,38 @@ class Engine:
         switch = self.loaded.rope
         return switch.under(flight.decided.decision.rope) if switch is not None else nullcontext()
 
+    def _batched_step(self, feed: BatchStep, flights: list[Flight]) -> None:
+        """One step of `feed` for up to feed.rows flights: each feeds its pending token, and
+        those that speculate their drafts after it in the rows the others leave free, shared
+        evenly (memrad.engine.speculation). Which rows a flight gets changes its speed only: a
+        row's bits do not depend on its neighbours."""
+        free = feed.rows - len(flights)
+        runs: dict[int, list[int]] = {}
+        self._rotation += 1  # who drafts first turns round, so no flight starves of free rows
+        for turn in range(len(flights)):
+            index = (turn + self._rotation) % len(flights)
+            runs[index] = speculation.drafts_for(flights[index], -(-free // (len(flights) - turn)))
+            free -= len(runs[index])
+        runs = [runs[index] for index in range(len(flights))]
+        rows = len(flights) + sum(map(len, runs))
+        if rows == 1 and feed.alone is not None:  # the same bits, no pad rows
+            flight = flights[0]
+            return speculation.take_run(flight, feed.alone(flight.cache, flight.pending, flight.position)[None], [])
+        logits = feed.fitting(rows).runs([f.cache for f in flights], [[f.pending, *d] for f, d in zip(flights, runs)],
+                                         [f.position for f in flights])
+        for flight, drafts, run in zip(flights, runs, logits):
+            speculation.take_run(flight, run, drafts)
+
+    def _one_row_step(self, feed: Any, flight: Flight) -> None:
+        """One decode step of a flight on a one-row step: its pending token alone, or with its
+        drafts as a run on the multi-row step whose rows have that step's bits."""
+        drafting = flight.speculating
+        drafts = speculation.drafts_for(flight, drafting.length.most) if drafting is not None else []
+        step = drafting.step_for(1 + len(drafts)) if drafts else None
+        if step is None:
+            return speculation.take_run(flight, feed(flight.cache, flight.pending, flight.position)[None], [])
+        speculation.take_run(flight, step.runs([flight.cache], [[flight.pending, *drafts]], [flight.position])[0], drafts)
+
     def _choose_step(self, cancelled: Callable[[], bool], rope: str | None = None) -> tuple[str, Callable[[], Any]]:
         """The step a new flight decodes with, from its first token to its last: the batched
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
@@ -492,7 +538,9 @@ class Engine:
         admission. Admitted beside another request, it asks for the batched packages (built
         in the background the first time; this request decodes as before meanwhile). `rope`
         "native": the step's native twin (memrad.engine.decode.native)."""
-        if self._batches() and self._flights:  # a second request beside another: the batched packages are wanted
+        # A second request beside another, or one that speculates (its runs ride the batched step): the
+        # batched packages are wanted.
+        if self._batches() and (self._flights or self.options.speculate == "auto"):
             self.decoder.want_batch()
         native = rope == "native" and self.rope_rule.per_conversation
         return self.decoder.choose(self.max_batch if self._batches() else None, cancelled, native)
@@ -513,6 +561,7 @@ class Engine:
                 decision=replace(decided.decision, ttft_s=out.ttft_s, step=flight.feed.step), stop_sequence=out.stop_sequence,
                 logprobs=tuple(out.logprobs) if request.sampling.logprobs is not None else None,
                 error=out.error,
+                speculation=flight.speculation(),
             )
             session = self.parking.park(request, self.namespace(request), decided, cache, pre, fed, out.text,
                                         flight.prompt_segments)
@@ -520,12 +569,16 @@ class Engine:
             flight.error = exc
             return
         flight.completion = completion
+        spec = completion.speculation
+        if spec is not None and spec.on:
+            self._drafts_so_far = tuple(a + b for a, b in zip(self._drafts_so_far, (
+                spec.drafted_tokens, spec.accepted_tokens, spec.decode_steps, spec.fed_tokens)))
         self.events(lambda: TurnEvent(
             at=time.time(), request_id=request.request_id, conversation=session.session_id if session else None,
             identity=request.identity.name if request.identity else None, prompt_tokens=checkpoint,
             cached_tokens=pre.start, completion_tokens=len(out.generated), ttft_s=out.ttft_s,
             outcome=decided.decision.outcome, finish_reason=out.finish,
-            total_s=completion.total_s, step=flight.feed.step))
+            total_s=completion.total_s, step=flight.feed.step, speculation=completion.speculation))
         self._hand_on(FinishedState(
             request=request, cache=cache, cache_token_ids=tuple(request.prompt_ids[: pre.primed_to]) + fed,
             generated_ids=tuple(out.generated), prompt_checkpoint=pre.primed_to,

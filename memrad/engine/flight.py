@@ -26,7 +26,9 @@ from memrad.engine.interrupt import Interrupted, between_layers, rewind_layers
 from memrad.engine.parking import Prefilled
 from memrad.engine.sampling import Shaper, make_generator, token_logprob
 from memrad.engine.state.snapshot import is_croppable
+from memrad.engine.speculation import Speculating
 from memrad.protocol import FlightInfo
+from memrad.protocol import Speculation as SpeculationRecord
 from memrad.request import Completion, FinishReason, GenerationRequest, TokenLogprob
 from memrad.reuse.fingerprint import Segment
 from memrad.reuse.planner import Plan
@@ -72,13 +74,16 @@ class Flight:
                  decided: Plan, cache: Any, pre: Prefilled, spans: list[tuple[int, int]],
                  after_chunk: Callable[[int], None], feed: Any, sampling: Sampling,
                  prompt_segments: tuple[Segment, ...], max_tokens: int, started: float,
-                 device: torch.device) -> None:
+                 device: torch.device, speculating: Speculating | SpeculationRecord | None = None) -> None:
         self.request, self.emit, self.cancelled = request, emit, cancelled
         self.decided, self.cache, self.pre = decided, cache, pre
         assert spans, "a flight primes at least one token (the planner leaves a suffix)"
         self.spans = list(spans)  # grid chunks still to prefill, in order
         self.after_chunk = after_chunk
         self.feed = feed  # a BatchStep (grouped with others) or a OneRowFeed, for the whole reply; `.step` names it
+        # Drafts verified as rows of one step (memrad.engine.speculation), or the record saying why not.
+        self.speculating = speculating if isinstance(speculating, Speculating) else None
+        self._not_speculating = speculating if isinstance(speculating, SpeculationRecord) else None
         self.sampling = sampling
         self.prompt_segments = prompt_segments
         self.max_tokens = max_tokens
@@ -155,6 +160,23 @@ class Flight:
         self.out.num_fed += 1
         self.pending = None
         self._take(logits)
+
+    def fed_rows(self, logits: torch.Tensor, drafts: list[int]) -> int:
+        """A verify step fed the pending token and `drafts` after it; `logits` [1 + len(drafts), V]:
+        row i's are the next token's after the pending token and drafts[:i]. Takes row 0 as `fed`
+        does, and each next row while the token taken equals its draft (that row's input), so the
+        reply is the one plain steps would give; returns the drafts accepted."""
+        accepted = 0
+        for i, row in enumerate(logits):
+            self.fed(row)
+            if i == len(drafts) or self.pending != drafts[i]:
+                break
+            accepted += 1
+        return accepted
+
+    def speculation(self) -> SpeculationRecord | None:
+        """How this reply decoded with drafts (None: speculation was not considered)."""
+        return self.speculating.figures() if self.speculating is not None else self._not_speculating
 
     def fail(self, error: BaseException) -> None:
         self.error, self.phase = error, "done"

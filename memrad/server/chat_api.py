@@ -279,7 +279,7 @@ class OpenAIShape:
 
     def whole(self, reply: Reply, c: Completion, decision: Decision | None) -> dict:
         return {**self.envelope.whole(c, reply if self.envelope.kind == "chat" else None),
-                **decision_field(decision, self.notes)}
+                **decision_field(decision, self.notes, c.speculation)}
 
     def stream_error(self, body: dict) -> list[Event]:
         return [(None, body)]

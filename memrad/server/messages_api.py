@@ -281,8 +281,9 @@ class MessagesShape:
         for index, call in enumerate(reply.tool_calls):
             self.deltas(ReplyDelta("tool_call", call=call, index=index))
         self._stop()
-        return {**self._message(decision), "content": self.blocks, "stop_reason": stop_reason(reply, c),
-                "stop_sequence": c.stop_sequence, "usage": usage(c)}
+        return {**self._message(decision), **decision_field(decision, self.notes, c.speculation),
+                "content": self.blocks, "stop_reason": stop_reason(reply, c), "stop_sequence": c.stop_sequence,
+                "usage": usage(c)}
 
     def stream_error(self, body: dict) -> list[Event]:
         return [("error", body)]

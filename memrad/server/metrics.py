@@ -56,6 +56,11 @@ class Metrics:
         self.decode_speed = Histogram("memra_decode_tokens_per_second",
                                       "Generated tokens after the first per second of decoding, per request",
                                       buckets=TOKENS_PER_S, registry=r)
+        self.draft_tokens = Counter("memra_draft_tokens", "Tokens drafted from the context and verified, by kind: "
+                                    "drafted, accepted (memrad.engine.speculation)", ["kind"], registry=r)
+        self.decode_steps = Counter("memra_decode_steps", "Decode steps of finished replies, by kind: verify (drafts "
+                                    "as rows of one step), plain; completion tokens over these is tokens per step",
+                                    ["kind"], registry=r)
         self.decisions = Counter("memra_decisions", "Reuse decisions by outcome and nominating tier",
                                  ["outcome", "tier"], registry=r)
         self.declines = Counter("memra_declines", "Requests that reused nothing, by reason class",
@@ -99,6 +104,12 @@ class Metrics:
         self.tokens.labels("prompt").inc(t.prompt_tokens)
         self.tokens.labels("cached").inc(t.cached_tokens)
         self.tokens.labels("completion").inc(t.completion_tokens)
+        spec = t.speculation
+        if spec is not None and spec.on:
+            self.draft_tokens.labels("drafted").inc(spec.drafted_tokens)
+            self.draft_tokens.labels("accepted").inc(spec.accepted_tokens)
+            self.decode_steps.labels("verify").inc(spec.verify_steps)
+            self.decode_steps.labels("plain").inc(spec.decode_steps - spec.verify_steps)
         if t.ttft_s is None or t.ttft_s <= 0:
             return
         self.ttft.observe(t.ttft_s)

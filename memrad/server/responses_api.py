@@ -266,7 +266,8 @@ class ResponsesShape:
                 "status": "incomplete" if incomplete else status, "output": list(self.items),
                 "usage": usage(c) if c is not None else None, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                **self.request.echo, **decision_field(self.decision, self.notes)}
+                **self.request.echo,
+                **decision_field(self.decision, self.notes, c.speculation if c is not None else None)}
 
     def opening(self, decision: Decision | None) -> list[Event]:
         self.decision = decision

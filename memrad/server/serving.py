@@ -25,7 +25,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from memrad.protocol import Decision
+from memrad.protocol import Decision, Speculation
 from memrad.chat.reply import Reply, ReplyBuilder, ReplyDelta, plain_reply_deltas
 from memrad.request import Completion, GenerationRequest, TokenLogprob
 from memrad.scheduler import Job, QueueFull, ShuttingDown
@@ -123,12 +123,14 @@ async def serve(request: web.Request, ctx: ServerContext, parsed: ParsedRequest,
             job.cancel()  # the handler is leaving early (error or cancellation)
 
 
-def decision_field(decision: Decision | None, notes: tuple[str, ...] = ()) -> dict:
+def decision_field(decision: Decision | None, notes: tuple[str, ...] = (),
+                   speculation: Speculation | None = None) -> dict:
     """The `memra` field every API's object carries: the reuse decision's one rendering and
     what its resume cost (memrad.protocol.Decision.render_cost), the decode step the reply
     runs on (`step`: compiled, eager or transformers), the RoPE it runs under (`rope`: native or
-    e.g. yarn x4, memrad.engine.model.rope), and what memrad left out of or changed
-    in the request (validate.Notes)."""
+    e.g. yarn x4, memrad.engine.model.rope), what memrad left out of or changed in the request
+    (validate.Notes), and, on a finished reply, how it decoded with drafts
+    (memrad.engine.speculation: acceptance, tokens per step)."""
     field: dict = {"decision": decision.render(), "cost": decision.render_cost()} if decision is not None else {}
     if decision is not None and decision.step is not None:
         field["step"] = decision.step
@@ -136,6 +138,8 @@ def decision_field(decision: Decision | None, notes: tuple[str, ...] = ()) -> di
         field["rope"] = decision.rope  # "native", or the scaling past the native length ("yarn x4")
     if notes:
         field["notes"] = list(notes)
+    if speculation is not None:
+        field["speculation"] = speculation.render()
     return {"memra": field} if field else {}
 
 

@@ -435,3 +435,52 @@ def test_the_llama_shaped_packages_are_compiled_to_round_where_eager_rounds(tiny
     # No line tables (-g1: they doubled the wrapper's compile and change no code g++ emits).
     assert [o.get("aot_inductor.enable_line_tables") for o in asked] == [False, False]
     assert heard == ["exporting the graph", "compiling (inductor's codegen, then g++)"] * 2  # each as it starts
+
+
+@needs_compiler
+def test_speculation_runs_its_drafts_on_the_compiled_batched_step_with_its_bits(compiled_engines, monkeypatch):
+    """A run of a request's pending token and its drafts as rows of the compiled batched step,
+    on its own slab (memrad.engine.speculation: row j attends the rows written before it in the
+    same step): the compiled graph writes every row's KV before the attention reading it, so the
+    replies, alone and beside 3 others, are speculate = off's bits (every step's logits); on the
+    compiled one-row step (batch_decode = rows) a reply decodes plain and says why."""
+    _, _, _, new_engine = compiled_engines
+    monkeypatch.setattr(step_package, "build", lambda *a, **k: pytest.fail("the package was built again"))
+    monkeypatch.setattr(builder, "build_in_child", lambda *a, **k: pytest.fail("the package was built again"))
+
+    def copying(engine):  # a reply that copies its prompt's tokens from the 4th on, one token changed at 9
+        def sampler(scores, params, generator):
+            seen = engine.scores.setdefault(id(params), [])
+            seen.append(scores.clone())
+            script = list(engine.prompts[id(params)][3:40])
+            script[9] = 7
+            return script[len(seen) - 1] if len(seen) <= len(script) else int(scores.argmax())
+        engine.sampler, engine.prompts = sampler, {}
+        return engine
+
+    def requests(engine):
+        made = [request(engine, conversation(topic, turns)[:-1], f"{topic}-{turns}", max_tokens=tokens)
+                for topic, turns, tokens in (("a", 2, 30), ("b", 1, 13), ("c", 1, 7), ("d", 3, 21))]
+        engine.prompts.update({id(r.sampling): r.prompt_ids for r in made})
+        return made
+
+    out = {}
+    for arm in ("off", "auto"):
+        engine = copying(new_engine(speculate=arm))
+        lone = requests(engine)[0]
+        out[arm] = {"alone": run_together(engine, [lone])[lone.request_id], **run_together(engine, requests(engine))}
+        assert engine.decoder.batch_step(4).compiled
+    for rid, (completion, state, scores) in out["off"].items():
+        spec = out["auto"][rid]
+        assert summary(*spec) == summary(completion, state, scores), rid
+        assert torch.equal(spec[2], scores), rid
+    alone = out["auto"]["alone"][0]
+    assert alone.decision.step == "compiled"
+    assert alone.speculation.reason == ("on the compiled batched step of 4 rows, up to 3 drafted in the rows its "
+                                        "neighbours leave")
+    assert alone.speculation.accepted_tokens > alone.speculation.verify_steps > 0  # runs of 2 and 3 kept
+    assert sum(out["auto"][rid][0].speculation.accepted_tokens for rid in ("a-2", "b-1", "c-1", "d-3")) > 0
+    rows = new_engine(speculate="auto", batch_decode="rows")
+    flight = rows.admit(request(rows, conversation("a", 1)[:-1], "r"), lambda _: None, lambda: False)
+    assert flight.feed.step == "compiled" and flight.speculating is None
+    assert flight.speculation().reason.startswith("the compiled one-row step: its multi-row twin is the compiled")

@@ -130,3 +130,18 @@ async def test_a_stream_whose_generation_fails_after_its_200_is_counted_as_500()
     counted = {dict(labels)["status"]: value for (name, labels), value in got.items()
                if name == "memra_http_requests_total" and dict(labels)["route"] == "/v1/chat/completions"}
     assert counted == {"500": 1.0}
+
+
+def test_speculation_figures_are_counted_from_finished_turns():
+    from memrad.protocol import Speculation, TurnEvent
+
+    m = Metrics()
+    spec = Speculation(True, "on the eager step, up to 8 drafted", 40, 30, 6, 12, 42)
+    m.observe(TurnEvent(0.0, "r1", None, None, 10, 0, 43, 0.1, "cold", "length", 1.0, speculation=spec))
+    m.observe(TurnEvent(0.0, "r2", None, None, 10, 0, 5, 0.1, "cold", "length", 1.0,
+                        speculation=Speculation(False, "speculate = off")))
+    got = samples(m.exposition().decode())
+    assert got[("memra_draft_tokens_total", (("kind", "drafted"),))] == 40
+    assert got[("memra_draft_tokens_total", (("kind", "accepted"),))] == 30
+    assert got[("memra_decode_steps_total", (("kind", "verify"),))] == 6
+    assert got[("memra_decode_steps_total", (("kind", "plain"),))] == 6

@@ -2,7 +2,7 @@ import pytest
 
 from memrad.protocol import (
     RECORDS, Alternative, Decision, DecisionEvent, Dropped, EvictEvent, FlightEvent, FlightInfo, ParkEvent, PoolStats, ProtocolError, SegmentInfo,
-    SessionInfo, StateSnapshot, ThreadsEvent, TurnEvent, from_line, to_line,
+    SessionInfo, Speculation, StateSnapshot, ThreadsEvent, TurnEvent, from_line, to_line,
 )
 
 SEG = SegmentInfo("<|im_start|>user", 7, 14, "00ff00ff00ff00ff")
@@ -29,6 +29,9 @@ EXAMPLES = [
     FlightEvent(2.0, FlightInfo("chatcmpl-3", None, None, "prefill", 16806, 512, 0, 0.8)),
     DecisionEvent(1.5, DECISION, 12300, None, (SEG,), ("…user said ▸ this", "…user said ▸ that")),
     TurnEvent(2.5, "chatcmpl-1", "s4", "agent-1", 12300, 12288, 40, 0.42, "resumed", "stop"),
+    TurnEvent(2.5, "chatcmpl-1", "s4", "agent-1", 12300, 12288, 40, 0.42, "resumed", "stop", 3.1,
+              Speculation(True, "on the eager step, up to 8 drafted", 30, 21, 9, 18, 39)),
+    Speculation(False, "speculate = off"),
     ParkEvent(3.0, SESSION, "s2"),
     EvictEvent(4.0, "s1", 100, 4_608_000),
     Dropped(12),

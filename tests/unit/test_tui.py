@@ -333,3 +333,16 @@ async def test_client_strings_are_shown_as_text_never_read_as_markup():
     table = render_decision(event)
     shown = {str(cell) for column in table.columns for cell in column.cells}
     assert f"affinity: declined ({reason})" in shown and HOSTILE_NAMES[1] in shown and "chatcmpl-[/oops]" in shown
+
+
+def test_the_ttft_legend_shows_the_last_turns_drafts_where_they_were_verified():
+    from memrad.protocol import Speculation, TurnEvent
+    from tui.widgets.ttft import render_chart
+
+    turn = lambda spec: TurnEvent(1.0, "r", "s1", None, 500, 0, 43, 0.25, "cold", "length", 2.0,  # noqa: E731
+                                  speculation=spec)
+    spec = Speculation(True, "on the eager step, up to 8 drafted", 40, 30, 6, 12, 42)
+    legend = render_chart({"s1": [turn(spec)]}, {"s1": "agent"}).plain.splitlines()[-1]
+    assert legend.endswith("agent: 1 turns, last TTFT 0.25s at 500 tokens, drafts kept 75% of 40, 3.50 tokens/step")
+    plain = render_chart({"s1": [turn(Speculation(False, "speculate = off"))]}, {"s1": "agent"}).plain
+    assert plain.splitlines()[-1].endswith("at 500 tokens")

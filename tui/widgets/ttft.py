@@ -40,9 +40,17 @@ def render_chart(series: dict[str, list[TurnEvent]], names: dict[str, str], widt
         turns = series[key]
         out.append(f"  {MARKERS[i % len(MARKERS)]} ", style=COLORS[i % len(COLORS)])
         out.append(f"{names.get(key, key)}: {len(turns)} turns, last TTFT {turns[-1].ttft_s or 0:.2f}s "
-                   f"at {turns[-1].prompt_tokens} tokens\n")
+                   f"at {turns[-1].prompt_tokens} tokens{drafts(turns[-1])}\n")
     out.no_wrap = True
     return out
+
+
+def drafts(turn: TurnEvent) -> str:
+    """The turn's speculation figures (memrad.protocol.Speculation), where drafts were verified."""
+    spec = turn.speculation
+    if spec is None or not spec.on or not spec.drafted_tokens:
+        return ""
+    return f", drafts kept {spec.acceptance:.0%} of {spec.drafted_tokens}, {spec.tokens_per_step:.2f} tokens/step"
 
 
 class TtftChart(Static):

@@ -110,6 +110,9 @@ class BatchStep:
         self.eager, self.compiled = eager, compiled
         self.alone: Callable[[Any, int, int], torch.Tensor] | None = None
         self.smaller: list[BatchStep] = []  # fewer rows, the same bits for a row (set with `alone`)
+        # Runs of several rows on one slab give each row its one-row bits here (None: not checked
+        # yet; memrad.engine.decode.decoder.Decoder.runs_exact).
+        self.runs_exact: bool | None = None
 
     @property
     def step(self) -> str:
@@ -124,26 +127,45 @@ class BatchStep:
     def __call__(self, caches: Sequence[Any], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Logits [len(caches), V] float32 after each request's token at its position; each
         row's KV lands in its own cache (all layers in-place slabs: `all_slabs`)."""
-        real = len(caches)
-        assert 0 < real <= self.rows, f"{real} requests for a step of {self.rows} rows"
+        return torch.cat(self.runs(caches, [[token] for token in tokens], positions))
+
+    @torch.inference_mode()
+    def runs(self, caches: Sequence[Any], runs: Sequence[Sequence[int]], positions: Sequence[int]
+             ) -> list[torch.Tensor]:
+        """Each request feeds a run of tokens at consecutive positions from its own, as rows of
+        this one step: logits [len(run), V] float32 per request, row j after run[:j + 1].
+
+            rows    | a: p_a  p_a+1  p_a+2 | b: p_b | pad ... |     one slab per request, handed
+            attends | [0,p_a] [0,p_a+1] .. | [0,p_b]|         |     once per row of its run
+
+        A run's rows share its slab: per layer each row writes its KV row, then attends, in row
+        order, so row j reads the rows j' < j wrote just before it (speculation's verify step:
+        memrad.engine.speculation; the compiled graph is checked to keep that order:
+        `Decoder.runs_exact`). Each cache then holds its run: the caller cuts back what it drops."""
+        real = sum(len(run) for run in runs)
+        assert 0 < real <= self.rows and all(runs), f"{real} rows for a step of {self.rows} rows"
         buffers = [[layer.step_buffers(at) for layer in cache.layers] for cache, at in zip(caches, positions)]
         fits = getattr(self.graph, "fits", lambda *_: True)
-        # A row the compiled graph does not run (a slab that grew past the compiled capacity: a
+        # A request the compiled graph does not run (a slab that grew past the compiled capacity: a
         # context longer than the reservation) runs the eager graph in a batch of its own, so
         # which graph a row takes depends on its own slab only, never on its neighbours.
-        apart = [r for r in range(real) if not fits(buffers[r], positions[r] + 1)]
-        together = [r for r in range(real) if r not in apart]
-        out: list[torch.Tensor | None] = [None] * real
-        for graph, group in ((self.graph, together), *((self.eager, [r]) for r in apart)):
-            if group:
-                logits = self._run(graph, [buffers[r] for r in group], [tokens[r] for r in group],
-                                   [positions[r] for r in group])
-                for r, row in zip(group, logits):
-                    out[r] = row
-        for cache, at in zip(caches, positions):
+        apart = [i for i in range(len(runs)) if not fits(buffers[i], positions[i] + len(runs[i]))]
+        together = [i for i in range(len(runs)) if i not in apart]
+        out: list[torch.Tensor | None] = [None] * len(runs)
+        for graph, group in ((self.graph, together), *((self.eager, [i]) for i in apart)):
+            if not group:
+                continue
+            rows = [(i, j) for i in group for j in range(len(runs[i]))]
+            logits = self._run(graph, [buffers[i] for i, _ in rows], [runs[i][j] for i, j in rows],
+                               [positions[i] + j for i, j in rows])
+            start = 0
+            for i in group:
+                out[i] = logits[start : start + len(runs[i])].float()
+                start += len(runs[i])
+        for cache, at, run in zip(caches, positions, runs):
             for layer in cache.layers:
-                layer.wrote_row(at)
-        return torch.stack(out).float()
+                layer.wrote_row(at + len(run) - 1)
+        return out
 
     def _run(self, graph: Graph, buffers: list, tokens: list[int], positions: list[int]) -> torch.Tensor:
         pad = self.rows - len(buffers)

@@ -94,6 +94,7 @@ class OneRowFeed:
 
     step: str
     run: Feed
+    kernel: bool = False  # attends with memra's kernel (the multi-row step speculation verifies on matches it)
 
     def __call__(self, cache: Any, token_id: int, position: int) -> torch.Tensor:
         return self.run(cache, token_id, position)
@@ -132,6 +133,7 @@ class Decoder:
         self.current: tuple[Any, bool] = (None, False)
         self._batched: dict[tuple[int, bool, bool], BatchStep] = {}  # (rows, kernel, compiled) -> the batched step
         self._batch_lock = threading.Lock()  # one maker of a batched step at a time (`warm_batch`, the engine)
+        self._verify: dict[tuple[int, bool], BatchStep | None] = {}  # (rows, kernel) -> speculation's step, checked
         # The batched step compiled beside the one-row step (llama-shaped, memra's kernel):
         # its packages are built and opened with the one-row one, and `batch_choice` says how it went.
         self.batch_rows = batch_rows if batch_rows and batch_rows > 1 else None
@@ -528,6 +530,49 @@ class Decoder:
             self._batched[key] = batched
         return self._batched[key]
 
+    def verify_step(self, feed: OneRowFeed, rows: int) -> BatchStep | None:
+        """The eager batched step of exactly `rows` rows whose row gives a request on the eager
+        one-row `feed` that feed's bits (with its attention), for speculation's runs
+        (memrad.engine.speculation): checked once per (rows, attention) against the one-row
+        step, and to keep a run's rows in order (`runs_exact`); None where the bits differ (a
+        matmul's row depends on M: fp32) or `feed` is not the eager step."""
+        if not isinstance(self.eager_step, DecodeStep) or feed.step != "eager":
+            return None
+        key = (rows, feed.kernel)
+        with self._batch_lock:
+            if key not in self._verify:
+                made = self._new_batch_step(rows, feed.kernel, compiled=False)
+                same = self._same_bits_alone(made, self._one_row(self.eager, feed.kernel)) is not None
+                self._verify[key] = made if same and self.runs_exact(made) else None
+        return self._verify[key]
+
+    def runs_exact(self, step: BatchStep) -> bool:
+        """Whether a run of rows on one slab (`BatchStep.runs`: row j attends the rows before it,
+        written in the same step) gives each row the bits `step` gives it one row at a time:
+        checked once per step on a scratch request (3 tokens primed, then `step.rows` tokens fed
+        as one run and one by one, every logit). Holds on the eager graph by construction (each
+        row writes, then attends, in order); on a compiled graph where its code writes every
+        row's KV before the attention that reads it."""
+        if step.runs_exact is None:
+            from transformers import DynamicCache
+
+            from memrad.engine.forward import prefill
+            from memrad.engine.state.layers import install
+
+            tokens = [4 + i for i in range(step.rows)]
+            caches = []
+            for _ in range(2):
+                cache = install(DynamicCache(config=self.model.config), self.capacity)
+                prefill(self.model, cache, [1, 2, 3], 0, 256)
+                caches.append(cache)
+            together = step.runs([caches[0]], [tokens], [3])[0]
+            apart = torch.cat([step.runs([caches[1]], [[token]], [3 + i])[0] for i, token in enumerate(tokens)])
+            step.runs_exact = bool(torch.equal(together, apart))
+            log.log(logging.INFO if step.runs_exact else logging.WARNING, "a run of %d rows on one slab (%s): %s",
+                    step.rows, step.step, "each row's bits as fed one at a time" if step.runs_exact else
+                    "the bits differ from rows fed one at a time: no speculation on this step")
+        return step.runs_exact
+
     def _new_batch_step(self, rows: int, kernel: bool, compiled: bool) -> BatchStep:
         eager = BatchGraph(self.eager, kernel)
         # Pad rows' slabs: zero pages until written, one row each (memrad.engine.state.kv.reserve).
@@ -535,7 +580,7 @@ class Decoder:
                    for _ in range(rows - 1)]
         return BatchStep(self.batch_packages[rows] if compiled else eager, rows, kernel, scratch, eager, compiled)
 
-    def _same_bits_alone(self, batched: BatchStep) -> Feed | None:
+    def _same_bits_alone(self, batched: BatchStep, alone: OneRowFeed | None = None) -> Feed | None:
         """The one-row feed where it gives a request the bits `batched` gives it, else None:
         checked on a scratch request (3 tokens primed, 3 decoded each way, every logit). Holds
         where the matmuls' rows do not depend on M (memrad.engine.decode.batch)."""
@@ -544,7 +589,7 @@ class Decoder:
         from memrad.engine.forward import prefill
         from memrad.engine.state.layers import install
 
-        alone = self.feeder()
+        alone = alone or self.feeder()
         logits = []
         for feed in (alone, lambda cache, token, position: batched([cache], [token], [position])[0]):
             cache = install(DynamicCache(config=self.model.config), self.capacity)
@@ -586,7 +631,7 @@ class Decoder:
                 twin = self.native.one_row(step, kernel, self._package(kernel))
                 served = self._one_row_on(twin, kernel, twin.eager if isinstance(twin, step_package.PackagedStep)
                                           else twin, "eager" if twin is self.native.eager else "compiled")
-            return OneRowFeed(served.step, native_steps.under_native(self.switch, served.run))
+            return OneRowFeed(served.step, native_steps.under_native(self.switch, served.run), served.kernel)
         if step is None:
             return OneRowFeed("transformers", lambda cache, token_id, position: decode_one_token(
                 self.model, cache, token_id, position))
@@ -610,4 +655,4 @@ class Decoder:
                 layer.wrote_row(position)
             return logits.float()
 
-        return OneRowFeed(name, feed)
+        return OneRowFeed(name, feed, kernel)

@@ -1,0 +1,122 @@
+"""Drafts from the context: the tokens a reply is likely to copy next, found in what it has seen.
+
+A coding agent's reply copies what it was shown (a rewritten file, a diff's context lines, paths
+and code quoted in tool arguments). So the continuation of the reply's last tokens, wherever those
+tokens occurred before in the prompt or the reply so far, is a good guess at what comes next; the
+engine verifies the guess as rows of one decode step (memrad.engine.speculation) and keeps only
+what greedy decoding would have produced, so a wrong draft costs time, never output.
+
+    tokens   t0 t1 ... ta tb tc  x  y  z ... ta tb tc |        (| : the end, the reply's last token tc)
+                       \\______/  \\_____/
+                       match     draft = the tokens that followed the earlier occurrence
+
+The index keys every position by the 1, 2 and 3 tokens that end there (`KEYS`): a lookup takes the
+longest key the tail shares with an earlier position, then extends each of that key's most recent
+`CANDIDATES` occurrences backwards (up to `MAX_MATCH` tokens); the longest match wins, then the
+most recent. A draft is no longer than its match (a copy earns its length as it runs). Pure
+Python over token ids; appending a token costs three dict updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+KEYS = (3, 2, 1)  # key lengths tried, longest first
+CANDIDATES = 32  # most recent occurrences of a key a lookup compares
+MAX_MATCH = 32  # tokens a match is extended backwards, at most
+
+
+class DraftIndex:
+    """The context's tokens and, for each key length n, where every n-gram ended before.
+
+    Mutates on `extend`; `propose` only reads.
+
+    Invariant: `_ends[n][gram]` lists, oldest first, each j < len(tokens) with
+    tokens[j - n : j] == gram, so tokens[j] (the draft's first token) exists.
+    """
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._ends: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in KEYS}
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append tokens (the prompt once, then each generated token). Each position j the
+        new tokens take has a continuation (tokens[j]) now: what ends there is registered, in
+        bulk (a 16k-token prompt in tens of milliseconds, before its first draft)."""
+        seq = self.tokens
+        old = len(seq)
+        seq.extend(tokens)
+        for n in KEYS:
+            first = max(old, n)  # positions j in [first, len(seq)): the gram seq[j - n : j] ends there
+            grams = zip(*(seq[first - n + i : len(seq) - n + i] for i in range(n)))
+            ends = self._ends[n]
+            for j, gram in zip(range(first, len(seq)), grams):
+                ends.setdefault(gram, []).append(j)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the longest earlier match of the tail (ties: the most
+        recent), and no more than the match is long: a one-token match is weak evidence, a
+        copy that has run for 8 tokens is strong; [] when the tail's last token never occurred
+        before or k < 1."""
+        seq, end = self.tokens, len(self.tokens)
+        if k < 1 or end == 0:
+            return []
+        for n in KEYS:
+            if end < n:
+                continue
+            ends = self._ends[n].get(tuple(seq[end - n :]))
+            if not ends:
+                continue
+            best, best_len = None, -1
+            for j in reversed(ends[-CANDIDATES:]):  # most recent first: a tie keeps the newer
+                length = _match_length(seq, j, end)
+                if length > best_len:
+                    best, best_len = j, length
+            return seq[best : best + min(k, best_len)]
+        return []
+
+
+def _match_length(seq: list[int], j: int, end: int) -> int:
+    """How many tokens before position j equal those before `end` (at most MAX_MATCH)."""
+    length = 0
+    while length < MAX_MATCH and length < j and seq[j - 1 - length] == seq[end - 1 - length]:
+        length += 1
+    return length
+
+
+class DraftLength:
+    """How many tokens to draft next, from how the last drafts fared: doubles (up to `most`)
+    when a whole draft was accepted, shrinks to what was accepted plus one otherwise; after a
+    draft with nothing accepted at length 1, pauses speculation for a while (`paused`), doubling
+    the pause on each further miss (up to MAX_PAUSE), so fresh generation stops paying for rows
+    that are never kept. Mutates on `record`."""
+
+    MAX_PAUSE = 64  # plain decode steps, at most, between two tries after misses
+
+    def __init__(self, start: int = 8, most: int = 8) -> None:
+        self.most = most
+        self.k = min(start, most)
+        self._pause = 0  # the pause a miss at length 1 sets
+        self.paused = 0  # plain steps left before the next draft
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verify step: `drafted` tokens offered, `accepted` of them kept."""
+        if accepted == drafted:
+            self.k = min(self.most, self.k * 2)
+            self._pause = 0
+        elif accepted == 0 and drafted <= 1:
+            self._pause = min(self.MAX_PAUSE, max(1, 2 * self._pause))
+            self.paused = self._pause
+        else:
+            self.k = max(1, accepted + 1)
+            if accepted > 0:
+                self._pause = 0
+
+    def plain_step(self) -> None:
+        """A step decoded without a draft (none found, or paused)."""
+        if self.paused:
+            self.paused -= 1
