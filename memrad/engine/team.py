@@ -7,7 +7,7 @@ each phase (prefill, one-row decode, batched decode) keeps its own count, within
 of what the process may run at all, and moves it by one on what its steps say:
 
     ceiling   the CPUs in the affinity mask, lowered to the cgroup quota (cpu.max) rounded
-              down, at least 1; a fixed model.threads replaces it and nothing adapts
+              up, at least 1; a fixed model.threads replaces it and nothing adapts
     shrink    every step at the current count took >= SLOW_RATIO x its quiet time (the
               fastest step per unit of work at that count in the last QUIET_WINDOW_S) for
               SLOW_FOR_S and at least SLOW_STEPS steps: the machine got busy
@@ -73,11 +73,13 @@ def parse_cpu_max(text: str) -> float | None:
 
 def ceiling_of(affinity_cpus: int, quota_cpus: float | None) -> Ceiling:
     """What a process with `affinity_cpus` in its mask and a cgroup quota of `quota_cpus`
-    (None: none) may run: the quota rounded down (a team of 2 on 1.5 CPUs waits for the
-    throttled half), at least 1."""
+    (None: none) may run: the quota rounded up, at least 1. The quota throttles per period
+    (100 ms), not per barrier: under 1.5 CPUs a team of 2 ran 1.5 CPUs' work, prefill 885 and
+    decode 43.8 tok/s, where 1 thread ran 705 and 34.9 (docs/BENCHMARKS.md, Shared machine);
+    the probe still finds a smaller team where the steps say so."""
     cpus, reason = affinity_cpus, f"{affinity_cpus} CPUs in the affinity mask"
-    if quota_cpus is not None and math.floor(quota_cpus) < cpus:
-        cpus, reason = max(1, math.floor(quota_cpus)), f"the cgroup quota allows {quota_cpus:g} CPUs"
+    if quota_cpus is not None and math.ceil(quota_cpus) < cpus:
+        cpus, reason = max(1, math.ceil(quota_cpus)), f"the cgroup quota allows {quota_cpus:g} CPUs"
     return Ceiling(max(1, cpus), reason)
 
 

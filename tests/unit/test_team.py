@@ -21,11 +21,12 @@ def run(policy, phase, seconds_at, start_s, steps, step_s_of=None, work=1):
     return changes, now, counts
 
 
-def test_the_ceiling_is_the_affinity_mask_lowered_to_the_cgroup_quota_rounded_down():
+def test_the_ceiling_is_the_affinity_mask_lowered_to_the_cgroup_quota_rounded_up():
     assert parse_cpu_max("max 100000\n") is None
     assert parse_cpu_max("150000 100000\n") == 1.5
     assert ceiling_of(2, None) == Ceiling(2, "2 CPUs in the affinity mask")
-    assert ceiling_of(2, 1.5) == Ceiling(1, "the cgroup quota allows 1.5 CPUs")
+    assert ceiling_of(2, 1.5) == Ceiling(2, "2 CPUs in the affinity mask")  # 2 threads run 1.5 CPUs' work
+    assert ceiling_of(4, 1.5) == Ceiling(2, "the cgroup quota allows 1.5 CPUs")
     assert ceiling_of(4, 0.5) == Ceiling(1, "the cgroup quota allows 0.5 CPUs")
     assert ceiling_of(2, 3.0) == Ceiling(2, "2 CPUs in the affinity mask")
 
