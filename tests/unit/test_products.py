@@ -6,7 +6,7 @@ exact mode only where its products hold their bits at any count."""
 import pytest
 import torch
 from torch.nn import functional as F
-from transformers import FalconH1Config, Gemma3TextConfig, LlamaConfig, Qwen3NextConfig
+from transformers import FalconH1Config, Gemma3TextConfig, LlamaConfig, Qwen3MoeConfig, Qwen3NextConfig
 
 from memrad.engine.engine import _team_policy, EngineOptions
 from memrad.engine.kernels import sliced_linear
@@ -76,9 +76,10 @@ def test_which_models_get_the_spans():
     assert attention_only(Gemma3TextConfig())  # full and sliding-window attention layers
     assert not attention_only(Qwen3NextConfig())  # gated delta nets beside attention
     assert not attention_only(FalconH1Config())  # Mamba-2 heads in every layer
+    assert not attention_only(Qwen3MoeConfig())  # experts' grouped products, not F.linear
     hybrid = choose(Qwen3NextConfig(), 2)
     assert hybrid.slices is None and hybrid.choice.value == "torch"
-    assert hybrid.choice.reason.startswith("the model has non-attention layers")
+    assert hybrid.choice.reason.startswith("the model has non-attention layers or experts")
 
 
 @needs_kernel

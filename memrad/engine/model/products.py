@@ -9,8 +9,10 @@ sends every `F.linear` of more than one row (the dense path of Int4Linear, Q8Lin
 BlockLinear and plain Linear layers alike) to `memra::sliced_linear` (memrad.engine.kernels
 .sliced_linear): the output columns in `slices` fixed spans, each one single-threaded GEMM.
 A span's cut depends only on N and `slices`, never on the team, so the chunk has the same
-bits at any count up to `slices`; `slices` is fixed when the engine starts (the CPUs it may
-run on then) and is part of the disk tier's compatibility key.
+bits at any count; `slices` (the CPUs the process may run on when the model loads, at least
+2, so that a team of that size has a span each) is fixed for the process and is part of the
+disk tier's compatibility key. Measured at 2 threads quiet: no slower than torch's own
+products (1,145 vs 996 tok/s on a 2,048-token prefill, docs/BENCHMARKS.md, Shared machine).
 
 Single rows (decode steps, the head's last position) pass through: their kernels already
 give the same bits at any count.
@@ -62,21 +64,22 @@ TORCH = Products(None, Choice("torch", "set by the caller"))
 
 
 def attention_only(config) -> bool:
-    """Whether every decoder layer is an attention layer (full or sliding window): the models
-    whose prefill was measured to move only in its dense products with the count. Hybrids'
-    scans and convolutions (Mamba-2, gated delta nets, short convolutions) were not."""
+    """Whether every decoder layer is attention (full or sliding window) and a dense MLP: the
+    models whose prefill was measured to move only in its dense products with the count.
+    Hybrids' scans and convolutions (Mamba-2, gated delta nets, short convolutions) and mixtures
+    of experts' grouped products (not `F.linear`) were not."""
     kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
     return kinds <= {"full_attention", "sliding_attention"} and not any(
         hasattr(config, key) for key in ("mamba_d_ssm", "state_size", "ssm_state_size", "linear_num_key_heads",
-                                         "conv_L_cache"))
+                                         "conv_L_cache", "num_experts", "num_local_experts"))
 
 
 def choose(config, ceiling_cpus: int) -> Products:
     """Sliced products where memra::sliced_linear loads and the model is attention-only, cut
     into the CPUs the process may run on (at least 2); else torch's, and why."""
     if not attention_only(config):
-        return Products(None, Choice("torch", "the model has non-attention layers, whose prefill was not shown "
-                                              "to give the same bits at any thread count"))
+        return Products(None, Choice("torch", "the model has non-attention layers or experts, whose prefill was not "
+                                              "shown to give the same bits at any thread count"))
     from memrad.engine.kernels import sliced_linear
 
     why_not = sliced_linear.load()
