@@ -88,8 +88,9 @@ def test_a_fixed_count_never_moves_and_a_lower_quota_brings_the_counts_down():
     assert run(fixed, "decode", {2: 0.041, 1: 0.019}, 0.0, 500)[0] == []
     assert fixed.reason("decode") == "set by model.threads" and fixed.set_ceiling(Ceiling(1, "x"), 1.0) == []
     policy = TeamPolicy(TWO)
-    changes = policy.set_ceiling(ceiling_of(2, 1.5), 10.0)
-    assert [c.render() for c in changes] == [f"{phase} 2 → 1: the cgroup quota allows 1.5 CPUs"
+    assert policy.set_ceiling(ceiling_of(2, 1.5), 10.0) == []  # rounded up: 2 threads do 1.5 CPUs' work
+    changes = policy.set_ceiling(ceiling_of(2, 0.8), 10.0)
+    assert [c.render() for c in changes] == [f"{phase} 2 → 1: the cgroup quota allows 0.8 CPUs"
                                              for phase in ("prefill", "decode", "batch")]
     assert changes[1].summary == "prefill 1, decode 1, batch 2"  # every phase's count as it moved
     assert run(policy, "decode", {2: 0.010, 1: 0.018}, 10.0, 2000)[2] == [1] * 2000  # no probes above the ceiling
