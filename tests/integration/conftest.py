@@ -55,3 +55,15 @@ def smol():
 
     torch.set_num_threads(2)
     return load_model("default", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def smol_served():
+    """The default model as the daemon serves it (auto dtype and weights: bf16 and int4 here),
+    loaded in this process, once per module."""
+    import torch
+
+    from memrad.engine.model.loader import load_model
+
+    torch.set_num_threads(2)
+    return load_model("default", device="cpu", dtype="auto")

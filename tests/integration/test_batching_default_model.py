@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import stories
-from memrad.engine.model.loader import load_model
 from memrad.request import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -15,10 +14,6 @@ CHUNK = 256
 SYSTEM = {"role": "system", "content": "You are a helpful coding assistant."}
 
 
-@pytest.fixture(scope="module")
-def smol_served():
-    torch.set_num_threads(2)
-    return load_model("default", device="cpu", dtype="auto")
 
 
 def request(engine, messages, rid, max_tokens=8):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import stories
-from memrad.engine.model.loader import load_model
 
 pytestmark = pytest.mark.integration
 
@@ -20,10 +19,6 @@ FILES = "\n".join(f"src/module_{i:03d}.py: defines helper_{i}(x) and class Widge
                   for i in range(540))
 
 
-@pytest.fixture(scope="module")
-def smol_served():
-    torch.set_num_threads(2)
-    return load_model("default", device="cpu", dtype="auto")  # the daemon's defaults: 32,768, bf16 here
 
 
 def test_a_resumed_turn_at_20k_tokens_equals_its_cold_run(smol_served):

@@ -8,7 +8,6 @@ import torch
 
 import stories
 from memrad.engine.interrupt import decoder_layers
-from memrad.engine.model.loader import load_model
 from memrad.request import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -16,10 +15,6 @@ pytestmark = pytest.mark.integration
 CHUNK = 64
 
 
-@pytest.fixture(scope="module")
-def served():
-    torch.set_num_threads(2)
-    return load_model("default", device="cpu", dtype="auto")
 
 
 def request(engine, rid):
@@ -43,8 +38,8 @@ def run(engine, req, cancelled=lambda: False):
 
 
 @pytest.fixture(scope="module")
-def cold(served):
-    engine = engine_for(served, pool=False)
+def cold(smol_served):
+    engine = engine_for(smol_served, pool=False)
     flight = run(engine, request(engine, "cold"))
     return flight.completion, torch.stack(engine.scores[id(flight.request.sampling)])
 
@@ -56,14 +51,14 @@ def assert_equals_cold(engine, flight, cold):
 
 
 @pytest.mark.parametrize("where", ["boundary", "mid-chunk"])
-def test_a_retry_resumes_exactly_what_the_cancelled_prefill_parked(served, cold, where):
-    engine = engine_for(served)
+def test_a_retry_resumes_exactly_what_the_cancelled_prefill_parked(smol_served, cold, where):
+    engine = engine_for(smol_served)
     engine.decoder.batch_step(4)  # built now: its bit check's scratch prefill runs the layers too
     first = request(engine, "first")
     n = len(first.prompt_ids)
     assert n > 5 * CHUNK
     state = {"layer_runs": 0}
-    layers = decoder_layers(served.model)
+    layers = decoder_layers(smol_served.model)
     hook = layers[12].register_forward_pre_hook(lambda m, a: state.__setitem__("layer_runs", state["layer_runs"] + 1))
     if where == "boundary":  # cancelled once 3 chunks ran: noticed before the 4th starts
         cancelled = lambda: state["layer_runs"] >= 3 and engine.flights[0].pre.primed_to == 3 * CHUNK  # noqa: E731
@@ -84,8 +79,8 @@ def test_a_retry_resumes_exactly_what_the_cancelled_prefill_parked(served, cold,
     assert_equals_cold(engine, retry, cold)
 
 
-def test_a_retry_sent_while_the_first_prefills_forks_it_and_both_equal_cold(served, cold):
-    engine = engine_for(served)
+def test_a_retry_sent_while_the_first_prefills_forks_it_and_both_equal_cold(smol_served, cold):
+    engine = engine_for(smol_served)
     first, retry = request(engine, "first"), request(engine, "retry")
     n = len(first.prompt_ids)
     one = engine.admit(first, lambda _: None, lambda: False)

@@ -13,7 +13,6 @@ import torch
 import stories
 from memrad.chat.grammar import json_constraint
 from memrad.bench.speculation import fresh_messages, rewrite_messages
-from memrad.engine.model.loader import load_model
 from memrad.request import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -21,10 +20,6 @@ pytestmark = pytest.mark.integration
 CHUNK = 256
 
 
-@pytest.fixture(scope="module")
-def smol_served():
-    torch.set_num_threads(2)
-    return load_model("default", device="cpu", dtype="auto")
 
 
 def request(engine, messages, rid, max_tokens):

@@ -6,16 +6,11 @@ import pytest
 import torch
 
 import stories
-from memrad.engine.model.loader import load_model
 from memrad.request import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def served():
-    torch.set_num_threads(2)
-    return load_model("default", device="cpu", dtype="auto")
 
 
 def requests(engine, tag, count):
@@ -41,8 +36,8 @@ def decode_at(engine, reqs, threads):
 
 
 @pytest.mark.parametrize("compile", ["off", "auto"])
-def test_one_row_and_batched_decode_give_the_same_bits_at_1_and_2_threads(served, compile):
-    engine = stories.recording(stories.make_engine(served, 256, 2, pool=False, compile=compile, max_batch=4))
+def test_one_row_and_batched_decode_give_the_same_bits_at_1_and_2_threads(smol_served, compile):
+    engine = stories.recording(stories.make_engine(smol_served, 256, 2, pool=False, compile=compile, max_batch=4))
     engine.decoder.start()
     if compile == "auto":
         engine.decoder.wait()
@@ -70,12 +65,12 @@ def prefill_at(engine, request, counts):
     return torch.stack(engine.scores[id(request.sampling)]), state.cache.layers[0].keys[:, :, : state.prompt_checkpoint].clone()
 
 
-def test_prefill_gives_the_same_bits_at_1_and_2_threads_so_its_count_may_follow_the_cpu(served):
+def test_prefill_gives_the_same_bits_at_1_and_2_threads_so_its_count_may_follow_the_cpu(smol_served):
     """The default model's prefill chunks under memra's sliced products (memrad.engine.model.products):
     a 3-chunk prompt prefilled at 2 threads, at 1, and switching every chunk gives the same
     logits at every step and the same parked keys."""
-    assert served.products.choice.value == "sliced x2"
-    engine = stories.recording(stories.make_engine(served, 256, 2, pool=True, compile="off"))
+    assert smol_served.products.choice.value == "sliced x2"
+    engine = stories.recording(stories.make_engine(smol_served, 256, 2, pool=True, compile="off"))
     text, ids = engine.chat.render([{"role": "user", "content": "Tell me about the tides and the moon. " * 70}], None)
     assert 512 < len(ids) <= 768
 
