@@ -135,8 +135,8 @@ def plan(setting: str, decoder: Any, feed: Any, native: bool = False) -> Specula
     """Whether a new flight decoding with `feed` speculates: its drafting state, or the record
     saying why not. Fixed for the flight's life, as its feed is. May run a step's one-time
     checks (`Decoder.runs_exact`) on a scratch request. `native`: the flight runs at the
-    native rope on a twin of the step (memrad.engine.decode.native): a batched twin runs its
-    drafts as the served step does; the eager one-row step's verify twins are the served rope's."""
+    native rope on a twin of the step (memrad.engine.decode.native), and so do the eager
+    one-row step's verify steps (`Decoder.verify_step`)."""
     if setting == "off":
         return Speculation(False, "speculate = off")
     if decoder.step is None:
@@ -151,11 +151,8 @@ def plan(setting: str, decoder: Any, feed: Any, native: bool = False) -> Specula
                                           f"{feed.rows - 1} drafted in the rows its neighbours leave")
     if feed.step != "eager":
         return Speculation(False, _COMPILED_ONE_ROW)
-    if native:
-        return Speculation(False, "the native rope on the one-row step: its multi-row verify steps run the served "
-                                  "rope's tables (a batched step's native twin speculates)")
     return Speculating(MOST_DRAFTED, f"on the eager step, up to {MOST_DRAFTED} drafted",
-                       lambda rows: decoder.verify_step(feed, rows))
+                       lambda rows: decoder.verify_step(feed, rows, native))
 
 
 def drafts_for(flight: Any, rows_free: int) -> list[int]:

@@ -26,10 +26,13 @@ REPLY = 4096  # what an agent's 32,000 is lowered to (limits.max_reply_tokens)
 
 @pytest.fixture(scope="module")
 def daemons(make_daemon):
-    """(the default daemon, one started with --context 8192)."""
+    """(the default daemon, one started with --context 8192), both decoding on the eager step:
+    the compiled step's bits are not the eager step's, and the 8,192 daemon's package (another
+    capacity) may still be building when the other's is open."""
     started = []
     for context in (None, "8192"):
         d = make_daemon()
+        d.env["MEMRA_COMPILE"] = "off"
         if context is not None:
             d.env["MEMRA_CONTEXT"] = context
         result = d.start()

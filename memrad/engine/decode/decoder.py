@@ -530,19 +530,24 @@ class Decoder:
             self._batched[key] = batched
         return self._batched[key]
 
-    def verify_step(self, feed: OneRowFeed, rows: int) -> BatchStep | None:
+    def verify_step(self, feed: OneRowFeed, rows: int, native: bool = False) -> BatchStep | None:
         """The eager batched step of exactly `rows` rows whose row gives a request on the eager
         one-row `feed` that feed's bits (with its attention), for speculation's runs
-        (memrad.engine.speculation): checked once per (rows, attention) against the one-row
-        step, and to keep a run's rows in order (`runs_exact`); None where the bits differ (a
-        matmul's row depends on M: fp32) or `feed` is not the eager step."""
-        if not isinstance(self.eager_step, DecodeStep) or feed.step != "eager":
+        (memrad.engine.speculation): checked once per (rows, attention, rope) against the
+        one-row step, and to keep a run's rows in order (`runs_exact`); None where the bits
+        differ (a matmul's row depends on M: fp32) or `feed` is not the eager step. `native`:
+        its twin under the native rope (memrad.engine.decode.native), checked against the
+        native one-row step."""
+        if not isinstance(self.eager_step, DecodeStep) or feed.step != "eager" or (native and self.native is None):
             return None
-        key = (rows, feed.kernel)
+        key = (rows, feed.kernel, native)
         with self._batch_lock:
             if key not in self._verify:
                 made = self._new_batch_step(rows, feed.kernel, compiled=False)
-                same = self._same_bits_alone(made, self._one_row(self.eager, feed.kernel)) is not None
+                if native:
+                    made = self.native.batch(made, lambda size: self._package(feed.kernel, size), None)
+                alone = self._one_row(self.eager, feed.kernel, native)
+                same = self._same_bits_alone(made, alone) is not None
                 self._verify[key] = made if same and self.runs_exact(made) else None
         return self._verify[key]
 
