@@ -393,7 +393,9 @@ class Engine:
         try:
             # The step is chosen before the decision leaves, so the reply's first bytes say it;
             # it never changes what is reused (exact mode parks no decoded KV).
-            step, make_feed = self._choose_step(cancelled, decided.decision.rope)
+            # A native-rope request decodes (and verifies drafts) on the native twins of the steps.
+            native = decided.decision.rope == "native" and self.rope_rule.per_conversation
+            step, make_feed = self._choose_step(cancelled, native)
             decision = replace(decided.decision, step=step)
             log.info("%s %s; %s; decode: %s step; rope: %s", request.request_id, decision.render(),
                      decision.render_cost(), step, decision.rope)
@@ -403,7 +405,6 @@ class Engine:
                                                prompt_segments, candidate))
             feed = make_feed()
             assert feed.step == step, (feed.step, step)
-            native = decision.rope == "native" and self.rope_rule.per_conversation
             speculating = speculation.plan(self.options.speculate, self.decoder, feed, native)
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
             flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
@@ -529,20 +530,19 @@ class Engine:
             return speculation.take_run(flight, feed(flight.cache, flight.pending, flight.position)[None], [])
         speculation.take_run(flight, step.runs([flight.cache], [[flight.pending, *drafts]], [flight.position])[0], drafts)
 
-    def _choose_step(self, cancelled: Callable[[], bool], rope: str | None = None) -> tuple[str, Callable[[], Any]]:
+    def _choose_step(self, cancelled: Callable[[], bool], native: bool = False) -> tuple[str, Callable[[], Any]]:
         """The step a new flight decodes with, from its first token to its last: the batched
         step (memrad.engine.decode.batch) where max_batch > 1 and the model has one, else
         the decoder's one-row step (flights then run one after another in each iteration).
         Returns its name (compiled, eager, transformers) and how to make it (memrad.engine.decode.
         decoder.Decoder.choose); under compile = wait it waits for the compiled step, at
         admission. Admitted beside another request, it asks for the batched packages (built
-        in the background the first time; this request decodes as before meanwhile). `rope`
-        "native": the step's native twin (memrad.engine.decode.native)."""
+        in the background the first time; this request decodes as before meanwhile). `native`:
+        the step's native twin (memrad.engine.decode.native)."""
         # A second request beside another, or one that speculates (its runs ride the batched step): the
         # batched packages are wanted.
         if self._batches() and (self._flights or self.options.speculate == "auto"):
             self.decoder.want_batch()
-        native = rope == "native" and self.rope_rule.per_conversation
         return self.decoder.choose(self.max_batch if self._batches() else None, cancelled, native)
 
     def _finish(self, flight: Flight) -> None:
