@@ -10,20 +10,16 @@ on each block kind, within its activation's rounding, before it is used.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
 
-from memrad.engine.kernels.build import CSRC, capability, checked_load, cxx_compiler, library_path, unavailable
+from memrad.engine.kernels.build import CSRC, ProbedKernel, capability, cxx_compiler, library_path
 
 SOURCE = CSRC / "block_gemv.cpp"
 OP_NAME = "memra::block_gemv"
 _PROBE_TOLERANCE = 1e-4  # float32 sums of 64 products against float64: ~1e-6 relative
 
-_lock = threading.Lock()
-_why_not: str | None = None
-_checked = False
 
 
 def built(compiler: str) -> bool:
@@ -39,19 +35,9 @@ def library() -> Path:
 def why_not(build_missing: bool = True) -> str | None:
     """None when `torch.ops.memra.block_gemv` runs here (built, loaded and probed), else why
     not. Never raises. `build_missing=False` only loads a library an earlier build left."""
-    global _why_not, _checked
-    with _lock:
-        if _checked:
-            return _why_not
-        if capability() not in ("AVX512", "AVX2"):
-            return f"the CPU kernels are {capability()} (memra's block kernel runs on AVX2 or AVX512)"
-        compiler = cxx_compiler()
-        untried = unavailable(compiler, SOURCE, "memra's block kernel", build_missing)
-        if untried is not None:
-            return untried
-        _why_not = checked_load(compiler, SOURCE, _registered_and_probed)
-        _checked = True
-        return _why_not
+    if capability() not in ("AVX512", "AVX2"):
+        return f"the CPU kernels are {capability()} (memra's block kernel runs on AVX2 or AVX512)"
+    return _KERNEL.why_not(build_missing)
 
 
 def _registered_and_probed() -> str | None:
@@ -107,3 +93,6 @@ def rounding_bound(x: torch.Tensor, w: torch.Tensor, step: float) -> torch.Tenso
     m, k = x.shape
     block_max = x.double().view(m, k // 32, 32).abs().amax(-1)  # [M, K/32]
     return (block_max * step) @ w.abs().double().view(w.shape[0], k // 32, 32).sum(-1).t()
+
+
+_KERNEL = ProbedKernel(SOURCE, "memra's block kernel", _registered_and_probed)
