@@ -123,7 +123,7 @@ def bootstrap_ratio(reps: list[list[float]], first: int, draws: int = 5000) -> t
 def conversation(loaded, args, threads: int, identity: Identity | None, rep: int) -> list[tuple]:
     """One conversation on fresh engines: per turn, (affinity-on, affinity-off) completions
     and the floor of the affinity-on turn in seconds (the off completion is None with --on-only)."""
-    arms = {flag: engine_for(loaded, in_process(args.chunk, args.mode, 64, affinity=flag), threads)
+    arms = {flag: engine_for(loaded, in_process(args.chunk, args.mode, 64, affinity=flag, threads=threads), threads)
             for flag in ((True,) if args.on_only else (True, False))}
     arms[True].init_worker_thread()
     floor = Floor(arms[True])

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         outputs = {}
         for chunk in chunks:
             finished = []
-            engine = engine_for(loaded, in_process(chunk), threads, finished.append)  # no pool: every run is cold
+            # no pool: every run is cold
+            engine = engine_for(loaded, in_process(chunk, threads=threads), threads, finished.append)
             engine.init_worker_thread()
             text, ids = engine.chat.render([{"role": "system", "content": SHORT.system},
                                             {"role": "user", "content": prompt}], None)

@@ -16,8 +16,9 @@ fresh engines and TTFT cells are per-request medians (the token counts are the s
 rep). Per request and arm: tokens reused and primed, the bytes a fork copied, TTFT, and
 the pick's reason and cost (memrad.protocol.Decision.render_cost). --control makes both
 arms affinity off: an A/A run, what the harness reads between identical engines, to read
-before on/off. The last lines sum TTFT and primed tokens per arm, name the worst on/off ratio, and count the requests where on
-reused fewer tokens than off or picked another resume.
+before on/off. Both arms run at a fixed --threads (an adapting team's probes land on random
+requests). The last lines sum TTFT and primed tokens per arm, name the worst on/off ratio,
+and count the requests where on reused fewer tokens than off or picked another resume.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def run(loaded, args, threads: int, identity: Identity | None, system: str = SYS
     arm goes first alternates per request and flips with `rep`, and so does which engine is made
     first (an A/A run, both arms affinity off, read the first-made engine 5% slower summed)."""
     arms = {arm: engine_for(loaded, in_process(args.chunk, args.mode, 64,
-                                               affinity=arm == "on" and not getattr(args, "control", False)), threads)
+                                               affinity=arm == "on" and not getattr(args, "control", False),
+                                               threads=threads), threads)
             for arm in (ARMS if rep % 2 == 0 else ARMS[::-1])}
     arms["on"].init_worker_thread()
     rewrite = CLIENT_REWRITES[getattr(args, "rewrite", "half")]

@@ -35,7 +35,7 @@ def run_mode(loaded, mode: str, turns: int, reps: int, chunk: int, threads: int,
     rows: list[dict] = [dict(turn=t + 1, warm=[], cold=[], cached=0, prompt=0, drift=0.0) for t in range(turns)]
     for rep in range(reps):
         finished = []
-        engine = engine_for(loaded, in_process(chunk, mode, 64), threads, finished.append)
+        engine = engine_for(loaded, in_process(chunk, mode, 64, threads=threads), threads, finished.append)
         engine.init_worker_thread()
         messages = [{"role": "system", "content": SYSTEM}]
         for t in range(turns):

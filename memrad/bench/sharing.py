@@ -36,7 +36,7 @@ def ask(engine: Engine, messages: list[dict], rid: str, max_tokens: int):
 
 def turn_two(loaded, threads: int, chunk: int, arm: str, max_tokens: int):
     affinity, longest = ARMS[arm]
-    engine = engine_for(loaded, in_process(chunk, "exact", 8, affinity, longest), threads)
+    engine = engine_for(loaded, in_process(chunk, "exact", 8, affinity, longest, threads=threads), threads)
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Step 1. Tool result:\n{TOOL_OUTPUT}\nWhat next?"}]
     first = ask(engine, messages, "t1", max_tokens)
@@ -47,7 +47,7 @@ def turn_two(loaded, threads: int, chunk: int, arm: str, max_tokens: int):
 
 def shared_system(loaded, threads: int, chunk: int, longest: bool, max_tokens: int):
     """(second conversation's completion, the first's next turn text) on one engine."""
-    engine = engine_for(loaded, in_process(chunk, "exact", 8, True, longest), threads)
+    engine = engine_for(loaded, in_process(chunk, "exact", 8, True, longest, threads=threads), threads)
     a = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "List the files."}]
     a1 = ask(engine, a, "a1", max_tokens)
     b = ask(engine, [{"role": "system", "content": LONG_SYSTEM},

@@ -306,7 +306,7 @@ def _floor(args: argparse.Namespace, threads: int) -> int:
     from memrad.engine.build import engine_for, in_process
 
     loaded = load_model(args.model, args.device, "auto", progress=lambda _: None)
-    engine = engine_for(loaded, in_process(args.chunk), threads)
+    engine = engine_for(loaded, in_process(args.chunk, threads=threads), threads)
     engine.init_worker_thread()
     rng = random.Random(0)
     turns = [Turn(engine, [rng.randrange(3, engine.chat.vocab_size) for _ in range(c + s)], c) for c, s in args.floor]
@@ -333,7 +333,7 @@ def _kv_layout(args: argparse.Namespace, threads: int) -> int:
     from memrad.engine.forward import crop_to, decode_one_token, prefill
 
     loaded = load_model(args.model, args.device, "auto", progress=lambda _: None)
-    engine = engine_for(loaded, in_process(args.chunk), threads)
+    engine = engine_for(loaded, in_process(args.chunk, threads=threads), threads)
     engine.init_worker_thread()
     n, suffix = max(args.prefill), args.suffix
     rng = random.Random(0)

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from memrad.config import (AffinitySettings, DiskSettings, EngineSettings, PoolSettings, ReuseSettings,
+from memrad.config import (AffinitySettings, DiskSettings, EngineSettings, ModelSettings, PoolSettings, ReuseSettings,
                            ServerSettings, Settings)
 from memrad.engine.state.disk import DiskTier, state_format
 from memrad.engine.threads import pin
@@ -77,10 +77,14 @@ def engine_for(loaded: LoadedModel, settings: Settings, threads: int,
 
 
 def in_process(prefill_chunk: int, mode: str = "exact", max_sessions: int | None = None, affinity: bool = True,
-               longest_prefix: bool = True, max_bytes: int = 2**33) -> Settings:
+               longest_prefix: bool = True, max_bytes: int = 2**33, threads: int = 0) -> Settings:
     """Settings for an engine a bench drives in process: no disk tier, eager one-row decode
-    (one request at a time); `max_sessions` None: no reuse pool (every run cold)."""
-    return Settings(engine=EngineSettings(prefill_chunk=prefill_chunk, compile="off"),
+    (one request at a time); `max_sessions` None: no reuse pool (every run cold). `threads` > 0
+    fixes the thread count (model.threads): benches that compare arms pass it, since an
+    adapting team probes one thread fewer now and then, at its own moments in each arm (an A/A
+    run of `memrad bench interleaved` read two identical engines 1.25x apart that way)."""
+    return Settings(model=ModelSettings(threads=threads),
+                    engine=EngineSettings(prefill_chunk=prefill_chunk, compile="off"),
                     server=ServerSettings(max_batch=1),
                     pool=PoolSettings(enabled=max_sessions is not None, max_sessions=max_sessions or 0,
                                       max_bytes=max_bytes),
