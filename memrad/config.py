@@ -57,7 +57,7 @@ class EngineSettings:
     compile: str = _key("auto", "MEMRA_COMPILE")
     prefill_budget: int = _key(0, "MEMRA_PREFILL_BUDGET")
     batch_decode: str = _key("batched", "MEMRA_BATCH_DECODE")
-    speculate: str = _key("off", "MEMRA_SPECULATE")
+    speculate: str = _key("auto", "MEMRA_SPECULATE")
     prefill_attention: str = _key("auto", "MEMRA_PREFILL_ATTENTION")
 
 

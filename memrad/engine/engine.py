@@ -117,6 +117,8 @@ class EngineOptions:
     # `threads` the most it starts at; False: `threads` for every step (model.threads set).
     adapt_threads: bool = False
     # Drafts from the context verified as rows of one step (memrad.engine.speculation): auto or off.
+    # Off for engines made directly (tests, benches say what they compare); the daemon's setting,
+    # engine.speculate, defaults to auto (memrad.config).
     speculate: str = "off"
 
 
