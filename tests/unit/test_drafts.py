@@ -88,3 +88,27 @@ def test_misses_at_length_one_pause_speculation_longer_each_time():
     length.record(2, 0)
     length.record(1, 0)
     assert length.paused == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.lists(st.integers(0, 4), max_size=40), st.integers(0, 40))
+def test_an_index_brought_to_the_next_turn_equals_one_built_from_scratch(parked, turn, shared):
+    # the next turn keeps some of the parked tokens (the client re-rendered the reply) and adds its own
+    turn = parked[:shared] + turn
+    fresh = DraftIndex(turn)
+    followed = DraftIndex(parked)
+    followed.follow(turn)  # a resume that replaces its parent: in place
+    assert followed == fresh and followed.propose(8) == fresh.propose(8)
+    for token in (1, 2, 3):  # and it goes on growing as the fresh one does
+        followed.extend([token])
+        fresh.extend([token])
+        assert followed == fresh and followed.propose(8) == fresh.propose(8)
+
+
+def test_truncating_drops_every_position_past_the_length():
+    index = DraftIndex([1, 2, 3, 1, 2, 3, 4])
+    index.truncate(4)
+    assert index == DraftIndex([1, 2, 3, 1])
+    assert index.propose(8) == [2]  # [1] last ended at 0, followed by 2
+    index.truncate(0)
+    assert index == DraftIndex() and index.propose(8) == []

@@ -9,11 +9,9 @@ a grammar, under sampling with a seed, and for requests batched together. Where 
 row the one-row step's bits (fp32 on the one-row step) speculation turns itself off and says so.
 """
 
-import pytest
 import torch
 
 from memrad.chat.grammar import json_constraint
-from memrad.engine.model.loader import load_model
 from memrad.protocol import Speculation, TurnEvent, from_line, to_line
 from memrad.request import GenerationRequest, SamplingParams
 from stories import make_engine, recording, run_together
@@ -85,12 +83,6 @@ def assert_same(runs):
         assert outcome(spec) == outcome(plain), rid
         assert torch.equal(spec[2], plain[2]), rid  # every step's logits, bit for bit
         assert torch.equal(spec[1].prompt_logits, plain[1].prompt_logits)
-
-
-@pytest.fixture(scope="module")
-def q4_bf16(q4_dir):
-    # bf16 on the int4 kernel: a matmul's row is the same bits at any M (memrad.engine.decode.batch)
-    return load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
 
 
 def copy_then_break(engine, length=30, at=12):
