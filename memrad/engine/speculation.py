@@ -18,7 +18,8 @@ fed at p + i + 1, so its logits are the ones the next plain step would compute. 
 that differs from its draft (or the reply's end) stops it; the rows after are dropped by setting
 the slab's length back (`SlabLayer.crop`: the KV is in place). Nothing is accepted that the
 flight's own sampling did not choose (a grammar's mask included: a draft the mask refuses is
-never what the masked sampling takes), so the reply is plain decoding's whenever each row has
+never what the masked sampling takes; so a draft is cut before the first token the mask refuses,
+`Flight.allowed`, and never costs a row), so the reply is plain decoding's whenever each row has
 the bits the flight's own step gives that token: under sampling too, with the same generator
 draws in the same order (a seed gives the same reply with speculation on or off; a draft is
 kept with the probability the target gives it, as standard speculative sampling with a
@@ -175,13 +176,14 @@ def plan(setting: str, decoder: Any, feed: Any, native: bool = False) -> Specula
 
 def drafts_for(flight: Any, rows_free: int) -> list[int]:
     """The drafts `flight` verifies in this step: no more than `rows_free` rows, its max_tokens
-    (each row takes one token) and its slab's room allow; [] for a flight that does not speculate."""
+    (each row takes one token) and its slab's room allow, cut at the first its grammar refuses;
+    [] for a flight that does not speculate."""
     drafting = flight.speculating
     if drafting is None:
         return []
     left = flight.max_tokens - len(flight.out.generated)
     most = min(rows_free, left - 1, room(flight.cache, flight.position))
-    return drafting.draft(flight.request.prompt_ids, flight.out.generated, most)
+    return flight.allowed(drafting.draft(flight.request.prompt_ids, flight.out.generated, most))
 
 
 @torch.inference_mode()

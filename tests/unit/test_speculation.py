@@ -12,6 +12,7 @@ row the one-row step's bits (fp32 on the one-row step) speculation turns itself 
 import torch
 
 from memrad.chat.grammar import json_constraint
+from memrad.engine.sampling import Shaper
 from memrad.protocol import Speculation, TurnEvent, from_line, to_line
 from memrad.request import GenerationRequest, SamplingParams
 from stories import make_engine, recording, run_together
@@ -153,6 +154,47 @@ def test_greedy_replies_with_a_grammar_and_sampled_ones_with_a_seed_are_unchange
         sampled[arm] = (completion.text, [lp.logprob for lp in completion.logprobs], completion.speculation)
     assert sampled["auto"][:2] == sampled["off"][:2]
     assert sampled["auto"][2].verify_steps > 0
+
+
+def test_a_draft_the_grammar_refuses_is_cut_before_it_takes_a_row(q4_bf16, monkeypatch):
+    # The prompt's JSON says "width" and "height"; the schema allows only "w" and "h": a reply that
+    # copies its prompt wherever the mask lets it is drafted "width": 3, ... which the mask refuses.
+    schema = {"type": "object", "properties": {"w": {"type": "integer"}, "h": {"type": "integer"}},
+              "required": ["w", "h"]}
+
+    def through_the_mask(engine):  # copies the prompt's JSON token by token where the mask allows it
+        ids, start = file_tokens(engine, JSON)
+        script = ids[start : start + 30]
+        recording(engine)
+
+        def sampler(scores, params, generator):
+            steps = engine.scores.setdefault(id(params), [])
+            steps.append(scores.clone())
+            i = len(steps) - 1
+            return script[i] if i < len(script) and torch.isfinite(scores[script[i]]) else int(scores.argmax())
+
+        engine.sampler = sampler
+        return engine
+
+    def requests(engine):
+        return [request(engine, "json", file=JSON, constraint=json_constraint(schema, "response_format"))]
+
+    runs = both(q4_bf16, requests, through_the_mask)
+    assert_same(runs)  # every step's logits, the tokens, logprobs, finish and usage: plain decoding's
+    checked = runs["auto"]["json"][0].speculation
+    monkeypatch.setattr(Shaper, "allows", lambda self, tokens: len(tokens))  # as before: verified, then rejected
+    unchecked = both(q4_bf16, requests, through_the_mask)
+    assert_same(unchecked)
+    before = unchecked["auto"]["json"][0].speculation
+
+    def rows(spec):  # each decode step runs its pending token's row and one per drafted token
+        return spec.decode_steps + spec.drafted_tokens
+
+    reply = '{"w": 88883, "h": 8888444444444444444444'  # the tiny model's digits, until max_tokens
+    assert runs["auto"]["json"][0].text == unchecked["auto"]["json"][0].text == reply
+    # 40 tokens: refused drafts cut, 41 rows in 20 steps (19 of 21 drafted kept) against 52 in 24 (15 of 28)
+    assert (checked.drafted_tokens, checked.accepted_tokens, checked.decode_steps, rows(checked)) == (21, 19, 20, 41)
+    assert (before.drafted_tokens, before.accepted_tokens, before.decode_steps, rows(before)) == (28, 15, 24, 52)
 
 
 def test_requests_batched_together_speculate_each_on_its_own_rows(tiny_loaded):
