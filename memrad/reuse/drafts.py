@@ -10,11 +10,15 @@ what greedy decoding would have produced, so a wrong draft costs time, never out
                        \\______/  \\_____/
                        match     draft = the tokens that followed the earlier occurrence
 
-The index keys every position by the 1, 2 and 3 tokens that end there (`KEYS`): a lookup takes the
-longest key the tail shares with an earlier position, then extends each of that key's most recent
-`CANDIDATES` occurrences backwards (up to `MAX_MATCH` tokens); the longest match wins, then the
-most recent. A draft is no longer than its match (a copy earns its length as it runs). Pure
-Python over token ids; appending a token costs three dict updates.
+The index keys every position by the 3 tokens that end there (`KEYS`): a lookup takes the
+tail's last 3 tokens, then extends each of that key's most recent `CANDIDATES` earlier occurrences
+backwards (up to `MAX_MATCH` tokens); the longest match wins, then the most recent. A draft is
+no longer than its match (a copy earns its length as it runs). A tail whose last 3 tokens never
+occurred before drafts nothing: on fresh text a 1- or 2-token match ("the", ", and") is mostly
+chance, and each such draft costs a verify row that is thrown away (measured on the default
+model's tokens: with keys of 1 and 2 tokens as well, 397 tokens of prose ran 16 verify steps, 15
+kept nothing; with 3 only, 8 steps, 5 kept nothing; a file rewrite wasted 1 verify step of 87
+instead of 13 of 100: docs/BENCHMARKS.md, Speculation). Pure Python over token ids; appending a token costs one dict update per key.
 
 The index is kept with the parked session (memrad.reuse.pool.ParkedSession.drafts), covering
 exactly its tokens, so the next turn of a conversation does not index its whole prompt again:
@@ -36,7 +40,7 @@ from collections.abc import Iterable, Sequence
 
 from memrad.reuse.prefix_index import common_prefix_len
 
-KEYS = (3, 2, 1)  # key lengths tried, longest first
+KEYS = (3,)  # key lengths tried, longest first: a shorter match drafts nothing
 CANDIDATES = 32  # most recent occurrences of a key a lookup compares
 MAX_MATCH = 32  # tokens a match is extended backwards, at most
 

@@ -11,6 +11,7 @@ row the one-row step's bits (fp32 on the one-row step) speculation turns itself 
 
 import torch
 
+from memrad.bench.draft_replay import replay
 from memrad.chat.grammar import json_constraint
 from memrad.engine.sampling import Shaper
 from memrad.protocol import Speculation, TurnEvent, from_line, to_line
@@ -104,17 +105,20 @@ def test_a_copying_reply_is_plain_decodings_bits_with_most_drafts_accepted(q4_bf
     plain = runs["off"]["r"][0].speculation
     assert plain == Speculation(False, "speculate = off")
     assert spec.on and spec.reason == "on the eager step, up to 8 drafted"
-    # 40 tokens, the first from the prompt's logits: 39 fed by 19 decode steps (the last is not fed);
-    # the drafts run 1, 2, 4, 8 tokens as the copy goes on, the renamed token's 8 are rejected and
-    # the back-off pauses drafting until the copy picks up again
-    assert (spec.fed_tokens, spec.decode_steps, spec.verify_steps) == (39, 19, 15)
-    assert (spec.drafted_tokens, spec.accepted_tokens) == (38, 20)
+    # 40 tokens, the first from the prompt's logits: 39 fed by 16 decode steps (the last is not fed);
+    # drafting starts once the copy's last 3 tokens occur in the file and grows as the copy goes on;
+    # the renamed token's draft is rejected, and the next waits for 3 tokens that match again
+    assert (spec.fed_tokens, spec.decode_steps, spec.verify_steps) == (39, 16, 9)
+    assert (spec.drafted_tokens, spec.accepted_tokens) == (32, 23)
     assert runs["auto"]["r"][3].runtime_choices["speculation"] == {  # `memrad status`
         "value": "auto", "reason": "drafts from the context verified as rows of the step each reply decodes on "
-                                   "(memra.speculation says per reply); finished replies so far: 20 of 38 drafted "
-                                   "tokens kept (53%), 2.05 tokens per decode step"}
+                                   "(memra.speculation says per reply); finished replies so far: 23 of 32 drafted "
+                                   "tokens kept (72%), 2.44 tokens per decode step"}
     assert spec.fed_tokens == spec.accepted_tokens + spec.decode_steps
     assert "tokens per step" in spec.render() and spec.render().startswith("speculation: on (on the eager step")
+    plain_state = runs["off"]["r"][1]  # `memrad bench draft-replay` finds the same drafts from the plain reply alone
+    replayed = replay(list(plain_state.request.prompt_ids), list(plain_state.generated_ids), 8)
+    assert (replayed["drafted"], replayed["kept"], replayed["verify_steps"], replayed["decode_steps"]) == (32, 23, 9, 16)
 
 
 def test_max_tokens_a_stop_string_and_a_cancel_end_a_speculating_reply_where_they_end_a_plain_one(q4_bf16):
@@ -150,7 +154,7 @@ def test_greedy_replies_with_a_grammar_and_sampled_ones_with_a_seed_are_unchange
     sampled = {}
     for arm in ("off", "auto"):
         engine = make_engine(q4_bf16, CHUNK, speculate=arm)
-        completion = engine.generate(request(engine, "s", temperature=0.9, seed=7), lambda _: None, lambda: False)
+        completion = engine.generate(request(engine, "s", temperature=0.2, seed=7), lambda _: None, lambda: False)
         sampled[arm] = (completion.text, [lp.logprob for lp in completion.logprobs], completion.speculation)
     assert sampled["auto"][:2] == sampled["off"][:2]
     assert sampled["auto"][2].verify_steps > 0
@@ -192,9 +196,10 @@ def test_a_draft_the_grammar_refuses_is_cut_before_it_takes_a_row(q4_bf16, monke
 
     reply = '{"w": 88883, "h": 8888444444444444444444'  # the tiny model's digits, until max_tokens
     assert runs["auto"]["json"][0].text == unchecked["auto"]["json"][0].text == reply
-    # 40 tokens: refused drafts cut, 41 rows in 20 steps (19 of 21 drafted kept) against 52 in 24 (15 of 28)
-    assert (checked.drafted_tokens, checked.accepted_tokens, checked.decode_steps, rows(checked)) == (21, 19, 20, 41)
-    assert (before.drafted_tokens, before.accepted_tokens, before.decode_steps, rows(before)) == (28, 15, 24, 52)
+    # 40 tokens in 27 decode steps either way: refused drafts cut, 42 rows (12 of 15 drafted kept)
+    # against 49 (12 of 22)
+    assert (checked.drafted_tokens, checked.accepted_tokens, checked.decode_steps, rows(checked)) == (15, 12, 27, 42)
+    assert (before.drafted_tokens, before.accepted_tokens, before.decode_steps, rows(before)) == (22, 12, 27, 49)
 
 
 def test_requests_batched_together_speculate_each_on_its_own_rows(tiny_loaded):
@@ -221,7 +226,7 @@ def test_where_no_step_gives_a_row_the_one_row_steps_bits_speculation_turns_off_
     assert_same(runs)
     spec = runs["auto"]["r"][0].speculation
     assert (spec.drafted_tokens, spec.verify_steps) == (0, 0)
-    assert spec.reason == ("on the eager step, up to 8 drafted; then off: no multi-row step of 3 rows has "
+    assert spec.reason == ("on the eager step, up to 8 drafted; then off: no multi-row step of 4 rows has "
                            "the one-row step's bits here")
 
 
