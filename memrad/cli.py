@@ -53,7 +53,8 @@ BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk
                    "speed": "speed", "spill-ttft": "spill_ttft", "interleaved": "interleaved_turns",
                    "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits",
                    "arch-steps": "arch_steps", "build-phases": "build_phases",
-                   "contended": "contended"}
+                   "contended": "contended", "draft-index": "draft_index",
+                   "draft-replay": "draft_replay"}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -409,6 +409,10 @@ class Engine:
             feed = make_feed()
             assert feed.step == step, (feed.step, step)
             speculating = speculation.plan(self.options.speculate, self.decoder, feed, native)
+            parent = decided.session  # a resume that replaces it takes its drafts' index (memrad.reuse.drafts)
+            if isinstance(speculating, speculation.Speculating) and parent is not None and not decided.fork \
+                    and parent.drafts is not None:
+                speculating.resume(parent.drafts)
             spans = prefill_spans(pre.start, checkpoint, self.prefill_chunk, self.mode == "exact", pre.anchors)
             flight = Flight(request, emit, cancelled, decided, cache, pre, spans,
                             self._snapshotter(cache, pre, checkpoint), feed, self._sampling,
@@ -566,8 +570,10 @@ class Engine:
                 error=out.error,
                 speculation=flight.speculation(),
             )
+            token_ids = tuple(request.prompt_ids[: pre.primed_to]) + fed
+            drafts = flight.speculating.parked_index(token_ids) if flight.speculating is not None else None
             session = self.parking.park(request, self.namespace(request), decided, cache, pre, fed, out.text,
-                                        flight.prompt_segments)
+                                        flight.prompt_segments, drafts)
         except Exception as exc:  # as before batching: the request fails, its state is not parked
             flight.error = exc
             return
@@ -583,7 +589,7 @@ class Engine:
             outcome=decided.decision.outcome, finish_reason=out.finish,
             total_s=completion.total_s, step=flight.feed.step, speculation=completion.speculation))
         self._hand_on(FinishedState(
-            request=request, cache=cache, cache_token_ids=tuple(request.prompt_ids[: pre.primed_to]) + fed,
+            request=request, cache=cache, cache_token_ids=token_ids,
             generated_ids=tuple(out.generated), prompt_checkpoint=pre.primed_to,
             committed_text=request.prompt_text + out.text, completion=completion,
             prompt_logits=out.prompt_logits, session=session))

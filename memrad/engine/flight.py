@@ -174,6 +174,11 @@ class Flight:
             accepted += 1
         return accepted
 
+    def allowed(self, drafts: list[int]) -> list[int]:
+        """`drafts` up to the first its grammar refuses after the pending token (all of them
+        without a grammar): a refused draft could never be taken, so it is not given a row."""
+        return drafts if self._shaper is None else drafts[: self._shaper.allows(drafts)]
+
     def speculation(self) -> SpeculationRecord | None:
         """How this reply decoded with drafts (None: speculation was not considered)."""
         return self.speculating.figures() if self.speculating is not None else self._not_speculating

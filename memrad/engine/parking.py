@@ -26,6 +26,7 @@ from memrad.engine.state.snapshot import ParkedState, Snapshot, is_croppable, st
 from memrad.grid import cut_floor, is_cut
 from memrad.protocol import Decision, EvictEvent, ParkEvent, PoolStats, SessionInfo
 from memrad.request import GenerationRequest
+from memrad.reuse.drafts import DraftIndex
 from memrad.reuse.fingerprint import Segment, chain
 from memrad.reuse.planner import Mode, Plan, RequestView, plan
 from memrad.reuse.pool import NATIVE, Namespace, ParkedSession, PrefixMatch, ReusePool
@@ -111,8 +112,10 @@ class ParkingLike(Protocol):
         ...
 
     def park(self, request: GenerationRequest, namespace: Namespace, decided: Plan, cache: Any, pre: Prefilled,
-             fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...]) -> ParkedSession | None:
-        """Park what a finished request left (mutates); the session parked, if any."""
+             fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...],
+             drafts: DraftIndex | None = None) -> ParkedSession | None:
+        """Park what a finished request left (mutates); the session parked, if any. `drafts`:
+        its drafts' index over exactly the tokens parked (memrad.reuse.drafts), kept with it."""
         ...
 
     def spill_all(self) -> list[Unsaved]:
@@ -199,7 +202,8 @@ class NoParking:
         pass
 
     def park(self, request: GenerationRequest, namespace: Namespace, decided: Plan, cache: Any, pre: Prefilled,
-             fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...]) -> ParkedSession | None:
+             fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...],
+             drafts: DraftIndex | None = None) -> ParkedSession | None:
         return None
 
     def spill_all(self) -> list[Unsaved]:
@@ -283,8 +287,10 @@ class Parking:
         return min(start, parent.exact_limit)
 
     def park(self, request: GenerationRequest, namespace: Namespace, decided: Plan, cache: Any, pre: Prefilled,
-             fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...]) -> ParkedSession | None:
-        """Park what the request left: its prompt up to where prefill got, plus `fed`."""
+             fed: tuple[int, ...], text: str, prompt_segments: tuple[Segment, ...],
+             drafts: DraftIndex | None = None) -> ParkedSession | None:
+        """Park what the request left: its prompt up to where prefill got, plus `fed` (and
+        `drafts`, the index over those tokens, where the reply speculated)."""
         if pre.primed_to == 0:
             return None
         token_ids = tuple(request.prompt_ids[: pre.primed_to]) + fed
@@ -317,6 +323,7 @@ class Parking:
             anchors=tuple(a for a in pre.anchors if a <= pre.primed_to),
             state=state,
             rope=decided.decision.rope or NATIVE,
+            drafts=drafts,
         )
         if not self.pool.can_park(session.num_bytes):
             log.info("%s not parked: %d bytes exceed the pool's cap of %d bytes", request.request_id,

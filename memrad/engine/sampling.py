@@ -145,6 +145,13 @@ class Shaper:
             return None
         return self._error.splitlines()[0][:300] if self._error.strip() else "the grammar failed"
 
+    def allows(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order from here, the grammar accepts (does not mutate: a
+        draft's pre-check, memrad.engine.speculation); all of them where there is no grammar."""
+        if self.matcher is None or not tokens:
+            return len(tokens)
+        return self.matcher.validate_tokens(list(tokens))
+
     @property
     def complete(self) -> bool:
         """The grammar is matched and allows nothing more (only end-of-sequence would follow)."""

@@ -18,7 +18,8 @@ fed at p + i + 1, so its logits are the ones the next plain step would compute. 
 that differs from its draft (or the reply's end) stops it; the rows after are dropped by setting
 the slab's length back (`SlabLayer.crop`: the KV is in place). Nothing is accepted that the
 flight's own sampling did not choose (a grammar's mask included: a draft the mask refuses is
-never what the masked sampling takes), so the reply is plain decoding's whenever each row has
+never what the masked sampling takes; so a draft is cut before the first token the mask refuses,
+`Flight.allowed`, and never costs a row), so the reply is plain decoding's whenever each row has
 the bits the flight's own step gives that token: under sampling too, with the same generator
 draws in the same order (a seed gives the same reply with speculation on or off; a draft is
 kept with the probability the target gives it, as standard speculative sampling with a
@@ -74,19 +75,37 @@ class Speculating:
         self.reason = reason
         self.off: str | None = None  # set when no step could verify a run mid-reply
         self._index: DraftIndex | None = None
+        self._parked: DraftIndex | None = None  # the index of the session this flight replaces
         self._prompt_len = 0
         self.drafted = self.accepted = self.verify_steps = self.decode_steps = self.fed = 0
 
+    def resume(self, parked: DraftIndex) -> None:
+        """Start from the index parked with the session this flight resumes and replaces (it is
+        the flight's now: cut back and extended in place at the first draft)."""
+        self._parked = parked
+
     def draft(self, prompt: tuple[int, ...], generated: list[int], room: int) -> list[int]:
         """The tokens to verify after the pending one (generated[-1]): at most `room`, [] while
-        paused or where the context holds no match. Builds the index at the first call."""
+        paused or where the context holds no match. Indexes the prompt at the first call: from the
+        resumed session's index where there is one (the tokens past the shared prefix), else whole."""
         if self.off is not None or self.length.paused or room < 1:
             return []
         if self._index is None:
-            self._index, self._prompt_len = DraftIndex(prompt), len(prompt)
+            self._index = self._parked if self._parked is not None else DraftIndex()
+            self._index.follow(prompt)
+            self._parked, self._prompt_len = None, len(prompt)
         index = self._index
         index.extend(generated[len(index) - self._prompt_len :])
         return index.propose(min(self.length.k, room))
+
+    def parked_index(self, token_ids: tuple[int, ...]) -> DraftIndex | None:
+        """The index to park with the session this flight leaves, over exactly `token_ids` (its
+        prompt and the tokens fed); None where the flight holds none (it never drafted, and
+        resumed no session with one)."""
+        index = self._index if self._index is not None else self._parked
+        if index is not None:
+            index.follow(token_ids)
+        return index
 
     def step_for(self, rows: int) -> BatchStep | None:
         """A one-row flight's step for a run of `rows` rows; None turns speculation off."""
@@ -157,13 +176,14 @@ def plan(setting: str, decoder: Any, feed: Any, native: bool = False) -> Specula
 
 def drafts_for(flight: Any, rows_free: int) -> list[int]:
     """The drafts `flight` verifies in this step: no more than `rows_free` rows, its max_tokens
-    (each row takes one token) and its slab's room allow; [] for a flight that does not speculate."""
+    (each row takes one token) and its slab's room allow, cut at the first its grammar refuses;
+    [] for a flight that does not speculate."""
     drafting = flight.speculating
     if drafting is None:
         return []
     left = flight.max_tokens - len(flight.out.generated)
     most = min(rows_free, left - 1, room(flight.cache, flight.position))
-    return drafting.draft(flight.request.prompt_ids, flight.out.generated, most)
+    return flight.allowed(drafting.draft(flight.request.prompt_ids, flight.out.generated, most))
 
 
 @torch.inference_mode()

@@ -10,18 +10,37 @@ what greedy decoding would have produced, so a wrong draft costs time, never out
                        \\______/  \\_____/
                        match     draft = the tokens that followed the earlier occurrence
 
-The index keys every position by the 1, 2 and 3 tokens that end there (`KEYS`): a lookup takes the
-longest key the tail shares with an earlier position, then extends each of that key's most recent
-`CANDIDATES` occurrences backwards (up to `MAX_MATCH` tokens); the longest match wins, then the
-most recent. A draft is no longer than its match (a copy earns its length as it runs). Pure
-Python over token ids; appending a token costs three dict updates.
+The index keys every position by the 3 tokens that end there (`KEYS`): a lookup takes the
+tail's last 3 tokens, then extends each of that key's most recent `CANDIDATES` earlier occurrences
+backwards (up to `MAX_MATCH` tokens); the longest match wins, then the most recent. A draft is
+no longer than its match (a copy earns its length as it runs). A tail whose last 3 tokens never
+occurred before drafts nothing: on fresh text a 1- or 2-token match ("the", ", and") is mostly
+chance, and each such draft costs a verify row that is thrown away (measured on the default
+model's tokens: with keys of 1 and 2 tokens as well, 397 tokens of prose ran 16 verify steps, 15
+kept nothing; with 3 only, 8 steps, 5 kept nothing; a file rewrite wasted 1 verify step of 87
+instead of 13 of 100: docs/BENCHMARKS.md, Speculation). Pure Python over token ids; appending a token costs one dict update per key.
+
+The index is kept with the parked session (memrad.reuse.pool.ParkedSession.drafts), covering
+exactly its tokens, so the next turn of a conversation does not index its whole prompt again:
+
+    parked     t0 ... tc  r0 ... rm                  (the prompt and the reply fed: the session's tokens)
+    next turn  t0 ... tc  r0 ... rj  s0 ... sn       (the client's rendering of the reply, a new message)
+               \\________________/
+               shared: kept          cut: rj+1 ... rm    extended: s0 ... sn
+
+`follow` does that in place (a resume that replaces its parent owns the parent's index), and
+the result equals the index built from scratch over the new tokens, entry for entry. A fork
+builds its own from scratch: copying the source's shared part costs about as much (measured:
+`memrad bench draft-index`), and its source stays parked and unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-KEYS = (3, 2, 1)  # key lengths tried, longest first
+from memrad.reuse.prefix_index import common_prefix_len
+
+KEYS = (3,)  # key lengths tried, longest first: a shorter match drafts nothing
 CANDIDATES = 32  # most recent occurrences of a key a lookup compares
 MAX_MATCH = 32  # tokens a match is extended backwards, at most
 
@@ -29,7 +48,7 @@ MAX_MATCH = 32  # tokens a match is extended backwards, at most
 class DraftIndex:
     """The context's tokens and, for each key length n, where every n-gram ended before.
 
-    Mutates on `extend`; `propose` only reads.
+    Mutates on `extend`, `follow` and `truncate`; `propose` only reads.
 
     Invariant: `_ends[n][gram]` lists, oldest first, each j < len(tokens) with
     tokens[j - n : j] == gram, so tokens[j] (the draft's first token) exists.
@@ -42,6 +61,32 @@ class DraftIndex:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DraftIndex) and self.tokens == other.tokens and self._ends == other._ends
+
+    __hash__ = None  # mutable
+
+    def follow(self, tokens: Sequence[int]) -> None:
+        """Become the index of `tokens` (mutates): cut back to the prefix shared with them, then
+        extend with the rest. Costs the tokens cut and added, not the tokens kept."""
+        self.truncate(common_prefix_len(self.tokens, tokens))
+        self.extend(tokens[len(self.tokens) :])
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (mutates): the positions past them leave their keys,
+        newest first, so each is the last entry of its list."""
+        seq = self.tokens
+        for j in range(len(seq) - 1, length - 1, -1):
+            for n in KEYS:
+                if j < n:
+                    continue
+                gram = tuple(seq[j - n : j])
+                ends = self._ends[n][gram]
+                ends.pop()
+                if not ends:
+                    del self._ends[n][gram]
+        del seq[length:]
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Append tokens (the prompt once, then each generated token). Each position j the

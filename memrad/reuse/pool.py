@@ -12,6 +12,7 @@ The same class holds the disk tier's records (memrad.engine.state.disk): there `
 Invariants, checked on park:
   - a session's prompt checkpoint is never past its committed tokens;
   - every listed checkpoint lies within the committed tokens;
+  - a drafts' index, where kept, covers exactly the committed tokens;
   - bytes_parked <= max_bytes and len(sessions) <= max_sessions;
   - a name (within a namespace) holds at most sessions_per_name sessions: a name is a set
     of conversations (a main agent, its sub-agents, side queries), and one busy name must
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memrad.request import Identity
+from memrad.reuse.drafts import DraftIndex
 from memrad.reuse.prefix_index import BLOCK, PrefixIndex, common_prefix_len
 
 
@@ -62,6 +64,9 @@ class ParkedSession:
     # The RoPE its state was computed under: "native" or the served scaling ("yarn x4",
     # memrad.engine.model.rope). The planner resumes it only for a request under the same.
     rope: str = "native"
+    # Drafts' index over exactly token_ids (memrad.reuse.drafts), kept in memory only: None where
+    # the reply did not speculate, and on the disk tier (a resume from disk indexes its prompt anew).
+    drafts: DraftIndex | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +153,7 @@ class ReusePool:
             raise PoolFull(f"session of {session.num_bytes} bytes exceeds the pool's cap of {self.max_bytes}")
         assert session.prompt_checkpoint <= session.num_tokens, "prompt checkpoint past the committed tokens"
         assert all(0 < c <= session.num_tokens for c in session.checkpoints), "checkpoint outside the tokens"
+        assert session.drafts is None or len(session.drafts) == session.num_tokens, "drafts' index off its tokens"
         evicted = []
         with self._lock:
             if replaces is not None:

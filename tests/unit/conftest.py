@@ -63,3 +63,10 @@ def tiny_engine(tiny_loaded):
 def q4_dir(tmp_path_factory):
     """The tiny llama shaped like SmolLM2's GGUF: Q4_1 layers, a tied Q8_0 head (tiny.write_q4_folder)."""
     return write_q4_folder(tmp_path_factory.mktemp("tiny-q4"))
+
+
+@pytest.fixture(scope="session")
+def q4_bf16(q4_dir):
+    """That llama loaded in bf16 on the int4 kernel: a matmul's row is the same bits at any M
+    (memrad.engine.decode.batch), so the eager one-row step verifies drafts (memrad.engine.speculation)."""
+    return load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")

@@ -4,17 +4,18 @@ the draft length follows what was accepted and backs off to plain decoding on mi
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memrad.reuse.drafts import CANDIDATES, DraftIndex, DraftLength
+from memrad.reuse.drafts import CANDIDATES, KEYS, DraftIndex, DraftLength
 
 
 def reference(seq: list[int], k: int) -> list[int]:
-    """Brute force over every earlier position: the longest match, then the most recent."""
+    """Brute force over every earlier position: the longest match of at least 3 tokens (the
+    key), then the most recent."""
     end, best, best_len = len(seq), None, 0
     for j in range(1, end):
         length = 0
         while length < j and seq[j - 1 - length] == seq[end - 1 - length]:
             length += 1
-        if length and length >= best_len:  # >=: a later j of the same length is more recent
+        if length >= KEYS[0] and length >= best_len:  # >=: a later j of the same length is more recent
             best, best_len = j, length
     return [] if best is None else seq[best : best + min(k, best_len)]
 
@@ -50,12 +51,13 @@ def test_the_longer_match_beats_the_more_recent_one():
     #          [5 6 7] -> 1          [9 7] -> 2        tail [5 6 7]
     index = DraftIndex([5, 6, 7, 1, 9, 7, 2, 5, 6, 7])
     assert index.propose(1) == [1]
-    #          equal matches [4 7]: the most recent wins
-    assert DraftIndex([4, 7, 1, 4, 7, 2, 4, 7]).propose(1) == [2]
+    #          equal matches [4 5 7]: the most recent wins
+    assert DraftIndex([4, 5, 7, 1, 4, 5, 7, 2, 4, 5, 7]).propose(1) == [2]
 
 
 def test_nothing_to_draft():
     assert DraftIndex([]).propose(4) == []
+    assert DraftIndex([7, 8, 1, 7, 8]).propose(4) == []  # a 2-token match is chance on fresh text: no draft
     assert DraftIndex([1, 2, 3]).propose(4) == []  # 3 never occurred before the end
     assert DraftIndex([1, 2, 1]).propose(0) == []
 
@@ -88,3 +90,27 @@ def test_misses_at_length_one_pause_speculation_longer_each_time():
     length.record(2, 0)
     length.record(1, 0)
     assert length.paused == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.lists(st.integers(0, 4), max_size=40), st.integers(0, 40))
+def test_an_index_brought_to_the_next_turn_equals_one_built_from_scratch(parked, turn, shared):
+    # the next turn keeps some of the parked tokens (the client re-rendered the reply) and adds its own
+    turn = parked[:shared] + turn
+    fresh = DraftIndex(turn)
+    followed = DraftIndex(parked)
+    followed.follow(turn)  # a resume that replaces its parent: in place
+    assert followed == fresh and followed.propose(8) == fresh.propose(8)
+    for token in (1, 2, 3):  # and it goes on growing as the fresh one does
+        followed.extend([token])
+        fresh.extend([token])
+        assert followed == fresh and followed.propose(8) == fresh.propose(8)
+
+
+def test_truncating_drops_every_position_past_the_length():
+    index = DraftIndex([1, 2, 3, 1, 2, 3, 4])
+    index.truncate(6)
+    assert index == DraftIndex([1, 2, 3, 1, 2, 3])
+    assert index.propose(8) == [1, 2, 3]  # [1 2 3] ended at 3 before, followed by 1 2 3
+    index.truncate(0)
+    assert index == DraftIndex() and index.propose(8) == []

@@ -9,11 +9,11 @@ a grammar, under sampling with a seed, and for requests batched together. Where 
 row the one-row step's bits (fp32 on the one-row step) speculation turns itself off and says so.
 """
 
-import pytest
 import torch
 
+from memrad.bench.draft_replay import replay
 from memrad.chat.grammar import json_constraint
-from memrad.engine.model.loader import load_model
+from memrad.engine.sampling import Shaper
 from memrad.protocol import Speculation, TurnEvent, from_line, to_line
 from memrad.request import GenerationRequest, SamplingParams
 from stories import make_engine, recording, run_together
@@ -87,12 +87,6 @@ def assert_same(runs):
         assert torch.equal(spec[1].prompt_logits, plain[1].prompt_logits)
 
 
-@pytest.fixture(scope="module")
-def q4_bf16(q4_dir):
-    # bf16 on the int4 kernel: a matmul's row is the same bits at any M (memrad.engine.decode.batch)
-    return load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
-
-
 def copy_then_break(engine, length=30, at=12):
     """A reply that copies `length` of the file's tokens, with one token changed at `at`."""
     ids, start = file_tokens(engine)
@@ -111,17 +105,20 @@ def test_a_copying_reply_is_plain_decodings_bits_with_most_drafts_accepted(q4_bf
     plain = runs["off"]["r"][0].speculation
     assert plain == Speculation(False, "speculate = off")
     assert spec.on and spec.reason == "on the eager step, up to 8 drafted"
-    # 40 tokens, the first from the prompt's logits: 39 fed by 19 decode steps (the last is not fed);
-    # the drafts run 1, 2, 4, 8 tokens as the copy goes on, the renamed token's 8 are rejected and
-    # the back-off pauses drafting until the copy picks up again
-    assert (spec.fed_tokens, spec.decode_steps, spec.verify_steps) == (39, 19, 15)
-    assert (spec.drafted_tokens, spec.accepted_tokens) == (38, 20)
+    # 40 tokens, the first from the prompt's logits: 39 fed by 16 decode steps (the last is not fed);
+    # drafting starts once the copy's last 3 tokens occur in the file and grows as the copy goes on;
+    # the renamed token's draft is rejected, and the next waits for 3 tokens that match again
+    assert (spec.fed_tokens, spec.decode_steps, spec.verify_steps) == (39, 16, 9)
+    assert (spec.drafted_tokens, spec.accepted_tokens) == (32, 23)
     assert runs["auto"]["r"][3].runtime_choices["speculation"] == {  # `memrad status`
         "value": "auto", "reason": "drafts from the context verified as rows of the step each reply decodes on "
-                                   "(memra.speculation says per reply); finished replies so far: 20 of 38 drafted "
-                                   "tokens kept (53%), 2.05 tokens per decode step"}
+                                   "(memra.speculation says per reply); finished replies so far: 23 of 32 drafted "
+                                   "tokens kept (72%), 2.44 tokens per decode step"}
     assert spec.fed_tokens == spec.accepted_tokens + spec.decode_steps
     assert "tokens per step" in spec.render() and spec.render().startswith("speculation: on (on the eager step")
+    plain_state = runs["off"]["r"][1]  # `memrad bench draft-replay` finds the same drafts from the plain reply alone
+    replayed = replay(list(plain_state.request.prompt_ids), list(plain_state.generated_ids), 8)
+    assert (replayed["drafted"], replayed["kept"], replayed["verify_steps"], replayed["decode_steps"]) == (32, 23, 9, 16)
 
 
 def test_max_tokens_a_stop_string_and_a_cancel_end_a_speculating_reply_where_they_end_a_plain_one(q4_bf16):
@@ -157,10 +154,52 @@ def test_greedy_replies_with_a_grammar_and_sampled_ones_with_a_seed_are_unchange
     sampled = {}
     for arm in ("off", "auto"):
         engine = make_engine(q4_bf16, CHUNK, speculate=arm)
-        completion = engine.generate(request(engine, "s", temperature=0.9, seed=7), lambda _: None, lambda: False)
+        completion = engine.generate(request(engine, "s", temperature=0.2, seed=7), lambda _: None, lambda: False)
         sampled[arm] = (completion.text, [lp.logprob for lp in completion.logprobs], completion.speculation)
     assert sampled["auto"][:2] == sampled["off"][:2]
     assert sampled["auto"][2].verify_steps > 0
+
+
+def test_a_draft_the_grammar_refuses_is_cut_before_it_takes_a_row(q4_bf16, monkeypatch):
+    # The prompt's JSON says "width" and "height"; the schema allows only "w" and "h": a reply that
+    # copies its prompt wherever the mask lets it is drafted "width": 3, ... which the mask refuses.
+    schema = {"type": "object", "properties": {"w": {"type": "integer"}, "h": {"type": "integer"}},
+              "required": ["w", "h"]}
+
+    def through_the_mask(engine):  # copies the prompt's JSON token by token where the mask allows it
+        ids, start = file_tokens(engine, JSON)
+        script = ids[start : start + 30]
+        recording(engine)
+
+        def sampler(scores, params, generator):
+            steps = engine.scores.setdefault(id(params), [])
+            steps.append(scores.clone())
+            i = len(steps) - 1
+            return script[i] if i < len(script) and torch.isfinite(scores[script[i]]) else int(scores.argmax())
+
+        engine.sampler = sampler
+        return engine
+
+    def requests(engine):
+        return [request(engine, "json", file=JSON, constraint=json_constraint(schema, "response_format"))]
+
+    runs = both(q4_bf16, requests, through_the_mask)
+    assert_same(runs)  # every step's logits, the tokens, logprobs, finish and usage: plain decoding's
+    checked = runs["auto"]["json"][0].speculation
+    monkeypatch.setattr(Shaper, "allows", lambda self, tokens: len(tokens))  # as before: verified, then rejected
+    unchecked = both(q4_bf16, requests, through_the_mask)
+    assert_same(unchecked)
+    before = unchecked["auto"]["json"][0].speculation
+
+    def rows(spec):  # each decode step runs its pending token's row and one per drafted token
+        return spec.decode_steps + spec.drafted_tokens
+
+    reply = '{"w": 88883, "h": 8888444444444444444444'  # the tiny model's digits, until max_tokens
+    assert runs["auto"]["json"][0].text == unchecked["auto"]["json"][0].text == reply
+    # 40 tokens in 27 decode steps either way: refused drafts cut, 42 rows (12 of 15 drafted kept)
+    # against 49 (12 of 22)
+    assert (checked.drafted_tokens, checked.accepted_tokens, checked.decode_steps, rows(checked)) == (15, 12, 27, 42)
+    assert (before.drafted_tokens, before.accepted_tokens, before.decode_steps, rows(before)) == (22, 12, 27, 49)
 
 
 def test_requests_batched_together_speculate_each_on_its_own_rows(tiny_loaded):
@@ -187,7 +226,7 @@ def test_where_no_step_gives_a_row_the_one_row_steps_bits_speculation_turns_off_
     assert_same(runs)
     spec = runs["auto"]["r"][0].speculation
     assert (spec.drafted_tokens, spec.verify_steps) == (0, 0)
-    assert spec.reason == ("on the eager step, up to 8 drafted; then off: no multi-row step of 3 rows has "
+    assert spec.reason == ("on the eager step, up to 8 drafted; then off: no multi-row step of 4 rows has "
                            "the one-row step's bits here")
 
 

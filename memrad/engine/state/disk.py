@@ -418,7 +418,7 @@ class DiskTier:
             why = f"{type(exc).__name__}: {exc}"
             log.warning("could not write %s to the disk tier (%s): the session is lost", session.session_id, why)
             return why
-        record = replace(session, state=None, num_bytes=path.stat().st_size, on_disk=True)
+        record = replace(session, state=None, drafts=None, num_bytes=path.stat().st_size, on_disk=True)
         if record.num_bytes > self.max_bytes:
             self._unlink(path.name, "larger than the disk tier's byte cap")
             return f"its {record.num_bytes} bytes exceed the disk tier's cap of {self.max_bytes}"
