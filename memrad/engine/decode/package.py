@@ -59,7 +59,7 @@ from memrad.engine.decode import batch as batch_step
 from memrad.engine.decode import build_times
 from memrad.engine.decode import steps
 from memrad.engine.decode.batch import BatchGraph
-from memrad.engine.decode.steps import falcon_h1, gated_delta, gemma, mamba2, qwen3_next
+from memrad.engine.decode.steps import falcon_h1, gated_delta, gemma, lfm2, mamba2, qwen3_next
 from memrad.engine.decode.steps import llama as decode_step
 from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
 from memrad.engine.kernels import block_gemv, decode_attention
@@ -437,7 +437,7 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int |
         kernel_source += [block_linear.__file__, block_gemv.__file__, block_gemv.SOURCE]
     # window_state: the window views' strides (buffer_rows) are compiled in.
     for source in (decode_step.__file__, gemma.__file__, window_state.__file__, quant.__file__, __file__,
-                   qwen3_next.__file__, gated_delta.__file__, falcon_h1.__file__, mamba2.__file__,
+                   qwen3_next.__file__, gated_delta.__file__, falcon_h1.__file__, mamba2.__file__, lfm2.__file__,
                    recurrent_state.__file__, *kernel_source):
         digest.update(Path(source).read_bytes())
     for name, module in step.named_modules():
