@@ -23,8 +23,9 @@ from memrad.engine.decode.steps.lfm2 import Lfm2Step
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.state.snapshot import Snapshot
-from stories import ask, make_engine
+from stories import ask, make_engine, run_together
 from test_gguf_steps import fresh, own_cache, turns_resume_as_cold  # noqa: F401 - own_cache: a fixture
+from test_batching import engine_with_parked, rows_are_their_own, second_turns
 from test_hybrid_steps import compiled_decodes_as_eager_and_resumes
 from tiny_gguf import LFM2_LAYERS, tiny_gguf
 
@@ -117,6 +118,38 @@ def test_a_snapshot_of_the_conv_layers_is_not_rewritten_by_later_steps(gguf):
         logits = feed(cache, int(logits.argmax()), len(PROMPT) + step)
     assert not torch.equal(conv_states(cache)[0], kept[0])  # the live state moved on
     assert all(torch.equal(state, k) for state, k in zip(conv_states(snapshot), kept))
+
+
+def test_every_row_of_the_batched_lfm2_step_is_its_own_and_the_one_row_steps(gguf):
+    """Each request's conv state is its own tensor, convolved on its own row: a request's row is
+    the same bits beside any neighbours and alone, and the one-row step gives it those bits."""
+    loaded = fresh(gguf)
+    engine = make_engine(loaded, 16, max_batch=4)
+    assert engine.runtime_choices["batch"]["value"] == "batched, 4 rows"
+    first = rows_are_their_own(engine, loaded.model, 16)
+    cache = engine.new_cache()
+    prefill(loaded.model, cache, PROMPT, 0, 16)
+    assert torch.equal(engine.decoder.feeder()(cache, 11, len(PROMPT)).float(), first)
+    step = engine.decoder.batch_step(4)
+    assert step.alone is not None and [twin.rows for twin in step.smaller] == [2]  # checked: the same bits
+
+
+def test_lfm2_requests_in_flight_together_decode_their_bits_alone(gguf):
+    """Four requests, two resumed from parked sessions, decoding on the batched step together:
+    each one's tokens, first logits and every step's scores as when it runs alone."""
+    loaded = fresh(gguf)
+    engine = engine_with_parked(loaded)
+    together = run_together(engine, second_turns(engine))
+    assert {rid for rid, (c, _, _) in together.items() if c.decision.outcome == "resumed"} == {"a-2", "b-2"}
+    for index in range(4):
+        by_itself = engine_with_parked(loaded)
+        request = second_turns(by_itself)[index]
+        completion, state, scores = run_together(by_itself, [request])[request.request_id]
+        their_completion, their_state, their_scores = together[request.request_id]
+        assert state.generated_ids == their_state.generated_ids and len(state.generated_ids) > 1
+        assert completion.cached_tokens == their_completion.cached_tokens
+        assert torch.equal(state.prompt_logits, their_state.prompt_logits)
+        assert torch.equal(scores, their_scores), request.request_id  # every decode step's logits
 
 
 def test_an_lfm2_engine_resumes_turns_bit_identical_to_cold(gguf):

@@ -89,6 +89,13 @@ def new_step(model: nn.Module, max_positions: int) -> nn.Module:
     return (other[2] if other is not None else llama.DecodeStep)(model, max_positions)
 
 
+def has_batched(step: Any) -> bool:
+    """Whether `step` has a batched twin (memrad.engine.decode.batch): the llama-shaped step and
+    LFM2's (its attention layers llama's, its conv state one tensor per request); Gemma 3, Gemma 2
+    and the hybrids decode one row at a time."""
+    return isinstance(step, (llama.DecodeStep, lfm2.Lfm2Step))
+
+
 def windows(step: Any) -> list[int | None]:
     """Each layer's sliding window (None: full attention, a slab of the context; or a
     recurrent layer, see `recurrent`)."""

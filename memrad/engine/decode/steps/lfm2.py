@@ -30,8 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memrad.engine.decode.steps.llama import (DecodeStep, attend, attention_shape, fuse, layers_and_rope, register_rope,
-                                              rope)
+from memrad.engine.decode.steps.llama import DecodeStep, _Layer, attention_shape, fuse, layers_and_rope, register_rope
 
 _LFM2 = ("Lfm2ForCausalLM",)
 _LAYER_KINDS = ("conv", "full_attention")
@@ -49,7 +48,8 @@ def support(model: nn.Module, context_len: int) -> str | None:
 
 
 class _ShortConv(nn.Module):
-    """Lfm2ShortConv for one cached token: the gated depthwise convolution, its state in place."""
+    """Lfm2ShortConv for one cached token per row: the gated depthwise convolution, each row's
+    state rewritten in place."""
 
     def __init__(self, conv: nn.Module) -> None:
         super().__init__()
@@ -57,64 +57,71 @@ class _ShortConv(nn.Module):
         self.weight, self.bias = conv.conv.weight, conv.conv.bias  # [hidden, 1, L]
         self.hidden, self.kernel_size = conv.conv.in_channels, conv.conv_kernel_size
 
-    def forward(self, h: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-        # h [1, 1, hidden]; conv_state [1, hidden, L] (model dtype)
-        b, c, x = self.in_proj(h).transpose(-1, -2).chunk(3, dim=-2)  # [1, hidden, 1] each
-        bx = b * x
-        window = torch.cat([conv_state, bx], dim=-1).to(self.weight.dtype)  # [1, hidden, L + 1]
-        conv_state.copy_(window[:, :, -conv_state.shape[-1]:])
-        out = F.conv1d(window, self.weight, self.bias, padding=0, groups=self.hidden)[:, :, -1:]
-        y = c * out.to(bx.dtype)  # [1, hidden, 1]
-        return self.out_proj(y.transpose(-1, -2).contiguous())  # [1, 1, hidden]
+    def forward(self, h: torch.Tensor, conv_states: list[torch.Tensor]) -> torch.Tensor:
+        # h [B, 1, hidden] (normed); conv_states[r]: row r's state [1, hidden, L] (model dtype)
+        projected = self.in_proj(h)  # [B, 1, 3 hidden]: one matmul for every row
+        out = []
+        for r, conv_state in enumerate(conv_states):  # per row, as transformers' causal_conv1d_update
+            b, c, x = projected[r : r + 1].transpose(-1, -2).chunk(3, dim=-2)  # [1, hidden, 1] each
+            bx = b * x
+            window = torch.cat([conv_state, bx], dim=-1).to(self.weight.dtype)  # [1, hidden, L + 1]
+            conv_state.copy_(window[:, :, -conv_state.shape[-1]:])
+            mixed = F.conv1d(window, self.weight, self.bias, padding=0, groups=self.hidden)[:, :, -1:]
+            out.append(c * mixed.to(bx.dtype))  # [1, hidden, 1]
+        return self.out_proj(torch.cat(out).transpose(-1, -2).contiguous())  # [B, 1, hidden]
 
 
-class _Attention(nn.Module):
-    """Lfm2Attention for one token over a slab: llama's, with per-head q/k RMSNorms."""
+class _Lfm2Layer(_Layer):
+    """The llama step's layer (memrad.engine.decode.steps.llama) over LFM2's norms and gated MLP
+    (w1 | w3 fused, w2): its feed-forward as llama's, so the batched step runs it as it runs
+    llama's (memrad.engine.decode.batch)."""
 
-    def __init__(self, attention: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
-        super().__init__()
+    def __init__(self, layer: nn.Module) -> None:
+        nn.Module.__init__(self)
+        mlp = layer.feed_forward
+        self.input_norm, self.post_norm = layer.operator_norm, layer.ffn_norm
+        self.sparse, self.gate_up, self.down_proj, self.act = None, fuse([mlp.w1, mlp.w3]), mlp.w2, nn.SiLU()
+
+
+class _AttentionLayer(_Lfm2Layer):
+    """An LFM2 attention layer: llama's, with per-head q/k RMSNorms (Qwen3's) under other names."""
+
+    recurrent = False
+
+    def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__(layer)
+        attention = layer.self_attn
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scale = float(attention.scaling)
         self.qkv = fuse([attention.q_proj, attention.k_proj, attention.v_proj])
-        self.split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
         self.q_norm, self.k_norm, self.o_proj = attention.q_layernorm, attention.k_layernorm, attention.out_proj
-
-    def forward(self, h, cos, sin, position, length, key_rows, value_rows, kernel):
-        # h [1, 1, hidden]; cos, sin [1, D]; slabs [1, H_kv, capacity, D]
-        d, h_kv = self.head_dim, self.kv_heads
-        q, k, v = self.qkv(h).split(self.split, dim=-1)
-        q = rope(self.q_norm(q.view(self.heads, d)), cos, sin)  # [H, D]
-        k = rope(self.k_norm(k.view(h_kv, d)), cos, sin)  # [H_kv, D]
-        key_rows.index_copy_(2, position, k.view(1, h_kv, 1, d))
-        value_rows.index_copy_(2, position, v.view(1, h_kv, 1, d))
-        o = attend(q.view(1, h_kv, self.heads // h_kv, d), key_rows, value_rows, length, self.scale, kernel)
-        return self.o_proj(o.reshape(1, 1, self.heads * d))
+        self.split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
 
 
-class _Layer(nn.Module):
-    """One Lfm2DecoderLayer; `recurrent` says its keys/values are (conv state, empty)."""
+class _ConvLayer(_Lfm2Layer):
+    """An LFM2 conv layer: the short convolution where llama's has attention; its keys are its
+    conv state, its values an empty tensor."""
 
-    def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
-        super().__init__()
-        self.recurrent = not layer.is_attention_layer
-        self.mixer = _ShortConv(layer.conv) if self.recurrent else _Attention(layer.self_attn, heads, kv_heads, head_dim)
-        self.operator_norm, self.ffn_norm = layer.operator_norm, layer.ffn_norm
-        mlp = layer.feed_forward
-        self.w13, self.w2 = fuse([mlp.w1, mlp.w3]), mlp.w2
+    recurrent = True
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
+        self.mixer = _ShortConv(layer.conv)
 
     def state_shapes(self, dtype: torch.dtype, capacity: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """(shape, dtype) of what a conv layer is handed, for a model of `dtype`: its conv state
-        and the empty tensor in the recurrent state's place (memrad.engine.decode.package.example_buffers)."""
+        """(shape, dtype) of what it is handed, for a model of `dtype`: its conv state and the
+        empty tensor in the recurrent state's place (memrad.engine.decode.package.example_buffers)."""
         return [((1, self.mixer.hidden, self.mixer.kernel_size), dtype), ((0,), dtype)]
 
-    def forward(self, x, cos, sin, position, length, keys, values, kernel):
-        h = self.operator_norm(x)
-        if self.recurrent:
-            x = x + self.mixer(h, keys)
-        else:
-            x = x + self.mixer(h, cos, sin, position, length, keys, values, kernel)
-        w1, w3 = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(w1) * w3)
+    def forward(self, x, cos, sin, position, length, conv_state, nothing, kernel):
+        # x [1, 1, hidden]: one row of `rows`
+        return self.rows(x, [conv_state])
+
+    def rows(self, x: torch.Tensor, conv_states: list[torch.Tensor]) -> torch.Tensor:
+        """x [B, 1, hidden] after the layer, row r's conv state conv_states[r] rewritten: the
+        one-row step's call at B = 1 and the batched step's (memrad.engine.decode.batch)."""
+        x = x + self.mixer(self.input_norm(x), conv_states)
+        return x + self.feed_forward(self.post_norm(x))
 
 
 class Lfm2Step(nn.Module):
@@ -129,7 +136,8 @@ class Lfm2Step(nn.Module):
         config, body = model.config, model.model
         heads, kv_heads, head_dim = attention_shape(config)
         self.embed, self.norm, self.head = body.embed_tokens, body.embedding_norm, model.lm_head
-        self.layers = nn.ModuleList(_Layer(layer, heads, kv_heads, head_dim) for layer in body.layers)
+        self.layers = nn.ModuleList(_AttentionLayer(layer, heads, kv_heads, head_dim) if layer.is_attention_layer
+                                    else _ConvLayer(layer) for layer in body.layers)
         register_rope(self, model, max_positions)  # cos, sin [P, D]
 
     # Logits [V] after `token` at `position`, every layer's KV row and conv state written: the
