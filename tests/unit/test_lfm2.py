@@ -6,9 +6,12 @@ path. Its conv layers' cache is a RecurrentLayer holding conv state only, writte
 the step, so parked state is a snapshot as the hybrids' is. In bf16 (what `auto` runs on this
 CPU) the step's logits and conv states are transformers' forward's bit for bit, with float
 weights and with the Q4_K blocks on the int4 kernel (fp32: within rounding of the fused
-matmuls); a snapshot is not rewritten by later steps; an engine resumes turns bit-identically
-to their cold runs, from the parked prompt and from a boundary snapshot below a rewritten
-reply, in memory and from the disk tier; the compiled step decodes what the eager one does.
+matmuls); a snapshot is not rewritten by later steps; the batched step gives a request's row
+the same bits beside any neighbours and alone, and requests in flight together (two resumed)
+decode their alone bits; an engine resumes turns bit-identically to their cold runs, from the
+parked prompt and from a boundary snapshot below a rewritten reply (the disk tier's restart
+and reload: tests/unit/test_disk.py, kind "lfm2"); the compiled step decodes what the eager one
+does and resumes bit-identically to cold.
 """
 
 import pytest
