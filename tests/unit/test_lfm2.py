@@ -25,6 +25,8 @@ from memrad.engine.decode.package import PackagedStep
 from memrad.engine.decode.steps.lfm2 import Lfm2Step
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
+from memrad.engine.model.gguf_header import read_header
+from memrad.engine.model.preflight import gguf_config as preflight_config, inspect_gguf
 from memrad.engine.state.snapshot import Snapshot
 from stories import ask, make_engine, run_together
 from test_gguf_steps import fresh, own_cache, turns_resume_as_cold  # noqa: F401 - own_cache: a fixture
@@ -68,6 +70,21 @@ def test_lfm2_loads_from_its_gguf_onto_its_step_and_says_so(gguf):
     assert all(cache.layers[i].recurrent_states[0] is None for i in CONV)  # a short convolution has no other
     conv, nothing = cache.layers[0].step_buffers(len(PROMPT))
     assert conv is cache.layers[0].conv_states[0] and nothing.shape == (0,)
+
+
+def test_an_lfm2_gguf_is_described_before_it_loads(gguf):
+    from transformers import AutoConfig
+
+    preflight = inspect_gguf(gguf, 0, torch.bfloat16)
+    ours = preflight_config(read_header(gguf), gguf)
+    theirs = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert ours.layer_types == theirs.layer_types == LFM2_LAYERS
+    assert ours.norm_eps == theirs.norm_eps  # the header's float32 epsilon, under LFM2's name
+    lines = preflight.lines()
+    assert lines[:2] == ["tiny-lfm2.gguf: lfm2 (Lfm2ForCausalLM)",
+                         f"  fast decode step: yes, memra's lfm2 step ({REASON})"]
+    assert "shortconv.conv F32; shortconv.in_proj Q4_K; shortconv.out_proj Q4_K" in lines[2]
+    assert lines[4] == "  KV: 1,024 B/token in bfloat16"  # the 2 attention layers x K and V x 2 KV heads x 64 x 2 bytes
 
 
 @pytest.mark.parametrize("dtype,weights,tolerance", [("bfloat16", "float", 0.0), ("bfloat16", "auto", 0.0),
