@@ -229,10 +229,11 @@ def serve(settings: Settings) -> list[str]:
     finally:
         clean_stale_files()
         lock.close()
-    if engine is not None and engine.compiling:
+    if engine is not None and engine.running_torch:
         # Still compiling in this process (the torch.compile fallback; a package build runs in
-        # a child, stopped by engine.close): interpreter teardown under a running compile
-        # aborts in C++ ("terminate called without an active exception", exit 134).
+        # a child, stopped by engine.close), or checking the eager batched step (warm_batch):
+        # interpreter teardown under a thread in torch aborts in C++ ("terminate called
+        # without an active exception", exit 134).
         # Everything is written and logged by now, so the process just ends.
         logging.shutdown()
         os._exit(1 if unsaved else 0)

@@ -1,6 +1,6 @@
 """Affinity on vs off over two interleaved conversations: an agent and its sub-agent.
 
-    python -m memrad.bench.interleaved_turns --turns 6 [--named] [--reps 3] [--rewrite first-sentence] [--warm]
+    python -m memrad.bench.interleaved_turns --turns 6 [--named] [--reps 3] [--rewrite first-sentence] [--warm] [--control]
     memrad bench interleaved --turns 6 --named --rewrite first-sentence --warm --reps 3
 
 affinity_turns' rewriting client, twice over: an agent and a sub-agent with the same
@@ -14,8 +14,9 @@ longest prefix) run the same requests, alternating which arm goes first. TTFT is
 engine-side (plan + check-out + prefill + first token); with --reps, each rep runs on
 fresh engines and TTFT cells are per-request medians (the token counts are the same every
 rep). Per request and arm: tokens reused and primed, the bytes a fork copied, TTFT, and
-the pick's reason and cost (memrad.protocol.Decision.render_cost). The last lines sum TTFT
-and primed tokens per arm, name the worst on/off ratio, and count the requests where on
+the pick's reason and cost (memrad.protocol.Decision.render_cost). --control makes both
+arms affinity off: an A/A run, what the harness reads between identical engines, to read
+before on/off. The last lines sum TTFT and primed tokens per arm, name the worst on/off ratio, and count the requests where on
 reused fewer tokens than off or picked another resume.
 """
 
@@ -41,7 +42,8 @@ def run(loaded, args, threads: int, identity: Identity | None, system: str = SYS
     """Both arms over the interleaved requests on fresh engines: one row per request. Which
     arm goes first alternates per request and flips with `rep`, and so does which engine is made
     first (an A/A run, both arms affinity off, read the first-made engine 5% slower summed)."""
-    arms = {arm: engine_for(loaded, in_process(args.chunk, args.mode, 64, affinity=arm == "on"), threads)
+    arms = {arm: engine_for(loaded, in_process(args.chunk, args.mode, 64,
+                                               affinity=arm == "on" and not getattr(args, "control", False)), threads)
             for arm in (ARMS if rep % 2 == 0 else ARMS[::-1])}
     arms["on"].init_worker_thread()
     rewrite = CLIENT_REWRITES[getattr(args, "rewrite", "half")]
@@ -90,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rewrite", choices=sorted(CLIENT_REWRITES), default="half",
                         help="what the client keeps of each earlier reply")
     parser.add_argument("--warm", action="store_true", help="run the agent's conversation once before")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A run: the 'on' arm with affinity off too (what the harness reads between "
+                             "identical engines)")
     args = parser.parse_args(argv)
     loaded, threads, identity, header = client_setup(args)
-    print(f"{header} reps={args.reps} rewrite={args.rewrite} warm={args.warm} (per-request median TTFT)\n")
+    control = " control=A/A (both arms affinity off)" if args.control else ""
+    print(f"{header} reps={args.reps} rewrite={args.rewrite} warm={args.warm}{control} (per-request median TTFT)\n")
     runs = [run(loaded, args, threads, identity, rep=rep) for rep in range(args.reps)]
     print("| conversation | turn | prompt | reused on / off | primed on / off | copied MiB on / off "
           "| TTFT s on / off | on/off | same pick | on: decision; cost (rep 0) |")

@@ -248,9 +248,10 @@ class Engine:
         return self.max_batch > 1 and self.batch_decode == "batched"
 
     @property
-    def compiling(self) -> bool:
-        """A decode-step compile is still running in this process (memrad.daemon's exit)."""
-        return self.decoder.compiling()
+    def running_torch(self) -> bool:
+        """A background thread still runs torch in this process: the decode step's compile or
+        the eager batched step's checks (memrad.daemon's exit)."""
+        return self.decoder.running_torch()
 
     def start_background(self) -> None:
         """Start what runs beside serving: the decode step's compile (compile = on or auto), and

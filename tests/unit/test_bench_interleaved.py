@@ -32,3 +32,14 @@ def test_after_the_agent_ran_once_before_both_arms_pick_the_same_resumes_and_say
     assert first.outcome == "resumed" and "forked" in first.reason and first.copied_rows == first.checkpoint
     assert first.copied_bytes > 0 and first.checkout_s is not None
     assert first.render_cost().startswith(f"cost: primed {first.primed_tokens} tokens, copied {first.checkpoint} rows (")
+
+
+def test_the_control_run_makes_both_arms_affinity_off(loaded):
+    """--control (the A/A run read before on/off): no request of either arm resumes by name."""
+    args = client_arguments("x", turns=2, max_tokens=4).parse_args(["--chunk", "16"])
+    args.control = True
+    rows = run(loaded["llama"], args, 1, Identity("bench", "session_id"), system="You are a coding agent. " * 4,
+               tool="src/app.py: def main(): pass")
+    decisions = [r[arm].decision.render() for r in rows for arm in ("on", "off")]
+    assert not any(d.startswith("affinity") for d in decisions)
+    assert [r["on"].decision.render() for r in rows] == [r["off"].decision.render() for r in rows]

@@ -125,6 +125,7 @@ class Decoder:
         self.capacity = min(context_len, MAX_RESERVED_TOKENS)  # the slabs' rows (memrad.engine.state.kv)
         self.compile_s: float | None = None
         self._thread: threading.Thread | None = None
+        self._warming: threading.Thread | None = None  # `warm_batch`'s thread
         self._started = False
         self._one_row_building = False  # the background thread is building the one-row step
         self._batch_wanted = False  # a second request decoded beside another: build the batched step
@@ -291,6 +292,11 @@ class Decoder:
     def compiling(self) -> bool:
         """A background compile is still running."""
         return self._thread is not None and self._thread.is_alive()
+
+    def running_torch(self) -> bool:
+        """A thread of this decoder is still running torch in this process: a compile, or
+        `warm_batch`'s checks (memrad.daemon's exit: teardown under either aborts in C++)."""
+        return self.compiling() or (self._warming is not None and self._warming.is_alive())
 
     def close(self) -> None:
         """Stop a package build still running in its child process (at `memrad stop`); the
@@ -510,7 +516,8 @@ class Decoder:
             except Exception:  # the engine makes it on demand instead, and fails its request there
                 log.exception("making the eager batched step ahead of the first request failed")
 
-        threading.Thread(target=make, name="memrad-batch-check", daemon=True).start()
+        self._warming = threading.Thread(target=make, name="memrad-batch-check", daemon=True)
+        self._warming.start()
 
     def _batch_step(self, rows: int, kernel: bool, compiled: bool, native: bool = False) -> BatchStep:
         with self._batch_lock:
