@@ -199,14 +199,51 @@ def test_a_rewritten_reply_resumes_from_the_boundary_snapshot_below_it(gguf):
     assert torch.equal(state.prompt_logits, ref_state.prompt_logits) and done.text == reference.text
 
 
-@pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
-def test_the_compiled_lfm2_step_decodes_as_the_eager_one_and_resumes_bit_identical(gguf):
-    loaded = fresh(gguf)
-    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on")
-    engine.decoder.start()  # builds the package (minutes on a shared 2-core machine)
-    compiled = engine.decoder
-    assert compiled.choice.value == "compiled", compiled.choice.reason
-    assert isinstance(compiled.step, PackagedStep) and list(compiled.step.runners) == ["kernel"]
-    assert engine.runtime_choices["step"] == {"value": "lfm2", "reason": REASON}
+needs_compiler = pytest.mark.skipif(decoder_module.cxx_compiler() is None,
+                                    reason="torch.compile on the CPU needs a C++ compiler")
 
+
+@pytest.fixture(scope="module")
+def compiled(gguf, tmp_path_factory):
+    """An exact-mode engine (max_batch 2) whose one-row and 2-row packages were built at its
+    start (compile = on: minutes on a shared 2-core machine), in a compile cache of its own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEMRA_CACHE_DIR", str(tmp_path_factory.mktemp("lfm2-compiled")))
+        loaded = fresh(gguf)
+        engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
+        engine.decoder.start()
+    return loaded, engine
+
+
+@needs_compiler
+def test_the_compiled_lfm2_step_decodes_as_the_eager_one_and_resumes_bit_identical(compiled):
+    loaded, engine = compiled
+    decoder = engine.decoder
+    assert decoder.choice.value == "compiled", decoder.choice.reason
+    assert isinstance(decoder.step, PackagedStep) and list(decoder.step.runners) == ["kernel"]
+    assert engine.runtime_choices["step"] == {"value": "lfm2", "reason": REASON}
     compiled_decodes_as_eager_and_resumes(engine, loaded, STEPS)
+
+
+@needs_compiler
+def test_the_compiled_batched_lfm2_step_gives_a_row_its_bits_at_any_neighbours_and_alone(compiled):
+    loaded, engine = compiled
+    assert engine.decoder.batch_choice.value == "compiled", engine.decoder.batch_choice.reason
+    step = engine.decoder.batch_step(2)
+    assert step.compiled and step.rows == 2
+    assert step.alone is not None  # the compiled one-row step gives a lone request a batched row's bits
+    prompts = [PROMPT, list(range(7, 20))]
+
+    def logits(rows):
+        caches = []
+        for i in rows:
+            cache = engine.new_cache()
+            prefill(loaded.model, cache, prompts[i], 0, 16)
+            caches.append(cache)
+        return step(caches, [11 + i for i in rows], [len(prompts[i]) for i in rows])
+
+    first = logits([0])[0]
+    assert torch.equal(logits([0, 1])[0], first) and torch.equal(logits([1, 0])[1], first)
+    cache = engine.new_cache()
+    prefill(loaded.model, cache, PROMPT, 0, 16)
+    assert torch.equal(engine.decoder.feeder()(cache, 11, len(PROMPT)).float(), first)
