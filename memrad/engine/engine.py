@@ -36,8 +36,7 @@ from memrad.engine.attaching import Attacher, Hold
 from memrad.engine.decode import builder
 from memrad.engine.decode.batch import BatchStep
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.decode.steps import describe as describe_step
-from memrad.engine.decode.steps.llama import DecodeStep
+from memrad.engine.decode.steps import describe as describe_step, has_batched
 from memrad.engine.flight import Flight, Sampling
 from memrad.engine.forward import prefill_spans
 from memrad.engine.model.hardware import Choice
@@ -234,7 +233,7 @@ class Engine:
         """How requests in flight together decode (`memrad status`, /health)."""
         if self.max_batch == 1:
             return {"value": "one at a time", "reason": "max_batch = 1: one request on the model, the one-row step"}
-        if self._batches() and isinstance(self.decoder.eager_step, DecodeStep):
+        if self._batches() and has_batched(self.decoder.eager_step):
             how = self.decoder.batch_choice
             return {"value": f"batched, {self.max_batch} rows",
                     "reason": f"max_batch = {self.max_batch}: the requests decoding together in one step of "

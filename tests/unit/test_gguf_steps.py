@@ -47,7 +47,7 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
 
 
-def fresh(path, dtype, weights):
+def fresh(path, dtype="bfloat16", weights="auto"):
     torch.set_num_threads(1)
     return load_model(str(path), device="cpu", dtype=dtype, weights=weights, progress=lambda _: None)
 
@@ -119,7 +119,11 @@ def test_every_row_of_the_batched_step_is_its_own_at_any_neighbours(ggufs, arch)
 
 @pytest.mark.parametrize("arch", STEPPED)
 def test_an_engine_resumes_turns_bit_identical_to_cold(ggufs, arch):
-    engine = make_engine(fresh(ggufs[arch], "bfloat16", "auto"), 16, max_sessions=16, mode="exact")
+    turns_resume_as_cold(make_engine(fresh(ggufs[arch], "bfloat16", "auto"), 16, max_sessions=16, mode="exact"))
+
+
+def turns_resume_as_cold(engine):
+    """Three turns of test_reuse.conversation: each after the first resumed, each the cold run's bits."""
     for turn, row in enumerate(conversation(engine, 3)):
         if turn:
             assert row["warm"].decision.outcome == "resumed", row["warm"].decision.render()

@@ -130,11 +130,17 @@ def test_the_compiled_hybrid_step_decodes_as_the_eager_one_and_resumes_bit_ident
     assert isinstance(compiled.step, PackagedStep) and list(compiled.step.runners) == ["kernel"]
     assert engine.runtime_choices["step"] == CHOICE[kind]
 
-    feed, eager = compiled.feeder(), Decoder(loaded.model, loaded.context_len, loaded.device, "off").feeder()
+    compiled_decodes_as_eager_and_resumes(engine, loaded)
+
+
+def compiled_decodes_as_eager_and_resumes(engine, loaded, steps=STEPS):
+    """`engine`'s compiled step decodes `steps` tokens from 3 attended rows as the eager step
+    does (bf16 rounding of fused work apart), and its turns resume bit-identical to cold."""
+    feed, eager = engine.decoder.feeder(), Decoder(loaded.model, loaded.context_len, loaded.device, "off").feeder()
     ours, theirs = engine.new_cache(), engine.new_cache()
     a = prefill(loaded.model, ours, PROMPT[:2], 0, 16)  # from 3 attended rows
     b = prefill(loaded.model, theirs, PROMPT[:2], 0, 16)
-    for step in range(STEPS):
+    for step in range(steps):
         token = int(b.argmax())
         a, b = feed(ours, token, 2 + step), eager(theirs, token, 2 + step)
         assert int(a.argmax()) == int(b.argmax()), step

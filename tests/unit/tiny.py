@@ -149,7 +149,7 @@ def build_gemma3(vocab_size: int, seed: int = 0, window: int = 8):
 
 def save_tiny(folder: Path, kind: str) -> Path:
     """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | qwen3 | starcoder2
-    | mamba.
+    | mamba | lfm2 (tests/unit/tiny_gguf.py's, float weights: short convolutions beside attention).
     llama-short: a native context of 64 tokens, for RoPE scaling past it, with sharp attention
     (q and k weights x8) so that positions move the logits well past rounding."""
     tokenizer = build_tokenizer()
@@ -183,6 +183,10 @@ def save_tiny(folder: Path, kind: str) -> Path:
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
             eos_token_id=2, bos_token_id=1, pad_token_id=0)).eval()
+    elif kind == "lfm2":
+        from tiny_gguf import build
+
+        model = build("lfm2", len(tokenizer))
     elif kind == "mamba":
         from transformers import MambaConfig, MambaForCausalLM
 

@@ -15,6 +15,9 @@ Unmapped config fields (transformers reads no key for them: Qwen3's head_dim, Ge
 and query_pre_attn_scalar, Qwen3-MoE's moe_intermediate_size) are left at the config class's
 defaults, so they survive the trip.
 
+LFM2's layout travels as llama.cpp's: one KV head count per layer (`head_count_kv`, 0 on a
+short-convolution layer), the conv kernels [hidden, L] in F32.
+
 Qwen3-MoE's experts are 3-D tensors as llama.cpp ships them (`ffn_gate_exps`, `ffn_up_exps`
 [E, I, H], `ffn_down_exps` [E, H, I]; transformers joins gate and up into `gate_up_proj`
 [E, 2I, H]), Q4_K / Q4_K / Q6_K; the router (`ffn_gate_inp`) F32, as llama.cpp keeps it.
@@ -31,7 +34,9 @@ from gguf import GGMLQuantizationType as T, GGUFWriter, quants
 
 from tiny import build_tokenizer, finish_gguf
 
-ARCHITECTURES = ("qwen3", "phi3", "gemma2", "qwen3_moe")
+ARCHITECTURES = ("qwen3", "phi3", "gemma2", "qwen3_moe", "lfm2")
+# LFM2's layers: short convolutions first and around the attention, as LiquidAI's models are laid out
+LFM2_LAYERS = ["conv", "conv", "full_attention", "conv", "full_attention", "conv"]
 # transformers' model_type -> llama.cpp's architecture name, where they differ
 _GGUF_ARCH = {"qwen3_moe": "qwen3moe"}
 _ROW_SCALE = 0.02  # the size of a weight, as transformers' random init draws them
@@ -39,8 +44,8 @@ _ROW_SCALE = 0.02  # the size of a weight, as transformers' random init draws th
 
 def build(arch: str, vocab_size: int, seed: int = 0):
     """A tiny random model of `arch` (hidden 256: attention rows are whole super-blocks)."""
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Lfm2Config, Lfm2ForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
@@ -55,19 +60,23 @@ def build(arch: str, vocab_size: int, seed: int = 0):
     elif arch == "qwen3_moe":  # 8 experts of moe_intermediate_size 768 (the default), 2 per token
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_attention_heads=2, num_key_value_heads=1,
                                                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True))
+    elif arch == "lfm2":  # the feed-forward width as the GGUF carries it (transformers' loader: no auto-adjust)
+        model = Lfm2ForCausalLM(Lfm2Config(**{**common, "num_hidden_layers": len(LFM2_LAYERS)}, num_attention_heads=4,
+                                           num_key_value_heads=2, layer_types=LFM2_LAYERS,
+                                           block_auto_adjust_ff_dim=False))
     else:
         raise ValueError(arch)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):  # random norm weights, so a step that dropped one would differ
+            if name.endswith(("norm.weight", "layernorm.weight")):  # random, so a step that dropped one would differ
                 param.normal_(1.0 if arch != "gemma2" else 0.0, 0.3)
     return model.eval()
 
 
 def kind_for(gguf_name: str, shape: tuple[int, ...]) -> T:
     """The GGUF type a Q4_K_M file gives the tensor."""
-    if len(shape) == 1 or ".ffn_gate_inp" in gguf_name:  # norms; the MoE router
-        return T.F32
+    if len(shape) == 1 or ".ffn_gate_inp" in gguf_name or ".shortconv.conv" in gguf_name:  # norms; the MoE
+        return T.F32                                          # router; LFM2's conv kernels [hidden, L]
     if gguf_name.startswith(("token_embd", "output.")):
         return T.Q8_0
     if ".ffn_down" in gguf_name:
@@ -123,9 +132,14 @@ def write_gguf(path: Path, model, tokenizer, seed: int = 0) -> Path:
         value = getattr(config, attribute, None) if attribute not in (None, -1) else None
         if attribute == "rope_theta":  # transformers 5 keeps it in rope_parameters
             value = float(config.rope_parameters["rope_theta"])
+        if attribute == "rms_norm_eps" and value is None:  # LFM2 names it norm_eps
+            value = config.norm_eps
         if isinstance(value, bool) or value is None:
             continue
         full = f"{gguf_arch}.{key}"
+        if arch == "lfm2" and key == "attention.head_count_kv":  # per layer, 0 on a conv layer: the layout
+            writer.add_array(full, [value if kind == "full_attention" else 0 for kind in config.layer_types])
+            continue
         if isinstance(value, int):
             writer.add_uint32(full, value)
         elif isinstance(value, float):
@@ -143,6 +157,8 @@ def write_gguf(path: Path, model, tokenizer, seed: int = 0) -> Path:
         if ".ffn_gate_exps" in gguf_name or ".ffn_up_exps" in gguf_name:  # gate_up_proj [E, 2I, H]: gate, then up
             half = target.shape[1] // 2
             target = target[:, :half] if ".ffn_gate_exps" in gguf_name else target[:, half:]
+        if ".shortconv.conv" in gguf_name:  # [hidden, 1, L] as llama.cpp ships it: [hidden, L]
+            target = target.squeeze(1)
         stored = target.float().numpy()
         gemma_norm = arch.startswith("gemma") and "norm.weight" in hf_name  # llama.cpp stores 1 + w
         if gemma_norm:

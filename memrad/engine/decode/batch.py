@@ -13,6 +13,10 @@ weights once for all of them, while attention stays per row, over that request's
                              (Qwen3-MoE: routed experts, row by row: memrad.engine.decode.steps.experts)
     -> norm -> head -> logits [B, V]
 
+LFM2 (memrad.engine.decode.steps.lfm2) runs here too: its attention layers are llama's layer, and
+its short-convolution layers run their in_proj, out_proj and MLP as one matmul for every row and
+the convolution per row, over that request's own conv state (keys[r] of the layer).
+
 `BatchGraph` is that function over tensors only, so it runs eager or is exported and
 compiled into one AOTInductor graph (memrad.engine.decode.package, `rows`): each row's
 attended length is its own symbol there, every other size static. `BatchStep` hands it the
@@ -53,7 +57,8 @@ Graph = Callable[..., torch.Tensor]
 
 
 class BatchGraph(nn.Module):
-    """The batched step over tensors only; shares every weight with `step` (a DecodeStep)."""
+    """The batched step over tensors only; shares every weight with `step` (a DecodeStep, or
+    an Lfm2Step: `steps.has_batched`)."""
 
     def __init__(self, step: DecodeStep, kernel: bool) -> None:
         super().__init__()
@@ -69,7 +74,11 @@ class BatchGraph(nn.Module):
         cos = step.cos.index_select(0, positions)[:, None]  # [B, 1, D]: broadcast over heads
         sin = step.sin.index_select(0, positions)[:, None]
         for index, layer in enumerate(step.layers):
-            x = self._layer(layer, x, cos, sin, positions, lengths, [k[index] for k in keys], [v[index] for v in values])
+            if getattr(layer, "recurrent", False):  # LFM2's short convolutions: each row's conv state its own
+                x = layer.rows(x, [k[index] for k in keys])
+            else:
+                x = self._layer(layer, x, cos, sin, positions, lengths, [k[index] for k in keys],
+                                [v[index] for v in values])
         return step.head(step.norm(x)).view(batch, -1)
 
     def _layer(self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

@@ -60,6 +60,7 @@ from torch.utils._pytree import tree_leaves
 from memrad.engine.decode import build_times, builder, native as native_steps
 from memrad.engine.decode import package as step_package
 from memrad.engine.decode.batch import BatchGraph, BatchStep
+from memrad.engine.decode import steps
 from memrad.engine.decode.steps import new_step, support
 from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
 from memrad.engine.forward import decode_one_token
@@ -154,8 +155,8 @@ class Decoder:
         self.eager = new_step(model, context_len)
         if self.switch is not None and isinstance(self.eager, DecodeStep):
             self.native = native_steps.NativeSteps(self.switch, model, self.eager, context_len, self.capacity)
-        if self.batch_rows and not isinstance(self.eager, DecodeStep):
-            self.batch_rows = None  # Gemma 3, the hybrids: no batched step, one row at a time
+        if self.batch_rows and not steps.has_batched(self.eager):
+            self.batch_rows = None  # Gemma 3, Gemma 2, the hybrids: no batched step, one row at a time
         if self.batch_rows:
             self.batch_choice = Choice("eager", f"compile = {mode}: the eager batched step"
                                        + (" (compiled with the one-row step)" if mode != "off" else ""))
@@ -473,7 +474,7 @@ class Decoder:
         step's twin under the native rope (memrad.engine.decode.native; `native_why` None)."""
         self._await_compile(cancelled, lambda: self.choice.value == "compiling")
         (step, kernel), package = self.current, self.batch_package
-        if rows is not None and isinstance(self.eager_step, DecodeStep):
+        if rows is not None and steps.has_batched(self.eager_step):
             compiled = package is not None and package.rows == rows
             if (step is not self.eager) == compiled:  # else: the one-row step compiled, the batched not yet
                 if compiled or (rows, kernel, False) in self._batched or not self._batch_lock.locked():
@@ -494,7 +495,7 @@ class Decoder:
         weights with the attention the current step uses. One BatchStep per (attention,
         compiled), so a request keeps its bits from first token to last. compile = wait waits
         for the one-row step's compile as `feeder()` does."""
-        if not isinstance(self.eager_step, DecodeStep):
+        if not steps.has_batched(self.eager_step):
             return None
         feed = self.choose(rows, cancelled)[1]()
         return feed if isinstance(feed, BatchStep) else None
@@ -505,7 +506,7 @@ class Decoder:
         checks took 13.5 s of a first reply's 15.4 s TTFT on a busy 2-core Xeon, and the
         daemon is idle until its first request. A request admitted meanwhile decodes on the
         one-row eager step, its whole reply (`choose`), rather than wait for the check."""
-        if not isinstance(self.eager_step, DecodeStep) or self.mode == "wait" or self.step is not self.eager:
+        if not steps.has_batched(self.eager_step) or self.mode == "wait" or self.step is not self.eager:
             return
         kernel = self.current[1]
 

@@ -59,7 +59,7 @@ from memrad.engine.decode import batch as batch_step
 from memrad.engine.decode import build_times
 from memrad.engine.decode import steps
 from memrad.engine.decode.batch import BatchGraph
-from memrad.engine.decode.steps import falcon_h1, gated_delta, gemma, mamba2, qwen3_next
+from memrad.engine.decode.steps import falcon_h1, gated_delta, gemma, lfm2, mamba2, qwen3_next
 from memrad.engine.decode.steps import llama as decode_step
 from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
 from memrad.engine.kernels import block_gemv, decode_attention
@@ -169,15 +169,17 @@ class PackagedStep:
 class PackagedBatch:
     """Called like a BatchGraph (memrad.engine.decode.batch); runs the package's batch graph."""
 
-    def __init__(self, runner: Any, made: dict[str, torch.Tensor], capacity: int, rows: int) -> None:
+    def __init__(self, runner: Any, made: dict[str, torch.Tensor], capacity: int, rows: int,
+                 slabs: list[int]) -> None:
         self.runner, self.capacity, self.rows = runner, capacity, rows
         self._made = made  # the library holds pointers into these (user_managed): keep them alive
+        self._slabs = slabs  # the layers handing slabs (LFM2's conv layers hand their conv state)
 
     def fits(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> bool:
         """The graph runs a row attending `length` rows of these slabs [(keys, values) per layer]:
         the length is in its range and the slabs have the rows it was made for."""
         low, high = batch_range(self.capacity)
-        return low <= length <= high and all(keys.shape[2] == self.capacity for keys, _ in buffers)
+        return low <= length <= high and all(buffers[i][0].shape[2] == self.capacity for i in self._slabs)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[torch.Tensor],
                  keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -199,7 +201,8 @@ def load(step: DecodeStep, capacity: int, kernel: bool, path: Path) -> PackagedS
 def load_batch(step: DecodeStep, capacity: int, rows: int, path: Path) -> PackagedBatch:
     """Open the batched step's package (built by `build(..., rows=rows)`), as `load` does."""
     made, runners = _open(step, path, [BATCH_GRAPH])
-    return PackagedBatch(runners[BATCH_GRAPH], made, capacity, rows)
+    slabs = [i for i, state in enumerate(steps.recurrent(step)) if not state]
+    return PackagedBatch(runners[BATCH_GRAPH], made, capacity, rows, slabs)
 
 
 def _open(step: DecodeStep, path: Path, graphs: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -220,9 +223,9 @@ def _open(step: DecodeStep, path: Path, graphs: Any) -> tuple[dict[str, torch.Te
 
 
 def options_for(step: Any) -> dict[str, Any]:
-    """Inductor's options for `step`: INDUCTOR_OPTIONS for the llama-shaped step (the one with
-    a batched twin), none for the others (Gemma 3, the hybrids decode one row at a time)."""
-    return dict(INDUCTOR_OPTIONS) if isinstance(step, DecodeStep) else {}
+    """Inductor's options for `step`: INDUCTOR_OPTIONS for a step with a batched twin (the
+    llama-shaped step, LFM2's), none for the others (Gemma 3, the hybrids decode one row at a time)."""
+    return dict(INDUCTOR_OPTIONS) if steps.has_batched(step) else {}
 
 
 def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path, rows: int | None = None,
@@ -275,7 +278,7 @@ def _check_isas_beside() -> threading.Thread:
 
 def _batch_programs(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int):
     """The batched step exported: row r's `length_rows` first size is its own symbol."""
-    assert kernel and isinstance(step, DecodeStep), "the batched package: llama-shaped, memra's kernel"
+    assert kernel and steps.has_batched(step), "the batched package: a step with a batched twin, memra's kernel"
     device = _param(step).device
     lengths = [3 + r for r in range(rows)]  # distinct examples: export never takes two rows' sizes for one
     slabs = [example_buffers(step, config, capacity, length, _untouched)[:2] for length in lengths]
@@ -437,7 +440,7 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int |
         kernel_source += [block_linear.__file__, block_gemv.__file__, block_gemv.SOURCE]
     # window_state: the window views' strides (buffer_rows) are compiled in.
     for source in (decode_step.__file__, gemma.__file__, window_state.__file__, quant.__file__, __file__,
-                   qwen3_next.__file__, gated_delta.__file__, falcon_h1.__file__, mamba2.__file__,
+                   qwen3_next.__file__, gated_delta.__file__, falcon_h1.__file__, mamba2.__file__, lfm2.__file__,
                    recurrent_state.__file__, *kernel_source):
         digest.update(Path(source).read_bytes())
     for name, module in step.named_modules():

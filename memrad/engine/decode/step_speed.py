@@ -29,6 +29,10 @@ SHAPES = {
                               sliding_window=8)),
     "qwen3_moe": ("qwen3_moe", dict(num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2,
                                     norm_topk_prob=True)),  # experts of 768 (the default moe_intermediate_size)
+    # LFM2's layout as tests/unit/tiny_gguf.py writes it: short convolutions around two attention layers
+    "lfm2": ("lfm2", dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                          block_auto_adjust_ff_dim=False,
+                          layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"])),
 }
 PROMPT = list(range(5, 45))
 
@@ -85,6 +89,6 @@ def measure(arch: str, dtype_name: str = "bfloat16", steps: int = 64, threads: i
                 logits = run(cache, token, len(PROMPT) + offset)
                 times.append(time.perf_counter() - started)
         timings[name] = statistics.median(times[4:]) * 1e3  # the first steps warm the allocator
-    sparse = any(experts.is_sparse(layer.mlp) for layer in model.model.layers)
+    sparse = any(experts.is_sparse(getattr(layer, "mlp", None)) for layer in model.model.layers)  # LFM2: feed_forward
     return StepSpeed(arch, step_table.describe(model, context).value, str(dtype).removeprefix("torch."), steps,
                      timings["step"], timings["forward"], experts.bytes_per_token(model) if sparse else None)

@@ -149,6 +149,8 @@ def gguf_config(header: GGUFHeader, path: Path) -> Any:
         per_layer = values["num_key_value_heads"]
         values.update(num_key_value_heads=max(per_layer), block_auto_adjust_ff_dim=False,
                       full_attn_idxs=[i for i, heads in enumerate(per_layer) if heads > 0])
+        if "rms_norm_eps" in values:  # LFM2's config names it norm_eps
+            values["norm_eps"] = values.pop("rms_norm_eps")
     model_type = _TEXT_ONLY.get(values.get("model_type", name), values.get("model_type", name))
     values["model_type"] = model_type
     try:

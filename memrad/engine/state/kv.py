@@ -35,9 +35,9 @@ def reserve(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
 
     Always an inference tensor, wherever it is made: the compiled decode step guards on
     that, and a buffer of the other kind would make it compile again mid-request."""
-    if device.type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
     num_bytes = dtype.itemsize * math.prod(shape)
+    if device.type != "cpu" or num_bytes == 0:  # nothing to map (LFM2's empty recurrent state)
+        return torch.empty(shape, dtype=dtype, device=device)
     # The tensor keeps the mapping alive; freeing the tensor unmaps it and returns the pages.
     return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)
 

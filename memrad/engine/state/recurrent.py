@@ -4,10 +4,11 @@ transformers' LinearAttentionLayer already keeps a layer's conv state [1, C, K] 
 state (model-specific, e.g. [1, H_v, D_k, D_v] for a gated delta net) as tensors of fixed
 shape that every update copies into (`copy_`, never a new tensor), so they can be handed to a
 compiled graph as buffers to rewrite. A RecurrentLayer is that layer, marked for the decode
-step (memrad.engine.decode.steps: qwen3_next, falcon_h1): prefill runs transformers' own code on it unchanged,
-and the step reads and writes the two tensors itself:
+step (memrad.engine.decode.steps: qwen3_next, falcon_h1, lfm2): prefill runs transformers' own
+code on it unchanged, and the step reads and writes the two tensors itself:
 
     step_buffers(position) -> (conv state, recurrent state)   rewritten in place by the step
+                              (LFM2's conv layers: (conv state, empty [0]); they have no other)
 
 It has no per-position index, so it is never croppable: snapshots clone it and a rebuild
 clones again (memrad.engine.state.snapshot); the disk tier stores its dicts as it stores
@@ -29,14 +30,18 @@ class RecurrentLayer(LinearAttentionLayer):
 
     @property
     def is_initialized(self) -> bool:
-        """Prefill has made both states (the step needs them; a fresh layer has neither)."""
-        return bool(self.is_conv_states_initialized[0] and self.is_recurrent_states_initialized[0]
-                    and not self.record_past)
+        """Prefill has made the layer's state (the step needs it; a fresh layer has none). The
+        conv state says so: a layer with recurrent state makes it in the same forward, and one
+        without (LFM2's short convolutions) never makes any."""
+        return bool(self.is_conv_states_initialized[0] and not self.record_past)
 
     def step_buffers(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv state [1, C, K], recurrent state): the tensors the step rewrites for the
-        token at `position` (any position: the state holds no rows)."""
-        return self.conv_states[0], self.recurrent_states[0]
+        token at `position` (any position: the state holds no rows). A layer with conv state
+        only hands an empty tensor [0] in the recurrent state's place, so every recurrent
+        layer hands the step a pair (memrad.engine.decode.steps.lfm2)."""
+        conv, recurrent = self.conv_states[0], self.recurrent_states[0]
+        return conv, recurrent if recurrent is not None else conv.new_empty(0)
 
     def wrote_row(self, position: int) -> None:
         """Nothing to record: the state tensors were rewritten in place."""

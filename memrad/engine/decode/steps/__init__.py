@@ -7,6 +7,7 @@
     gemma2.py      Gemma 2's (Gemma 3's layers with soft-capped attention scores, one rope)
     qwen3_next.py  Qwen3-Next's (gated delta net layers: gated_delta.py)
     falcon_h1.py   FalconH1's (Mamba-2 beside attention in every layer: mamba2.py)
+    lfm2.py        LFM2's (gated short convolutions beside attention with per-head q/k norms)
 
 The decoder (memrad.engine.decode.decoder) and the package (memrad.engine.decode.package) ask here."""
 
@@ -17,23 +18,25 @@ from typing import Any
 
 from torch import nn
 
-from memrad.engine.decode.steps import falcon_h1, gemma, gemma2, llama, qwen3_next
+from memrad.engine.decode.steps import falcon_h1, gemma, gemma2, lfm2, llama, qwen3_next
 from memrad.engine.model.hardware import Choice
 
 # What each layer kind of transformers' `layer_types` is on the step, for `describe`.
 _KIND_NAMES = {"full_attention": "full-attention", "sliding_attention": "sliding-window",
-               "linear_attention": "gated delta net (conv and recurrent state rewritten in place)"}
+               "linear_attention": "gated delta net (conv and recurrent state rewritten in place)",
+               "conv": "short convolution (conv state rewritten in place)"}
 
 
 # What `describe` names each step by (every other llama-shaped class: "llama").
 _STEP_NAMES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3-moe", "Phi3ForCausalLM": "phi3",
                "Gemma2ForCausalLM": "gemma2",
-               "Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3-next"}
+               "Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3-next", "Lfm2ForCausalLM": "lfm2"}
 
 
 def covered() -> tuple[str, ...]:
     """The model classes some step covers."""
-    return (*llama._LLAMA_SHAPED, *gemma2._GEMMA2, *gemma._GEMMA, *qwen3_next._QWEN3_NEXT, *falcon_h1._FALCON_H1)
+    return (*llama._LLAMA_SHAPED, *gemma2._GEMMA2, *gemma._GEMMA, *qwen3_next._QWEN3_NEXT, *falcon_h1._FALCON_H1,
+            *lfm2._LFM2)
 
 
 # The steps beside the llama-shaped one: (is it this architecture, why not, its step class).
@@ -42,6 +45,7 @@ _OTHER_STEPS = (
     (gemma2.is_gemma2, gemma2.support, gemma2.Gemma2Step),
     (qwen3_next.is_qwen3_next, qwen3_next.support, qwen3_next.Qwen3NextStep),
     (falcon_h1.is_falcon_h1, falcon_h1.support, falcon_h1.FalconH1Step),
+    (lfm2.is_lfm2, lfm2.support, lfm2.Lfm2Step),
 )
 
 
@@ -62,8 +66,8 @@ def support(model: nn.Module, context_len: int) -> str | None:
 
 def describe(model: nn.Module, context_len: int) -> Choice:
     """Which step decodes `model` and what its layers are on it (/health, `memrad status`):
-    value "llama", "qwen3", "qwen3-moe", "phi3", "gemma2", "gemma3", "qwen3-next", "falcon-h1", or "none" with the reason
-    it has none."""
+    value "llama", "qwen3", "qwen3-moe", "phi3", "gemma2", "gemma3", "qwen3-next", "falcon-h1", "lfm2", or "none"
+    with the reason it has none."""
     why_not = support(model, context_len)
     if why_not is not None:
         return Choice("none", why_not)
@@ -85,6 +89,13 @@ def new_step(model: nn.Module, max_positions: int) -> nn.Module:
     return (other[2] if other is not None else llama.DecodeStep)(model, max_positions)
 
 
+def has_batched(step: Any) -> bool:
+    """Whether `step` has a batched twin (memrad.engine.decode.batch): the llama-shaped step and
+    LFM2's (its attention layers llama's, its conv state one tensor per request); Gemma 3, Gemma 2
+    and the hybrids decode one row at a time."""
+    return isinstance(step, (llama.DecodeStep, lfm2.Lfm2Step))
+
+
 def windows(step: Any) -> list[int | None]:
     """Each layer's sliding window (None: full attention, a slab of the context; or a
     recurrent layer, see `recurrent`)."""
@@ -93,7 +104,8 @@ def windows(step: Any) -> list[int | None]:
 
 def recurrent(step: Any) -> list[bool]:
     """Which layers hand the step recurrent state (memrad.engine.state.recurrent) as their
-    keys and values, not plain attention rows (FalconH1's: a pair of slabs, a pair of states)."""
+    keys and values, not plain attention rows (FalconH1's: a pair of slabs, a pair of states;
+    LFM2's conv layers: their conv state and an empty tensor)."""
     return [getattr(layer, "recurrent", False) for layer in step.layers]
 
 

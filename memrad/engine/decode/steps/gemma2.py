@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from memrad.engine.decode.steps.gemma import _GemmaLayer, soft_cap
-from memrad.engine.decode.steps.llama import rope, rope_tables, through_layers
+from memrad.engine.decode.steps.llama import layers_and_rope, register_rope, rope, through_layers
 
 _GEMMA2 = ("Gemma2ForCausalLM",)
 _LAYER_KINDS = ("sliding_attention", "full_attention")
@@ -42,14 +42,7 @@ def is_gemma2(model: nn.Module) -> bool:
 
 def support(model: nn.Module, context_len: int) -> str | None:
     """None if the Gemma 2 step computes `model`'s decode, else why not."""
-    name, config = type(model).__name__, model.config
-    kinds = set(getattr(config, "layer_types", None) or ())
-    if not kinds <= set(_LAYER_KINDS):
-        return f"{name} has layers of kinds {sorted(kinds - set(_LAYER_KINDS))}"
-    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope_type not in _STATIC_ROPE:
-        return f"{name} uses {rope_type} rope, whose frequencies depend on the sequence length"
-    return None
+    return layers_and_rope(model, _LAYER_KINDS, _STATIC_ROPE)
 
 
 def capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -114,9 +107,7 @@ class Gemma2Step(nn.Module):
             _Gemma2Layer(layer, heads, kv_heads, head_dim,
                          config.sliding_window if kind == "sliding_attention" else None, config.attn_logit_softcapping)
             for layer, kind in zip(body.layers, config.layer_types))
-        cos, sin = rope_tables(model, max_positions)
-        self.register_buffer("cos", cos, persistent=False)  # [P, D]
-        self.register_buffer("sin", sin, persistent=False)
+        register_rope(self, model, max_positions)  # cos, sin [P, D]
 
     def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool = False) -> torch.Tensor:

@@ -88,6 +88,19 @@ def support(model: nn.Module, context_len: int) -> str | None:
     return None
 
 
+def layers_and_rope(model: nn.Module, kinds: tuple[str, ...], ropes: tuple[str, ...]) -> str | None:
+    """Why a step whose layers are of `kinds` and whose rope tables are fixed for `ropes` cannot
+    run `model`, or None where it can (an architecture's `support` asks it first)."""
+    name = type(model).__name__
+    found = set(getattr(model.config, "layer_types", None) or ())
+    if not found <= set(kinds):
+        return f"{name} has layers of kinds {sorted(found - set(kinds))}"
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type not in ropes:
+        return f"{name} uses {rope_type} rope, whose frequencies depend on the sequence length"
+    return None
+
+
 def attention_shape(config) -> tuple[int, int, int]:
     """(query heads, KV heads, head dim) of a transformers attention config."""
     heads = config.num_attention_heads
@@ -253,9 +266,7 @@ class DecodeStep(nn.Module):
         heads, kv_heads, head_dim = attention_shape(config)
         self.embed, self.norm, self.head = body.embed_tokens, body.norm, model.lm_head
         self.layers = nn.ModuleList(_Layer(layer, heads, kv_heads, head_dim) for layer in body.layers)
-        cos, sin = rope_tables(model, max_positions)
-        self.register_buffer("cos", cos, persistent=False)  # [P, D]
-        self.register_buffer("sin", sin, persistent=False)
+        register_rope(self, model, max_positions)
 
     def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool = False) -> torch.Tensor:
@@ -282,6 +293,14 @@ def through_layers(step: nn.Module, token: torch.Tensor, position: torch.Tensor,
     for layer, key_rows, value_rows in zip(step.layers, keys, values):
         x = layer(x, cos, sin, position, length, key_rows, value_rows, kernel)
     return x
+
+
+def register_rope(step: nn.Module, model: nn.Module, max_positions: int) -> None:
+    """Give `step` the `cos`, `sin` buffers [P, D] `through_layers` reads (`rope_tables`), kept
+    out of its state dict."""
+    cos, sin = rope_tables(model, max_positions)
+    step.register_buffer("cos", cos, persistent=False)
+    step.register_buffer("sin", sin, persistent=False)
 
 
 def rope_tables(model: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
