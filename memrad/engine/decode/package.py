@@ -59,7 +59,6 @@ from memrad.engine.decode import batch as batch_step
 from memrad.engine.decode import build_times
 from memrad.engine.decode import steps
 from memrad.engine.decode.batch import BatchGraph
-from memrad.engine.decode.steps import falcon_h1, gated_delta, gemma, lfm2, mamba2, qwen3_next
 from memrad.engine.decode.steps import llama as decode_step
 from memrad.engine.decode.steps.llama import DecodeStep, attended_rows
 from memrad.engine.kernels import block_gemv, decode_attention
@@ -438,10 +437,10 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int |
         kernel_source.append(batch_step.__file__)
     if any(isinstance(m, block_linear.BlockLinear) for m in step.modules()):  # memra::block_gemv is called by name
         kernel_source += [block_linear.__file__, block_gemv.__file__, block_gemv.SOURCE]
-    # window_state: the window views' strides (buffer_rows) are compiled in.
-    for source in (decode_step.__file__, gemma.__file__, window_state.__file__, quant.__file__, __file__,
-                   qwen3_next.__file__, gated_delta.__file__, falcon_h1.__file__, mamba2.__file__, lfm2.__file__,
-                   recurrent_state.__file__, *kernel_source):
+    # Every step module (a new architecture's file included), and window_state: the window
+    # views' strides (buffer_rows) are compiled in.
+    steps = sorted(Path(decode_step.__file__).parent.glob("*.py"))
+    for source in (*steps, window_state.__file__, quant.__file__, __file__, recurrent_state.__file__, *kernel_source):
         digest.update(Path(source).read_bytes())
     for name, module in step.named_modules():
         digest.update(f"{name} {type(module).__module__}.{type(module).__qualname__}\n".encode())
