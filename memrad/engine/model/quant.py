@@ -139,6 +139,7 @@ def random_super_blocks(kind: str, rows: int, cols: int, generator: torch.Genera
     """Random k-quant super-blocks [rows, cols] (`cols` a multiple of 256): every byte random but
     the fp16 d (and dmin), small positive values, as a real tensor's are. gguf-py reads k-quants
     but cannot write them; memra's kernel probe and the tests take these."""
+    assert cols % SUPER_BLOCK == 0, f"a k-quant row holds whole super-blocks of {SUPER_BLOCK}, not {cols}"
     size = SUPER_BLOCK_BYTES[kind]
     n = rows * cols // SUPER_BLOCK
     raw = torch.randint(0, 256, (n, size), generator=generator, dtype=torch.uint8)
