@@ -118,13 +118,22 @@ inline void k_scales(const uint8_t* row, int64_t nsuper, float* scale, float* mi
       const float d = half_at(sb + 208);
       for (int i = 0; i < 16; ++i) scale[s * 16 + i] = d * static_cast<float>(static_cast<int8_t>(sb[192 + i]));
     } else {
+      // The 12 bytes as llama.cpp's get_scale_min_k4 reads them, a word at a time (its AVX2
+      // vec_dot's masks): afterwards bytes 0..7 of u are sc_0..7 and bytes 8..15 m_0..7.
       const float d = half_at(sb), dmin = half_at(sb + 2);
-      const uint8_t* q = sb + 4;  // llama.cpp's get_scale_min_k4
+      uint32_t u[4];
+      std::memcpy(u, sb + 4, 12);
+      constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+      u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+      const uint32_t m_low = u[1] & low6;
+      u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+      u[2] = m_low;
+      u[0] &= low6;
+      uint8_t sc_m[16];
+      std::memcpy(sc_m, u, 16);
       for (int j = 0; j < 8; ++j) {
-        const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        scale[s * 8 + j] = d * static_cast<float>(sc);
-        mins[s * 8 + j] = -(dmin * static_cast<float>(m));
+        scale[s * 8 + j] = d * static_cast<float>(sc_m[j]);
+        mins[s * 8 + j] = -(dmin * static_cast<float>(sc_m[8 + j]));
       }
     }
   }
@@ -175,6 +184,35 @@ inline float sum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_add_ps(a, _mm_movehl_ps(a, a));
   return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+// `k_scales` with the conversions and products 8 at a time (the same float32 products: a
+// scalar decode per block cost as much as the block's multiply-adds).
+template <int KIND>
+inline void k_scales_vec(const uint8_t* row, int64_t nsuper, float* scale, float* mins) {
+  for (int64_t s = 0; s < nsuper; ++s) {
+    const uint8_t* sb = row + s * super_bytes<KIND>();
+    if constexpr (KIND == Q6_K) {
+      const __m256 d = _mm256_set1_ps(half_at(sb + 208));
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192));  // 16 int8 scales
+      _mm256_storeu_ps(scale + s * 16, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+      _mm256_storeu_ps(scale + s * 16 + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
+    } else {
+      uint32_t u[4];  // as in k_scales: bytes 0..7 sc, 8..15 m
+      std::memcpy(u, sb + 4, 12);
+      constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+      u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+      const uint32_t m_low = u[1] & low6;
+      u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+      u[2] = m_low;
+      u[0] &= low6;
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+      _mm256_storeu_ps(scale + s * 8, _mm256_mul_ps(_mm256_set1_ps(half_at(sb)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+      // -(dmin * m) == (-dmin) * m: a product's sign is its factors'
+      _mm256_storeu_ps(mins + s * 8, _mm256_mul_ps(_mm256_set1_ps(-half_at(sb + 2)),
+                                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
+    }
+  }
 }
 
 #endif
@@ -509,11 +547,22 @@ void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
         const int64_t r = std::min(ROWS, end - n);
         const uint8_t* row = bp + n * stride;
         for (int64_t i = 0; i < r; ++i) {
-          k_scales<KIND>(row + i * stride, nsuper, scale.data() + i * P, mins.data() + i * nb_pad);
+          k_scales_vec<KIND>(row + i * stride, nsuper, scale.data() + i * P, mins.data() + i * nb_pad);
           for (int64_t m = 0; m < M; ++m)
-            for (int64_t b = 0; b < nb; ++b)
-              for (int64_t h = 0; h < halves<KIND>(); ++h)
-                ds[(i * M + m) * P + b * halves<KIND>() + h] = scale[i * P + b * halves<KIND>() + h] * a.sx[m * nb_pad + b];
+            for (int64_t b = 0; b < nb; b += 8) {  // nb: a multiple of 8
+              const float* sc = scale.data() + i * P + b * halves<KIND>();
+              const float* sx = a.sx.data() + m * nb_pad + b;
+              float* at = ds.data() + (i * M + m) * P + b * halves<KIND>();
+              if constexpr (KIND == Q6_K) {  // each block's sx for both its halves
+                const __m256 x = _mm256_loadu_ps(sx);
+                const __m256 lo = _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+                const __m256 hi = _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+                _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_loadu_ps(sc), lo));
+                _mm256_storeu_ps(at + 8, _mm256_mul_ps(_mm256_loadu_ps(sc + 8), hi));
+              } else {
+                _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_loadu_ps(sc), _mm256_loadu_ps(sx)));
+              }
+            }
         }
         for (int64_t m0 = 0; m0 < M; m0 += XROWS) {
           const int64_t mc = std::min(XROWS, M - m0);
@@ -788,7 +837,7 @@ void k_gemv_with(const Activation& a, int64_t M, int64_t K, int64_t N, const uin
       for (int64_t n = tile * TILE; n < end; n += ROWS) {
         const int64_t r = std::min(ROWS, end - n);
         const uint8_t* row = bp + n * stride;
-        for (int64_t i = 0; i < r; ++i) k_scales<KIND>(row + i * stride, nsuper, scale.data() + i * P, mins.data() + i * nb);
+        for (int64_t i = 0; i < r; ++i) k_scales_vec<KIND>(row + i * stride, nsuper, scale.data() + i * P, mins.data() + i * nb);
         for (int64_t m0 = 0; m0 < M; m0 += XROWS_AVX2) {
           const int64_t mc = std::min(XROWS_AVX2, M - m0);
           if (r == ROWS) {
