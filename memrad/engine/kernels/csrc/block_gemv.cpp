@@ -108,6 +108,20 @@ inline int64_t row_bytes(int64_t kind, int64_t K) {
   return K / GROUP * bytes_of(kind);
 }
 
+// A Q4_K / Q5_K super-block's 12 bytes of 6-bit sc and m as 16 bytes, sc_0..7 then m_0..7:
+// llama.cpp's get_scale_min_k4, a word at a time (its AVX2 vec_dot's masks).
+inline void k_scale_bytes(const uint8_t* sb, uint8_t* sc_m) {
+  uint32_t u[4];
+  std::memcpy(u, sb + 4, 12);
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  const uint32_t m_low = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  u[2] = m_low;
+  u[0] &= low6;
+  std::memcpy(sc_m, u, 16);
+}
+
 // A k-quant row's scales as float32, per 32-weight block b: scale[b] = d * sc_b, mins[b] =
 // -(dmin * m_b) (Q4_K, Q5_K); Q6_K: scale[2b + h] = d * sc of block b's half h, no mins.
 template <int KIND>
@@ -118,19 +132,9 @@ inline void k_scales(const uint8_t* row, int64_t nsuper, float* scale, float* mi
       const float d = half_at(sb + 208);
       for (int i = 0; i < 16; ++i) scale[s * 16 + i] = d * static_cast<float>(static_cast<int8_t>(sb[192 + i]));
     } else {
-      // The 12 bytes as llama.cpp's get_scale_min_k4 reads them, a word at a time (its AVX2
-      // vec_dot's masks): afterwards bytes 0..7 of u are sc_0..7 and bytes 8..15 m_0..7.
       const float d = half_at(sb), dmin = half_at(sb + 2);
-      uint32_t u[4];
-      std::memcpy(u, sb + 4, 12);
-      constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-      u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-      const uint32_t m_low = u[1] & low6;
-      u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-      u[2] = m_low;
-      u[0] &= low6;
       uint8_t sc_m[16];
-      std::memcpy(sc_m, u, 16);
+      k_scale_bytes(sb, sc_m);
       for (int j = 0; j < 8; ++j) {
         scale[s * 8 + j] = d * static_cast<float>(sc_m[j]);
         mins[s * 8 + j] = -(dmin * static_cast<float>(sc_m[8 + j]));
@@ -198,15 +202,9 @@ inline void k_scales_vec(const uint8_t* row, int64_t nsuper, float* scale, float
       _mm256_storeu_ps(scale + s * 16, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
       _mm256_storeu_ps(scale + s * 16 + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
     } else {
-      uint32_t u[4];  // as in k_scales: bytes 0..7 sc, 8..15 m
-      std::memcpy(u, sb + 4, 12);
-      constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-      u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-      const uint32_t m_low = u[1] & low6;
-      u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-      u[2] = m_low;
-      u[0] &= low6;
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+      uint8_t sc_m[16];
+      k_scale_bytes(sb, sc_m);
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc_m));
       _mm256_storeu_ps(scale + s * 8, _mm256_mul_ps(_mm256_set1_ps(half_at(sb)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
       // -(dmin * m) == (-dmin) * m: a product's sign is its factors'
       _mm256_storeu_ps(mins + s * 8, _mm256_mul_ps(_mm256_set1_ps(-half_at(sb + 2)),
