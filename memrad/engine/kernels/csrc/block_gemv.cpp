@@ -86,8 +86,8 @@ inline int64_t bytes_of(int64_t kind) { return kind == 8 ? block_bytes<8>() : ki
 // d * sc and dmin * m are exact in float32 (11 + 6 or 8 significant bits), as gguf-py computes
 // them, and each 32-weight block meets the activation's int16 block of 32: per block the codes'
 // products are summed exactly in int32 and scaled once by (d * sc) * sx (Q6_K: its two halves
-// of 16, each by its own scale); Q4_K's and Q5_K's min terms are dmin * m * sx * sum_j x16_j,
-// summed as Q4_1's.
+// of 16, each by its own scale; on AVX2 the int8 scales multiply the codes first, then d * sx
+// the sums); Q4_K's and Q5_K's min terms are dmin * m * sx * sum_j x16_j, summed as Q4_1's.
 constexpr int Q4_K = 12, Q5_K = 13, Q6_K = 14;
 constexpr int64_t SUPER = 256;
 
@@ -770,37 +770,45 @@ inline void k_codes16(const uint8_t* sb, __m256i& lo, __m256i& hi) {
 }
 
 // R k-quant output rows from `row` against MC activation rows from x16 (sx, sums with row pitch
-// nb); scale [R][halves * nb] and mins [R][nb] from `k_scales`; out [R][MC]. Per output and
-// block: lanes += ((d * sc) * sx) * products (Q6_K: each half of 16 by its own scale), the min
-// term summed block by block; then the lanes summed: one order whatever R, MC or threads.
+// nb); scale [R][nb] and mins [R][nb] from `k_scales_vec` (not Q6_K's); out [R][MC]. Per output
+// and block: lanes += ((d * sc) * sx) * products, the min term summed block by block; then the
+// lanes summed: one order whatever R, MC or threads. Q6_K: each half's codes times its int8
+// scale first ((q - 32) * sc: |.| <= 4096, exact in int16; a lane's 4 products < 2^29, exact
+// in int32, rounded once to float32), then lanes += (d * sx) * products: one multiply-add a
+// block, as the other kinds, where a float scale per half took two.
 template <int KIND, int R, int MC, bool VNNI>
 inline void k_tile_dot(const uint8_t* row, int64_t stride, const int16_t* x16, const float* sx, const float* sums,
                        const float* scale, const float* mins_in, int64_t K, int64_t nsuper, float* out) {
-  const int64_t nb = nsuper * 8, P = halves<KIND>() * nb;
+  const int64_t nb = nsuper * 8;
   __m256 acc[R][MC];
   float mins[R][MC];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_setzero_ps(), mins[r][m] = 0.f;
   for (int64_t s = 0; s < nsuper; ++s) {
+    float d6[R];  // Q6_K: the super-blocks' d
+    if constexpr (KIND == Q6_K)
+      for (int r = 0; r < R; ++r) d6[r] = half_f16c(row + r * stride + s * super_bytes<KIND>() + 208);
     each_block([&]<int J>() {
       const int64_t b = s * 8 + J;
       for (int r = 0; r < R; ++r) {
+        const uint8_t* sb = row + r * stride + s * super_bytes<KIND>();
         __m256i lo, hi;
-        k_codes16<KIND, J>(row + r * stride + s * super_bytes<KIND>(), lo, hi);  // decoded once for the MC rows
-        const float* sc = scale + r * P + b * halves<KIND>();
+        k_codes16<KIND, J>(sb, lo, hi);  // decoded once for the MC rows
+        float sc;
+        if constexpr (KIND == Q6_K) {
+          lo = _mm256_mullo_epi16(lo, _mm256_set1_epi16(static_cast<int8_t>(sb[192 + 2 * J])));
+          hi = _mm256_mullo_epi16(hi, _mm256_set1_epi16(static_cast<int8_t>(sb[193 + 2 * J])));
+          sc = d6[r];
+        } else {
+          sc = scale[r * nb + b];
+        }
         for (int m = 0; m < MC; ++m) {
           const int16_t* xb = x16 + m * K + b * GROUP;
           const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
           const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
-          const float s_x = sx[m * nb + b];
-          if constexpr (KIND == Q6_K) {
-            acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(sc[0] * s_x), _mm256_cvtepi32_ps(_mm256_madd_epi16(lo, x0)), acc[r][m]);
-            acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(sc[1] * s_x), _mm256_cvtepi32_ps(_mm256_madd_epi16(hi, x1)), acc[r][m]);
-          } else {
-            acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(sc[0] * s_x), _mm256_cvtepi32_ps(pair_sums<VNNI>(lo, x0, hi, x1)),
-                                        acc[r][m]);
-            mins[r][m] = std::fma(mins_in[r * nb + b], sums[m * nb + b], mins[r][m]);
-          }
+          acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(sc * sx[m * nb + b]),
+                                      _mm256_cvtepi32_ps(pair_sums<VNNI>(lo, x0, hi, x1)), acc[r][m]);
+          if constexpr (KIND != Q6_K) mins[r][m] = std::fma(mins_in[r * nb + b], sums[m * nb + b], mins[r][m]);
         }
       }
     });
@@ -825,24 +833,25 @@ inline void k_tile_rows(const uint8_t* row, int64_t stride, const Activation& a,
 
 template <int KIND, bool VNNI, typename T>
 void k_gemv_with(const Activation& a, int64_t M, int64_t K, int64_t N, const uint8_t* bp, int64_t stride, T* op) {
-  const int64_t nb = K / GROUP, nsuper = K / SUPER, P = halves<KIND>() * nb;
+  const int64_t nb = K / GROUP, nsuper = K / SUPER;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (TILE * K));  // as gemv_with's
   at::parallel_for(0, (N + TILE - 1) / TILE, grain, [&](int64_t first, int64_t last) {
-    std::vector<float> scale(ROWS * P), mins(ROWS * nb);
+    std::vector<float> scale(ROWS * nb), mins(ROWS * nb);
     float y[ROWS * XROWS_AVX2];
     for (int64_t tile = first; tile < last; ++tile) {
       const int64_t end = std::min(N, (tile + 1) * TILE);
       for (int64_t n = tile * TILE; n < end; n += ROWS) {
         const int64_t r = std::min(ROWS, end - n);
         const uint8_t* row = bp + n * stride;
-        for (int64_t i = 0; i < r; ++i) k_scales_vec<KIND>(row + i * stride, nsuper, scale.data() + i * P, mins.data() + i * nb);
+        if constexpr (KIND != Q6_K)  // Q6_K's scales are read in the tile (k_tile_dot)
+          for (int64_t i = 0; i < r; ++i) k_scales_vec<KIND>(row + i * stride, nsuper, scale.data() + i * nb, mins.data() + i * nb);
         for (int64_t m0 = 0; m0 < M; m0 += XROWS_AVX2) {
           const int64_t mc = std::min(XROWS_AVX2, M - m0);
           if (r == ROWS) {
             k_tile_rows<KIND, ROWS, VNNI>(row, stride, a, m0, mc, K, nsuper, scale.data(), mins.data(), y);
           } else {
             for (int64_t i = 0; i < r; ++i)
-              k_tile_rows<KIND, 1, VNNI>(row + i * stride, stride, a, m0, mc, K, nsuper, scale.data() + i * P,
+              k_tile_rows<KIND, 1, VNNI>(row + i * stride, stride, a, m0, mc, K, nsuper, scale.data() + i * nb,
                                          mins.data() + i * nb, y + i * mc);
           }
           for (int64_t i = 0; i < r; ++i)
