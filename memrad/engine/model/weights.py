@@ -112,7 +112,7 @@ class GGUFBlocks:
     int8: dict[str, Int8Blocks]  # Q8_0 / Q5_0 (the head among them when it ships as Q8_0)
     head_kind: str  # the head tensor's GGUF type ("none" if absent)
     kinds: dict[str, str]  # {module name: GGUF type} for every Linear the GGUF holds
-    super: dict[str, SuperBlocks] = field(default_factory=dict)  # Q4_K / Q5_K / Q6_K as shipped
+    super_blocks: dict[str, SuperBlocks] = field(default_factory=dict)  # Q4_K / Q5_K / Q6_K as shipped
 
 
 def read_gguf_blocks(gguf_path: Path, model: Any) -> GGUFBlocks:
@@ -174,7 +174,7 @@ def save_block_caches(gguf_path: Path, model: Any, folder: Path) -> tuple[int, i
     `model`'s float weights bit for bit into `folder`; returns how many of each. `model` must
     hold the float32 weights the folder was made of (for a tied head: the embedding's)."""
     found = read_gguf_blocks(gguf_path, model)
-    int4, q8, whole = _matching(found.int4, model), _matching(found.int8, model), _matching(found.super, model)
+    int4, q8, whole = _matching(found.int4, model), _matching(found.int8, model), _matching(found.super_blocks, model)
     write_int4_cache(int4, folder, gguf_path.name)
     write_q8_cache(q8, folder, gguf_path.name, found.head_kind, found.kinds)
     write_super_cache(whole, folder, gguf_path.name)
