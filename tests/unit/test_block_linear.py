@@ -1,4 +1,5 @@
-"""memra's block kernel: a GGUF's Q8_0 / Q5_0 / Q4_1 blocks, as shipped, multiplied for one token."""
+"""memra's block kernel: a GGUF's Q8_0 / Q5_0 / Q4_1 blocks and Q4_K / Q5_K / Q6_K super-blocks, as
+shipped, multiplied for one token (and for a few rows at once, each row as it is alone)."""
 
 import numpy as np
 import pytest
@@ -8,44 +9,52 @@ from gguf import GGMLQuantizationType, quants
 from memrad.engine.kernels import block_gemv
 from memrad.engine.kernels.build import cxx_compiler
 from memrad.engine.model import block_linear
-from memrad.engine.model.block_linear import Q4_1, Q5_0, Q8_0, BlockLinear
-from memrad.engine.model.quant import Int4Blocks, Int8Blocks, unpack_blocks, unpack_q5_0, unpack_q8_0
+from memrad.engine.model.block_linear import Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, BlockLinear
+from memrad.engine.model.quant import (
+    Int4Blocks, Int8Blocks, SuperBlocks, random_super_blocks, unpack_blocks, unpack_q5_0, unpack_q8_0,
+)
 
 pytestmark = pytest.mark.skipif(block_gemv.why_not() is not None, reason=str(block_gemv.why_not()))
 
 _TYPES = {"Q8_0": (GGMLQuantizationType.Q8_0, unpack_q8_0, Q8_0),
           "Q5_0": (GGMLQuantizationType.Q5_0, unpack_q5_0, Q5_0),
-          "Q4_1": (GGMLQuantizationType.Q4_1, lambda raw: unpack_blocks(raw, "Q4_1"), Q4_1)}
+          "Q4_1": (GGMLQuantizationType.Q4_1, lambda raw: unpack_blocks(raw, "Q4_1"), Q4_1),
+          "Q4_K": (GGMLQuantizationType.Q4_K, None, Q4_K), "Q5_K": (GGMLQuantizationType.Q5_K, None, Q5_K),
+          "Q6_K": (GGMLQuantizationType.Q6_K, None, Q6_K)}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
-def _shipped(kind: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, Int8Blocks | Int4Blocks]:
+def _shipped(kind: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, Int8Blocks | Int4Blocks | SuperBlocks]:
+    if kind in K_QUANTS:  # gguf-py cannot write k-quants: random super-blocks, read back by gguf-py's dequantize
+        blocks = random_super_blocks(kind, rows, cols, torch.Generator().manual_seed(seed))
+        return blocks.raw.numpy(), blocks
     gguf_type, unpack, _ = _TYPES[kind]
     weights = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     raw = quants.quantize(weights, gguf_type)  # [rows, cols/32 * block bytes], as llama.cpp writes it
     return raw, unpack(raw)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1", *K_QUANTS])
 def test_packed_blocks_are_the_gguf_bytes_llama_cpp_ships_byte_for_byte(kind):
-    raw, blocks = _shipped(kind, 40, 128, seed=1)
+    raw, blocks = _shipped(kind, 40, 256, seed=1)
     op_kind, packed = block_linear.pack(blocks)
     assert op_kind == _TYPES[kind][2]
     assert torch.equal(packed, torch.from_numpy(np.ascontiguousarray(raw)))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1", *K_QUANTS])
 def test_the_kernel_multiplies_the_shipped_weights_within_the_int16_rounding_of_the_activation(kind):
-    _, blocks = _shipped(kind, 70, 640, seed=2)
+    _, blocks = _shipped(kind, 70, 768, seed=2)  # 768: 3 super-blocks, 24 blocks of 32
     op_kind, packed = block_linear.pack(blocks)
-    x = torch.randn(3, 640)
+    x = torch.randn(3, 768)
     x[0, :32] *= 50  # an outlier block: its small entries lose the most to the rounding
     got = torch.ops.memra.block_gemv(x, packed, op_kind)  # [3, 70]
-    w = blocks.dequantize().double()  # the shipped weights, exactly
+    w = blocks.dequantize().double()  # the shipped weights, exactly (the k-quants: as gguf-py reads them)
     expected = x.double() @ w.t()
     assert got.dtype == torch.float32 and got.shape == (3, 70)
     # x is rounded to int16 per block of 32: each entry moves by at most 2^-16 of its block's max
-    step = x.double().view(3, 20, 32).abs().amax(-1) / 65534  # [M, blocks]
-    bound = step @ w.abs().view(70, 20, 32).sum(-1).t()  # [M, N]
+    step = x.double().view(3, 24, 32).abs().amax(-1) / 65534  # [M, blocks]
+    bound = step @ w.abs().view(70, 24, 32).sum(-1).t()  # [M, N]
     error = (got.double() - expected).abs()
     assert bool((error <= 1.01 * bound + 1e-6 * expected.abs().max()).all())
     assert float(error.max()) < 1e-4 * float(expected.abs().max())
@@ -54,7 +63,7 @@ def test_the_kernel_multiplies_the_shipped_weights_within_the_int16_rounding_of_
     assert torch.equal(bf16, torch.ops.memra.block_gemv(x.bfloat16().float(), packed, op_kind).bfloat16())
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", *K_QUANTS])
 def test_each_output_has_the_same_bits_alone_batched_and_on_any_thread_count(kind):
     _, blocks = _shipped(kind, 301, 256, seed=3)  # 301: tiles of 64 and rows of 4 (pairs of 2) leave remainders
     op_kind, packed = block_linear.pack(blocks)
@@ -139,7 +148,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from memrad.engine.kernels import block_gemv, build
 from memrad.engine.model import block_linear
-from memrad.engine.model.quant import unpack_blocks, unpack_q5_0, unpack_q8_0
+from memrad.engine.model.quant import random_super_blocks, unpack_blocks, unpack_q5_0, unpack_q8_0
 
 if block_gemv.capability() == "DEFAULT":  # not chosen by memrad: loaded as is
     torch.ops.load_library(str(build.build(build.cxx_compiler(), block_gemv.SOURCE)))
@@ -149,14 +158,18 @@ print("path", block_gemv.path().replace(" ", "_"))
 unpack = {"Q8_0": unpack_q8_0, "Q5_0": unpack_q5_0, "Q4_0": lambda raw: unpack_blocks(raw, "Q4_0"),
           "Q4_1": lambda raw: unpack_blocks(raw, "Q4_1")}
 outputs = {}
-for seed, kind in enumerate(unpack):
-    weights = np.random.default_rng(seed).standard_normal((301, 640)).astype(np.float32)
-    blocks = unpack[kind](quants.quantize(weights, getattr(GGMLQuantizationType, kind)))
-    op_kind, raw = block_linear.pack(blocks)
+for seed, kind in enumerate([*unpack, "Q4_K", "Q5_K", "Q6_K"]):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(8, 640, generator=g)
+    if kind in unpack:
+        weights = np.random.default_rng(seed).standard_normal((301, 640)).astype(np.float32)
+        blocks = unpack[kind](quants.quantize(weights, getattr(GGMLQuantizationType, kind)))
+    else:  # the k-quants: random super-blocks, K = 512 (two a row)
+        blocks = random_super_blocks(kind, 301, 512, g)
+    op_kind, raw = block_linear.pack(blocks)
+    k = blocks.shape[1]
+    x = torch.randn(8, k, generator=g)
     x[0, :32] *= 50  # an outlier block: its small entries lose the most to the rounding
-    others = torch.randn(8, 640, generator=g) * 30  # other neighbours, other magnitudes
+    others = torch.randn(8, k, generator=g) * 30  # other neighbours, other magnitudes
     w = blocks.dequantize().double()  # the shipped weights, exactly
     expected = x.double() @ w.t()
     torch.set_num_threads(1)
@@ -196,12 +209,13 @@ def _forced(tmp_path, **env):
 def test_the_forced_avx2_path_holds_its_int16_bound_and_gives_a_row_the_same_bits_alone_batched_and_on_2_threads(
         tmp_path):
     """The path AVX2-only CPUs take (int16 activations, two madds a block), built here with
-    MEMRA_KERNEL_ISA=avx2 on any x86 machine: with AVX-VNNI where the CPU has it and without."""
+    MEMRA_KERNEL_ISA=avx2 on any x86 machine: with AVX-VNNI where the CPU has it and without; every
+    kind, the k-quants' super-blocks among them."""
     report, outputs = _forced(tmp_path, MEMRA_KERNEL_ISA="avx2")
     plain_report, plain_outputs = _forced(tmp_path, MEMRA_KERNEL_ISA="avx2", MEMRA_KERNEL_VNNI="0")
     assert plain_report[("path", "avx2_int16")] == "avx2_int16"
     assert report.get(("path", "avx2_int16_avx-vnni"), report.get(("path", "avx2_int16"))) is not None
-    for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1"):
+    for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"):
         for got in (report, plain_report):
             assert float(got[("bound", kind)]) <= 1.0, (kind, got)  # within the int16 rounding of x
             assert got[("same", kind)] == "True", kind
@@ -213,4 +227,5 @@ def test_the_kernels_plain_cpp_path_multiplies_every_kind_like_float64(tmp_path)
     """The path a CPU without AVX2 builds (memrad does not choose it, but it must be right)."""
     report, _ = _forced(tmp_path, MEMRA_KERNEL_ISA="default")
     assert report[("path", "plain_float32")] == "plain_float32"
-    assert all(float(report[("bound", kind)]) <= 1.0 for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1"))
+    assert all(float(report[("bound", kind)]) <= 1.0 for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
+    assert all(report[("same", kind)] == "True" for kind in ("Q4_K", "Q5_K", "Q6_K"))

@@ -10,7 +10,7 @@ from memrad.engine.model import kernel_choice
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.kernel_choice import Verdict, decide
 from memrad.engine.model.loader import load_model
-from memrad.engine.model.quant import Int4Blocks, Int4Linear, Int8Blocks, Q8Linear
+from memrad.engine.model.quant import Int4Blocks, Int4Linear, Int8Blocks, Q8Linear, random_super_blocks
 
 pytestmark = pytest.mark.skipif(block_gemv.why_not() is not None, reason=str(block_gemv.why_not()))
 
@@ -132,3 +132,25 @@ def test_on_avx2_where_the_int4_kernel_wins_the_layers_they_pack_for_it_and_the_
             f"({path}; measured at load, one row))") in loaded.tensors.reason
     assert f"lm_head GGUF x1: Q8_0 blocks (memra block kernel, {path}, 4.0x torch int4 hi|lo" in loaded.tensors.reason
     assert not any(isinstance(m, Q8Linear) for m in loaded.model.modules())
+
+
+def test_the_k_quants_super_blocks_are_measured_here_on_avx512_too_against_int4_or_the_dense_weight(
+        monkeypatch, tmp_path):
+    """No offline measurement covers them: Q4_K against torch's int4 kernel (its unpacked blocks),
+    Q5_K / Q6_K against the dense weight (torch's int4 kernel cannot run them); the others as before."""
+    monkeypatch.setattr(block_gemv, "capability", lambda: "AVX512")
+    g = torch.Generator().manual_seed(1)
+    groups = {"layers Q4_K": {"a.0": random_super_blocks("Q4_K", 64, 256, g)},
+              "layers Q6_K": {"b.0": random_super_blocks("Q6_K", 64, 256, g)},
+              "layers Q5_K": {"c.0": random_super_blocks("Q5_K", 48, 512, g)}, **_groups()}
+    timer = _by_kernel({("BlockLinear", "Q4_K"): 3e-4, ("Int4Linear", None): 2e-4, ("BlockLinear", "Q6_K"): 1e-4,
+                        ("BlockLinear", "Q5_K"): 1e-4, ("Linear", None): 3e-4})
+    verdicts = kernel_choice.choose(groups, {}, torch.bfloat16, cache=tmp_path / "c.json", timer=timer)
+    path = block_gemv.path()
+    assert verdicts["layers Q4_K"] == Verdict(
+        "layers Q4_K", False, f"torch int4, 1.5x memra block kernel ({path}; measured at load, one row)")
+    assert verdicts["layers Q6_K"] == Verdict(
+        "layers Q6_K", True, f"memra block kernel, {path}, 3.0x dense bfloat16 (measured at load, one row)")
+    assert verdicts["layers Q5_K"].blocks  # 48 rows: no int4 packing needed, the dense weight is the other kernel
+    assert verdicts["head Q8_0"].blocks and not verdicts["layers Q4_0"].blocks  # as measured offline
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 3  # the three k-quant groups, kept

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from memrad.engine.model import formats
-from memrad.engine.model.quant import GROUP, Int4Linear, Q8Linear, unpack_q4_k, unpack_q5_0
+from memrad.engine.model.quant import GROUP, Int4Linear, Q8Linear, SuperBlocks, unpack_q4_k, unpack_q5_0
 from memrad.engine.model.weights import (
     BLOCKS_LAYOUT, INT4_CACHE, Q8_CACHE, load_int4_cache, load_kinds, load_q8_cache, save_block_caches,
 )
@@ -128,7 +128,7 @@ def mixed(tmp_path):
 
 def test_a_mixed_gguf_keeps_q4_k_as_int4_q5_0_and_q8_0_as_int8_and_names_every_linears_type(mixed, tmp_path):
     model, gguf = mixed
-    assert save_block_caches(gguf, model, tmp_path) == (1, 2)
+    assert save_block_caches(gguf, model, tmp_path) == (1, 2, 1)  # down_proj: int4 blocks and super-blocks
     assert set(load_int4_cache(tmp_path)) == {"model.layers.0.mlp.down_proj"}
     assert set(load_q8_cache(tmp_path)) == {"model.layers.0.self_attn.o_proj", "lm_head"}
     assert torch.equal(load_int4_cache(tmp_path)["model.layers.0.mlp.down_proj"].dequantize(),
@@ -167,7 +167,7 @@ def test_status_names_what_each_group_runs_as_and_why_a_dense_one_is_dense(mixed
     assert unrecorded["model.layers.*.mlp.down_proj"] == "GGUF" and unrecorded["lm_head"] == "float"
     q6 = formats.groups(model, {"model.layers.0.mlp.up_proj": "Q6_K"})
     assert {g.role: g.why for g in q6}["model.layers.*.mlp.up_proj"] == (
-        "16-weight sub-blocks with their own scales: no exact form in the kernel's 32-weight groups")
+        "16-weight sub-blocks with their own scales: no exact form in torch's int4 kernel's 32-weight groups")
 
 
 def test_block_files_of_an_older_layout_are_added_again_and_the_start_says_what_adds_them(tmp_path):
@@ -180,7 +180,8 @@ def test_block_files_of_an_older_layout_are_added_again_and_the_start_says_what_
         save_file({}, str(tmp_path / name), metadata={"source": "gemma-3-270m-q4_k_m.gguf"})
     assert not has_block_caches(tmp_path)
     assert _int4_source("gemma3-270m", tmp_path, 0) == (
-        "its GGUF's blocks were kept by an older memrad (no Q4_K / Q5_0): `memrad pull gemma3-270m` adds them")
+        "its GGUF's blocks were kept by an older memrad (no Q4_K / Q5_0, or no k-quant super-blocks): "
+        "`memrad pull gemma3-270m` adds them")
     for name in (INT4_CACHE, Q8_CACHE):
         save_file({}, str(tmp_path / name), metadata={"layout": BLOCKS_LAYOUT})
     assert has_block_caches(tmp_path)
@@ -233,3 +234,75 @@ def test_status_names_the_head_s_gguf_blocks_on_memra_s_kernel_and_says_why_hi_l
         found = formats.groups(model, load_kinds(tmp_path))
         assert {g.role: (g.runs, g.why) for g in found}["lm_head"] == ("Q8_0 blocks", None)
         assert formats.summary(found) == "Q8_0 blocks 1, dense float32 6, int4 hi|lo 1"
+
+
+def _qwen3_k_quants(tmp_path, monkeypatch):
+    """A tiny Qwen3 GGUF as a Q4_K_M / Q5_K_M file mixes k-quants: attention and gate/up Q4_K,
+    attn_output Q5_K, ffn_down Q6_K, the embedding Q8_0; memra's own cache for it."""
+    import tiny_gguf
+
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
+    kind_for = tiny_gguf.kind_for
+    monkeypatch.setattr(tiny_gguf, "kind_for", lambda name, shape: (GGMLQuantizationType.Q5_K if ".attn_output" in name
+                                                                    else kind_for(name, shape)))
+    return tiny_gguf.tiny_gguf(tmp_path, "qwen3")[0]
+
+
+def _load_gguf(path):
+    from memrad.engine.model.loader import load_model
+
+    torch.set_num_threads(1)
+    return load_model(str(path), device="cpu", dtype="bfloat16", weights="auto", progress=lambda _: None)
+
+
+def test_a_tiny_gguf_of_k_quants_loads_its_super_blocks_onto_memras_kernel_where_it_wins(tmp_path, monkeypatch):
+    from memrad.engine.kernels import block_gemv
+    from memrad.engine.model import kernel_choice
+    from memrad.engine.model.block_linear import BlockLinear
+
+    if block_gemv.why_not() is not None:
+        pytest.skip(block_gemv.why_not())
+    path = _qwen3_k_quants(tmp_path, monkeypatch)
+    monkeypatch.setattr(kernel_choice, "_fastest", lambda first, second: (first(), second(), (1e-4, 3e-4))[-1])
+    loaded = _load_gguf(path)
+    model = loaded.model
+    layer = model.model.layers[0]
+    formats_of = {name: (type(m).__name__, getattr(m, "format", None)) for name, m in
+                  (("q", layer.self_attn.q_proj), ("o", layer.self_attn.o_proj), ("down", layer.mlp.down_proj))}
+    assert formats_of == {"q": ("BlockLinear", "Q4_K"), "o": ("BlockLinear", "Q5_K"), "down": ("BlockLinear", "Q6_K")}
+    kernel = block_gemv.path()
+    assert (f"self_attn.o_proj Q5_K x2: Q5_K blocks (memra block kernel, {kernel}, 3.0x dense bfloat16 "
+            "(measured at load, one row))") in loaded.tensors.reason
+    assert f"mlp.down_proj Q6_K x2: Q6_K blocks (memra block kernel, {kernel}, 3.0x dense bfloat16" in loaded.tensors.reason
+    assert f"self_attn.q_proj Q4_K x2: Q4_K blocks (memra block kernel, {kernel}, 3.0x torch int4 (" in loaded.tensors.reason
+    # each layer multiplies the GGUF's weights (as gguf-py reads them), within the int16 rounding of x
+    for linear in (m for m in model.modules() if isinstance(m, BlockLinear) and m.format.endswith("_K")):
+        x = torch.randn(3, 1, linear.in_features, dtype=torch.bfloat16)  # 3 rows, one token each
+        w = SuperBlocks(linear.format, linear.blocks).dequantize().double()
+        assert torch.equal(w.to(torch.bfloat16), linear.weight)  # what prefill's dense weight was made of
+        expected = x.view(3, -1).double() @ w.t()
+        bound = block_gemv.rounding_bound(x.view(3, -1).float(), w, block_gemv.activation_step(kernel))
+        got = linear(x).view(3, -1).double()
+        assert bool(((got - expected).abs() <= bound + 2 ** -8 * expected.abs() + 1e-6).all())  # + the bf16 output
+        assert torch.equal(linear(x[1:2]), linear(x)[1:2])  # a row alone is the row among others
+
+
+def test_where_memras_kernel_loses_q4_k_runs_on_the_int4_kernel_and_q6_k_q5_k_stay_dense_and_status_says_why(
+        tmp_path, monkeypatch):
+    from memrad.engine.kernels import block_gemv
+    from memrad.engine.model import kernel_choice
+    from memrad.engine.model.block_linear import BlockLinear
+
+    if block_gemv.why_not() is not None:
+        pytest.skip(block_gemv.why_not())
+    path = _qwen3_k_quants(tmp_path, monkeypatch)
+    monkeypatch.setattr(kernel_choice, "_fastest", lambda first, second: (first(), second(), (4e-4, 2e-4))[-1])
+    loaded = _load_gguf(path)
+    layer = loaded.model.model.layers[0]
+    assert type(layer.self_attn.q_proj) is Int4Linear
+    assert type(layer.mlp.down_proj) is torch.nn.Linear and type(layer.self_attn.o_proj) is torch.nn.Linear
+    assert not any(isinstance(m, BlockLinear) and m.format.endswith("_K") for m in loaded.model.modules())
+    kernel = block_gemv.path()
+    assert (f"mlp.down_proj Q6_K x2: dense bfloat16 (dense bfloat16, 2.0x memra block kernel ({kernel}; "
+            "measured at load, one row))") in loaded.tensors.reason
+    assert f"self_attn.q_proj Q4_K x2: int4 (torch int4, 2.0x memra block kernel ({kernel};" in loaded.tensors.reason

@@ -63,6 +63,6 @@ def test_a_gguf_converted_before_the_head_was_kept_gets_its_head_blocks_without_
     said = []
     assert pull_gguf(gguf, said.append) == folder
     assert has_block_caches(folder) and count_q8_cache(folder) == 1
-    assert said[-1] == "1 int4 and 1 Q8_0/Q5_0 weight matrices kept (checked against the float weights)"
+    assert said[-1] == "1 int4, 1 Q8_0/Q5_0 and 0 k-quant weight matrices kept (checked against the float weights)"
     said.clear()
     assert pull_gguf(gguf, said.append) == folder and said == []  # nothing left to add

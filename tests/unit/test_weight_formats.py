@@ -56,7 +56,7 @@ def test_conversion_keeps_the_q8_0_token_embedding_as_the_tied_heads_blocks(tmp_
     quantize_layers_q4_1(model)
     quantize_head_q8_0(model)
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", model)
-    assert save_block_caches(gguf, model, tmp_path) == (1, 1)  # layer 0's V, and the head
+    assert save_block_caches(gguf, model, tmp_path) == (1, 1, 0)  # layer 0's V, and the head
     assert set(load_int4_cache(tmp_path)) == {"model.layers.0.self_attn.v_proj"}
     head, = load_q8_cache(tmp_path).values()
     assert torch.equal(head.dequantize(), model.model.embed_tokens.weight)

@@ -109,9 +109,19 @@ def random_q6_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 210)
 
 
+def random_q5_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Q5_K bytes [rows, cols/256 * 176]: Q4_K's d, dmin, scales and codes with the codes' fifth
+    bits (qh[32]: bit j of byte l is weight l of block j's) between scales and codes."""
+    q4 = random_q4_k(rows, cols, rng).reshape(-1, 144)
+    qh = rng.integers(0, 256, (q4.shape[0], 32), dtype=np.uint8)
+    return np.concatenate([q4[:, :16], qh, q4[:, 16:]], axis=1).reshape(rows, cols // 256 * 176)
+
+
 def _encode(weight: np.ndarray, kind: T, rng: np.random.Generator) -> np.ndarray:
     if kind == T.Q4_K:
         return random_q4_k(*weight.shape, rng)
+    if kind == T.Q5_K:
+        return random_q5_k(*weight.shape, rng)
     if kind == T.Q6_K:
         return random_q6_k(*weight.shape, rng)
     return quants.quantize(weight, kind)

@@ -1,7 +1,7 @@
 """memra's block GEMV kernel: built once per machine, loaded as `memra::block_gemv` and probed.
 
-csrc/block_gemv.cpp multiplies activations by a GGUF's Q8_0 / Q5_0 / Q4_1 blocks as shipped
-(the layout and why: memrad.engine.model.block_linear, which packs the blocks and calls the op
+csrc/block_gemv.cpp multiplies activations by a GGUF's Q8_0 / Q5_0 / Q4_1 blocks and Q4_K /
+Q5_K / Q6_K super-blocks as shipped (the layout and why: memrad.engine.model.block_linear, which packs the blocks and calls the op
 by name). It is built as every kernel is (memrad.engine.kernels.build), where the kernels' ISA
 is AVX512 or AVX2 (int16 activations and integer multiply-adds on both, 16 or 8 lanes;
 `MEMRA_KERNEL_ISA=avx2` forces the AVX2 path on an AVX-512 machine), and checked against float64
@@ -18,7 +18,7 @@ from memrad.engine.kernels.build import CSRC, ProbedKernel, capability, cxx_comp
 
 SOURCE = CSRC / "block_gemv.cpp"
 OP_NAME = "memra::block_gemv"
-_PROBE_TOLERANCE = 1e-4  # float32 sums of 64 products against float64: ~1e-6 relative
+_PROBE_TOLERANCE = 1e-4  # float32 sums of 256 products against float64: ~1e-6 relative
 
 
 
@@ -65,14 +65,15 @@ def _probe() -> str | None:
     """None when every block kind multiplies like float64 on a small case, within the activation's
     rounding, else what went wrong."""
     from memrad.engine.model.block_linear import FORMATS, pack
-    from memrad.engine.model.quant import Int4Blocks, Int8Blocks
+    from memrad.engine.model.quant import Int4Blocks, Int8Blocks, random_super_blocks
 
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 64, generator=generator)
-    scales = (torch.rand(20, 2, generator=generator) / 50).half().float()
-    cases = [Int8Blocks(torch.randint(-127, 128, (20, 64), generator=generator).to(torch.int8), scales),
-             Int8Blocks(torch.randint(-16, 16, (20, 64), generator=generator).to(torch.int8), scales),
-             Int4Blocks(torch.randint(0, 16, (20, 64), generator=generator).to(torch.uint8), scales, -8 * scales)]
+    x = torch.randn(3, 256, generator=generator)  # K = 256: one k-quant super-block a row
+    scales = (torch.rand(20, 8, generator=generator) / 50).half().float()
+    cases = [Int8Blocks(torch.randint(-127, 128, (20, 256), generator=generator).to(torch.int8), scales),
+             Int8Blocks(torch.randint(-16, 16, (20, 256), generator=generator).to(torch.int8), scales),
+             Int4Blocks(torch.randint(0, 16, (20, 256), generator=generator).to(torch.uint8), scales, -8 * scales),
+             *(random_super_blocks(kind, 20, 256, generator) for kind in ("Q4_K", "Q5_K", "Q6_K"))]
     step = activation_step(path())
     for blocks in cases:
         kind, raw = pack(blocks)

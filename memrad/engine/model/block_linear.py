@@ -1,4 +1,4 @@
-"""Linear layers whose single-token calls read a GGUF's Q8_0 / Q5_0 / Q4_1 blocks as shipped.
+"""Linear layers whose single-token calls read a GGUF's Q8_0 / Q5_0 / Q4_1 / k-quant blocks as shipped.
 
 torch's int4 kernel can run an 8-bit or 5-bit block only as two 4-bit passes (Q8Linear, hi|lo):
 10 bits a weight with its bf16 scale and zero pairs, where the GGUF's blocks are 8.5 (Q8_0) and
@@ -9,6 +9,10 @@ blocks themselves:
     Q8_0 block (34 B)  | d fp16 | q[32] int8 |               w = d·q
     Q5_0 block (22 B)  | d fp16 | qh u32 | qs[16] |          w = d·(q − 16), q = nibble + 16·bit
     Q4_1 block (20 B)  | d fp16 | m fp16 | qs[16] |          w = d·q + m, q = nibble
+    Q4_K super-block of 256 (144 B): 8 blocks of 32, w = (d·sc)·q − dmin·m, 6-bit sc and m
+    Q5_K super-block of 256 (176 B): as Q4_K, q of 5 bits
+    Q6_K super-block of 256 (210 B): 16 sub-blocks of 16, w = (d·sc)·(q − 32), int8 sc
+                       (the layouts: memrad.engine.kernels.csrc/block_gemv.cpp, llama.cpp's ggml-quants)
 
     blocks  [N, K/32 · bytes] uint8, one output row per row, as llama.cpp lays them out
     x [M, K] (bf16 or fp32) -> int16 per block of 32 (AVX512, AVX2) -> int32 products,
@@ -18,8 +22,9 @@ The weights are exactly the shipped ones (fp16 d is exact in float32; hi|lo roun
 to bf16); the activation moves by at most 2^-16 of its block's largest |x|. A layer's codes go
 out as Q5_0 blocks when every code fits 5 bits (all of a Q5_0 tensor's do), else as Q8_0. 4-bit
 blocks (Int4Blocks) go out as Q4_1 where d and m are fp16 values: all of a Q4_1 or Q4_0 tensor's
-(Q4_0's m = −8·d); Q4_K's sub-block scales d·sc and mins −dmin·m are not, so those layers keep
-torch's int4 kernel (`packable`). Each tile of output rows decodes a block's codes once for all
+(Q4_0's m = −8·d); Q4_K's sub-block scales d·sc and mins −dmin·m are not, so a Q4_K tensor goes
+out as its shipped super-blocks (SuperBlocks, kept whole at conversion), as do Q5_K and Q6_K, which
+torch's int4 kernel cannot run at all. Each tile of output rows decodes a block's codes once for all
 the activation rows (M ≤ the batch), and each output is one fixed sequence of operations: a
 request's bits are the same alone or batched, on any thread count.
 
@@ -37,34 +42,47 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from memrad.engine.model.quant import GROUP, Int4Blocks, Int8Blocks
+from memrad.engine.model.quant import GROUP, Int4Blocks, Int8Blocks, SuperBlocks
 
 Q8_0, Q5_0, Q4_1 = 8, 5, 4  # the op's `kind`
+Q4_K, Q5_K, Q6_K = 12, 13, 14  # the k-quants' kinds: ggml's type numbers
 _BLOCK_BYTES = {Q8_0: 34, Q5_0: 22, Q4_1: 20}
-FORMATS = {Q8_0: "Q8_0", Q5_0: "Q5_0", Q4_1: "Q4_1"}  # kind -> the GGUF block type
+FORMATS = {Q8_0: "Q8_0", Q5_0: "Q5_0", Q4_1: "Q4_1", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}  # kind -> GGUF type
+_KINDS = {name: kind for kind, name in FORMATS.items()}
+
+Blocks = Int8Blocks | Int4Blocks | SuperBlocks
 
 
 def _mins(blocks: Int4Blocks) -> torch.Tensor:
     return -8 * blocks.scales if blocks.mins is None else blocks.mins  # Q4_0: (q − 8)·d = q·d − 8·d
 
 
-def packable(blocks: Int8Blocks | Int4Blocks) -> bool:
-    """Whether the blocks' scales (and mins) are fp16 values, as shipped, so a block holds them
-    exactly: Q8_0, Q5_0, Q4_0 and Q4_1 blocks; not Q4_K's products d·sc, −dmin·m."""
+def packable(blocks: Blocks) -> bool:
+    """Whether the kernel holds the blocks exactly: k-quant super-blocks (their bytes as shipped),
+    and blocks whose scales (and mins) are fp16 values, as shipped: Q8_0, Q5_0, Q4_0 and Q4_1
+    blocks; not Q4_K's unpacked products d·sc, −dmin·m (its SuperBlocks run instead)."""
+    if isinstance(blocks, SuperBlocks):
+        return True
     exact = [blocks.scales] if isinstance(blocks, Int8Blocks) else [blocks.scales, _mins(blocks)]
     return all(bool(torch.equal(t.half().float(), t)) for t in exact)
 
 
-def kind_of(blocks: Int8Blocks | Int4Blocks) -> int:
-    """The op's kind `pack` lays `blocks` out as: Q4_1 for 4-bit blocks, Q5_0 where every code fits 5 bits, else Q8_0."""
+def kind_of(blocks: Blocks) -> int:
+    """The op's kind `pack` lays `blocks` out as: a k-quant's own; Q4_1 for 4-bit blocks, Q5_0 where
+    every code fits 5 bits, else Q8_0."""
+    if isinstance(blocks, SuperBlocks):
+        return _KINDS[blocks.kind]
     if isinstance(blocks, Int4Blocks):
         return Q4_1
     return Q5_0 if int(blocks.codes.min()) >= -16 and int(blocks.codes.max()) <= 15 else Q8_0
 
 
-def pack(blocks: Int8Blocks | Int4Blocks) -> tuple[int, torch.Tensor]:
-    """(kind, bytes [N, K/32 · block bytes]): the GGUF block layout of `blocks`: Q4_1 for 4-bit
-    blocks, Q5_0 where every 8-bit code fits 5 bits, else Q8_0. Requires `packable(blocks)`."""
+def pack(blocks: Blocks) -> tuple[int, torch.Tensor]:
+    """(kind, bytes [N, K/32 · block bytes]): the GGUF block layout of `blocks`: a k-quant's
+    super-blocks as they are; Q4_1 for 4-bit blocks, Q5_0 where every 8-bit code fits 5 bits,
+    else Q8_0. Requires `packable(blocks)`."""
+    if isinstance(blocks, SuperBlocks):
+        return _KINDS[blocks.kind], blocks.raw.contiguous()
     n, k = blocks.codes.shape
     nb = k // GROUP
     d = blocks.scales.half().contiguous().view(torch.uint8).view(n, nb, 2)
@@ -94,10 +112,10 @@ class BlockLinear(torch.nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.kind = kind
-        self.register_buffer("blocks", blocks, persistent=False)  # [N, K/32 · bytes] uint8
+        self.register_buffer("blocks", blocks, persistent=False)  # [N, K/32 · bytes] (k-quants: K/256) uint8
 
     @classmethod
-    def from_blocks(cls, linear: torch.nn.Linear, blocks: Int8Blocks | Int4Blocks) -> "BlockLinear":
+    def from_blocks(cls, linear: torch.nn.Linear, blocks: Blocks) -> "BlockLinear":
         kind, raw = pack(blocks)
         return cls(linear, raw, kind)
 

@@ -8,9 +8,10 @@ Candidates, one representative tensor per (role, GGUF type, shape):
     int8         per-channel int8 made from the float weights (`_weight_int8pack_mm`)
     int4 requant Q4_1 blocks made from the float weights (min/max per 32), the int4 kernel
     as shipped   the GGUF's own codes on the int4 kernel: Q4_0/Q4_1/Q4_K direct, Q8_0/Q5_0 hi|lo
-    blocks       Q8_0/Q5_0 only: the GGUF's blocks themselves on memra's kernel (where it runs:
-                 memrad.engine.model.block_linear); its weights are exact (error 0 below), its
-                 activation is rounded to int16 per 32 (2^-16 of the block's largest |x|)
+    blocks       Q8_0/Q5_0 and the k-quants (Q4_K, Q5_K, Q6_K super-blocks): the GGUF's blocks
+                 themselves on memra's kernel (where it runs: memrad.engine.model.block_linear);
+                 its weights are exact (error 0 below), its activation is rounded to int16 per
+                 32 (2^-16 of the block's largest |x|)
 
 Error: ||W_run − W||_F / ||W||_F, with W_run what the kernel multiplies (its bf16 scales
 included). The pick is the fastest candidate within MAX_ERROR (memrad.engine.model.formats
@@ -33,9 +34,9 @@ from memrad.engine.model import block_linear
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.quant import (
-    GROUP, Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, quantize_q4_1,
+    GROUP, Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, SuperBlocks, quantize_q4_1,
 )
-from memrad.engine.model.weights import load_int4_cache, load_kinds, load_q8_cache
+from memrad.engine.model.weights import load_int4_cache, load_kinds, load_q8_cache, load_super_cache
 
 # The error budget: about what bf16 activations and scales cost anyway (2^-8 is bf16's
 # rounding of one value); a candidate past it changes the model, not just its speed.
@@ -63,9 +64,10 @@ def kernel_weights(blocks: Int4Blocks, dtype: torch.dtype) -> torch.Tensor:
     return ((q - 8) * scale[..., None] + zero[..., None]).view(n, k)
 
 
-def _candidates(linear: torch.nn.Linear, shipped: Int4Blocks | Int8Blocks | None
+def _candidates(linear: torch.nn.Linear, shipped: Int4Blocks | Int8Blocks | None, whole: SuperBlocks | None = None
                 ) -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
-    """{name: (layer, the weights it multiplies)} for one float32 Linear."""
+    """{name: (layer, the weights it multiplies)} for one float32 Linear; `whole`: its k-quant
+    super-blocks, as shipped, where the GGUF has them."""
     w = linear.weight.detach().float()
     dense = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -84,6 +86,8 @@ def _candidates(linear: torch.nn.Linear, shipped: Int4Blocks | Int8Blocks | None
                              kernel_weights(high, torch.bfloat16) + kernel_weights(low, torch.bfloat16))
         if block_gemv.why_not() is None and block_linear.packable(shipped):
             out["blocks"] = (BlockLinear.from_blocks(dense, shipped), shipped.dequantize())
+    if whole is not None and block_gemv.why_not() is None:
+        out["blocks"] = (BlockLinear.from_blocks(dense, whole), whole.dequantize())
     return out
 
 
@@ -105,6 +109,7 @@ def measure(model: str, threads: int, reps: int) -> Iterator[FormatCost]:
     loaded = load_model(model, device="cpu", dtype="float32", weights="float", progress=lambda _: None)
     kinds = load_kinds(loaded.folder)
     blocks = {**load_int4_cache(loaded.folder), **load_q8_cache(loaded.folder)}
+    whole = load_super_cache(loaded.folder)
     seen: set[tuple[str, str, tuple[int, ...]]] = set()
     with torch.inference_mode():
         for name, module in loaded.model.named_modules():
@@ -118,7 +123,7 @@ def measure(model: str, threads: int, reps: int) -> Iterator[FormatCost]:
             x = torch.randn(1, 1, w.shape[1], dtype=torch.bfloat16)
             calls = max(3, reps // 10) if w.numel() > 50_000_000 else reps
             cells = {}
-            for candidate, (layer, run) in _candidates(module, blocks.get(name)).items():
+            for candidate, (layer, run) in _candidates(module, blocks.get(name), whole.get(name)).items():
                 cells[candidate] = (_time_ms(lambda: layer(x), calls, clock), float((run - w).norm() / w.norm()))
             within = {c: v for c, v in cells.items() if v[1] <= MAX_ERROR}
             yield FormatCost(key[0], key[1], key[2], cells,

@@ -9,7 +9,7 @@ and what it runs as now:
     int4          Int4Linear: the shipped 4-bit codes (Q4_0 / Q4_1 / Q4_K) on the int4 kernel
     int4 hi|lo    Q8Linear: the shipped 8-bit or 5-bit codes (Q8_0 / Q5_0) as two int4 halves
     Q8_0 blocks   BlockLinear: the shipped blocks themselves on memra's kernel (Q8_0, Q5_0, Q4_1
-                  blocks; a Q4_0 tensor's as Q4_1)
+                  blocks, a Q4_0 tensor's as Q4_1; Q4_K, Q5_K, Q6_K super-blocks)
     int8          Int8Linear: per-channel int8 made from the float weights (opt-in)
     dense DTYPE   the float weights transformers made of the blocks, in the model's dtype
 
@@ -43,8 +43,9 @@ from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
 
 # Why a tensor of this GGUF type stays dense.
 _DENSE_WHY = {
-    "Q6_K": "16-weight sub-blocks with their own scales: no exact form in the kernel's 32-weight groups",
-    "Q5_1": "no packed form yet", "Q5_K": "no packed form yet", "Q3_K": "no packed form yet",
+    "Q6_K": "16-weight sub-blocks with their own scales: no exact form in torch's int4 kernel's 32-weight groups",
+    "Q5_K": "5-bit codes: no exact form in torch's int4 kernel",
+    "Q5_1": "no packed form yet", "Q3_K": "no packed form yet",
     "Q2_K": "no packed form yet", "Q8_K": "no packed form yet",
     "F32": "shipped unquantized", "F16": "shipped unquantized", "BF16": "shipped unquantized",
 }
@@ -98,7 +99,7 @@ def groups(model: Any, kinds: dict[str, str], head_why: str | None = None,
         runs = runs_as(module)
         # a packed layer of a folder converted before memra kept the types: from a GGUF, type unrecorded
         kind = kinds.get(name, "float" if runs.startswith("dense") else "GGUF")
-        why = (_why_dense(kind, module) if runs.startswith("dense") else reasons.get(name)
+        why = (reasons.get(name) or _why_dense(kind, module) if runs.startswith("dense") else reasons.get(name)
                or (head_why if runs == "int4 hi|lo" and module is head else None))
         counted[(re.sub(r"\.\d+\.", ".*.", name), kind, runs, why)] += 1
     for role, kind, runs, why, count in _expert_groups(model, kinds):

@@ -1,12 +1,15 @@
 """Which kernel runs each kind of a GGUF's blocks for one token: memra's block kernel or torch's int4.
 
-memra's block kernel (memrad.engine.kernels.block_gemv) reads Q8_0 / Q5_0 / Q4_0 / Q4_1 blocks as
-shipped; torch's int4 kernel runs the 4-bit ones directly and the 8- and 5-bit ones as two 4-bit
-passes (hi|lo). Which is faster depends on the CPU:
+memra's block kernel (memrad.engine.kernels.block_gemv) reads Q8_0 / Q5_0 / Q4_0 / Q4_1 blocks and
+Q4_K / Q5_K / Q6_K super-blocks as shipped; torch's int4 kernel runs the 4-bit ones directly
+(Q4_K as unpacked int4 blocks) and the 8- and 5-bit ones as two 4-bit passes (hi|lo); Q5_K and
+Q6_K have no int4 form, so their other kernel is the dense weight (torch's F.linear in the
+model's dtype). Which is faster depends on the CPU:
 
-    kernel ISA   head (Q8_0)                       layers (Q4_0/Q4_1, Q5_0, Q8_0)
-    AVX512       block kernel (int16 activations)  int4: measured once (docs/BENCHMARKS.md#memras-block-kernel)
-    AVX2         measured here, per group          measured here, per group
+    kernel ISA   head (Q8_0)                       layers (Q4_0/Q4_1, Q5_0, Q8_0)       layers (Q4_K, Q5_K, Q6_K)
+    AVX512       block kernel (int16 activations)  int4: measured once                  measured here, per group
+                                                   (docs/BENCHMARKS.md#memras-block-kernel)
+    AVX2         measured here, per group          measured here, per group             measured here, per group
 
 On AVX2 (int16 activations, integer multiply-adds as on AVX512) each group (the head; the layers of one
 GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
@@ -34,7 +37,7 @@ from memrad.durable import publish
 from memrad.engine.kernels import block_gemv
 from memrad.engine.model import block_linear
 from memrad.engine.model.block_linear import BlockLinear
-from memrad.engine.model.quant import Int4Blocks, Int4Linear, Int8Blocks, Q8Linear
+from memrad.engine.model.quant import Int4Blocks, Int4Linear, Int8Blocks, Q8Linear, SuperBlocks, unpack_q4_k
 
 log = logging.getLogger("memrad.engine")
 
@@ -42,8 +45,9 @@ HEAD_ROWS = 32768  # the head is timed on this many of its rows: its cost per ro
 REPS = 25
 CACHE_NAME = "block-choices.json"
 MEASURED_ON = ("AVX2",)  # kernel ISAs whose choice is measured here; AVX512's was measured once, offline
+# (the k-quants' super-blocks are measured here on every ISA: no offline measurement covers them)
 
-Blocks = Int4Blocks | Int8Blocks
+Blocks = Int4Blocks | Int8Blocks | SuperBlocks
 Timer = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]]  # seconds a call of each
 
 
@@ -60,12 +64,26 @@ def group_of(name: str, kind: str, head_name: str | None) -> str:
     return f"head {kind}" if name == head_name else f"layers {kind}"
 
 
-def _int4_name(blocks: Blocks) -> str:
+def _other_name(blocks: Blocks, dtype: torch.dtype) -> str:
+    """The kernel the blocks run on where memra's does not: torch's int4 (hi|lo), or the dense weight."""
+    if isinstance(blocks, SuperBlocks) and blocks.kind != "Q4_K":
+        return f"dense {str(dtype).removeprefix('torch.')}"
     return "torch int4 hi|lo" if isinstance(blocks, Int8Blocks) else "torch int4"
 
 
+def _other(blocks: Blocks, linear: torch.nn.Linear, dtype: torch.dtype) -> torch.nn.Module:
+    """The other kernel's layer for `blocks` on `linear` (of the model's dtype)."""
+    kernel_dtype = torch.float16 if dtype == torch.float16 else torch.bfloat16
+    if isinstance(blocks, SuperBlocks):
+        if blocks.kind != "Q4_K":
+            return linear
+        return Int4Linear.from_blocks(linear, unpack_q4_k(blocks.raw.numpy()), kernel_dtype)
+    return (Q8Linear if isinstance(blocks, Int8Blocks) else Int4Linear).from_blocks(linear, blocks, kernel_dtype)
+
+
 def decide(group: str, block_s: float, int4_s: float, path: str, int4_name: str) -> Verdict:
-    """The verdict for measured times (seconds a token for the group on each kernel)."""
+    """The verdict for measured times (seconds a token for the group on each kernel; `int4_s` and
+    `int4_name`: the other kernel's, torch's int4 or the dense weight)."""
     if block_s <= int4_s:
         return Verdict(group, True, f"memra block kernel, {path}, {int4_s / block_s:.1f}x {int4_name} "
                                     "(measured at load, one row)")
@@ -77,22 +95,24 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
            cache: Path | None = None, timer: Timer | None = None) -> dict[str, Verdict]:
     """{group: Verdict} for {group: {module name: blocks}} (every group's blocks `packable`).
     Requires `block_gemv.why_not() is None`. On a kernel ISA not in MEASURED_ON: the head on
-    memra's kernel, the layers on torch's int4, as measured offline. `cache`: the verdicts file
+    memra's kernel, the Q8_0 / Q5_0 / Q4_x layers on torch's int4, as measured offline; the
+    k-quants' super-blocks are measured here on every ISA. `cache`: the verdicts file
     (default: beside the kernel libraries); `timer`: seconds a call of each of two takes (tests)."""
     isa, path = block_gemv.capability(), block_gemv.path()
-    if isa not in MEASURED_ON:
-        return {group: Verdict(group, group.startswith("head"),
-                               f"memra block kernel, {path}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
-                               if group.startswith("head") else "")
-                for group in groups}
     cache = cache or block_gemv.library().parent / CACHE_NAME
     kept = _read(cache)
     out: dict[str, Verdict] = {}
     for group, members in groups.items():
-        shapes = Counter((tuple(b.codes.shape), type(b).__name__) for b in members.values())
+        first = next(iter(members.values()))
+        if isa not in MEASURED_ON and not isinstance(first, SuperBlocks):
+            out[group] = Verdict(group, group.startswith("head"),
+                                 f"memra block kernel, {path}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
+                                 if group.startswith("head") else "")
+            continue
+        shapes = Counter((tuple(b.shape), type(b).__name__) for b in members.values())
         key = f"{block_gemv.library().name} {group} {sorted(shapes.items())} {dtype} threads {torch.get_num_threads()}"
-        int4_name = _int4_name(next(iter(members.values())))
-        if any(b.codes.shape[0] % 16 for b in members.values()):
+        int4_name = _other_name(first, dtype)
+        if int4_name.startswith("torch int4") and any(b.shape[0] % 16 for b in members.values()):
             out[group] = Verdict(group, True, f"memra block kernel, {path} (the int4 kernel packs rows in sixteens)")
             continue
         if key not in kept:
@@ -106,21 +126,20 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
 
 def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dtype: torch.dtype,
              timer: Timer) -> tuple[float, float]:
-    """(block kernel, int4 kernel) seconds a token for the group: one layer per shape, times its count."""
+    """(block kernel, other kernel) seconds a token for the group: one layer per shape, times its count."""
     by_shape: dict[tuple, list[str]] = {}
     for name, blocks in members.items():
-        by_shape.setdefault(tuple(blocks.codes.shape), []).append(name)
+        by_shape.setdefault(tuple(blocks.shape), []).append(name)
     block_s = int4_s = 0.0
     for shape, names in by_shape.items():
         blocks, scale = members[names[0]], len(names)
         if shape[0] > HEAD_ROWS:  # time the first rows, scale by the rest
             scale *= shape[0] / HEAD_ROWS
             blocks = _rows(blocks, HEAD_ROWS)
-        n, k = blocks.codes.shape
+        n, k = blocks.shape
         linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
         on_blocks = BlockLinear.from_blocks(linear, blocks)
-        on_int4 = (Q8Linear if isinstance(blocks, Int8Blocks) else Int4Linear).from_blocks(
-            linear, blocks, torch.float16 if dtype == torch.float16 else torch.bfloat16)
+        on_int4 = _other(blocks, linear, dtype)
         x = torch.randn(1, 1, k, dtype=dtype)  # [1, 1, K]: one token
         with torch.no_grad():
             on_blocks_s, on_int4_s = timer(lambda: on_blocks(x), lambda: on_int4(x))
@@ -129,6 +148,8 @@ def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dt
 
 
 def _rows(blocks: Blocks, rows: int) -> Blocks:
+    if isinstance(blocks, SuperBlocks):
+        return SuperBlocks(blocks.kind, blocks.raw[:rows].contiguous())
     if isinstance(blocks, Int8Blocks):
         return Int8Blocks(blocks.codes[:rows].contiguous(), blocks.scales[:rows].contiguous())
     mins = None if blocks.mins is None else blocks.mins[:rows].contiguous()

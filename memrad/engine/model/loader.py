@@ -196,7 +196,8 @@ def _int4_source(spec: str, folder: Path, int4_tensors: int) -> str:
         return "the default model's int4 blocks are not cached yet: run `memrad pull`"
     from_gguf = Path(spec).expanduser().suffix == ".gguf" or catalog.lookup(spec) is not None
     if from_gguf and not has_block_caches(folder):
-        return f"its GGUF's blocks were kept by an older memrad (no Q4_K / Q5_0): `memrad pull {spec}` adds them"
+        return (f"its GGUF's blocks were kept by an older memrad (no Q4_K / Q5_0, or no k-quant super-blocks): "
+                f"`memrad pull {spec}` adds them")
     if from_gguf:
         return "the GGUF ships no Q4_0/Q4_1/Q4_K linear weights"
     return "the model is not a GGUF (no 4-bit blocks shipped)"

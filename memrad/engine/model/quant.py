@@ -39,7 +39,12 @@ K-quants and Q5_0 (what a Q4_K_M GGUF ships besides Q8_0; gemma3-270m is one):
           w = q·(d·sc) − dmin·m, q in 0..15     ->  Int4Blocks, scale d·sc, min −dmin·m
     Q5_0  32 weights, fp16 d, 5-bit q in 0..31; w = (q − 16)·d   ->  Int8Blocks, codes q − 16
     Q6_K  16 sub-blocks of 16 with int8 scales: no 32-weight group has one scale, so it
-          cannot map onto the kernels' group 32 exactly; it stays dense (memrad.engine.model.weights)
+          cannot map onto the int4 kernel's group 32 exactly
+    Q5_K  as Q4_K with 5-bit q in 0..31: no int4 pass holds it
+
+All three k-quants also run as shipped, their super-blocks' bytes kept whole (SuperBlocks), on
+memra's block kernel (memrad.engine.model.block_linear), where it runs and wins; elsewhere Q4_K
+runs on the int4 kernel as above and Q6_K, Q5_K stay dense (memrad.engine.model.weights).
 
 d·sc (11 + 6 significant bits) and −dmin·m are exact in float32, so the blocks dequantize to
 the float weights transformers makes of them bit for bit (gguf-py computes the same float32
@@ -62,6 +67,8 @@ _BLOCK_LAYOUT = {"Q4_0": (18, 2), "Q4_1": (20, 4)}
 _Q8_0_BLOCK_BYTES = 34
 _Q5_0_BLOCK_BYTES = 22  # d fp16 | qh: bit j = the high bit of weight j (uint32) | qs[16] as Q4_0
 _Q4_K_BLOCK_BYTES = 144  # d fp16 | dmin fp16 | 12 bytes of 6-bit sc, m | qs[128]
+SUPER_BLOCK = 256  # weights per k-quant super-block
+SUPER_BLOCK_BYTES = {"Q4_K": _Q4_K_BLOCK_BYTES, "Q5_K": 176, "Q6_K": 210}  # llama.cpp's block_q4_K / _q5_K / _q6_K
 _BF16_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding moves a value by <= 2^-8 of it
 
 
@@ -72,6 +79,11 @@ class Int4Blocks:
     codes: torch.Tensor  # [N, K] uint8, 0..15
     scales: torch.Tensor  # [N, K/32] float32 (the block's d)
     mins: torch.Tensor | None  # [N, K/32] float32 (Q4_1's m); None for Q4_0 (symmetric around 8)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight matrix."""
+        return tuple(self.codes.shape)
 
     def dequantize(self) -> torch.Tensor:
         """The float weights [N, K] float32, computed as GGUF defines them (q·d + m)."""
@@ -99,11 +111,57 @@ class Int4Blocks:
 
 
 @dataclass(frozen=True, slots=True)
+class SuperBlocks:
+    """One weight matrix's GGUF k-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights each), the
+    bytes as shipped; memra's block kernel reads them as they are."""
+
+    kind: str  # "Q4_K", "Q5_K" or "Q6_K"
+    raw: torch.Tensor  # [N, K/256 · SUPER_BLOCK_BYTES[kind]] uint8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight matrix."""
+        return self.raw.shape[0], self.raw.shape[1] // SUPER_BLOCK_BYTES[self.kind] * SUPER_BLOCK
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weights [N, K] float32, as gguf-py (and so transformers' GGUF loader) computes them."""
+        from gguf import GGMLQuantizationType, quants
+
+        weights = quants.dequantize(self.raw.numpy(), GGMLQuantizationType[self.kind])
+        return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)).view(self.shape)
+
+    def permuted(self, rows: torch.Tensor) -> "SuperBlocks":
+        """The same blocks with output rows reordered (transformers un-permutes llama's Q/K)."""
+        return SuperBlocks(self.kind, self.raw[rows].contiguous())
+
+
+def random_super_blocks(kind: str, rows: int, cols: int, generator: torch.Generator) -> SuperBlocks:
+    """Random k-quant super-blocks [rows, cols] (`cols` a multiple of 256): every byte random but
+    the fp16 d (and dmin), small positive values, as a real tensor's are. gguf-py reads k-quants
+    but cannot write them; memra's kernel probe and the tests take these."""
+    assert cols % SUPER_BLOCK == 0, f"a k-quant row holds whole super-blocks of {SUPER_BLOCK}, not {cols}"
+    size = SUPER_BLOCK_BYTES[kind]
+    n = rows * cols // SUPER_BLOCK
+    raw = torch.randint(0, 256, (n, size), generator=generator, dtype=torch.uint8)
+    scales = (torch.rand(n, 2, generator=generator) / 100).half().view(torch.uint8)  # [n, 4]: d, dmin
+    if kind == "Q6_K":
+        raw[:, 208:210] = scales[:, :2]
+    else:
+        raw[:, 0:4] = scales
+    return SuperBlocks(kind, raw.view(rows, cols // SUPER_BLOCK * size).contiguous())
+
+
+@dataclass(frozen=True, slots=True)
 class Int8Blocks:
     """One weight matrix's GGUF Q8_0 blocks, unpacked: codes and scales as shipped."""
 
     codes: torch.Tensor  # [N, K] int8
     scales: torch.Tensor  # [N, K/32] float32 (the block's d)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight matrix."""
+        return tuple(self.codes.shape)
 
     def dequantize(self) -> torch.Tensor:
         """The float weights [N, K] float32, computed as GGUF defines them (q·d)."""

@@ -11,8 +11,11 @@ are kept as shipped (codes, d, m) in the converted folder, so a start reads no G
 
 Q4_K tensors (k-quant super-blocks) become the same int4 blocks, one scale and min per
 32-weight sub-block; Q8_0 and Q5_0 tensors become int8-coded blocks, run hi|lo on the same
-kernel (Q8Linear); Q6_K and unquantized tensors stay dense (memrad.engine.model.quant says why,
-memrad.engine.model.formats what each group runs as). All are checked as above.
+kernel (Q8Linear); unquantized tensors stay dense (memrad.engine.model.quant says why,
+memrad.engine.model.formats what each group runs as). Every k-quant tensor (Q4_K, Q5_K, Q6_K)
+is also kept as its shipped super-blocks (SuperBlocks, K_CACHE) for memra's block kernel; where
+that kernel does not run or loses, Q4_K runs on the int4 kernel and Q5_K, Q6_K stay dense.
+All are checked as above.
 
 The output head gets the same treatment when the GGUF ships it as Q8_0 (llama.cpp's default
 for a tied head: `token_embd.weight`, which the head shares with the input embedding): its
@@ -32,6 +35,8 @@ and torch build, stamped with the block files they were made from: new blocks, n
     memra-q8-blocks.safetensors     {layer}.codes/.scales             its Q8_0 / Q5_0 tensors and
                                                                       Q8_0 head (maybe none);
                                     header: "kinds", every Linear's GGUF type
+    memra-k-blocks.safetensors      {layer}.Q4_K / .Q5_K / .Q6_K      its k-quant tensors' bytes
+                                                                      as shipped (maybe none)
     memra-int4-{device}-{dtype}-torch{version}.safetensors
                                     {layer}.packed/.scales_and_zeros  Int4Linear
                                     {head}.q8_packed/.q8_scales_and_zeros  Q8Linear
@@ -56,14 +61,15 @@ from memrad.engine.model import block_linear, formats, kernel_choice
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.hardware import Choice
 from memrad.engine.model.quant import (
-    Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, packed_bytes, quantize_q4_1, unpack_blocks, unpack_q4_k,
-    unpack_q5_0, unpack_q8_0,
+    Int4Blocks, Int4Linear, Int8Blocks, Int8Linear, Q8Linear, SuperBlocks, packed_bytes, quantize_q4_1, unpack_blocks,
+    unpack_q4_k, unpack_q5_0, unpack_q8_0,
 )
 
 log = logging.getLogger("memrad.engine")
 
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 INT8_KINDS = ("Q8_0", "Q5_0")  # int8-coded blocks, run hi|lo
+K_KINDS = ("Q4_K", "Q5_K", "Q6_K")  # k-quants, kept as shipped super-blocks too (SuperBlocks)
 # A mixture of experts' 3-D tensors as llama.cpp names them (transformers joins gate and up).
 _EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<w>gate|up|down)_exps\.weight")
 # What the block files' contents mean; pull adds them again to a folder stamped otherwise.
@@ -73,6 +79,8 @@ BLOCKS_LAYOUT = "2"
 INT4_CACHE = "memra-q4-blocks.safetensors"
 # Beside it: the Q8_0 / Q5_0 blocks, the head's among them (none when the GGUF ships none).
 Q8_CACHE = "memra-q8-blocks.safetensors"
+# Beside them: the k-quant tensors' super-blocks, their bytes as shipped (none when it ships none).
+K_CACHE = "memra-k-blocks.safetensors"
 # What the packed file's layout means; a file stamped otherwise is packed again.
 # 2: Q4_0 zeros fixed (1 packed them as Q4_1 with m = 0), and the Q8_0 head.
 PACKED_LAYOUT = "2"
@@ -104,6 +112,7 @@ class GGUFBlocks:
     int8: dict[str, Int8Blocks]  # Q8_0 / Q5_0 (the head among them when it ships as Q8_0)
     head_kind: str  # the head tensor's GGUF type ("none" if absent)
     kinds: dict[str, str]  # {module name: GGUF type} for every Linear the GGUF holds
+    super_blocks: dict[str, SuperBlocks] = field(default_factory=dict)  # Q4_K / Q5_K / Q6_K as shipped
 
 
 def read_gguf_blocks(gguf_path: Path, model: Any) -> GGUFBlocks:
@@ -132,6 +141,7 @@ def read_gguf_blocks(gguf_path: Path, model: Any) -> GGUFBlocks:
         gguf_to_module.setdefault(f"{name_map.get_name(embedding_name)}.weight", head_name)
     int4: dict[str, Int4Blocks] = {}
     q8: dict[str, Int8Blocks] = {}
+    whole: dict[str, SuperBlocks] = {}
     kinds: dict[str, str] = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
@@ -145,25 +155,30 @@ def read_gguf_blocks(gguf_path: Path, model: Any) -> GGUFBlocks:
         if module is None:
             continue
         kinds[module] = kind
-        if kind not in INT4_KINDS + INT8_KINDS:
+        if kind not in INT4_KINDS + INT8_KINDS + K_KINDS:
             continue
-        raw = np.array(tensor.data)
-        blocks = {"Q4_K": unpack_q4_k, "Q5_0": unpack_q5_0, "Q8_0": unpack_q8_0}.get(
-            kind, lambda data: unpack_blocks(data, kind))(raw)
-        rows = _row_order(processor, tensor.name, blocks.codes.shape[0])
-        (int4 if kind in INT4_KINDS else q8)[module] = blocks if rows is None else blocks.permuted(rows)
-    return GGUFBlocks(int4, q8, kinds.get(head_name, "none"), kinds)
+        raw = np.array(tensor.data)  # [N, bytes a row] uint8
+        rows = _row_order(processor, tensor.name, raw.shape[0])
+        if kind in K_KINDS:
+            shipped = SuperBlocks(kind, torch.from_numpy(np.ascontiguousarray(raw)))
+            whole[module] = shipped if rows is None else shipped.permuted(rows)
+        if kind in INT4_KINDS + INT8_KINDS:
+            blocks = {"Q4_K": unpack_q4_k, "Q5_0": unpack_q5_0, "Q8_0": unpack_q8_0}.get(
+                kind, lambda data: unpack_blocks(data, kind))(raw)
+            (int4 if kind in INT4_KINDS else q8)[module] = blocks if rows is None else blocks.permuted(rows)
+    return GGUFBlocks(int4, q8, kinds.get(head_name, "none"), kinds, whole)
 
 
-def save_block_caches(gguf_path: Path, model: Any, folder: Path) -> tuple[int, int]:
-    """Write the GGUF's int4 blocks and Q8_0 head that match `model`'s float weights bit for
-    bit into `folder`; returns how many of each. `model` must hold the float32 weights the
-    folder was made of (for a tied head: the embedding's)."""
+def save_block_caches(gguf_path: Path, model: Any, folder: Path) -> tuple[int, int, int]:
+    """Write the GGUF's int4 blocks, int8-coded blocks and k-quant super-blocks that match
+    `model`'s float weights bit for bit into `folder`; returns how many of each. `model` must
+    hold the float32 weights the folder was made of (for a tied head: the embedding's)."""
     found = read_gguf_blocks(gguf_path, model)
-    int4, q8 = _matching(found.int4, model), _matching(found.int8, model)
+    int4, q8, whole = _matching(found.int4, model), _matching(found.int8, model), _matching(found.super_blocks, model)
     write_int4_cache(int4, folder, gguf_path.name)
     write_q8_cache(q8, folder, gguf_path.name, found.head_kind, found.kinds)
-    return len(int4), len(q8)
+    write_super_cache(whole, folder, gguf_path.name)
+    return len(int4), len(q8), len(whole)
 
 
 def _matching(blocks: dict, model: Any) -> dict:
@@ -172,7 +187,7 @@ def _matching(blocks: dict, model: Any) -> dict:
     kept = {}
     for name, block in blocks.items():
         weight = modules[name].weight.detach().cpu()
-        if tuple(weight.shape) != tuple(block.codes.shape) or not torch.equal(block.dequantize(), weight.float()):
+        if tuple(weight.shape) != tuple(block.shape) or not torch.equal(block.dequantize(), weight.float()):
             log.warning("GGUF tensor for %s does not match the float weights: it stays float", name)
             continue
         kept[name] = block
@@ -192,6 +207,27 @@ def write_q8_cache(blocks: dict[str, Int8Blocks], folder: Path, source: str, hea
     its header why a layer is dense."""
     _write_blocks(folder / Q8_CACHE, blocks, {"source": source, "head": head_kind,
                                               "kinds": json.dumps(kinds or {}, sort_keys=True)})
+
+
+def write_super_cache(blocks: dict[str, SuperBlocks], folder: Path, source: str) -> None:
+    """Store the k-quant super-blocks ({} when there are none), each under `{name}.{kind}`."""
+    from safetensors.torch import save_file
+
+    path = folder / K_CACHE
+    staging = path.with_name(path.name + ".partial")
+    save_file({f"{name}.{block.kind}": block.raw.contiguous() for name, block in blocks.items()}, str(staging),
+              metadata={"source": source, "layout": BLOCKS_LAYOUT})
+    publish(staging, path)
+
+
+def load_super_cache(folder: Path) -> dict[str, SuperBlocks]:
+    """The folder's k-quant super-blocks ({} when it has none, or no file: converted before memra kept them)."""
+    if not (folder / K_CACHE).is_file():
+        return {}
+    from safetensors.torch import load_file
+
+    return {name: SuperBlocks(kind, raw) for key, raw in load_file(str(folder / K_CACHE)).items()
+            for name, _, kind in [key.rpartition(".")]}
 
 
 def _write_blocks(path: Path, blocks: dict[str, Int4Blocks | Int8Blocks], metadata: dict[str, str]) -> None:
@@ -255,6 +291,8 @@ def _cached_names(path: Path) -> list[str]:
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
+        if path.name == K_CACHE:
+            return [key.rpartition(".")[0] for key in f.keys()]
         return [key.removesuffix(".codes") for key in f.keys() if key.endswith(".codes")]
 
 
@@ -346,7 +384,8 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
     # The blocks memra's kernel runs as shipped, where it runs and wins (memrad.engine.model.kernel_choice:
-    # on AVX512 the Q8_0 head, measured once; on AVX2 each group measured here), else torch's int4 kernel.
+    # on AVX512 the Q8_0 head, measured once, and the k-quants measured here; on AVX2 each group
+    # measured here), else torch's int4 kernel (Q5_K, Q6_K: dense).
     verdicts, groups = _block_plan(model, folder, modules)
     on_blocks = {name: blocks for group, members in groups.items() if verdicts[group].blocks
                  for name, blocks in members.items()}
@@ -366,7 +405,7 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
     if head == "float":  # a warning where a pull would change that
         level = logging.INFO if (folder / Q8_CACHE).is_file() else logging.WARNING
         log.log(level, "the output head runs dense: %s", _why_dense_head(folder, model))
-    cached = count_int4_cache(folder) + count_q8_cache(folder)
+    cached = len({*_cached_names(folder / INT4_CACHE), *_cached_names(folder / Q8_CACHE), *on_blocks})
     layers_on_blocks = as_blocks - (head.endswith("blocks"))
     note = (f"int4 group 32 ({INT4_CACHE})" + (f" + {layers_on_blocks} layers as shipped on memra's kernel"
                                                 if layers_on_blocks else "")
@@ -375,26 +414,43 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
     block_bytes = sum(m.blocks.nbytes for m in model.modules() if isinstance(m, BlockLinear))
     reasons = {name: verdicts[group].reason for group, members in groups.items() for name in members
                if verdicts[group].reason}
+    reasons.update(_why_dense_k_quants(model, folder, reasons))
     return WeightsApplied(len(packed) + as_blocks, cached - len(packed) - as_blocks, packed_bytes(model) + block_bytes,
                           note, head, reasons=reasons)
 
 
 def _block_plan(model: Any, folder: Path, modules: dict[str, torch.nn.Module]
-                ) -> tuple[dict[str, kernel_choice.Verdict], dict[str, dict[str, Int4Blocks | Int8Blocks]]]:
+                ) -> tuple[dict[str, kernel_choice.Verdict], dict[str, dict[str, kernel_choice.Blocks]]]:
     """({group: verdict}, {group: {module name: blocks}}): the groups of blocks memra's kernel could
-    run as shipped and where it does (none where the kernel does not run)."""
+    run as shipped and where it does (none where the kernel does not run). A k-quant tensor is a
+    candidate as its super-blocks (a Q4_K one's int4 blocks are the other kernel's)."""
     if _blocks_why_not(model) is not None:
         return {}, {}
     head_name = _head_name(model)
     int8 = load_q8_cache(folder)
     if block_gemv.capability() in kernel_choice.MEASURED_ON:
         candidates = {**load_int4_cache(folder), **int8}
-    else:  # measured offline: only the head runs on the kernel
+    else:  # measured offline: of the shipped int4 and int8 blocks only the head runs on the kernel
         candidates = {head_name: int8[head_name]} if head_name in int8 else {}
+    candidates.update(load_super_cache(folder))
     groups = kernel_choice.packable_groups(candidates, load_kinds(folder), head_name,
                                            lambda name, blocks: _fits(modules.get(name), blocks,
                                                                       rows_in_sixteens=False))
     return kernel_choice.choose(groups, modules, next(model.parameters()).dtype), groups
+
+
+def _why_dense_k_quants(model: Any, folder: Path, reasons: dict[str, str]) -> dict[str, str]:
+    """{module name: why} for the Q5_K / Q6_K layers left dense with no verdict: memra's block kernel
+    does not run here, or the folder keeps no super-blocks (an older memrad converted it)."""
+    kinds, kept = load_kinds(folder), set(_cached_names(folder / K_CACHE))
+    why_not = _blocks_why_not(model)
+    out = {}
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and kinds.get(name) in ("Q5_K", "Q6_K") and name not in reasons:
+            out[name] = (f"memra's block kernel: {why_not}" if why_not else
+                         "no super-blocks kept (converted by an older memrad): `memrad pull` adds them"
+                         if name not in kept else "its super-blocks do not fit the layer")
+    return out
 
 
 def _blocks_suffix(names: set[str], head_name: str | None) -> str:
@@ -418,7 +474,7 @@ def _pack_cached(folder: Path, modules: dict[str, torch.nn.Module], kernel_dtype
 
 def _fits(module: torch.nn.Module | None, blocks: Int4Blocks | Int8Blocks, rows_in_sixteens: bool = True) -> bool:
     # the CPU int4 packer takes N in multiples of 16 (a vocabulary need not be one); memra's block kernel any N
-    return (type(module) is torch.nn.Linear and tuple(module.weight.shape) == tuple(blocks.codes.shape)
+    return (type(module) is torch.nn.Linear and tuple(module.weight.shape) == tuple(blocks.shape)
             and (module.out_features % 16 == 0 or not rows_in_sixteens))
 
 

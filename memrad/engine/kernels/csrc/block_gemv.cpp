@@ -1,6 +1,8 @@
-// One token's matrix-vector product straight from a GGUF's Q8_0, Q5_0 or Q4_1 blocks, as shipped.
+// One token's matrix-vector product straight from a GGUF's Q8_0, Q5_0, Q4_1, Q4_K, Q5_K or Q6_K
+// blocks, as shipped.
 //
 //   memra::block_gemv(x [M, K], blocks [N, K/32 * B] uint8, kind) -> out [M, N]   (x's dtype)
+//   (the k-quants: blocks [N, K/256 * B], below)
 //
 //   kind 8, Q8_0 (B = 34):  | d fp16 | q[32] int8 |                        w_j = d * q_j
 //   kind 5, Q5_0 (B = 22):  | d fp16 | qh uint32 | qs[16] |                w_j = d * (q_j - 16)
@@ -45,6 +47,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -68,6 +71,84 @@ template <int KIND>
 constexpr int64_t block_bytes() { return KIND == 8 ? 34 : KIND == 5 ? 22 : 20; }
 
 inline int64_t bytes_of(int64_t kind) { return kind == 8 ? block_bytes<8>() : kind == 5 ? block_bytes<5>() : block_bytes<4>(); }
+
+// The k-quants, by ggml's type numbers: super-blocks of 256 weights (K a multiple of 256).
+//
+//   kind 12, Q4_K (144 B):  | d fp16 | dmin fp16 | sc, m: 8 x 6 bits each in 12 B | qs[128] |
+//                           w = (d * sc_j) * q - dmin * m_j in 32-weight block j; q = nibble of qs:
+//                           block 2i low and 2i + 1 high nibbles of qs[32 i .. 32 i + 31]
+//   kind 13, Q5_K (176 B):  | d | dmin | sc, m (12 B) | qh[32] | qs[128] |   as Q4_K, q + 16 * bit j of qh[l]
+//   kind 14, Q6_K (210 B):  | ql[128] | qh[64] | sc[16] int8 | d fp16 |
+//                           w = (d * sc_i) * (q - 32) in 16-weight sub-block i; 32-weight block
+//                           b = 4 h + t: low (t < 2) or high nibbles of ql[64 h + 32 (t % 2) ..],
+//                           plus 16 * bits 2t, 2t + 1 of qh[32 h + l]
+//
+// d * sc and dmin * m are exact in float32 (11 + 6 or 8 significant bits), as gguf-py computes
+// them, and each 32-weight block meets the activation's int16 block of 32: per block the codes'
+// products are summed exactly in int32 and scaled once by (d * sc) * sx (Q6_K: its two halves
+// of 16, each by its own scale; on AVX2 the int8 scales multiply the codes first, then d * sx
+// the sums); Q4_K's and Q5_K's min terms are dmin * m * sx * sum_j x16_j, summed as Q4_1's.
+constexpr int Q4_K = 12, Q5_K = 13, Q6_K = 14;
+constexpr int64_t SUPER = 256;
+
+template <int KIND>
+constexpr bool is_k() { return KIND == Q4_K || KIND == Q5_K || KIND == Q6_K; }
+
+template <int KIND>
+constexpr int64_t super_bytes() { return KIND == Q4_K ? 144 : KIND == Q5_K ? 176 : 210; }
+
+// Q6_K has two scales a block of 32 (its 16-weight halves), the others one.
+template <int KIND>
+constexpr int64_t halves() { return KIND == Q6_K ? 2 : 1; }
+
+// Bytes per 32 weights (per 256 for the k-quants) of the op's kind: what `blocks` must hold per row.
+inline int64_t row_bytes(int64_t kind, int64_t K) {
+  if (kind == Q4_K || kind == Q5_K || kind == Q6_K)
+    return K / SUPER * (kind == Q4_K ? super_bytes<Q4_K>() : kind == Q5_K ? super_bytes<Q5_K>() : super_bytes<Q6_K>());
+  return K / GROUP * bytes_of(kind);
+}
+
+// A Q4_K / Q5_K super-block's 12 bytes of 6-bit sc and m as 16 bytes, sc_0..7 then m_0..7:
+// llama.cpp's get_scale_min_k4, a word at a time (its AVX2 vec_dot's masks).
+inline void k_scale_bytes(const uint8_t* sb, uint8_t* sc_m) {
+  uint32_t u[4];
+  std::memcpy(u, sb + 4, 12);
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  const uint32_t m_low = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  u[2] = m_low;
+  u[0] &= low6;
+  std::memcpy(sc_m, u, 16);
+}
+
+// A k-quant row's scales as float32, per 32-weight block b: scale[b] = d * sc_b, mins[b] =
+// -(dmin * m_b) (Q4_K, Q5_K); Q6_K: scale[2b + h] = d * sc of block b's half h, no mins.
+template <int KIND>
+inline void k_scales(const uint8_t* row, int64_t nsuper, float* scale, float* mins) {
+  for (int64_t s = 0; s < nsuper; ++s) {
+    const uint8_t* sb = row + s * super_bytes<KIND>();
+    if constexpr (KIND == Q6_K) {
+      const float d = half_at(sb + 208);
+      for (int i = 0; i < 16; ++i) scale[s * 16 + i] = d * static_cast<float>(static_cast<int8_t>(sb[192 + i]));
+    } else {
+      const float d = half_at(sb), dmin = half_at(sb + 2);
+      uint8_t sc_m[16];
+      k_scale_bytes(sb, sc_m);
+      for (int j = 0; j < 8; ++j) {
+        scale[s * 8 + j] = d * static_cast<float>(sc_m[j]);
+        mins[s * 8 + j] = -(dmin * static_cast<float>(sc_m[8 + j]));
+      }
+    }
+  }
+}
+
+// Calls f.template operator()<J>() for J = 0..7: a super-block's eight blocks of 32, unrolled
+// so that each block's byte offsets and shifts are constants.
+template <typename F>
+inline void each_block(F&& f) {
+  [&]<int... J>(std::integer_sequence<int, J...>) { (f.template operator()<J>(), ...); }(std::make_integer_sequence<int, 8>{});
+}
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 
@@ -107,6 +188,29 @@ inline float sum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_add_ps(a, _mm_movehl_ps(a, a));
   return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+// `k_scales` with the conversions and products 8 at a time (the same float32 products: a
+// scalar decode per block cost as much as the block's multiply-adds).
+template <int KIND>
+inline void k_scales_vec(const uint8_t* row, int64_t nsuper, float* scale, float* mins) {
+  for (int64_t s = 0; s < nsuper; ++s) {
+    const uint8_t* sb = row + s * super_bytes<KIND>();
+    if constexpr (KIND == Q6_K) {
+      const __m256 d = _mm256_set1_ps(half_at(sb + 208));
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192));  // 16 int8 scales
+      _mm256_storeu_ps(scale + s * 16, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+      _mm256_storeu_ps(scale + s * 16 + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
+    } else {
+      uint8_t sc_m[16];
+      k_scale_bytes(sb, sc_m);
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc_m));
+      _mm256_storeu_ps(scale + s * 8, _mm256_mul_ps(_mm256_set1_ps(half_at(sb)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+      // -(dmin * m) == (-dmin) * m: a product's sign is its factors'
+      _mm256_storeu_ps(mins + s * 8, _mm256_mul_ps(_mm256_set1_ps(-half_at(sb + 2)),
+                                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
+    }
+  }
 }
 
 #endif
@@ -356,6 +460,128 @@ void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   });
 }
 
+// Block J (0..7) of a k-quant super-block: its 32 codes as int16, weight l in lane l (q for
+// Q4_K and Q5_K; q - 32 for Q6_K).
+template <int KIND, int J>
+inline __m512i k_codes16(const uint8_t* sb) {
+  const __m512i nibble = _mm512_set1_epi16(15);
+  if constexpr (KIND == Q4_K) {
+    const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * (J / 2))));
+    return _mm512_and_si512(_mm512_srli_epi16(q, 4 * (J % 2)), nibble);
+  } else if constexpr (KIND == Q5_K) {
+    const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 48 + 32 * (J / 2))));
+    const __m512i low = _mm512_and_si512(_mm512_srli_epi16(q, 4 * (J % 2)), nibble);
+    const __mmask32 high = _mm256_test_epi8_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16)),
+                                                 _mm256_set1_epi8(static_cast<char>(1 << J)));
+    return _mm512_mask_add_epi16(low, high, low, _mm512_set1_epi16(16));
+  } else {
+    constexpr int h = J / 4, t = J % 4;
+    const __m512i ql = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32 * (t % 2))));
+    const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h)));
+    const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ql, 4 * (t / 2)), nibble);
+    const __m512i high = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * t), _mm512_set1_epi16(3)), 4);
+    return _mm512_sub_epi16(_mm512_or_si512(low, high), _mm512_set1_epi16(32));
+  }
+}
+
+// R k-quant output rows from `row` against MC activation rows from x16; ds [R][M][P] (P =
+// halves * nb_pad, entry b * halves + h: block b's (d * sc) * sx), pointing at the first of the
+// MC rows; out [R][MC]. Per output and block: lanes += scale * products (Q6_K: lanes 0..7 hold
+// the first 16 weights' pair sums, 8..15 the second's, each half its scale); the lanes summed.
+template <int KIND, int R, int MC>
+inline void k_tile_dot(const uint8_t* row, int64_t stride, const int16_t* x16, int64_t K, int64_t nsuper,
+                       const float* ds, int64_t M, int64_t P, float* out) {
+  __m512 acc[R][MC];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MC; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsuper; ++s) {
+    each_block([&]<int J>() {
+      const int64_t b = s * 8 + J;
+      __m512i c[R];
+      for (int r = 0; r < R; ++r) c[r] = k_codes16<KIND, J>(row + r * stride + s * super_bytes<KIND>());
+      for (int m = 0; m < MC; ++m) {
+        const __m512i xb = _mm512_loadu_si512(x16 + m * K + b * GROUP);
+        for (int r = 0; r < R; ++r) {
+          const float* at = ds + (r * M + m) * P + b * halves<KIND>();
+          __m512 scale = _mm512_set1_ps(at[0]);
+          if constexpr (KIND == Q6_K) scale = _mm512_mask_blend_ps(0xFF00, scale, _mm512_set1_ps(at[1]));
+          acc[r][m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_madd_epi16(c[r], xb)), acc[r][m]);
+        }
+      }
+    });
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MC; ++m) out[r * MC + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+template <int KIND, int R>
+inline void k_tile_rows(const uint8_t* row, int64_t stride, const Activation& a, int64_t m0, int64_t mc, int64_t K,
+                        int64_t nsuper, const float* ds, int64_t M, int64_t P, float* y) {
+  const int16_t* x16 = a.x16.data() + m0 * K;
+  const float* d0 = ds + m0 * P;
+  switch (mc) {
+    case 1: k_tile_dot<KIND, R, 1>(row, stride, x16, K, nsuper, d0, M, P, y); break;
+    case 2: k_tile_dot<KIND, R, 2>(row, stride, x16, K, nsuper, d0, M, P, y); break;
+    case 3: k_tile_dot<KIND, R, 3>(row, stride, x16, K, nsuper, d0, M, P, y); break;
+    default: k_tile_dot<KIND, R, 4>(row, stride, x16, K, nsuper, d0, M, P, y); break;
+  }
+}
+
+template <int KIND, typename T>
+void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), nb = K / GROUP, nsuper = K / SUPER;
+  const int64_t stride = blocks.stride(0);
+  const int64_t nb_pad = (nb + 15) / 16 * 16, P = halves<KIND>() * nb_pad;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
+  const Activation a = quantize(xf.const_data_ptr<float>(), M, K, nb_pad);
+  const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scale(ROWS * P, 0.f), mins(ROWS * nb_pad, 0.f), ds(ROWS * M * P, 0.f);  // zeros past nb
+    float y[ROWS * XROWS];
+    for (int64_t tile = first; tile < last; ++tile) {
+      const int64_t end = std::min(N, (tile + 1) * TILE);
+      for (int64_t n = tile * TILE; n < end; n += ROWS) {
+        const int64_t r = std::min(ROWS, end - n);
+        const uint8_t* row = bp + n * stride;
+        for (int64_t i = 0; i < r; ++i) {
+          k_scales_vec<KIND>(row + i * stride, nsuper, scale.data() + i * P, mins.data() + i * nb_pad);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t b = 0; b < nb; b += 8) {  // nb: a multiple of 8
+              const float* sc = scale.data() + i * P + b * halves<KIND>();
+              const float* sx = a.sx.data() + m * nb_pad + b;
+              float* at = ds.data() + (i * M + m) * P + b * halves<KIND>();
+              if constexpr (KIND == Q6_K) {  // each block's sx for both its halves
+                const __m256 x = _mm256_loadu_ps(sx);
+                const __m256 lo = _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+                const __m256 hi = _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+                _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_loadu_ps(sc), lo));
+                _mm256_storeu_ps(at + 8, _mm256_mul_ps(_mm256_loadu_ps(sc + 8), hi));
+              } else {
+                _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_loadu_ps(sc), _mm256_loadu_ps(sx)));
+              }
+            }
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += XROWS) {
+          const int64_t mc = std::min(XROWS, M - m0);
+          if (r == ROWS) {
+            k_tile_rows<KIND, ROWS>(row, stride, a, m0, mc, K, nsuper, ds.data(), M, P, y);
+          } else {
+            for (int64_t i = 0; i < r; ++i)
+              k_tile_rows<KIND, 1>(row + i * stride, stride, a, m0, mc, K, nsuper, ds.data() + i * M * P, M, P, y + i * mc);
+          }
+          for (int64_t i = 0; i < r; ++i)
+            for (int64_t m = 0; m < mc; ++m) {
+              float total = y[i * mc + m];
+              if constexpr (KIND != Q6_K) total += min_terms(mins.data() + i * nb_pad, a.sums.data() + (m0 + m) * nb_pad, nb_pad);
+              op[(m0 + m) * N + n + i] = static_cast<T>(total);
+            }
+        }
+      }
+    }
+  });
+}
+
 std::string path_name() { return HAS_VNNI ? "avx512 int16 avx512-vnni" : "avx512 int16"; }
 
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -512,6 +738,143 @@ void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   }
 }
 
+// Block J (0..7) of a k-quant super-block: its 32 codes as int16, weights 0..15 in lo, 16..31
+// in hi (q for Q4_K and Q5_K; q - 32 for Q6_K).
+template <int KIND, int J>
+inline void k_codes16(const uint8_t* sb, __m256i& lo, __m256i& hi) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  __m256i q;
+  if constexpr (KIND == Q4_K) {
+    q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * (J / 2))),
+                                           4 * (J % 2)), nibble);
+  } else if constexpr (KIND == Q5_K) {
+    const __m256i low = _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 48 + 32 * (J / 2))), 4 * (J % 2)), nibble);
+    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << J));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);  // 0xFF where bit J of qh[l] is set
+    q = _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+  } else {
+    constexpr int h = J / 4, t = J % 4;
+    const __m256i low = _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32 * (t % 2))), 4 * (t / 2)), nibble);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
+    const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3)), 4);
+    q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));  // -32..31
+    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+    return;
+  }
+  lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+  hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
+}
+
+// R k-quant output rows from `row` against MC activation rows from x16 (sx, sums with row pitch
+// nb); scale [R][nb] and mins [R][nb] from `k_scales_vec` (not Q6_K's); out [R][MC]. Per output
+// and block: lanes += ((d * sc) * sx) * products, the min term summed block by block; then the
+// lanes summed: one order whatever R, MC or threads. Q6_K: each half's codes times its int8
+// scale first ((q - 32) * sc: |.| <= 4096, exact in int16; a lane's 4 products < 2^29, exact
+// in int32, rounded once to float32), then lanes += (d * sx) * products: one multiply-add a
+// block, as the other kinds, where a float scale per half took two.
+template <int KIND, int R, int MC, bool VNNI>
+inline void k_tile_dot(const uint8_t* row, int64_t stride, const int16_t* x16, const float* sx, const float* sums,
+                       const float* scale, const float* mins_in, int64_t K, int64_t nsuper, float* out) {
+  const int64_t nb = nsuper * 8;
+  __m256 acc[R][MC];
+  float mins[R][MC];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MC; ++m) acc[r][m] = _mm256_setzero_ps(), mins[r][m] = 0.f;
+  for (int64_t s = 0; s < nsuper; ++s) {
+    float d6[R];  // Q6_K: the super-blocks' d
+    if constexpr (KIND == Q6_K)
+      for (int r = 0; r < R; ++r) d6[r] = half_f16c(row + r * stride + s * super_bytes<KIND>() + 208);
+    each_block([&]<int J>() {
+      const int64_t b = s * 8 + J;
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* sb = row + r * stride + s * super_bytes<KIND>();
+        __m256i lo, hi;
+        k_codes16<KIND, J>(sb, lo, hi);  // decoded once for the MC rows
+        float sc;
+        if constexpr (KIND == Q6_K) {
+          lo = _mm256_mullo_epi16(lo, _mm256_set1_epi16(static_cast<int8_t>(sb[192 + 2 * J])));
+          hi = _mm256_mullo_epi16(hi, _mm256_set1_epi16(static_cast<int8_t>(sb[193 + 2 * J])));
+          sc = d6[r];
+        } else {
+          sc = scale[r * nb + b];
+        }
+        for (int m = 0; m < MC; ++m) {
+          const int16_t* xb = x16 + m * K + b * GROUP;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
+          acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(sc * sx[m * nb + b]),
+                                      _mm256_cvtepi32_ps(pair_sums<VNNI>(lo, x0, hi, x1)), acc[r][m]);
+          if constexpr (KIND != Q6_K) mins[r][m] = std::fma(mins_in[r * nb + b], sums[m * nb + b], mins[r][m]);
+        }
+      }
+    });
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MC; ++m) out[r * MC + m] = KIND == Q6_K ? sum8(acc[r][m]) : sum8(acc[r][m]) + mins[r][m];
+}
+
+template <int KIND, int R, bool VNNI>
+inline void k_tile_rows(const uint8_t* row, int64_t stride, const Activation& a, int64_t m0, int64_t mc, int64_t K,
+                        int64_t nsuper, const float* scale, const float* mins, float* y) {
+  const int64_t nb = nsuper * 8;
+  const int16_t* x16 = a.x16.data() + m0 * K;
+  const float* sx = a.sx.data() + m0 * nb;
+  const float* sums = a.sums.data() + m0 * nb;
+  if (mc == 1) {
+    k_tile_dot<KIND, R, 1, VNNI>(row, stride, x16, sx, sums, scale, mins, K, nsuper, y);
+  } else {
+    k_tile_dot<KIND, R, 2, VNNI>(row, stride, x16, sx, sums, scale, mins, K, nsuper, y);
+  }
+}
+
+template <int KIND, bool VNNI, typename T>
+void k_gemv_with(const Activation& a, int64_t M, int64_t K, int64_t N, const uint8_t* bp, int64_t stride, T* op) {
+  const int64_t nb = K / GROUP, nsuper = K / SUPER;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (TILE * K));  // as gemv_with's
+  at::parallel_for(0, (N + TILE - 1) / TILE, grain, [&](int64_t first, int64_t last) {
+    std::vector<float> scale(ROWS * nb), mins(ROWS * nb);
+    float y[ROWS * XROWS_AVX2];
+    for (int64_t tile = first; tile < last; ++tile) {
+      const int64_t end = std::min(N, (tile + 1) * TILE);
+      for (int64_t n = tile * TILE; n < end; n += ROWS) {
+        const int64_t r = std::min(ROWS, end - n);
+        const uint8_t* row = bp + n * stride;
+        if constexpr (KIND != Q6_K)  // Q6_K's scales are read in the tile (k_tile_dot)
+          for (int64_t i = 0; i < r; ++i) k_scales_vec<KIND>(row + i * stride, nsuper, scale.data() + i * nb, mins.data() + i * nb);
+        for (int64_t m0 = 0; m0 < M; m0 += XROWS_AVX2) {
+          const int64_t mc = std::min(XROWS_AVX2, M - m0);
+          if (r == ROWS) {
+            k_tile_rows<KIND, ROWS, VNNI>(row, stride, a, m0, mc, K, nsuper, scale.data(), mins.data(), y);
+          } else {
+            for (int64_t i = 0; i < r; ++i)
+              k_tile_rows<KIND, 1, VNNI>(row + i * stride, stride, a, m0, mc, K, nsuper, scale.data() + i * nb,
+                                         mins.data() + i * nb, y + i * mc);
+          }
+          for (int64_t i = 0; i < r; ++i)
+            for (int64_t m = 0; m < mc; ++m) op[(m0 + m) * N + n + i] = static_cast<T>(y[i * mc + m]);
+        }
+      }
+    }
+  });
+}
+
+template <int KIND, typename T>
+void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
+  const Activation a = quantize(xf.const_data_ptr<float>(), M, K, K / GROUP);
+  const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
+  if (HAS_AVX_VNNI) {
+    k_gemv_with<KIND, true>(a, M, K, N, bp, blocks.stride(0), out.data_ptr<T>());
+  } else {
+    k_gemv_with<KIND, false>(a, M, K, N, bp, blocks.stride(0), out.data_ptr<T>());
+  }
+}
+
 std::string path_name() { return HAS_AVX_VNNI ? "avx2 int16 avx-vnni" : "avx2 int16"; }
 #else
 
@@ -570,34 +933,100 @@ void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   });
 }
 
+// Block j of a k-quant super-block: its 32 codes (q; q - 32 for Q6_K) as float.
+template <int KIND>
+inline void k_codes(const uint8_t* sb, int j, float* c) {
+  for (int l = 0; l < 32; ++l) {
+    if constexpr (KIND == Q4_K) {
+      c[l] = static_cast<float>((sb[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15);
+    } else if constexpr (KIND == Q5_K) {
+      c[l] = static_cast<float>(((sb[48 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15) | (((sb[16 + l] >> j) & 1) << 4));
+    } else {
+      const int h = j / 4, t = j % 4;
+      const int q = ((sb[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 15) | (((sb[128 + 32 * h + l] >> (2 * t)) & 3) << 4);
+      c[l] = static_cast<float>(q - 32);
+    }
+  }
+}
+
+template <int KIND>
+float k_row_dot(const uint8_t* row, const float* x, int64_t nsuper, float* scale, float* mins) {
+  k_scales<KIND>(row, nsuper, scale, mins);
+  float acc[16] = {}, min_sum = 0.f, c[32];
+  for (int64_t s = 0; s < nsuper; ++s) {
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = s * 8 + j;
+      const float* xb = x + b * GROUP;
+      k_codes<KIND>(row + s * super_bytes<KIND>(), j, c);
+      const float s0 = scale[b * halves<KIND>()], s1 = scale[b * halves<KIND>() + halves<KIND>() - 1];
+      for (int l = 0; l < 16; ++l) acc[l] += s0 * c[l] * xb[l] + s1 * c[l + 16] * xb[l + 16];
+      if constexpr (KIND != Q6_K) {
+        float sum = 0.f;
+        for (int l = 0; l < GROUP; ++l) sum += xb[l];
+        min_sum += mins[b] * sum;
+      }
+    }
+  }
+  float total = 0.f;
+  for (int l = 0; l < 16; ++l) total += acc[l];
+  return total + min_sum;
+}
+
+template <int KIND, typename T>
+void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), nsuper = K / SUPER;
+  const int64_t stride = blocks.stride(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
+  const float* xp = xf.const_data_ptr<float>();
+  const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scale(nsuper * 16), mins(nsuper * 8);
+    for (int64_t n = first * TILE; n < std::min(N, last * TILE); ++n)
+      for (int64_t m = 0; m < M; ++m)
+        op[m * N + n] = static_cast<T>(k_row_dot<KIND>(bp + n * stride, xp + m * K, nsuper, scale.data(), mins.data()));
+  });
+}
 
 std::string path_name() { return "plain float32"; }
 
 #endif
 
+template <int KIND, typename T>
+void run(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+  if constexpr (is_k<KIND>()) {
+    k_gemv<KIND, T>(x, blocks, out);
+  } else {
+    gemv<KIND, T>(x, blocks, out);
+  }
+}
+
 template <int KIND>
 void dispatch(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   if (x.scalar_type() == at::kBFloat16) {
-    gemv<KIND, c10::BFloat16>(x, blocks, out);
+    run<KIND, c10::BFloat16>(x, blocks, out);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "block_gemv takes bfloat16 or float32 activations");
-    gemv<KIND, float>(x, blocks, out);
+    run<KIND, float>(x, blocks, out);
   }
 }
 
 at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "block_gemv takes x [M, K] and blocks [N, K/32 * bytes]");
-  TORCH_CHECK(kind == 8 || kind == 5 || kind == 4, "block_gemv kind is 8 (Q8_0), 5 (Q5_0) or 4 (Q4_1)");
+  const bool k_quant = kind == Q4_K || kind == Q5_K || kind == Q6_K;
+  TORCH_CHECK(kind == 8 || kind == 5 || kind == 4 || k_quant,
+              "block_gemv kind is 8 (Q8_0), 5 (Q5_0), 4 (Q4_1), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.stride(1) == 1, "blocks must be uint8 rows");
-  TORCH_CHECK(x.size(1) % GROUP == 0, "K must be a multiple of 32");
-  TORCH_CHECK(blocks.size(1) == x.size(1) / GROUP * bytes_of(kind), "blocks do not match K for this kind");
+  TORCH_CHECK(x.size(1) % (k_quant ? SUPER : GROUP) == 0, "K must be a multiple of 32 (of 256 for a k-quant)");
+  TORCH_CHECK(blocks.size(1) == row_bytes(kind, x.size(1)), "blocks do not match K for this kind");
   at::Tensor out = at::empty({x.size(0), blocks.size(0)}, x.options());
-  if (kind == 8) {
-    dispatch<8>(x, blocks, out);
-  } else if (kind == 5) {
-    dispatch<5>(x, blocks, out);
-  } else {
-    dispatch<4>(x, blocks, out);
+  switch (kind) {
+    case 8: dispatch<8>(x, blocks, out); break;
+    case 5: dispatch<5>(x, blocks, out); break;
+    case 4: dispatch<4>(x, blocks, out); break;
+    case Q4_K: dispatch<Q4_K>(x, blocks, out); break;
+    case Q5_K: dispatch<Q5_K>(x, blocks, out); break;
+    default: dispatch<Q6_K>(x, blocks, out); break;
   }
   return out;
 }
