@@ -2,8 +2,9 @@
 
 Each tiny model of tests/unit/tiny_gguf.py is written as a Q4_K_M-like GGUF and loaded with
 memrad.engine.model.loader.load_model, which converts it (memrad.engine.model.pull.pull_gguf) and
-keeps its blocks: float weights bit-identical to what the GGUF holds, the Q4_K projections
-on the int4 kernel, the Q8_0 head on its blocks, Q6_K dense with the reason, and the tokenizer
+keeps its blocks: float weights bit-identical to what the GGUF holds, the Q8_0 head, the Q4_K and
+Q6_K projections on memra's block kernel where it is the faster (the timing fixed here), a
+mixture of experts' 3-D tensors dense with the reason, and the tokenizer
 and chat template as written (the byte-level BPE read back as written, except for Gemma 2, whose
 GGUF vocabulary transformers reads as SentencePiece, as real Gemma GGUFs ship it).
 """
@@ -11,15 +12,24 @@ GGUF vocabulary transformers reads as SentencePiece, as real Gemma GGUFs ship it
 import pytest
 import torch
 
+from memrad.engine.kernels import block_gemv
+from memrad.engine.model import kernel_choice
 from memrad.engine.model.loader import load_model
 from tiny import build_tokenizer
 from tiny_gguf import ARCHITECTURES, tiny_gguf
 
 CLASSES = {"qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-           "qwen3_moe": "Qwen3MoeForCausalLM"}
-# (int4 tensors, dense Q6_K ffn_down tensors) of each tiny model on `auto` (Qwen3-MoE's ffn_down
-# is its 3-D experts': memrad.engine.model.formats says what they run as)
-PACKED = {"qwen3": (12, 2), "phi3": (6, 2), "gemma2": (24, 4), "qwen3_moe": (8, 0)}
+           "qwen3_moe": "Qwen3MoeForCausalLM", "lfm2": "Lfm2ForCausalLM"}
+# What each tiny model's tensors run as on `auto`, with memra's block kernel measured the faster
+# wherever it is measured (Qwen3-MoE's 3-D experts stay dense: memrad.engine.model.formats says
+# what a token reads of them)
+TENSORS = {"qwen3": "Q8_0 blocks 1, Q6_K blocks 2, Q4_K blocks 12",
+           "phi3": "Q8_0 blocks 1, Q6_K blocks 2, Q4_K blocks 6",
+           "gemma2": "Q8_0 blocks 1, Q6_K blocks 4, Q4_K blocks 24",
+           "qwen3_moe": "Q8_0 blocks 1, dense bfloat16 4, Q4_K blocks 8",
+           "lfm2": "Q8_0 blocks 1, Q4_K blocks 28, Q6_K blocks 6"}
+DOWN = {"qwen3": ("mlp.down_proj", 2), "phi3": ("mlp.down_proj", 2), "gemma2": ("mlp.down_proj", 4),
+        "lfm2": ("feed_forward.w2", 6)}  # each one's Q6_K projections
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +60,17 @@ def test_a_gguf_loads_through_memras_path_bit_identical_to_what_it_holds(written
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_its_quants_run_as_shipped_and_say_which_stay_dense(written, arch):
+def test_its_quants_run_as_shipped_and_say_which_stay_dense(written, arch, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "_fastest", lambda first, second: (1e-6, 2e-6))  # the block kernel wins
     path, _ = written[arch]
     loaded = load_model(str(path), device="cpu", dtype="bfloat16", weights="auto", progress=lambda _: None)
-    int4, dense = PACKED[arch]
     assert loaded.weights.value == "int4"
-    if dense:
-        assert loaded.tensors.value == f"Q8_0 blocks 1, dense bfloat16 {dense}, int4 {int4}"
-        assert (f"mlp.down_proj Q6_K x{dense}: dense bfloat16 (16-weight sub-blocks with their own scales: no exact "
-                "form in the kernel's 32-weight groups)") in loaded.tensors.reason
+    assert loaded.tensors.value == TENSORS[arch]
+    if arch in DOWN:
+        name, count = DOWN[arch]
+        assert (f"{name} Q6_K x{count}: Q6_K blocks (memra block kernel, {block_gemv.path()}, 2.0x dense bfloat16 "
+                "(measured at load, one row))") in loaded.tensors.reason
     else:  # Qwen3-MoE: the 3-D experts, dense, and what a token reads of them (2 of 8, 2 layers, bf16)
-        assert loaded.tensors.value == f"Q8_0 blocks 1, dense bfloat16 4, int4 {int4}"
         assert ("mlp.experts.down_proj Q6_K x2: dense bfloat16 (3-D expert tensors, dequantised: no packed form; "
                 f"a token reads {2 * 2 * 256 * 768 * 2:,} B of them)") in loaded.tensors.reason
         assert ("mlp.experts.gate_up_proj Q4_K x2: dense bfloat16 (3-D expert tensors, dequantised: no packed form; "

@@ -60,7 +60,9 @@ class NativeSteps:
         self.eager = retabled(eager, model, switch, max_positions)
         self._packages: dict[Path, step_package.PackagedStep] = {}
         self._batch_packages: dict[Path, step_package.PackagedBatch] = {}
-        self._batches: dict[int, BatchStep] = {}  # id(the served BatchStep) -> its twin
+        # id(the served BatchStep) -> (that step, its twin): the step is held so that its id is
+        # never reused by another one's (a verify step found inexact is dropped)
+        self._batches: dict[int, tuple[BatchStep, BatchStep]] = {}
 
     def one_row(self, step: Any, kernel: bool, path: Path) -> Any:
         """The native twin of a one-row step: the twin for the eager step, the package at
@@ -76,7 +78,7 @@ class NativeSteps:
         """The native twin of a served BatchStep (and of its smaller twins); `path_for(rows)`: its
         package's path; `alone`: the native one-row feed, used where the served step's is."""
         key = id(batched)
-        if key not in self._batches:
+        if key not in self._batches or self._batches[key][0] is not batched:
             graph: Any = BatchGraph(self.eager, batched.kernel)
             if batched.compiled:
                 path = path_for(batched.rows)
@@ -87,8 +89,8 @@ class NativeSteps:
                              BatchGraph(self.eager, batched.kernel), batched.compiled)
             twin.alone = alone if batched.alone is not None else None
             twin.smaller = [self.batch(smaller, path_for, None) for smaller in batched.smaller]
-            self._batches[key] = twin
-        return self._batches[key]
+            self._batches[key] = (batched, twin)
+        return self._batches[key][1]
 
 
 def under_native(switch: RopeSwitch, run: Any) -> Any:
