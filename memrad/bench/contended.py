@@ -8,8 +8,8 @@ under quietbench: the loops it starts are not reniced), in one process on the mo
 and adaptive (memrad.engine.team), each a cold prefill of --prompt tokens (tok/s: the prompt
 over the time to the first token) and then greedy decode for --decode-s seconds (tok/s over
 the last half of the tokens: the adaptive count needs a few seconds to move), and the thread
-counts each ended at with why. llama-bench (-p, -n 32) at its default threads and at 1 runs
-in the same load when given. Never run in CI: numbers go to docs/BENCHMARKS.md with the CPU.
+counts each ended at with why. llama-bench (-p, and -n 32 at a depth of --prompt tokens, where
+memrad's decode runs) at its default threads and at 1 runs in the same load when given. Never run in CI: numbers go to docs/BENCHMARKS.md with the CPU.
 """
 
 from __future__ import annotations
@@ -51,13 +51,19 @@ def run_arm(engine: Engine, prompt: tuple[int, ...], decode_s: float) -> dict:
 
 
 def peer(llama_bench: Path, gguf: Path, prompt: int, threads: int | None) -> dict:
-    cmd = [str(llama_bench), "-m", str(gguf), "-p", str(prompt), "-n", "32", "-r", "2", "-o", "json"]
+    """llama-bench's cold prefill of `prompt` tokens (depth 0) and its decode after `prompt`
+    tokens of context (`-d`: memrad's decode runs there too)."""
+    cmd = [str(llama_bench), "-m", str(gguf), "-p", str(prompt), "-n", "32", "-d", f"0,{prompt}", "-r", "2",
+           "-o", "json"]
     if threads is not None:
         cmd += ["-t", str(threads)]
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     out = {"threads": rows[0].get("n_threads")}
     for row in rows:
-        out["prefill_tok_s" if row.get("n_prompt") else "decode_tok_s"] = row["avg_ts"]
+        if row.get("n_prompt") and not row.get("n_depth"):
+            out["prefill_tok_s"] = row["avg_ts"]
+        elif row.get("n_gen") and row.get("n_depth"):
+            out["decode_tok_s"] = row["avg_ts"]
     return out
 
 

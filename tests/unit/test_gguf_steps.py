@@ -4,7 +4,8 @@ Each tiny model of tests/unit/tiny_gguf.py, loaded through memra's GGUF path: Qw
 q/k RMSNorms) and Phi-3 (fused qkv and gate/up run as shipped) on the llama-shaped step, Gemma 2
 (soft-capped attention and final logits, alternating sliding windows of 8) on its own, each
 named in `memrad status`; in bf16 (what `auto` runs on this CPU) the step's logits are
-transformers' forward's bit for bit, with float weights and with the Q4_K blocks on the int4
+transformers' forward's bit for bit (the forward attending one token with the step's layout, as
+tests/unit/test_experts.py says why), with float weights and with the Q4_K blocks on the int4
 kernel (fp32: within rounding of the fused matmul; Gemma 2's bit for bit too, and it would not
 be without the attention soft-cap); the batched step (llama-shaped) gives a request's row the
 same bits at any neighbours and alone; and an engine resumes turns bit-identically to their
@@ -24,6 +25,7 @@ from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
 from stories import make_engine
 from test_batching import rows_are_their_own
+from test_experts import with_the_steps_attention_layout
 from test_gemma_step import compiled_turns_equal_cold
 from test_reuse import conversation
 from tiny_gguf import tiny_gguf
@@ -77,6 +79,8 @@ def test_the_step_decodes_transformers_bits(ggufs, arch, dtype, weights, toleran
     b = prefill(loaded.model, theirs, PROMPT, 0, 16)
     if arch == "gemma2":
         tolerance = 0.0  # no fused matmul changes a shape: every dtype gives the forward's bits
+    else:  # the forward attends one token as the step does (test_experts: one row per head differs now and then)
+        with_the_steps_attention_layout(loaded.model)
     for step in range(12):  # Gemma 2: past its window of 8 (the 40-token prompt already is)
         token = int(b.argmax())
         a = feed(ours, token, len(PROMPT) + step)
