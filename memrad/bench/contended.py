@@ -1,9 +1,10 @@
 """`memrad bench contended`: prefill and decode with busy processes beside memrad.
 
     memrad bench contended [--busy 0 1] [--prompt 512] [--decode-s 12] [--peer LLAMA_BENCH --gguf GGUF]
+                           [--busy-command 'python3 -m pytest -q tests/unit/test_rope.py']
 
-Per load (0, 1, ... busy loops `python -c 'while 1: pass'`, started by this harness, so run it
-under quietbench: the loops it starts are not reniced), in one process on the model as served
+Per load (0, 1, ... busy loops `python -c 'while 1: pass'`, or --busy-command run again and
+again, started by this harness, so run it under freezebench: what it starts is its own), in one process on the model as served
 (auto dtype and weights, the compiled one-row step): two engines, threads fixed at all cores
 and adaptive (memrad.engine.team), each a cold prefill of --prompt tokens (tok/s: the prompt
 over the time to the first token) and then greedy decode for --decode-s seconds (tok/s over
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,8 +29,18 @@ from memrad.engine.model.loader import load_model, resolve_threads
 from memrad.request import GenerationRequest, SamplingParams
 
 
-def busy(count: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(count)]
+def busy(count: int, command: str | None = None) -> list[subprocess.Popen]:
+    """`count` busy processes: loops `python -c 'while 1: pass'`, or `command` run again and again
+    (a real load: a test run, a build), each in its own process group."""
+    argv = ["sh", "-c", f"while :; do {command}; done"] if command else [sys.executable, "-c", "while 1: pass"]
+    return [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            for _ in range(count)]
+
+
+def stop(loops: list[subprocess.Popen]) -> None:
+    for loop in loops:
+        os.killpg(loop.pid, signal.SIGKILL)
+        loop.wait()
 
 
 def run_arm(engine: Engine, prompt: tuple[int, ...], decode_s: float) -> dict:
@@ -75,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-s", type=float, default=12.0)
     parser.add_argument("--peer", type=Path, help="llama.cpp's llama-bench")
     parser.add_argument("--gguf", type=Path)
+    parser.add_argument("--busy-command", help="a shell command each busy process runs again and again, in place "
+                                               "of the busy loop (a real load: a test run)")
     args = parser.parse_args(argv)
     threads = resolve_threads(0)
     loaded = load_model(args.model, device="cpu", progress=lambda _: None)
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = tuple(range(1000, 1000 + args.prompt))
     results = []
     for count in args.busy:
-        loops = busy(count)
+        loops = busy(count, args.busy_command)
         try:
             time.sleep(1.0)
             for name, engine in arms.items():
@@ -102,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(row)
                     print(json.dumps(row), flush=True)
         finally:
-            for loop in loops:
-                loop.kill()
+            stop(loops)
     return 0
 
 
