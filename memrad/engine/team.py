@@ -16,6 +16,11 @@ of what the process may run at all, and moves it by one on what its steps say:
               (when below the ceiling) or one below (at the ceiling: a machine busy since
               the start has no quiet time to compare with); the probe count wins when its
               steps take < BETTER x the current count's recent steps
+    after idle  a phase that ran no step for IDLE_S forgets its recent steps (the machine
+              may have changed meanwhile: an agent's build started) and probes once
+              PROBE_STEPS steps at its count are in, not at the backed-off interval (a reply
+              after a busy idle stretch had run whole at the slow count: its quiet time had
+              left the window and the next probe was up to PROBE_MAX_S away)
 
                  quiet       busy      (2 cores, one busy process beside)
     2 threads    1.0         4.5
@@ -52,6 +57,7 @@ PROBE_MAX_S = 120.0
 PROBE_STEPS = 2
 BETTER = 0.85
 RECENT_STEPS = 8  # the current count's steps a probe is compared with
+IDLE_S = 5.0  # a phase with no step for this long probes again soon
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,8 @@ class _PhaseTeam:
     probe_gap_s: float = PROBE_FIRST_S
     next_probe_s: float = PROBE_FIRST_S
     probe_up: bool = True
+    last_step_s: float | None = None
+    probe_soon: bool = False  # back from idle: probe once PROBE_STEPS steps at the count are in
 
 
 class TeamPolicy:
@@ -134,7 +142,13 @@ class TeamPolicy:
         team = self._teams[phase]
         if self.fixed or phase in self.steady or self.ceiling.cpus == 1:
             return team.count
-        if team.probe is None and now_s >= team.next_probe_s:
+        if team.last_step_s is not None and now_s - team.last_step_s >= IDLE_S:
+            team.recent.clear()
+            team.probe, team.probe_soon, team.last_step_s = None, True, None
+        # back from idle: once steps at the count are in to compare with (the interval's may be past)
+        due = (len(team.recent.get(team.count, ())) >= PROBE_STEPS if team.probe_soon
+               else now_s >= team.next_probe_s)
+        if team.probe is None and due:
             up_ok, down_ok = team.count < self.ceiling.cpus, team.count > 1
             up = up_ok and (team.probe_up or not down_ok)
             team.probe_up = not up  # alternate where both directions are open
@@ -147,6 +161,7 @@ class TeamPolicy:
         per = seconds / max(1, work)
         if self.fixed or phase in self.steady:
             return None
+        team.last_step_s = now_s
         probe = team.probe
         if probe is not None and threads == probe.count:
             _record(team, threads, per, now_s)
@@ -179,7 +194,7 @@ class TeamPolicy:
                 for phase, team in self._teams.items() if team.count > ceiling.cpus and phase not in self.steady]
 
     def _probed(self, phase: Phase, team: _PhaseTeam, probe: _Probe, now_s: float) -> ThreadsEvent | None:
-        team.probe = None
+        team.probe, team.probe_soon = None, False
         recent = team.recent.get(team.count)
         if recent:
             ratio = statistics.median(probe.seconds_per_work) / statistics.median(recent)
@@ -197,6 +212,7 @@ class TeamPolicy:
         change = ThreadsEvent(now_s, phase, before, after, reason,
                               ", ".join(f"{p} {t.count}" for p, t in self._teams.items()))
         team.slow_since_s, team.slow_steps, team.slow_ratios, team.probe = None, 0, [], None
+        team.probe_soon = False
         team.probe_gap_s = PROBE_FIRST_S
         team.next_probe_s = now_s + PROBE_FIRST_S
         return change

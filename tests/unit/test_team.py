@@ -108,3 +108,23 @@ def test_a_steady_phase_keeps_its_starting_count_whatever_its_steps_say():
     assert policy.reason("prefill") == "exact mode: prefill GEMMs differ by count"
     assert policy.set_ceiling(Ceiling(1, "the cgroup quota allows 1 CPUs"), 5.0)[0].phase == "decode"
     assert policy.count("prefill") == 2
+
+
+def test_a_phase_back_from_idle_on_a_busy_machine_probes_at_once_instead_of_after_the_backoff():
+    """`memrad bench contended` found it: quiet decode, then 60 s without a step while the
+    machine got busy (the quiet time left its window, the probe interval had backed off), and the
+    next reply ran whole at 2 threads, 4.5x slow."""
+    policy = TeamPolicy(TWO)
+    quiet, busy = {2: 0.010, 1: 0.018}, {2: 0.045, 1: 0.019}
+    _, now, _ = run(policy, "decode", quiet, 0.0, 7000)  # 70 s quiet: probes at 1 lost, each later
+    changes, _, counts = run(policy, "decode", busy, now + 60.0, 10)
+    assert counts[:4] == [2, 2, 1, 1]  # two steps at its count, then a probe of two at 1
+    assert changes == [("decode", 2, 1, "a probe at 1 ran 0.42x the time of the steps at 2")]
+
+
+def test_back_from_idle_on_a_quiet_machine_the_probe_loses_and_the_count_stays():
+    policy = TeamPolicy(TWO)
+    quiet = {2: 0.010, 1: 0.018}
+    _, now, _ = run(policy, "decode", quiet, 0.0, 7000)
+    changes, _, counts = run(policy, "decode", quiet, now + 60.0, 500)
+    assert changes == [] and counts[:4] == [2, 2, 1, 1] and counts[4:].count(1) == 0  # one probe, then none for 5 s
