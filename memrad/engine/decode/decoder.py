@@ -156,7 +156,7 @@ class Decoder:
         if self.switch is not None and isinstance(self.eager, DecodeStep):
             self.native = native_steps.NativeSteps(self.switch, model, self.eager, context_len, self.capacity)
         if self.batch_rows and not steps.has_batched(self.eager):
-            self.batch_rows = None  # Gemma 3, Gemma 2, the hybrids: no batched step, one row at a time
+            self.batch_rows = None  # the hybrids: no batched step, one row at a time
         if self.batch_rows:
             self.batch_choice = Choice("eager", f"compile = {mode}: the eager batched step"
                                        + (" (compiled with the one-row step)" if mode != "off" else ""))
@@ -488,7 +488,7 @@ class Decoder:
     def batch_step(self, rows: int, cancelled: Callable[[], bool] = lambda: False) -> BatchStep | None:
         """The batched step of `rows` rows a new request decodes with, or None where it
         decodes one row at a time on `feeder()`'s step: where this model has no batched step
-        (Gemma 3, the hybrids, transformers' forward), and while the one-row step is compiled
+        (the hybrids, transformers' forward), and while the one-row step is compiled
         and the batched one is not (its package is built after the one-row one): a batched
         row's bits are the compiled one-row step's, not the eager batched step's. The compiled
         one once its package is open (`batch_rows` rows), else the eager llama-shaped step's
