@@ -25,6 +25,13 @@ last. Its size n is the graph's second symbolic size (every sliding layer's view
 row of the window is copied. The rope angles are computed in the graph from each kind's
 inverse frequencies as transformers computes them (float32, then the model's dtype): two
 tables of 256-wide rows for 32k positions would cost more memory than the layers' KV.
+
+`forward_rows` is the same for B requests' tokens at once (the batched step,
+memrad.engine.decode.batch): x [B, 1, hidden], each projection one matmul for every row, and
+per row its rope, its KV row written into its own slab or window view, attention over those
+only, and the final soft-cap. The one-row `forward` is its call at B = 1, so where a matmul's
+row does not depend on M (bf16 on the int4 and block kernels, bf16 dense) a lone row is the
+one-row step's bits. Gemma 2's step (memrad.engine.decode.steps.gemma2) runs the same rows.
 """
 
 from __future__ import annotations
