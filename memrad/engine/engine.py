@@ -107,7 +107,7 @@ class EngineOptions:
     max_batch: int = 1
     # Each iteration prefills at least one chunk and more while under this many tokens (None: one chunk).
     prefill_budget: int | None = None
-    # "batched": one step of max_batch rows for the llama-shaped models (weights read once);
+    # "batched": one step of max_batch rows where the step has a batched twin (weights read once);
     # "rows": each flight on the one-row step (compiled once ready), one after another.
     batch_decode: str = "batched"
     # A grammar's compile (with its first mask) slower than this is refused (limits.grammar_compile_s).

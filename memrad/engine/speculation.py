@@ -160,9 +160,9 @@ def plan(setting: str, decoder: Any, feed: Any, native: bool = False) -> Specula
         return Speculation(False, "speculate = off")
     if decoder.step is None:
         return Speculation(False, f"transformers' forward decodes this model ({decoder.choice.reason})")
-    if not isinstance(decoder.eager_step, DecodeStep):  # LFM2's batched step: its conv state holds no rows to cut
+    if not isinstance(decoder.eager_step, DecodeStep):  # LFM2's, Gemma's batched steps: no rows to cut back
         return Speculation(False, "no multi-row step whose rejected drafts can be cut back for this model "
-                                  "(Gemma 3, the hybrids, LFM2's conv state)")
+                                  "(Gemma's sliding windows, the hybrids, LFM2's conv state)")
     if isinstance(feed, BatchStep):
         if not all(decoder.runs_exact(step) for step in (*feed.smaller, feed)):
             return Speculation(False, f"the {feed.step} batched step does not give a run of rows on one slab "

@@ -194,10 +194,10 @@ def test_batch_decode_rows_runs_each_flight_on_the_one_row_step_with_the_same_bi
     assert make_engine(tiny_loaded, CHUNK).runtime_choices["batch"]["value"] == "one at a time"
 
 
-def _counting_graph(engine):
-    """The engine's batched step, its graphs (and its smaller twins') wrapped to count the
-    steps they run: [(rows of the step, requests in it)]."""
-    feed = engine.decoder.batch_step(4)
+def _counting_graph(engine, rows=4):
+    """The engine's batched step of `rows` rows, its graphs (and its smaller twins') wrapped to
+    count the steps they run: [(rows of the step, requests in it)]."""
+    feed = engine.decoder.batch_step(rows)
     calls = []
     for step in (feed, *feed.smaller):
         def counted(graph, buffers, *args, run=step._run, rows=step.rows):

@@ -7,9 +7,10 @@ named in `memrad status`; in bf16 (what `auto` runs on this CPU) the step's logi
 transformers' forward's bit for bit (the forward attending one token with the step's layout, as
 tests/unit/test_experts.py says why), with float weights and with the Q4_K blocks on the int4
 kernel (fp32: within rounding of the fused matmul; Gemma 2's bit for bit too, and it would not
-be without the attention soft-cap); the batched step (llama-shaped) gives a request's row the
-same bits at any neighbours and alone; and an engine resumes turns bit-identically to their
-cold runs.
+be without the attention soft-cap); the batched step (the llama-shaped one's twin and Gemma 2's
+rows) gives a request's row the same bits at any neighbours and alone, Gemma 2's step after
+step past its window, float weights and int4; and an engine resumes turns bit-identically to
+their cold runs.
 """
 
 import pytest
@@ -26,12 +27,12 @@ from memrad.engine.model.loader import load_model
 from stories import make_engine
 from test_batching import rows_are_their_own
 from test_experts import with_the_steps_attention_layout
-from test_gemma_step import compiled_turns_equal_cold
+from test_gemma_step import compiled_turns_equal_cold, rows_decode_their_own_bits
 from test_reuse import conversation
 from tiny_gguf import tiny_gguf
 
 STEPPED = ("qwen3", "phi3", "gemma2", "qwen3_moe")
-BATCHED = ("qwen3", "phi3", "qwen3_moe")  # the llama-shaped step's batched twin; Gemma 2 decodes one row at a time
+BATCHED = ("qwen3", "phi3", "qwen3_moe", "gemma2")  # the llama-shaped step's batched twin, and Gemma 2's rows
 LAYERS = {"qwen3": "2 full-attention", "phi3": "2 full-attention", "gemma2": "2 sliding-window, 2 full-attention",
           "qwen3_moe": "2 full-attention; experts: top 2 of 8 per token"}
 NAMES = {"qwen3_moe": "qwen3-moe"}  # what `memrad status` names the step, where not the architecture
@@ -119,6 +120,14 @@ def test_every_row_of_the_batched_step_is_its_own_at_any_neighbours(ggufs, arch)
     cache = engine.new_cache()  # the one-row step gives the lone row the batched step's bits
     prefill(loaded.model, cache, list(range(5, 45)), 0, 16)
     assert torch.equal(engine.decoder.feeder()(cache, 11, 40).float(), first)
+
+
+@pytest.mark.parametrize("weights", ["float", "auto"])
+def test_a_gemma2_row_is_its_own_and_the_one_row_steps_past_the_window(ggufs, weights):
+    loaded = fresh(ggufs["gemma2"], "bfloat16", weights)
+    engine = make_engine(loaded, 16, max_batch=4)
+    assert engine.runtime_choices["batch"]["value"] == "batched, 4 rows"
+    rows_decode_their_own_bits(engine, loaded.model, loaded.model.config.sliding_window)
 
 
 @pytest.mark.parametrize("arch", STEPPED)

@@ -198,13 +198,14 @@ def save_tiny(folder: Path, kind: str) -> Path:
     return folder
 
 
-def write_q4_folder(folder: Path) -> Path:
-    """The tiny llama shaped like SmolLM2's GGUF, as `memrad pull` leaves one: Q4_1 layers and
-    a Q8_0 head tied to the embedding, their blocks kept beside the float weights."""
+def write_q4_folder(folder: Path, kind: str = "llama") -> Path:
+    """The tiny llama (or `kind` "gemma3": the tiny Gemma 3) shaped like SmolLM2's GGUF, as `memrad
+    pull` leaves one: Q4_1 layers and a Q8_0 head tied to the embedding, their blocks kept
+    beside the float weights."""
     from memrad.engine.model.weights import quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache, write_q8_cache
 
     tokenizer = build_tokenizer()
-    model = build_llama(len(tokenizer), tied=True)
+    model = build_gemma3(len(tokenizer)) if kind == "gemma3" else build_llama(len(tokenizer), tied=True)
     blocks, head = quantize_layers_q4_1(model), quantize_head_q8_0(model)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

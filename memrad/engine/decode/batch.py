@@ -17,6 +17,13 @@ LFM2 (memrad.engine.decode.steps.lfm2) runs here too: its attention layers are l
 its short-convolution layers run their in_proj, out_proj and MLP as one matmul for every row and
 the convolution per row, over that request's own conv state (keys[r] of the layer).
 
+Gemma 3 and Gemma 2 (memrad.engine.decode.steps.gemma, gemma2) run their rows themselves
+(`forward_rows`, whose call at B = 1 is their one-row step): the same matmuls for every row,
+and per row the rope at its own position, its KV row written into its own slab or window view
+and attention over those only. A sliding layer's row attends its request's window view
+[1, H_kv, n_r, D], n_r = min(positions[r] + 1, W), as the one-row step does; the final soft-cap
+runs row by row.
+
 `BatchGraph` is that function over tensors only, so it runs eager or is exported and
 compiled into one AOTInductor graph (memrad.engine.decode.package, `rows`): each row's
 attended length is its own symbol there, every other size static. `BatchStep` hands it the
@@ -57,8 +64,8 @@ Graph = Callable[..., torch.Tensor]
 
 
 class BatchGraph(nn.Module):
-    """The batched step over tensors only; shares every weight with `step` (a DecodeStep, or
-    an Lfm2Step: `steps.has_batched`)."""
+    """The batched step over tensors only; shares every weight with `step` (a DecodeStep, an
+    Lfm2Step, or a Gemma step, which computes its rows itself: `steps.has_batched`)."""
 
     def __init__(self, step: DecodeStep, kernel: bool) -> None:
         super().__init__()
@@ -67,9 +74,13 @@ class BatchGraph(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[torch.Tensor],
                 keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]]) -> torch.Tensor:
         """Logits [B, V] after tokens [B] at positions [B]; rows[r]: `attended_rows` of row r;
-        keys[r][layer], values[r][layer]: row r's slab [1, H_kv, capacity, D], its KV row written."""
+        keys[r][layer], values[r][layer]: row r's slab [1, H_kv, capacity, D] (a sliding layer's:
+        its window view [1, H_kv, n_r, D]), its KV row written."""
         step, batch = self.step, tokens.shape[0]
         lengths = [r.shape[0] for r in rows]
+        own_rows = getattr(step, "forward_rows", None)
+        if own_rows is not None:  # Gemma 3, Gemma 2: their one-row step is this call at B = 1
+            return own_rows(tokens, positions, lengths, keys, values, self.kernel)
         x = step.embed(tokens).view(batch, 1, -1)  # [B, 1, hidden]
         cos = step.cos.index_select(0, positions)[:, None]  # [B, 1, D]: broadcast over heads
         sin = step.sin.index_select(0, positions)[:, None]
@@ -178,7 +189,7 @@ class BatchStep:
 
     def _run(self, graph: Graph, buffers: list, tokens: list[int], positions: list[int]) -> torch.Tensor:
         pad = self.rows - len(buffers)
-        device = self.eager.step.cos.device
+        device = self.eager.step.embed.weight.device
         slabs = [*buffers, *([list(zip(*pair)) for pair in self.scratch[:pad]])]  # [B][layer] (keys, values)
         lengths = [*(at + 1 for at in positions), *([2] * pad)]
         token = torch.tensor([*tokens, *([0] * pad)], device=device)  # [B]

@@ -136,7 +136,7 @@ class Decoder:
         self._batched: dict[tuple[int, bool, bool], BatchStep] = {}  # (rows, kernel, compiled) -> the batched step
         self._batch_lock = threading.Lock()  # one maker of a batched step at a time (`warm_batch`, the engine)
         self._verify: dict[tuple[int, bool], BatchStep | None] = {}  # (rows, kernel) -> speculation's step, checked
-        # The batched step compiled beside the one-row step (llama-shaped, memra's kernel):
+        # The batched step compiled beside the one-row step (a step with a batched twin, memra's kernel):
         # its packages are built and opened with the one-row one, and `batch_choice` says how it went.
         self.batch_rows = batch_rows if batch_rows and batch_rows > 1 else None
         self.batch_packages: dict[int, step_package.PackagedBatch] = {}  # rows -> the package
@@ -156,7 +156,7 @@ class Decoder:
         if self.switch is not None and isinstance(self.eager, DecodeStep):
             self.native = native_steps.NativeSteps(self.switch, model, self.eager, context_len, self.capacity)
         if self.batch_rows and not steps.has_batched(self.eager):
-            self.batch_rows = None  # Gemma 3, Gemma 2, the hybrids: no batched step, one row at a time
+            self.batch_rows = None  # the hybrids: no batched step, one row at a time
         if self.batch_rows:
             self.batch_choice = Choice("eager", f"compile = {mode}: the eager batched step"
                                        + (" (compiled with the one-row step)" if mode != "off" else ""))
@@ -488,10 +488,10 @@ class Decoder:
     def batch_step(self, rows: int, cancelled: Callable[[], bool] = lambda: False) -> BatchStep | None:
         """The batched step of `rows` rows a new request decodes with, or None where it
         decodes one row at a time on `feeder()`'s step: where this model has no batched step
-        (Gemma 3, the hybrids, transformers' forward), and while the one-row step is compiled
+        (the hybrids, transformers' forward), and while the one-row step is compiled
         and the batched one is not (its package is built after the one-row one): a batched
         row's bits are the compiled one-row step's, not the eager batched step's. The compiled
-        one once its package is open (`batch_rows` rows), else the eager llama-shaped step's
+        one once its package is open (`batch_rows` rows), else the eager step's
         weights with the attention the current step uses. One BatchStep per (attention,
         compiled), so a request keeps its bits from first token to last. compile = wait waits
         for the one-row step's compile as `feeder()` does."""

@@ -16,9 +16,10 @@ inductor compiles it into a shared library, and a later start only opens the lib
             graph "split"  attended length in [SPLIT_ROWS, capacity - 2]   (if the slabs reach it)
     ...{key}.constants.safetensors
         the constants inductor made itself (the int4 op's group size, as a tensor per call)
-    decode-step-...-rows{B}-...-{key}.pt2  (llama-shaped, memra's kernel: the batched step)
+    decode-step-...-rows{B}-...-{key}.pt2  (a step with a batched twin, memra's kernel)
             graph "batch"  B rows (memrad.engine.decode.batch), each row's attended length its
-                           own symbol in [2, capacity - 1]
+                           own symbol in [2, capacity - 1] (Gemma: and each row's window view
+                           rows its own in [2, W], shared by that row's sliding layers)
 
 memra's kernel is a C++ op (`memra::decode_attention`, TORCH_LIBRARY): the library calls it
 by name through AOTInductor's proxy executor, so the kernel must be loaded into the process
@@ -169,16 +170,19 @@ class PackagedBatch:
     """Called like a BatchGraph (memrad.engine.decode.batch); runs the package's batch graph."""
 
     def __init__(self, runner: Any, made: dict[str, torch.Tensor], capacity: int, rows: int,
-                 slabs: list[int]) -> None:
+                 slabs: list[int], windows: list[tuple[int, int]]) -> None:
         self.runner, self.capacity, self.rows = runner, capacity, rows
         self._made = made  # the library holds pointers into these (user_managed): keep them alive
         self._slabs = slabs  # the layers handing slabs (LFM2's conv layers hand their conv state)
+        self._windows = windows  # (layer, its buffer's rows) of each sliding layer (Gemma's window views)
 
     def fits(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> bool:
         """The graph runs a row attending `length` rows of these slabs [(keys, values) per layer]:
-        the length is in its range and the slabs have the rows it was made for."""
+        the length is in its range and the slabs have the rows it was made for (a window view:
+        the strides of its buffer's rows, as PackagedStep checks them)."""
         low, high = batch_range(self.capacity)
-        return low <= length <= high and all(buffers[i][0].shape[2] == self.capacity for i in self._slabs)
+        return (low <= length <= high and all(buffers[i][0].shape[2] == self.capacity for i in self._slabs)
+                and all(buffers[i][0].stride(1) == rows * buffers[i][0].shape[3] for i, rows in self._windows))
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[torch.Tensor],
                  keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -200,8 +204,10 @@ def load(step: DecodeStep, capacity: int, kernel: bool, path: Path) -> PackagedS
 def load_batch(step: DecodeStep, capacity: int, rows: int, path: Path) -> PackagedBatch:
     """Open the batched step's package (built by `build(..., rows=rows)`), as `load` does."""
     made, runners = _open(step, path, [BATCH_GRAPH])
-    slabs = [i for i, state in enumerate(steps.recurrent(step)) if not state]
-    return PackagedBatch(runners[BATCH_GRAPH], made, capacity, rows, slabs)
+    kinds = list(zip(steps.windows(step), steps.recurrent(step)))
+    slabs = [i for i, (window, state) in enumerate(kinds) if window is None and not state]
+    windows = [(i, buffer_rows(window)) for i, (window, _) in enumerate(kinds) if window is not None]
+    return PackagedBatch(runners[BATCH_GRAPH], made, capacity, rows, slabs, windows)
 
 
 def _open(step: DecodeStep, path: Path, graphs: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -223,7 +229,7 @@ def _open(step: DecodeStep, path: Path, graphs: Any) -> tuple[dict[str, torch.Te
 
 def options_for(step: Any) -> dict[str, Any]:
     """Inductor's options for `step`: INDUCTOR_OPTIONS for a step with a batched twin (the
-    llama-shaped step, LFM2's), none for the others (Gemma 3, the hybrids decode one row at a time)."""
+    llama-shaped step, LFM2's, Gemma's), none for the others (the hybrids decode one row at a time)."""
     return dict(INDUCTOR_OPTIONS) if steps.has_batched(step) else {}
 
 
@@ -276,16 +282,25 @@ def _check_isas_beside() -> threading.Thread:
 
 
 def _batch_programs(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int):
-    """The batched step exported: row r's `length_rows` first size is its own symbol."""
+    """The batched step exported: row r's `length_rows` first size is its own symbol, and so
+    are the rows of its window views (every sliding layer of row r has the same)."""
     assert kernel and steps.has_batched(step), "the batched package: a step with a batched twin, memra's kernel"
     device = _param(step).device
-    lengths = [3 + r for r in range(rows)]  # distinct examples: export never takes two rows' sizes for one
-    slabs = [example_buffers(step, config, capacity, length, _untouched)[:2] for length in lengths]
+    windows = steps.windows(step)
+    window = next((w for w in windows if w is not None), None)
+    # Distinct examples: export never takes two rows' sizes (or a view's and a length) for one.
+    # Window views' rows 2 .. rows + 1, the lengths above them.
+    assert window is None or rows + 1 <= window, f"{rows} rows' window views of distinct sizes do not fit W = {window}"
+    views = [2 + r if window is not None else None for r in range(rows)]
+    lengths = [(rows + 2 if window is not None else 3) + r for r in range(rows)]
+    slabs = [example_buffers(step, config, capacity, length, _untouched, view)[:2] for length, view in zip(lengths, views)]
     args = (torch.zeros(rows, dtype=torch.long, device=device), torch.tensor([n - 1 for n in lengths], device=device),
             [attended_rows(n, device) for n in lengths], [k for k, _ in slabs], [v for _, v in slabs])
     low, high = batch_range(capacity)
     per_row = [{0: torch.export.Dim(f"length_{r}", min=low, max=high)} for r in range(rows)]
-    dims = ({}, {}, per_row, [[None] * len(k) for k, _ in slabs], [[None] * len(v) for _, v in slabs])
+    view_rows = [torch.export.Dim(f"window_{r}", min=2, max=window) if window is not None else None for r in range(rows)]
+    per_layer = [[{2: view_rows[r]} if w is not None else None for w in windows] for r in range(rows)]
+    dims = ({}, {}, per_row, per_layer, per_layer)
     with torch.no_grad():
         program = torch.export.export(BatchGraph(_twin(step), kernel), args, dynamic_shapes=dims, strict=False)
     yield BATCH_GRAPH, program
@@ -339,15 +354,15 @@ def _write(step: DecodeStep, path: Path, files: dict[str, list[str]], weights: d
     prune(path.parent)
 
 
-def example_buffers(step: Any, config: Any, capacity: int, length: int, make: Any
+def example_buffers(step: Any, config: Any, capacity: int, length: int, make: Any, view_rows: int | None = None
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Keys and values as the step is handed them at attended `length`: a slab of `capacity`
     rows per full-attention layer, a window view per sliding one (memrad.engine.state.window),
     a recurrent layer's conv and recurrent state (memrad.engine.state.recurrent), all
     made by `make(shape, dtype, device)`; and the window views (their rows are symbolic). A
-    view's example rows differ from `length` (3 if it is 2, else 2) so that export never takes
-    the two sizes for one; a view is cut from a buffer of the window's real rows, since the
-    compiled code is made for the strides it is shown."""
+    view's example rows (`view_rows`, else 3 if `length` is 2, else 2) differ from `length` so
+    that export never takes the two sizes for one; a view is cut from a buffer of the window's
+    real rows, since the compiled code is made for the strides it is shown."""
     kv_heads, head_dim = steps.kv_shape(config)
     param = _param(step)
     keys, values, windowed = [], [], []
@@ -358,7 +373,7 @@ def example_buffers(step: Any, config: Any, capacity: int, length: int, make: An
         elif window is None:
             pair = [make((1, kv_heads, capacity, head_dim), param.dtype, param.device) for _ in range(2)]
         else:
-            rows = 3 if length == 2 else 2
+            rows = view_rows or (3 if length == 2 else 2)
             pair = [make((1, kv_heads, buffer_rows(window), head_dim), param.dtype, param.device)[:, :, :rows]
                     for _ in range(2)]
         keys.append(pair[0])

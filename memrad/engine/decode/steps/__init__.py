@@ -90,10 +90,11 @@ def new_step(model: nn.Module, max_positions: int) -> nn.Module:
 
 
 def has_batched(step: Any) -> bool:
-    """Whether `step` has a batched twin (memrad.engine.decode.batch): the llama-shaped step and
-    LFM2's (its attention layers llama's, its conv state one tensor per request); Gemma 3, Gemma 2
-    and the hybrids decode one row at a time."""
-    return isinstance(step, (llama.DecodeStep, lfm2.Lfm2Step))
+    """Whether `step` has a batched twin (memrad.engine.decode.batch): the llama-shaped step,
+    LFM2's (its attention layers llama's, its conv state one tensor per request), Gemma 3's and
+    Gemma 2's (each row over its own slabs and window views: `forward_rows`); the hybrids
+    decode one row at a time."""
+    return isinstance(step, (llama.DecodeStep, lfm2.Lfm2Step, gemma.GemmaStep, gemma2.Gemma2Step))
 
 
 def windows(step: Any) -> list[int | None]:

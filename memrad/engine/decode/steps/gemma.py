@@ -25,6 +25,13 @@ last. Its size n is the graph's second symbolic size (every sliding layer's view
 row of the window is copied. The rope angles are computed in the graph from each kind's
 inverse frequencies as transformers computes them (float32, then the model's dtype): two
 tables of 256-wide rows for 32k positions would cost more memory than the layers' KV.
+
+`forward_rows` is the same for B requests' tokens at once (the batched step,
+memrad.engine.decode.batch): x [B, 1, hidden], each projection one matmul for every row, and
+per row its rope, its KV row written into its own slab or window view, attention over those
+only, and the final soft-cap. The one-row `forward` is its call at B = 1, so where a matmul's
+row does not depend on M (bf16 on the int4 and block kernels, bf16 dense) a lone row is the
+one-row step's bits. Gemma 2's step (memrad.engine.decode.steps.gemma2) runs the same rows.
 """
 
 from __future__ import annotations
@@ -73,37 +80,56 @@ class _GemmaLayer(_Layer):
         self.window = window
         self.pre_ff_norm, self.post_ff_norm = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
-                length: int, key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
-        # x [1, 1, hidden]; key_rows, value_rows: the slab [1, H_kv, capacity, D] (global) or
-        # the window view [1, H_kv, n, D] whose last row is this token's (sliding)
-        d, h_kv = self.head_dim, self.kv_heads
-        q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
-        q = rope(self.q_norm(q.view(self.heads, d)), cos, sin)  # [H, D]
-        k = rope(self.k_norm(k.view(h_kv, d)), cos, sin)  # [H_kv, D]
-        k, v = k.view(1, h_kv, 1, d), v.view(1, h_kv, 1, d)
-        q = q.view(1, h_kv, self.heads // h_kv, d)  # the G query heads of a KV head as rows
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                lengths: list, keys: list[torch.Tensor], values: list[torch.Tensor], kernel: bool) -> torch.Tensor:
+        """x [B, 1, hidden] after the layer: the projections and the feed-forward one matmul for
+        every row, attention per row, row r at positions[r] writing its KV row into keys[r],
+        values[r] and attending only those (its request's slab, or its window view). B = 1 is the
+        one-row step; more, the batched step (memrad.engine.decode.batch)."""
+        # cos, sin [B, 1, D]; keys[r], values[r]: row r's slab [1, H_kv, capacity, D] (global) or
+        # its window view [1, H_kv, n_r, D] whose last row is this token's (sliding)
+        batch, d, h_kv = x.shape[0], self.head_dim, self.kv_heads
+        q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)  # [B, 1, *]
+        q = rope(self.q_norm(q.view(batch, self.heads, d)), cos, sin)  # [B, H, D]
+        k = rope(self.k_norm(k.view(batch, h_kv, d)), cos, sin)  # [B, H_kv, D]
+        v = v.view(batch, h_kv, d)
+        out = [self.attend_row(q[r], k[r].view(1, h_kv, 1, d), v[r].view(1, h_kv, 1, d), positions[r : r + 1],
+                               lengths[r], keys[r], values[r], kernel) for r in range(batch)]
+        o = out[0] if batch == 1 else torch.cat(out)  # [B, H_kv, G, D] (Gemma 2: [B, H, 1, D]), heads in order
+        x = x + self.post_norm(self.o_proj(o.reshape(batch, 1, self.heads * d)))
+        gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
+        return x + self.post_ff_norm(self.down_proj(self.act(gate) * up))
+
+    def write_row(self, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
+                  value_rows: torch.Tensor) -> None:
+        """Write one row's k, v [1, H_kv, 1, D]: at `position` [1] of the slab (global), or as the
+        last row of the window view (sliding)."""
         if self.window is None:
             key_rows.index_copy_(2, position, k)
             value_rows.index_copy_(2, position, v)
-            o = attend(q, key_rows, value_rows, length, self.scale, kernel)
         else:
             n = key_rows.shape[2]
             key_rows.narrow(2, n - 1, 1).copy_(k)
             value_rows.narrow(2, n - 1, 1).copy_(v)
-            if kernel:
-                o = torch.ops.memra.decode_attention(q, key_rows, value_rows, self.scale)
-            else:
-                o = F.scaled_dot_product_attention(q, key_rows, value_rows, scale=self.scale)
-        x = x + self.post_norm(self.o_proj(o.reshape(1, 1, self.heads * d)))
-        gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
-        return x + self.post_ff_norm(self.down_proj(self.act(gate) * up))
+
+    def attend_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, length: int,
+                   key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
+        """One row's attention: q [H, D] over its own rows once its k, v are written: [1, H_kv, G, D]."""
+        self.write_row(position, k, v, key_rows, value_rows)
+        q = q.view(1, self.kv_heads, self.heads // self.kv_heads, self.head_dim)  # a KV head's G query heads as rows
+        if self.window is None:
+            return attend(q, key_rows, value_rows, length, self.scale, kernel)
+        if kernel:
+            return torch.ops.memra.decode_attention(q, key_rows, value_rows, self.scale)
+        return F.scaled_dot_product_attention(q, key_rows, value_rows, scale=self.scale)
 
 
 class GemmaStep(nn.Module):
     """The step for a Gemma 3 model `support` accepts; shares every weight with the model.
     Called exactly as memrad.engine.decode.steps.llama.DecodeStep (the decoder and the package
-    treat both alike); `keys`, `values` hold a window view for each sliding layer."""
+    treat both alike); `keys`, `values` hold a window view for each sliding layer. Its batched
+    twin is `forward_rows` (memrad.engine.decode.batch.BatchGraph calls it), of which the one-row
+    step is the call at B = 1."""
 
     def __init__(self, model: nn.Module, max_positions: int) -> None:
         super().__init__()
@@ -128,24 +154,40 @@ class GemmaStep(nn.Module):
         self.local_scaling = float(getattr(rotary, "sliding_attention_attention_scaling", 1.0))
         self.dtype = next(model.parameters()).dtype
 
-    def _angles(self, inv_freq: torch.Tensor, scaling: float, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position.float()[:, None] * inv_freq[None, :]  # [1, D/2], float32 as transformers
-        emb = torch.cat((freqs, freqs), dim=-1)  # [1, D]
+    def _angles(self, inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [B, D/2], float32 as transformers
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, D]: broadcast over heads
         return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+
+    def angles(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's rope cos, sin [B, 1, D] at positions [B]: its kind's base."""
+        local = self._angles(self.local_inv_freq, self.local_scaling, positions)
+        full = self._angles(self.global_inv_freq, self.global_scaling, positions)
+        return [local if sliding else full for sliding in self.sliding]
 
     def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool = False) -> torch.Tensor:
         """Logits [V] (model dtype) after `token` [1] at `position` [1]; writes its KV rows.
         `rows`, `owner`, `kernel`: as DecodeStep.forward."""
         assert owner == self.owner, f"{owner} called {self.owner}"
-        length = rows.shape[0]
-        x = self.embed(token).view(1, 1, -1)  # [1, 1, hidden]
-        local = self._angles(self.local_inv_freq, self.local_scaling, position)
-        full = self._angles(self.global_inv_freq, self.global_scaling, position)
-        for layer, sliding, key_rows, value_rows in zip(self.layers, self.sliding, keys, values):
-            cos, sin = local if sliding else full
-            x = layer(x, cos, sin, position, length, key_rows, value_rows, kernel)
-        return soft_cap(self.head(self.norm(x)).view(-1), self.final_softcap)
+        return self.forward_rows(token, position, [rows.shape[0]], [keys], [values], kernel).view(-1)
+
+    def forward_rows(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: list, keys: list[list[torch.Tensor]],
+                     values: list[list[torch.Tensor]], kernel: bool) -> torch.Tensor:
+        """Logits [B, V] (model dtype) after tokens [B] at positions [B]: row r attends lengths[r]
+        rows of its own keys[r][layer], values[r][layer] (a slab, or a window view) and writes
+        its KV rows there, so no row reads another's; every other op is per row but the matmuls."""
+        batch = tokens.shape[0]
+        x = self.embed(tokens).view(batch, 1, -1)  # [B, 1, hidden]
+        for index, (layer, (cos, sin)) in enumerate(zip(self.layers, self.angles(positions))):
+            x = layer(x, cos, sin, positions, lengths, [k[index] for k in keys], [v[index] for v in values], kernel)
+        logits = self.head(self.norm(x)).view(batch, -1)  # [B, V]
+        if batch == 1:
+            return soft_cap(logits, self.final_softcap)
+        # Capped row by row: an elementwise op runs its last few elements on another code path
+        # (scalar tanh), so a row capped inside [B, V] would not be the one-row step's bits.
+        return torch.cat([soft_cap(logits[r : r + 1], self.final_softcap) for r in range(batch)])
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

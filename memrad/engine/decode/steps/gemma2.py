@@ -27,8 +27,8 @@ import itertools
 import torch
 from torch import nn
 
-from memrad.engine.decode.steps.gemma import _GemmaLayer, soft_cap
-from memrad.engine.decode.steps.llama import layers_and_rope, register_rope, rope, through_layers
+from memrad.engine.decode.steps.gemma import GemmaStep, _GemmaLayer, soft_cap
+from memrad.engine.decode.steps.llama import layers_and_rope, register_rope
 
 _GEMMA2 = ("Gemma2ForCausalLM",)
 _LAYER_KINDS = ("sliding_attention", "full_attention")
@@ -67,34 +67,21 @@ class _Gemma2Layer(_GemmaLayer):
         super().__init__(layer, heads, kv_heads, head_dim, window)  # q_norm, k_norm: identities (none in Gemma 2)
         self.softcap = softcap
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
-                length: int, key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
-        # x [1, 1, hidden]; key_rows, value_rows: the slab [1, H_kv, capacity, D] (global) or the
-        # window view [1, H_kv, n, D] whose last row is this token's (sliding). `kernel`: unused
-        # (no kernel soft-caps), accepted so the decoder calls every step alike.
-        d, h_kv = self.head_dim, self.kv_heads
-        q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
-        q = rope(q.view(self.heads, d), cos, sin)  # [H, D]
-        k = rope(k.view(h_kv, d), cos, sin).view(1, h_kv, 1, d)
-        v = v.view(1, h_kv, 1, d)
+    def attend_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, length: int,
+                   key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
+        """One row's capped attention: q [H, D] over its own rows once its k, v are written:
+        [1, H, 1, D]. `kernel`: unused (no kernel soft-caps), accepted so every step is called alike."""
+        self.write_row(position, k, v, key_rows, value_rows)
         if self.window is None:
-            key_rows.index_copy_(2, position, k)
-            value_rows.index_copy_(2, position, v)
             key_rows, value_rows = key_rows[:, :, :length], value_rows[:, :, :length]
-        else:
-            n = key_rows.shape[2]
-            key_rows.narrow(2, n - 1, 1).copy_(k)
-            value_rows.narrow(2, n - 1, 1).copy_(v)
-        o = capped_attention(q.view(1, self.heads, 1, d), key_rows, value_rows, self.scale, self.softcap)
-        x = x + self.post_norm(self.o_proj(o.reshape(1, 1, self.heads * d)))
-        gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
-        return x + self.post_ff_norm(self.down_proj(self.act(gate) * up))
+        return capped_attention(q.view(1, self.heads, 1, self.head_dim), key_rows, value_rows, self.scale,
+                                self.softcap)
 
 
 class Gemma2Step(nn.Module):
     """The step for a Gemma 2 model `support` accepts; shares every weight with the model.
     Called exactly as memrad.engine.decode.steps.llama.DecodeStep; `keys`, `values` hold a
-    window view for each sliding layer."""
+    window view for each sliding layer. Its batched twin is `forward_rows`, as Gemma 3's."""
 
     def __init__(self, model: nn.Module, max_positions: int) -> None:
         super().__init__()
@@ -109,10 +96,11 @@ class Gemma2Step(nn.Module):
             for layer, kind in zip(body.layers, config.layer_types))
         register_rope(self, model, max_positions)  # cos, sin [P, D]
 
-    def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor], owner: str, kernel: bool = False) -> torch.Tensor:
-        """Logits [V] (model dtype) after `token` [1] at `position` [1]; writes its KV rows.
-        `rows`, `owner`, `kernel`: as DecodeStep.forward."""
-        assert owner == self.owner, f"{owner} called {self.owner}"
-        x = through_layers(self, token, position, rows, keys, values, kernel)  # [1, 1, hidden]
-        return soft_cap(self.head(self.norm(x)).view(-1), self.final_softcap)
+    def angles(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's rope cos, sin [B, 1, D] at positions [B]: one table for every layer."""
+        cos, sin = self.cos.index_select(0, positions)[:, None], self.sin.index_select(0, positions)[:, None]
+        return [(cos, sin)] * len(self.layers)
+
+    # Gemma 3's, over these layers and angles: logits [V] after one token, and the batched rows.
+    forward = GemmaStep.forward
+    forward_rows = GemmaStep.forward_rows
