@@ -49,14 +49,33 @@ def capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      softcap: float | None) -> torch.Tensor:
     """Attention of one token's queries q [1, H, 1, D] over keys, values [1, H_kv, n, D] (every
     row attended), the scores soft-capped, as transformers' eager attention: [1, H, 1, D]."""
-    heads, kv_heads = q.shape[1], keys.shape[1]
-    _, _, n, d = keys.shape
-    keys = keys[:, :, None].expand(1, kv_heads, heads // kv_heads, n, d).reshape(1, heads, n, d)
-    values = values[:, :, None].expand(1, kv_heads, heads // kv_heads, n, d).reshape(1, heads, n, d)
+    keys, values = per_query_head(keys, q.shape[1]), per_query_head(values, q.shape[1])
     scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [1, H, 1, n]
     scores = soft_cap(scores, softcap)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(weights, values)  # [1, H, 1, D]
+
+
+def per_query_head(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """A KV head's rows [1, H_kv, n, D] repeated for each of its query heads: [1, H, n, D] (a
+    copy, as transformers' repeat_kv makes)."""
+    _, kv_heads, n, d = rows.shape
+    return rows[:, :, None].expand(1, kv_heads, heads // kv_heads, n, d).reshape(1, heads, n, d)
+
+
+def write_and_attended(key_rows: torch.Tensor, value_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       position: torch.Tensor, length: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one token's k, v [1, H_kv, 1, D] and return the rows it attends: row `position` of
+    a full layer's slab [1, H_kv, capacity, D] and its first `length` rows, or the last row of a
+    sliding layer's window view [1, H_kv, n, D] and the whole view."""
+    if window is None:
+        key_rows.index_copy_(2, position, k)
+        value_rows.index_copy_(2, position, v)
+        return key_rows[:, :, :length], value_rows[:, :, :length]
+    n = key_rows.shape[2]
+    key_rows.narrow(2, n - 1, 1).copy_(k)
+    value_rows.narrow(2, n - 1, 1).copy_(v)
+    return key_rows, value_rows
 
 
 class _Gemma2Layer(_GemmaLayer):
@@ -76,15 +95,8 @@ class _Gemma2Layer(_GemmaLayer):
         q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
         q = rope(q.view(self.heads, d), cos, sin)  # [H, D]
         k = rope(k.view(h_kv, d), cos, sin).view(1, h_kv, 1, d)
-        v = v.view(1, h_kv, 1, d)
-        if self.window is None:
-            key_rows.index_copy_(2, position, k)
-            value_rows.index_copy_(2, position, v)
-            key_rows, value_rows = key_rows[:, :, :length], value_rows[:, :, :length]
-        else:
-            n = key_rows.shape[2]
-            key_rows.narrow(2, n - 1, 1).copy_(k)
-            value_rows.narrow(2, n - 1, 1).copy_(v)
+        key_rows, value_rows = write_and_attended(key_rows, value_rows, k, v.view(1, h_kv, 1, d), position, length,
+                                                  self.window)
         o = capped_attention(q.view(1, self.heads, 1, d), key_rows, value_rows, self.scale, self.softcap)
         x = x + self.post_norm(self.o_proj(o.reshape(1, 1, self.heads * d)))
         gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
