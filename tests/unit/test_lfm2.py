@@ -28,8 +28,9 @@ from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.gguf_header import read_header
 from memrad.engine.model.preflight import gguf_config as preflight_config, inspect_gguf
 from memrad.engine.state.snapshot import Snapshot
-from stories import ask, make_engine, run_together
-from test_gguf_steps import fresh, own_cache, turns_resume_as_cold  # noqa: F401 - own_cache: a fixture
+from stories import make_engine, run_together
+from test_gguf_steps import (compacted_reply_resumes_at_its_boundary, fresh, own_cache,  # noqa: F401 - a fixture
+                             turns_resume_as_cold)
 from test_batching import engine_with_parked, rows_are_their_own, second_turns
 from test_hybrid_steps import compiled_decodes_as_eager_and_resumes
 from tiny_gguf import LFM2_LAYERS, tiny_gguf
@@ -179,24 +180,7 @@ def test_an_lfm2_engine_resumes_turns_bit_identical_to_cold(gguf):
 def test_a_rewritten_reply_resumes_from_the_boundary_snapshot_below_it(gguf):
     """Conv state cannot be cut back: a client that compacts turn 2's reply resumes at the
     snapshot taken at that reply's anchor, and its turn is the cold run's bit for bit."""
-    engine = make_engine(fresh(gguf), 16, max_sessions=16, mode="exact")
-    system = "You are a helpful coding assistant. Read the file, then answer. " * 4
-    messages = [{"role": "system", "content": system}]
-    anchors = []
-    for turn in range(1, 5):
-        messages.append({"role": "user", "content": f"step {turn}: list files"})
-        done, state = ask(engine, messages, f"t{turn}", max_tokens=4)
-        anchors.append(done.prompt_tokens)  # where reply `turn` begins
-        messages.append({"role": "assistant", "content": done.text})
-    parked = state.session
-    assert anchors[1] in parked.checkpoints, "the boundary before turn 2's reply is kept"
-    messages[4] = {"role": "assistant", "content": "(compacted)"}
-    messages.append({"role": "user", "content": "step 5: list files"})
-    done, state = ask(engine, messages, "t5", max_tokens=4)
-    reference, ref_state = ask(engine, messages, "t5-cold", salt="cold-t5", max_tokens=4)
-    assert reference.cached_tokens == 0
-    assert done.decision.outcome == "resumed" and done.decision.checkpoint == anchors[1], done.decision.render()
-    assert torch.equal(state.prompt_logits, ref_state.prompt_logits) and done.text == reference.text
+    compacted_reply_resumes_at_its_boundary(make_engine(fresh(gguf), 16, max_sessions=16, mode="exact"))
 
 
 needs_compiler = pytest.mark.skipif(decoder_module.cxx_compiler() is None,
