@@ -8,8 +8,11 @@ sinks back (pinned below, so the day it can, a test says so). The step is named 
 status`; in bf16 its logits and KV rows are transformers' forward's bit for bit long past the
 window (fp32: within 1e-6), and without the sinks they are not; an expert the token did not
 choose is never read; an engine resumes turns bit-identically to their cold runs, and a
-compacted reply resumes at the sliding windows' boundary snapshot below it. No batched twin:
-requests decode one row at a time, as Gemma 2's do.
+compacted reply resumes at the sliding windows' boundary snapshot below it. The batched step
+gives a request's row the same bits beside any neighbours and alone (bf16: the one-row step's
+and the forward's too), and requests in flight together (two resumed) decode their alone bits;
+it runs eager only (the compiled batched graph has no size for a window view's rows), so under
+a compiled one-row step requests decode one row at a time.
 """
 
 import pytest
@@ -18,11 +21,13 @@ from transformers import DynamicCache
 
 from memrad.engine.decode import steps
 from memrad.engine.decode.decoder import Decoder
+from memrad.engine.decode.package import options_for
 from memrad.engine.decode.steps.gpt_oss import GptOssStep
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
 from stories import make_engine
+from test_batching import in_flight_together_as_alone, rows_are_their_own
 from test_gguf_steps import compacted_reply_resumes_at_its_boundary, own_cache, turns_resume_as_cold  # noqa: F401
 from tiny import GPT_OSS_LAYERS, build_gpt_oss
 
@@ -71,7 +76,8 @@ def test_gpt_oss_is_on_its_step_and_says_so(tiny_dir):
     engine = Engine(loaded, EngineOptions(16, 1))
     assert engine.runtime_choices["step"] == {"value": "gpt-oss", "reason": REASON}  # what `memrad status` shows
     step = engine.decoder.eager_step
-    assert type(step) is GptOssStep and not steps.has_batched(step)
+    assert type(step) is GptOssStep and steps.has_batched(step)
+    assert "sliding-window" in steps.compiles_batched(step) and options_for(step) == {}  # its batched twin: eager
     assert steps.windows(step) == [WINDOW, None, WINDOW, None] and not any(steps.recurrent(step))
     assert [type(layer).__name__ for layer in engine.new_cache().layers] == ["WindowLayer", "SlabLayer"] * 2
     assert model.model.rotary_emb.rope_type == "yarn" and model.model.rotary_emb.attention_scaling != 1.0
@@ -161,3 +167,26 @@ def test_a_rewritten_reply_resumes_from_the_windows_boundary_snapshot_below_it(t
     and its turn is the cold run's bit for bit."""
     anchors = compacted_reply_resumes_at_its_boundary(make_engine(fresh(tiny_dir), 16, max_sessions=16, mode="exact"))
     assert anchors[1] > 4 * WINDOW
+
+
+def test_every_row_of_the_batched_gpt_oss_step_is_its_own_and_the_one_row_steps(tiny_dir):
+    """Each row attends its own slab and window view and is routed on its own: a request's row is
+    the same bits beside any neighbours and alone, and in bf16 the one-row step and transformers'
+    forward give it those bits."""
+    loaded = fresh(tiny_dir)
+    engine = make_engine(loaded, 16, max_batch=4)
+    assert engine.runtime_choices["batch"]["value"] == "batched, 4 rows"
+    first = rows_are_their_own(engine, loaded.model, 16)
+    prompt = list(range(5, 45))  # rows_are_their_own's first prompt, past the window
+    for decode in (engine.decoder.feeder(), lambda cache, token, at: decode_one_token(loaded.model, cache, token, at)):
+        cache = engine.new_cache()
+        prefill(loaded.model, cache, prompt, 0, 16)
+        assert torch.equal(decode(cache, 11, len(prompt)).float(), first)
+    step = engine.decoder.batch_step(4)
+    assert step.alone is not None and [twin.rows for twin in step.smaller] == [2]  # checked: the same bits
+
+
+def test_gpt_oss_requests_in_flight_together_decode_their_bits_alone(tiny_dir):
+    """Four requests, two resumed from parked sessions, decoding on the batched step together:
+    each one's tokens, first logits and every step's scores as when it runs alone."""
+    in_flight_together_as_alone(fresh(tiny_dir))

@@ -28,10 +28,10 @@ from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.gguf_header import read_header
 from memrad.engine.model.preflight import gguf_config as preflight_config, inspect_gguf
 from memrad.engine.state.snapshot import Snapshot
-from stories import make_engine, run_together
+from stories import make_engine
 from test_gguf_steps import (compacted_reply_resumes_at_its_boundary, fresh, own_cache,  # noqa: F401 - a fixture
                              turns_resume_as_cold)
-from test_batching import engine_with_parked, rows_are_their_own, second_turns
+from test_batching import in_flight_together_as_alone, rows_are_their_own
 from test_hybrid_steps import compiled_decodes_as_eager_and_resumes
 from tiny_gguf import LFM2_LAYERS, tiny_gguf
 
@@ -158,19 +158,7 @@ def test_every_row_of_the_batched_lfm2_step_is_its_own_and_the_one_row_steps(ggu
 def test_lfm2_requests_in_flight_together_decode_their_bits_alone(gguf):
     """Four requests, two resumed from parked sessions, decoding on the batched step together:
     each one's tokens, first logits and every step's scores as when it runs alone."""
-    loaded = fresh(gguf)
-    engine = engine_with_parked(loaded)
-    together = run_together(engine, second_turns(engine))
-    assert {rid for rid, (c, _, _) in together.items() if c.decision.outcome == "resumed"} == {"a-2", "b-2"}
-    for index in range(4):
-        by_itself = engine_with_parked(loaded)
-        request = second_turns(by_itself)[index]
-        completion, state, scores = run_together(by_itself, [request])[request.request_id]
-        their_completion, their_state, their_scores = together[request.request_id]
-        assert state.generated_ids == their_state.generated_ids and len(state.generated_ids) > 1
-        assert completion.cached_tokens == their_completion.cached_tokens
-        assert torch.equal(state.prompt_logits, their_state.prompt_logits)
-        assert torch.equal(scores, their_scores), request.request_id  # every decode step's logits
+    in_flight_together_as_alone(fresh(gguf))
 
 
 def test_an_lfm2_engine_resumes_turns_bit_identical_to_cold(gguf):

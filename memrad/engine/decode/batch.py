@@ -15,7 +15,10 @@ weights once for all of them, while attention stays per row, over that request's
 
 LFM2 (memrad.engine.decode.steps.lfm2) runs here too: its attention layers are llama's layer, and
 its short-convolution layers run their in_proj, out_proj and MLP as one matmul for every row and
-the convolution per row, over that request's own conv state (keys[r] of the layer).
+the convolution per row, over that request's own conv state (keys[r] of the layer). gpt-oss's
+(memrad.engine.decode.steps.gpt_oss) runs its projections as one matmul for every row and its
+sink attention and routed experts per row, over the row's slab or window view (`attend_rows`);
+it runs eager only (its window views' rows are no symbol of the exported graph).
 
 `BatchGraph` is that function over tensors only, so it runs eager or is exported and
 compiled into one AOTInductor graph (memrad.engine.decode.package, `rows`): each row's
@@ -57,8 +60,8 @@ Graph = Callable[..., torch.Tensor]
 
 
 class BatchGraph(nn.Module):
-    """The batched step over tensors only; shares every weight with `step` (a DecodeStep, or
-    an Lfm2Step: `steps.has_batched`)."""
+    """The batched step over tensors only; shares every weight with `step` (a DecodeStep, an
+    Lfm2Step or a GptOssStep: `steps.has_batched`)."""
 
     def __init__(self, step: DecodeStep, kernel: bool) -> None:
         super().__init__()
@@ -76,6 +79,9 @@ class BatchGraph(nn.Module):
         for index, layer in enumerate(step.layers):
             if getattr(layer, "recurrent", False):  # LFM2's short convolutions: each row's conv state its own
                 x = layer.rows(x, [k[index] for k in keys])
+            elif hasattr(layer, "attend_rows"):  # gpt-oss's: sinks, window views, its own experts
+                x = layer.attend_rows(x, cos, sin, positions, lengths, [k[index] for k in keys],
+                                      [v[index] for v in values])
             else:
                 x = self._layer(layer, x, cos, sin, positions, lengths, [k[index] for k in keys],
                                 [v[index] for v in values])

@@ -222,9 +222,10 @@ def _open(step: DecodeStep, path: Path, graphs: Any) -> tuple[dict[str, torch.Te
 
 
 def options_for(step: Any) -> dict[str, Any]:
-    """Inductor's options for `step`: INDUCTOR_OPTIONS for a step with a batched twin (the
-    llama-shaped step, LFM2's), none for the others (Gemma 3, the hybrids decode one row at a time)."""
-    return dict(INDUCTOR_OPTIONS) if steps.has_batched(step) else {}
+    """Inductor's options for `step`: INDUCTOR_OPTIONS for a step with a compiled batched twin
+    (the llama-shaped step, LFM2's), none for the others (Gemma 3, the hybrids decode one row at
+    a time; gpt-oss's batched twin runs eager only)."""
+    return dict(INDUCTOR_OPTIONS) if steps.has_batched(step) and steps.compiles_batched(step) is None else {}
 
 
 def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path, rows: int | None = None,
@@ -277,7 +278,8 @@ def _check_isas_beside() -> threading.Thread:
 
 def _batch_programs(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int):
     """The batched step exported: row r's `length_rows` first size is its own symbol."""
-    assert kernel and steps.has_batched(step), "the batched package: a step with a batched twin, memra's kernel"
+    assert kernel and steps.has_batched(step) and steps.compiles_batched(step) is None, (
+        "the batched package: a step with a batched twin that compiles, memra's kernel")
     device = _param(step).device
     lengths = [3 + r for r in range(rows)]  # distinct examples: export never takes two rows' sizes for one
     slabs = [example_buffers(step, config, capacity, length, _untouched)[:2] for length in lengths]

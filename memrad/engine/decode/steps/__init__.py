@@ -94,10 +94,19 @@ def new_step(model: nn.Module, max_positions: int) -> nn.Module:
 
 
 def has_batched(step: Any) -> bool:
-    """Whether `step` has a batched twin (memrad.engine.decode.batch): the llama-shaped step and
-    LFM2's (its attention layers llama's, its conv state one tensor per request); Gemma 3, Gemma 2,
-    gpt-oss and the hybrids decode one row at a time."""
-    return isinstance(step, (llama.DecodeStep, lfm2.Lfm2Step))
+    """Whether `step` has a batched twin (memrad.engine.decode.batch): the llama-shaped step,
+    LFM2's (its attention layers llama's, its conv state one tensor per request) and gpt-oss's
+    (eager only: `compiles_batched`); Gemma 3, Gemma 2 and the hybrids decode one row at a time."""
+    return isinstance(step, (llama.DecodeStep, lfm2.Lfm2Step, gpt_oss.GptOssStep))
+
+
+def compiles_batched(step: Any) -> str | None:
+    """None where `step`'s batched twin compiles into a package (memrad.engine.decode.package), else
+    why it runs eager: the exported batched graph gives each row's attended length a symbol, not
+    a window view's rows (gpt-oss's sliding layers)."""
+    if any(window is not None for window in windows(step)):
+        return "its sliding-window layers' views have no size of their own in the compiled batched graph"
+    return None
 
 
 def windows(step: Any) -> list[int | None]:

@@ -56,7 +56,7 @@ def support(model: nn.Module, context_len: int) -> str | None:
 
 
 def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate heads x [H, D] by cos, sin [1, D/2] as gpt-oss does (first and second halves)."""
+    """Rotate heads x [.., H, D] by cos, sin [.., 1, D/2] as gpt-oss does (first and second halves)."""
     first, second = torch.chunk(x, 2, dim=-1)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
@@ -92,15 +92,29 @@ class _GptOssLayer(nn.Module):
         # x [1, 1, hidden]; key_rows, value_rows: the slab [1, H_kv, capacity, D] (full) or the
         # window view [1, H_kv, n, D] whose last row is this token's (sliding). `kernel`: unused
         # (no kernel has the sinks), accepted so the decoder calls every step alike.
-        d, h_kv = self.head_dim, self.kv_heads
-        q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
-        q = rope_halves(q.view(self.heads, d), cos, sin)  # [H, D]
-        k = rope_halves(k.view(h_kv, d), cos, sin).view(1, h_kv, 1, d)
-        key_rows, value_rows = write_and_attended(key_rows, value_rows, k, v.view(1, h_kv, 1, d), position, length,
-                                                  self.window)
-        o = sink_attention(q.view(1, self.heads, 1, d), key_rows, value_rows, self.sinks, self.scale)
-        x = x + self.o_proj(o.reshape(1, 1, self.heads * d))
-        return x + self.mlp(self.post_norm(x))[0]  # GptOssMLP: (out [1, 1, hidden], router scores)
+        return self.attend_rows(x, cos, sin, position, [length], [key_rows], [value_rows])
+
+    def attend_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                    lengths: list, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """x [B, 1, hidden] after the layer, row r's KV written into keys[r], values[r] (its slab
+        or window view) at positions[r]: the one-row step's call at B = 1 and the batched step's
+        (memrad.engine.decode.batch). cos, sin [B, 1, D/2] (or [1, D/2] for one row). The
+        projections are one matmul for every row; attention and the experts run row by row."""
+        batch, d, h_kv, heads = x.shape[0], self.head_dim, self.kv_heads, self.heads
+        q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)  # [B, 1, *]
+        q = rope_halves(q.view(batch, heads, d), cos, sin)  # [B, H, D]
+        k = rope_halves(k.view(batch, h_kv, d), cos, sin)  # [B, H_kv, D]
+        v = v.view(batch, h_kv, d)
+        out = []
+        for r in range(batch):
+            key_rows, value_rows = write_and_attended(keys[r], values[r], k[r].view(1, h_kv, 1, d),
+                                                      v[r].view(1, h_kv, 1, d), positions[r : r + 1], lengths[r],
+                                                      self.window)
+            out.append(sink_attention(q[r].view(1, heads, 1, d), key_rows, value_rows, self.sinks, self.scale))
+        x = x + self.o_proj(torch.cat(out).reshape(batch, 1, heads * d))
+        h = self.post_norm(x)
+        # GptOssMLP returns (out [1, 1, hidden], router scores): each row routed on its own, as Qwen3-MoE's.
+        return x + torch.cat([self.mlp(h[r : r + 1])[0] for r in range(batch)])
 
 
 class GptOssStep(nn.Module):
