@@ -19,15 +19,17 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode import steps
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.decode.package import options_for
+from memrad.engine.decode.package import PackagedStep, options_for
 from memrad.engine.decode.steps.gpt_oss import GptOssStep
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
 from stories import make_engine
 from test_batching import in_flight_together_as_alone, rows_are_their_own
+from test_gemma_step import compiled_turns_equal_cold
 from test_gguf_steps import compacted_reply_resumes_at_its_boundary, own_cache, turns_resume_as_cold  # noqa: F401
 from tiny import GPT_OSS_LAYERS, build_gpt_oss
 
@@ -43,8 +45,8 @@ def fresh(tiny_dir, dtype="bfloat16"):
     return load_model(str(tiny_dir("gpt_oss")), device="cpu", dtype=dtype, progress=lambda _: None)
 
 
-def primed(loaded, cache):
-    prefill(loaded.model, cache, PROMPT, 0, 16)
+def primed(loaded, cache, prompt=PROMPT):
+    prefill(loaded.model, cache, prompt, 0, 16)
     return cache
 
 
@@ -190,3 +192,26 @@ def test_gpt_oss_requests_in_flight_together_decode_their_bits_alone(tiny_dir):
     """Four requests, two resumed from parked sessions, decoding on the batched step together:
     each one's tokens, first logits and every step's scores as when it runs alone."""
     in_flight_together_as_alone(fresh(tiny_dir))
+
+
+@pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
+def test_the_compiled_gpt_oss_step_resumes_bit_identical_and_decodes_as_the_eager_one(tiny_dir):
+    """compile = on, max_batch 2: the one-row package is built (minutes on a shared 2-core
+    machine) and the batched one is not, said so, so requests decode one row at a time on the
+    compiled step; turns resume on it bit-identical to their cold runs. The compiled step rounds
+    fused work otherwise than the eager one (bf16), and the tiny model's flat router has near
+    ties (2nd and 3rd logits one bf16 ulp apart) that such rounding flips a few steps in, so the
+    two are compared one step at a time from the same primed state, before the window fills and
+    past it."""
+    loaded = fresh(tiny_dir)
+    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
+    compiled_turns_equal_cold(engine)  # starts the build, checks the choice, holds a conversation
+    decoder = engine.decoder
+    assert isinstance(decoder.step, PackagedStep)
+    assert decoder.batch_choice.value == "eager" and "does not compile" in decoder.batch_choice.reason
+    assert not decoder.batch_packages and decoder.batch_step(2) is None  # one row at a time on the compiled step
+    eager = Decoder(loaded.model, loaded.context_len, loaded.device, "off").feeder()
+    for prompt in (PROMPT[:5], PROMPT):
+        ours, theirs = (primed(loaded, engine.new_cache(), prompt) for _ in range(2))
+        a, b = decoder.feeder()(ours, 7, len(prompt)), eager(theirs, 7, len(prompt))
+        assert float((a - b).abs().max()) <= 0.0625, (len(prompt), float((a - b).abs().max()))  # bf16 rounding
