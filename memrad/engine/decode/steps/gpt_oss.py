@@ -27,6 +27,11 @@ top k, softmax over the k logits; GptOssExperts: gate and up interleaved in `gat
 gate clamped above and up on both sides at `swiglu_limit`, gate * sigmoid(alpha * gate) *
 (up + 1)): its bits are the forward's at one token, and only the chosen experts are read.
 Rope is gpt-oss's: the two halves of a head rotated by cos, sin tables D/2 wide.
+
+Several requests at once (the batched step, memrad.engine.decode.batch) run `attend_rows`: the
+projections one matmul for every row, attention and experts per row over the row's own slab or
+window view; the one-row step is the same call at B = 1. It runs eager only: the compiled
+batched graph has no size for a window view's rows (`steps.compiles_batched`).
 """
 
 from __future__ import annotations
