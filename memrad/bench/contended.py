@@ -30,9 +30,12 @@ from memrad.request import GenerationRequest, SamplingParams
 
 
 def busy(count: int, command: str | None = None) -> list[subprocess.Popen]:
-    """`count` busy processes: loops `python -c 'while 1: pass'`, or `command` run again and again
-    (a real load: a test run, a build), each in its own process group."""
-    argv = ["sh", "-c", f"while :; do {command}; done"] if command else [sys.executable, "-c", "while 1: pass"]
+    """`count` busy processes: busy loops, or `command` run again and again (a real load: a test
+    run, a build), each in its own process group; each ends when this process does, however it
+    ends (a bench killed by a timeout left its loops spinning at the bench's priority)."""
+    me = os.getpid()
+    argv = (["sh", "-c", f"while kill -0 {me} 2>/dev/null; do {command}; done"] if command else
+            [sys.executable, "-c", f"import os\nwhile os.getppid() == {me}: pass"])
     return [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             for _ in range(count)]
 

@@ -4,7 +4,10 @@ processes it starts and stops (a command's whole process group, so nothing outli
 
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from memrad.bench import contended
 
@@ -46,3 +49,18 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_the_busy_loops_end_when_the_bench_that_started_them_is_killed(tmp_path):
+    script = tmp_path / "bench.py"
+    script.write_text("import sys, time\nsys.path.insert(0, %r)\nfrom memrad.bench import contended\n"
+                      "loops = contended.busy(2)\nprint(' '.join(str(l.pid) for l in loops), flush=True)\n"
+                      "time.sleep(60)\n" % str(Path(__file__).resolve().parents[2]))
+    bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in bench.stdout.readline().split()]
+    bench.kill()  # as a timeout does: no finally runs
+    bench.wait()
+    deadline = time.monotonic() + 10
+    while any(group_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(group_alive(pid) for pid in pids)
