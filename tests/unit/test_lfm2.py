@@ -31,6 +31,7 @@ from memrad.engine.state.snapshot import Snapshot
 from stories import ask, make_engine, run_together
 from test_gguf_steps import fresh, own_cache, turns_resume_as_cold  # noqa: F401 - own_cache: a fixture
 from test_batching import engine_with_parked, rows_are_their_own, second_turns
+from test_experts import with_the_steps_attention_layout
 from test_hybrid_steps import compiled_decodes_as_eager_and_resumes
 from tiny_gguf import LFM2_LAYERS, tiny_gguf
 
@@ -93,6 +94,7 @@ def test_the_lfm2_step_decodes_transformers_bits(gguf, dtype, weights, tolerance
     loaded = fresh(gguf, dtype, weights)
     feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
     ours, theirs = Engine(loaded, EngineOptions(16, 1)).new_cache(), DynamicCache(config=loaded.model.config)
+    with_the_steps_attention_layout(loaded.model)  # as test_experts says why
     a = prefill(loaded.model, ours, PROMPT, 0, 16)
     b = prefill(loaded.model, theirs, PROMPT, 0, 16)
     assert torch.equal(a, b)  # the in-place layers leave prefill's bits alone
