@@ -147,8 +147,43 @@ def build_gemma3(vocab_size: int, seed: int = 0, window: int = 8):
     return model
 
 
+# Gemma 4's tiny layout: sliding layers of 8 tokens around two global ones, the last two KV-shared
+# (layer 4 reads layer 3's window, layer 5 layer 2's slab).
+GEMMA4_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                 "full_attention"]
+
+
+def build_gemma4(vocab_size: int, seed: int = 0, window: int = 8):
+    """Gemma 4 (text, Gemma4ForCausalLM) with every part its dense models have: per-layer inputs
+    (P = 8), the last 2 layers reading earlier layers' KV, global layers of their own head dim (32
+    against 16) with one KV head and keys as values (attention_k_eq_v), "proportional" rope on them
+    (a quarter of the angles turn), v norms, layer scalars; the norm weights, layer scalars and
+    rope bases off their defaults so a step that dropped one would differ; the final logits
+    soft-capped."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=len(GEMMA4_LAYERS),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=window, max_position_embeddings=1024, layer_types=GEMMA4_LAYERS,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 500_000.0}},
+        final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.3)
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    return model
+
+
 def save_tiny(folder: Path, kind: str) -> Path:
-    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | qwen3 | starcoder2
+    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | gemma4 | qwen3 | starcoder2
     | mamba | lfm2 (tests/unit/tiny_gguf.py's, float weights: short convolutions beside attention).
     llama-short: a native context of 64 tokens, for RoPE scaling past it, with sharp attention
     (q and k weights x8) so that positions move the logits well past rounding."""
@@ -167,6 +202,8 @@ def save_tiny(folder: Path, kind: str) -> Path:
         model = build_falcon_h1(len(tokenizer))
     elif kind == "gemma3":
         model = build_gemma3(len(tokenizer))
+    elif kind == "gemma4":
+        model = build_gemma4(len(tokenizer))
     elif kind == "starcoder2":  # LayerNorm and a plain (ungated) MLP: no decode step covers it
         from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
