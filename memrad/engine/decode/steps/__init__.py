@@ -103,9 +103,16 @@ def has_batched(step: Any) -> bool:
 
 
 def windows(step: Any) -> list[int | None]:
-    """Each layer's sliding window (None: full attention, a slab of the context; or a
-    recurrent layer, see `recurrent`)."""
-    return [getattr(layer, "window", None) for layer in step.layers]
+    """Each layer's sliding window (None: full attention, a slab of the context; a recurrent
+    layer, see `recurrent`; or a KV-shared one, see `slabs`)."""
+    return [None if getattr(layer, "shared", False) else getattr(layer, "window", None) for layer in step.layers]
+
+
+def slabs(step: Any) -> list[int]:
+    """The layers handed a slab of the context: neither a window, nor recurrent state, nor a
+    KV-shared layer's empty pair (Gemma 4: memrad.engine.state.shared.SharedLayer)."""
+    return [i for i, (layer, window, state) in enumerate(zip(step.layers, windows(step), recurrent(step)))
+            if window is None and not state and not getattr(layer, "shared", False)]
 
 
 def recurrent(step: Any) -> list[bool]:
