@@ -159,3 +159,56 @@ def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resu
     batched = engine.decoder.batch_step(2)
     assert batched.compiled and batched.alone is not None  # the compiled one-row step's bits, checked
     compiled_turns_equal_cold(engine)
+
+
+# -- from a GGUF: transformers 5.24's loader reads a gemma4 header without its layout keys --
+
+@pytest.fixture(scope="module")
+def gemma4_gguf(tmp_path_factory):
+    from tiny import build_gemma4, build_tokenizer
+    from tiny_gguf import write_gemma4_gguf
+
+    tokenizer = build_tokenizer()
+    return write_gemma4_gguf(tmp_path_factory.mktemp("tiny-gemma4-gguf") / "tiny-gemma4.gguf",
+                             build_gemma4(len(tokenizer)), tokenizer)
+
+
+def test_transformers_gguf_loader_reads_gemma4_without_its_layout(gemma4_gguf):
+    """What blocks a Gemma 4 GGUF on memra's path (transformers' from_pretrained with gguf_file):
+    its config mapping (transformers.integrations.ggml, "gemma4") reads the widths and head counts
+    but none of llama.cpp's layout keys, so the config keeps its defaults (a 5:1 layer pattern, no
+    KV-shared layers, per-layer inputs of 256 over 262,144 tokens, sliding head dim 256, rope bases
+    10k / 1M, no final soft-cap), and the weights then do not fit it. When this starts failing,
+    transformers reads them: the tiny GGUF can then load and run the Gemma 4 step."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(gemma4_gguf.parent), gguf_file=gemma4_gguf.name)
+    assert type(config).__name__ == "Gemma4TextConfig"
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (config.num_kv_shared_layers, config.hidden_size_per_layer_input, config.vocab_size_per_layer_input,
+            config.final_logit_softcapping) == (0, 256, 262_144, None)
+    assert config.per_layer_config[0].head_dim == 256 and config.per_layer_config[5].head_dim == 32
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        AutoModelForCausalLM.from_pretrained(str(gemma4_gguf.parent), gguf_file=gemma4_gguf.name)
+
+
+def test_memrad_refuses_such_a_gemma4_gguf_before_the_wait_and_says_why(gemma4_gguf, tmp_path, monkeypatch):
+    from memrad.engine.model.preflight import inspect_gguf
+    from memrad.engine.model.pull import ModelUnavailable
+
+    with pytest.raises(ModelUnavailable) as refused:
+        inspect_gguf(gemma4_gguf, 0, torch.bfloat16)
+    said = str(refused.value)
+    assert "gemma4 GGUF whose layout transformers' GGUF loader does not read" in said
+    for lost in ("attention.sliding_window_pattern: the GGUF's [True, True, False, True, True, False], "
+                 "transformers' [True, True, True, True, True, False]",
+                 "attention.shared_kv_layers: the GGUF's 2, transformers' 0",
+                 "embedding_length_per_layer_input: the GGUF's 8, transformers' 256",
+                 "attention.key_length_swa: the GGUF's 16, transformers' 256",
+                 "final_logit_softcapping: the GGUF's 30.0, transformers' None",
+                 "per_layer_token_embd rows: the GGUF's"):
+        assert lost in said, said
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ModelUnavailable, match="transformers cannot load"):  # the load itself, were it asked
+        load_model(str(gemma4_gguf), device="cpu", dtype="bfloat16", progress=lambda _: None)

@@ -122,6 +122,18 @@ def recurrent(step: Any) -> list[bool]:
     return [getattr(layer, "recurrent", False) for layer in step.layers]
 
 
+def kv_row_shapes(config: Any) -> list[tuple[int, int]]:
+    """(KV heads, head dim) of each attention layer that keeps its own rows (preflight's KV bytes):
+    Gemma 4's per layer kind, its KV-shared layers left out; every other's `kv_shape`."""
+    kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    attention = [i for i, kind in enumerate(kinds) if kind in ("full_attention", "sliding_attention")]
+    modes = getattr(config, "kv_sharing_modes", None)
+    if modes is None:
+        return [kv_shape(config)] * len(attention)
+    layers = config.per_layer_config
+    return [(layers[i].num_key_value_heads, layers[i].head_dim) for i in attention if modes[i] != "reuse"]
+
+
 def kv_shape(config: Any) -> tuple[int, int]:
     """(KV heads, head dim) of the model's cache rows."""
     _, kv_heads, head_dim = llama.attention_shape(config)
