@@ -55,13 +55,16 @@ def test_the_gemma4_step_covers_it_and_says_so(tiny_dir):
     assert [type(layer).__name__ for layer in engine.new_cache().layers] == LAYERS
 
 
-def test_moe_and_bidirectional_gemma4_have_no_step(tiny_dir):
+def test_moe_bidirectional_and_all_shared_gemma4_have_no_step(tiny_dir):
     loaded = fresh(tiny_dir)
     loaded.model.config.enable_moe_block = True
     assert steps.describe(loaded.model, loaded.context_len).reason == (
         "Gemma4ForCausalLM has mixture-of-experts blocks beside its MLPs (enable_moe_block)")
     loaded.model.config.enable_moe_block, loaded.model.config.use_bidirectional_attention = False, "all"
     assert steps.support(loaded.model, loaded.context_len) == "Gemma4ForCausalLM attends bidirectionally"
+    loaded.model.config.use_bidirectional_attention, loaded.model.config.num_kv_shared_layers = None, 6
+    assert steps.support(loaded.model, loaded.context_len) == (
+        "Gemma4ForCausalLM reads every layer's keys and values from another model (num_kv_shared_layers = all)")
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("bfloat16", 0.0), ("float32", 1e-6)])

@@ -58,6 +58,8 @@ def support(model: nn.Module, context_len: int) -> str | None:
         return f"{name} has mixture-of-experts blocks beside its MLPs (enable_moe_block)"
     if getattr(config, "use_bidirectional_attention", None) == "all":
         return f"{name} attends bidirectionally"
+    if "reuse" in config.kv_sharing_modes[:1]:  # every layer shared: another model's KV is handed in
+        return f"{name} reads every layer's keys and values from another model (num_kv_shared_layers = all)"
     return kinds_and_ropes(model, _STATIC_ROPE)
 
 
