@@ -183,8 +183,8 @@ def build_gemma4(vocab_size: int, seed: int = 0, window: int = 8):
 
 
 def save_tiny(folder: Path, kind: str) -> Path:
-    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | gemma4 | qwen3 | starcoder2
-    | mamba | lfm2 (tests/unit/tiny_gguf.py's, float weights: short convolutions beside attention).
+    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | gemma4 | qwen3
+    | starcoder2 | mamba | lfm2 (tests/unit/tiny_gguf.py's, float weights: short convolutions beside attention).
     llama-short: a native context of 64 tokens, for RoPE scaling past it, with sharp attention
     (q and k weights x8) so that positions move the logits well past rounding."""
     tokenizer = build_tokenizer()
