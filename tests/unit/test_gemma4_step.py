@@ -2,8 +2,8 @@
 (per-layer inputs, the last two layers KV-shared, global layers of their own head dim with keys as
 values and proportional rope, windows of 8, final soft-cap).
 
-The step is named in `memrad status`; its cache keeps no rows for the KV-shared layers; in bf16 and
-fp32 its logits and KV rows are transformers' forward's bit for bit (the forward attending one
+The step is named in `memrad status`; its cache keeps no rows for the KV-shared layers; in bf16 (float
+weights, and Q4_1 layers on the int4 kernel) and fp32 its logits and KV rows are transformers' forward's bit for bit (the forward attending one
 token with the step's layout, as tests/unit/test_experts.py says why) for 3W steps from a prompt
 already past the window (fp32 held to 1e-6, what the fused matmuls may move); dropping a part the
 forward has (the per-layer inputs, a KV-shared layer's producer) changes the bits; the batched
@@ -28,6 +28,7 @@ from test_batching import rows_are_their_own
 from test_experts import with_the_steps_attention_layout
 from test_gemma_step import compiled_turns_equal_cold, rows_decode_their_own_bits
 from test_gguf_steps import turns_resume_as_cold
+from tiny import write_q4_folder
 
 WINDOW = 8  # tests/unit/tiny.py: build_gemma4
 PROMPT = list(range(5, 45))  # 40 tokens: past the window before the first step
@@ -37,6 +38,19 @@ LAYERS = ["WindowLayer", "WindowLayer", "SlabLayer", "WindowLayer", "SharedLayer
 def fresh(tiny_dir, dtype="bfloat16"):
     torch.set_num_threads(1)
     return load_model(str(tiny_dir("gemma4")), device="cpu", dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def q4_gemma4_dir(tmp_path_factory):
+    """The tiny Gemma 4 as a GGUF's blocks: Q4_1 layers, a tied Q8_0 head (tiny.write_q4_folder)."""
+    return write_q4_folder(tmp_path_factory.mktemp("tiny-gemma4-q4"), "gemma4")
+
+
+def on_int4(folder):
+    torch.set_num_threads(1)
+    loaded = load_model(str(folder), device="cpu", dtype="bfloat16", weights="int4")
+    assert loaded.weights.value == "int4"
+    return loaded
 
 
 def test_the_gemma4_step_covers_it_and_says_so(tiny_dir):
@@ -67,9 +81,11 @@ def test_moe_bidirectional_and_all_shared_gemma4_have_no_step(tiny_dir):
         "Gemma4ForCausalLM reads every layer's keys and values from another model (num_kv_shared_layers = all)")
 
 
-@pytest.mark.parametrize("dtype,tolerance", [("bfloat16", 0.0), ("float32", 1e-6)])
-def test_the_gemma4_step_decodes_transformers_bits_past_the_window(tiny_dir, dtype, tolerance):
-    loaded = fresh(tiny_dir, dtype)
+@pytest.mark.parametrize("dtype,tolerance", [("bfloat16", 0.0), ("float32", 1e-6), ("int4", 0.0)])
+def test_the_gemma4_step_decodes_transformers_bits_past_the_window(tiny_dir, q4_gemma4_dir, dtype, tolerance):
+    """bf16 and fp32 with float weights; "int4": bf16 on the int4 kernel (Q4_1 layers, the step's
+    fused projections against the forward's one by one)."""
+    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype)
     feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
     assert feed.step == "eager"
     engine = Engine(loaded, EngineOptions(16, 1))
@@ -118,13 +134,13 @@ def test_the_step_needs_every_part_it_has(tiny_dir):
     assert not torch.allclose(logits(lambda step: setattr(step, "producers", [0, 1, 2, 3, 1, 2])), expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_every_row_of_the_batched_gemma4_step_is_its_own_and_the_one_row_steps(tiny_dir, dtype):
-    loaded = fresh(tiny_dir, dtype)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int4"])
+def test_every_row_of_the_batched_gemma4_step_is_its_own_and_the_one_row_steps(tiny_dir, q4_gemma4_dir, dtype):
+    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype)
     engine = make_engine(loaded, 16, max_batch=4)
     assert engine.runtime_choices["batch"]["value"] == "batched, 4 rows"
     first = rows_are_their_own(engine, loaded.model, 16)
-    if dtype == "bfloat16":  # fp32 matmuls take another path at M = 1 (memrad.engine.decode.batch)
+    if dtype != "float32":  # fp32 matmuls take another path at M = 1 (memrad.engine.decode.batch)
         cache = engine.new_cache()
         prefill(loaded.model, cache, list(range(5, 45)), 0, 16)
         assert torch.equal(engine.decoder.feeder()(cache, 11, 40).float(), first)

@@ -236,13 +236,14 @@ def save_tiny(folder: Path, kind: str) -> Path:
 
 
 def write_q4_folder(folder: Path, kind: str = "llama") -> Path:
-    """The tiny llama (or `kind` "gemma3": the tiny Gemma 3) shaped like SmolLM2's GGUF, as `memrad
-    pull` leaves one: Q4_1 layers and a Q8_0 head tied to the embedding, their blocks kept
-    beside the float weights."""
+    """The tiny llama (or `kind` "gemma3", "gemma4": the tiny Gemma 3, Gemma 4) shaped like SmolLM2's
+    GGUF, as `memrad pull` leaves one: Q4_1 layers and a Q8_0 head tied to the embedding, their
+    blocks kept beside the float weights."""
     from memrad.engine.model.weights import quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache, write_q8_cache
 
     tokenizer = build_tokenizer()
-    model = build_gemma3(len(tokenizer)) if kind == "gemma3" else build_llama(len(tokenizer), tied=True)
+    builds = {"gemma3": build_gemma3, "gemma4": build_gemma4}
+    model = builds[kind](len(tokenizer)) if kind in builds else build_llama(len(tokenizer), tied=True)
     blocks, head = quantize_layers_q4_1(model), quantize_head_q8_0(model)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
