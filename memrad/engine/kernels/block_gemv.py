@@ -55,6 +55,12 @@ def path() -> str:
     return torch.ops.memra.block_gemv_path()
 
 
+def interleaves() -> bool:
+    """Whether the loaded kernel runs the interleaved kinds (40: Q4_1 x16, 80: Q8_0 x16: its AVX512
+    build; memrad.engine.model.block_linear.interleave). Requires `why_not() is None`."""
+    return bool(torch.ops.memra.block_gemv_interleaves())
+
+
 def activation_step(path_name: str) -> float:
     """The activation's rounding as a fraction of its block's largest |x|: half a step of int16
     (1/65534); 0 for float32 (no rounding)."""
