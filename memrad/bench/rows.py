@@ -16,7 +16,8 @@ on both), the fastest of --reps calls each:
 For each arm: the eager batched step (memrad.engine.decode.batch) at each --rows, its time
 split by kernel (the layers' projections, the head, the rest) from forward hooks; then one
 layer of each of the step's shapes alone at M = 1..8, the weights out of cache (a model's
-worth of copies cycled so that none sits in L2). Prints Markdown tables with each row count's
+worth of copies cycled so that none sits in L2; the Q8_0 head, plain and interleaved, streams
+from memory by its size). Prints Markdown tables with each row count's
 time over one row's.
 """
 
@@ -42,22 +43,26 @@ def _fastest(calls: list[Callable[[], object]], reps: int) -> list[float]:
     return best
 
 
-def _block_twin(model, folder, interleaved: bool) -> tuple[dict, dict]:
-    """({name: module as loaded}, {name: BlockLinear of the same shipped blocks}) for every
-    layer the model runs on torch's int4 kernel (not the head); `interleaved`: the blocks laid
-    out 16 rows side by side (block_linear.interleave)."""
+def _arms(model, folder) -> dict[str, dict]:
+    """{arm: {module name: module}} over every 4-bit layer and the Q8_0 head, from the same shipped
+    blocks: `int4` torch's int4 kernel for the layers and the head's plain blocks (main's choice
+    on AVX512 before the interleaved kinds), `blocks` the plain blocks on memra's kernel, `blocks x16`
+    the interleaved ones (block_linear.interleave) where the kernel runs them."""
+    from memrad.engine.kernels import block_gemv
     from memrad.engine.model.block_linear import BlockLinear, packable
     from memrad.engine.model.quant import Int4Linear
-    from memrad.engine.model.weights import load_int4_cache
+    from memrad.engine.model.weights import _head_name, load_int4_cache, load_q8_cache
 
-    blocks = load_int4_cache(folder)
     modules = dict(model.named_modules())
-    loaded, twins = {}, {}
-    for name, module in modules.items():
-        if isinstance(module, Int4Linear) and name in blocks and packable(blocks[name]):
-            loaded[name] = module
-            twins[name] = BlockLinear.from_blocks(module, blocks[name], interleaved)
-    return loaded, twins
+    layers = {name: b for name, b in load_int4_cache(folder).items() if name in modules and packable(b)}
+    heads = {name: b for name, b in load_q8_cache(folder).items() if name == _head_name(model)}
+    arms = {"int4": {**{name: Int4Linear.from_blocks(modules[name], b, torch.bfloat16) for name, b in layers.items()},
+                     **{name: BlockLinear.from_blocks(modules[name], b, False) for name, b in heads.items()}},
+            "blocks": {name: BlockLinear.from_blocks(modules[name], b, False) for name, b in {**layers, **heads}.items()}}
+    if block_gemv.interleaves():
+        arms["blocks x16"] = {name: BlockLinear.from_blocks(modules[name], b, True)
+                              for name, b in {**layers, **heads}.items()}
+    return arms
 
 
 def _swap(model, modules: dict) -> None:
@@ -190,12 +195,12 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_model(args.model, device="cpu", dtype="bfloat16", weights="int4")
     folder = resolve_model_folder(args.model, print, False)[1]
-    as_loaded, twins = _block_twin(loaded.model, folder, False)
-    interleaved = _block_twin(loaded.model, folder, True)[1] if block_gemv.interleaves() else {}
+    arms = _arms(loaded.model, folder)
+    as_loaded = {name: module for name, module in loaded.model.named_modules() if name in arms["int4"]}
     head = loaded.model.get_output_embeddings()
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    print(f"# {args.model}: {len(twins)} layers; block kernel {block_gemv.path()}; threads {args.threads}; "
+    print(f"# {args.model}: {len(arms['blocks'])} layers and head; block kernel {block_gemv.path()}; threads {args.threads}; "
           f"load {' '.join(load)}")
 
     def kind(module) -> str | None:
@@ -207,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
             return "layers blocks"
         return None
 
-    arms = {"int4": as_loaded, "blocks": twins, **({"blocks x16": interleaved} if interleaved else {})}
     if not args.no_step:
         steps = _steps(loaded, args.rows, args.reps, {"arms": arms, "kind": kind})
         print("\n| arm | rows | step ms | x one row | layers ms | head ms | rest ms |")

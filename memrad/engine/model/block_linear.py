@@ -29,9 +29,11 @@ the activation rows (M ≤ the batch), and each output is one fixed sequence of 
 request's bits are the same alone or batched, on any thread count.
 
 Which groups of blocks run here and which on torch's int4 kernel, memrad.engine.model.kernel_choice
-decides: on AVX512 the head only (the head streams from memory, where fewer bytes won; the
-layers' blocks sit in cache, where the Q5_0 unpacking and the Q4_1 kind lost to torch's int4
-kernel: docs/BENCHMARKS.md#memras-block-kernel); on AVX2, where torch's int4 kernel has half
+decides: on AVX512 the head (it streams from memory, where fewer bytes won) and the Q4_0 / Q4_1
+layers as the interleaved kind (`interleave`: 16 rows' blocks side by side, made once at load, so
+a block's codes are widened once for every activation row and each output sums in its own lane;
+the row-major Q4_1 blocks and the Q5_0 unpacking lost to torch's int4 kernel:
+docs/BENCHMARKS.md#memras-block-kernel); on AVX2, where torch's int4 kernel has half
 the width too, each group as measured at load (docs/BENCHMARKS.md#avx2-class-cpus). Without a compiler, on other CPUs and on CUDA the blocks
 run on torch's int4 kernel and `block_gemv.why_not` says why. Longer inputs (prefill) run the
 dense `weight` the layer keeps, as Int4Linear does.

@@ -6,10 +6,16 @@ Q4_K / Q5_K / Q6_K super-blocks as shipped; torch's int4 kernel runs the 4-bit o
 Q6_K have no int4 form, so their other kernel is the dense weight (torch's F.linear in the
 model's dtype). Which is faster depends on the CPU:
 
-    kernel ISA   head (Q8_0)                       layers (Q4_0/Q4_1, Q5_0, Q8_0)       layers (Q4_K, Q5_K, Q6_K)
-    AVX512       block kernel (int16 activations)  int4: measured once                  measured here, per group
-                                                   (docs/BENCHMARKS.md#memras-block-kernel)
-    AVX2         measured here, per group          measured here, per group             measured here, per group
+    kernel ISA   head (Q8_0)                       layers (Q4_0/Q4_1)       layers (Q5_0, Q8_0)   layers (Q4_K, Q5_K, Q6_K)
+    AVX512       block kernel (int16 activations)  block kernel, 16 rows    int4: measured once   measured here, per group
+                                                   interleaved: measured    (docs/BENCHMARKS.md#memras-block-kernel)
+                                                   once (memrad bench rows)
+    AVX2         measured here, per group          measured here, per group measured here        measured here, per group
+
+On AVX512 the Q4_0 / Q4_1 layers whose rows come in sixteens run the kernel's interleaved Q4_1
+blocks (memrad.engine.model.block_linear.interleave): measured on SmolLM2-135M's layers, out of
+cache, faster than torch's int4 kernel at one row (0.77-0.95x its time) and at every row count
+to 8, where a row past the first costs 0.1-0.15x of one (torch's int4: up to 0.3x past 4 rows).
 
 On AVX2 (int16 activations, integer multiply-adds as on AVX512) each group (the head; the layers of one
 GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
@@ -94,8 +100,9 @@ def decide(group: str, block_s: float, int4_s: float, path: str, int4_name: str)
 def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Module], dtype: torch.dtype,
            cache: Path | None = None, timer: Timer | None = None) -> dict[str, Verdict]:
     """{group: Verdict} for {group: {module name: blocks}} (every group's blocks `packable`).
-    Requires `block_gemv.why_not() is None`. On a kernel ISA not in MEASURED_ON: the head on
-    memra's kernel, the Q8_0 / Q5_0 / Q4_x layers on torch's int4, as measured offline; the
+    Requires `block_gemv.why_not() is None`. On a kernel ISA not in MEASURED_ON: the head and the
+    Q4_x layers in sixteens (`interleaved_4_bit`) on memra's kernel, the Q8_0 / Q5_0 layers on
+    torch's int4, as measured offline; the
     k-quants' super-blocks are measured here on every ISA. `cache`: the verdicts file
     (default: beside the kernel libraries); `timer`: seconds a call of each of two takes (tests)."""
     isa, path = block_gemv.capability(), block_gemv.path()
@@ -105,9 +112,14 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
     for group, members in groups.items():
         first = next(iter(members.values()))
         if isa not in MEASURED_ON and not isinstance(first, SuperBlocks):
-            out[group] = Verdict(group, group.startswith("head"),
-                                 f"memra block kernel, {path}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
-                                 if group.startswith("head") else "")
+            if group.startswith("head"):
+                out[group] = Verdict(group, True, f"memra block kernel, {path}; measured once: "
+                                                  "docs/BENCHMARKS.md#memras-block-kernel")
+            elif interleaved_4_bit(members):
+                out[group] = Verdict(group, True, f"memra block kernel, {path}, 16 rows interleaved; measured once: "
+                                                  "memrad bench rows")
+            else:
+                out[group] = Verdict(group, False, "")
             continue
         shapes = Counter((tuple(b.shape), type(b).__name__) for b in members.values())
         key = f"{block_gemv.library().name} {group} {sorted(shapes.items())} {dtype} threads {torch.get_num_threads()}"
@@ -122,6 +134,13 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
         out[group] = decide(group, kept[key]["block_s"], kept[key]["int4_s"], path, int4_name)
         log.info("%s: %s", group, out[group].reason)
     return out
+
+
+def interleaved_4_bit(members: dict[str, Blocks]) -> bool:
+    """Whether a group runs as the kernel's interleaved Q4_1 blocks: 4-bit blocks (Q4_0, Q4_1), every
+    layer's rows in sixteens, on a kernel build that interleaves (AVX512)."""
+    return block_gemv.interleaves() and all(isinstance(b, Int4Blocks) and b.shape[0] % 16 == 0
+                                            for b in members.values())
 
 
 def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dtype: torch.dtype,

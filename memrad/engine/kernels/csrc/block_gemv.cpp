@@ -14,10 +14,10 @@
 // torch's int4 kernel can run Q8_0 / Q5_0 only as two 4-bit passes (hi|lo: 10 bits a weight with
 // its bf16 scales, where the blocks are 8.5 and 5.5), and runs Q4_1 with d and m rounded to bf16.
 // This kernel reads the blocks llama.cpp reads and multiplies the shipped weights exactly (fp16
-// d, m are exact in float32). Q4_1 is measured, not used: torch's int4 kernel, its codes laid out
-// across output rows, costs less per activation row than these row-major blocks do (two FMAs per
-// 32 weights against multiply-adds, a conversion and a block scale; docs/BENCHMARKS.md, issue 22
-// session 10). With AVX512 the activation is rounded to int16 per block of 32 (2^-16 of the
+// d, m are exact in float32). Row-major Q4_1 blocks lost to torch's int4 kernel, its codes laid
+// out across output rows (docs/BENCHMARKS.md, issue 22 session 10); the interleaved kinds (40, 80,
+// below: 16 rows' blocks side by side, laid out once at load) beat it on AVX512 at one row and
+// cost a row past the first 0.1-0.15x of one (memrad bench rows, issue 34). With AVX512 the activation is rounded to int16 per block of 32 (2^-16 of the
 // block's largest |x|: see `quantize`), so a block is one int16 x int16 multiply-add (exact) and
 // one float32 scale; a float32 product per weight needed twice the instructions and ran no
 // faster than hi|lo. Q4_1's min term is m * sum_j x_j = m * sx * (sum_j x16_j): the int sum is
