@@ -53,8 +53,8 @@ FORMATS = {Q8_0: "Q8_0", Q5_0: "Q5_0", Q4_1: "Q4_1", Q4_K: "Q4_K", Q5_K: "Q5_K",
 _KINDS = {name: kind for kind, name in FORMATS.items()}
 
 Q4_1_X16, Q8_0_X16 = 40, 80  # Q4_1 / Q8_0 blocks of 16 output rows side by side (`interleave`)
-_INTERLEAVED = {Q4_1: Q4_1_X16, Q8_0: Q8_0_X16}
-_PLAIN = {v: k for k, v in _INTERLEAVED.items()}
+INTERLEAVED = {Q4_1: Q4_1_X16, Q8_0: Q8_0_X16}  # plain kind -> its interleaved kind
+_PLAIN = {v: k for k, v in INTERLEAVED.items()}
 
 Blocks = Int8Blocks | Int4Blocks | SuperBlocks
 
@@ -115,7 +115,7 @@ def interleave(kind: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
     the interleaved kinds), made once at load. The same shape and bytes a row; rows cut at a
     multiple of 16 stay their own. Other kinds, and rows not in sixteens, as they are."""
     n = raw.shape[0]
-    if kind not in _INTERLEAVED or n % 16:
+    if kind not in INTERLEAVED or n % 16:
         return kind, raw
     size = _BLOCK_BYTES[kind]
     nb = raw.shape[1] // size
@@ -130,15 +130,7 @@ def interleave(kind: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
         codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # [G, nb, row, 32]
         pairs = codes.view(n // 16, nb, 16, 2, 8, 2).permute(0, 1, 3, 4, 2, 5)  # [G, nb, half, j, row, 2]
         parts = [d, m, (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n // 16, nb, 256)]
-    return _INTERLEAVED[kind], torch.cat(parts, dim=-1).reshape(n, nb * size).contiguous()
-
-
-def _interleaves() -> bool:
-    """Whether the loaded kernel runs the interleaved kinds (its AVX512 build)."""
-    try:
-        return bool(torch.ops.memra.block_gemv_interleaves())
-    except (AttributeError, RuntimeError):
-        return False
+    return INTERLEAVED[kind], torch.cat(parts, dim=-1).reshape(n, nb * size).contiguous()
 
 
 class BlockLinear(torch.nn.Linear):
@@ -153,17 +145,22 @@ class BlockLinear(torch.nn.Linear):
         self.register_buffer("blocks", blocks, persistent=False)  # [N, K/32 · bytes] (k-quants: K/256) uint8
 
     @classmethod
-    def from_blocks(cls, linear: torch.nn.Linear, blocks: Blocks, interleaved: bool | None = None) -> "BlockLinear":
-        """`interleaved`: lay Q4_1 / Q8_0 blocks out 16 rows side by side (`interleave`); None:
-        where the loaded kernel runs them (AVX512)."""
+    def from_blocks(cls, linear: torch.nn.Linear, blocks: Blocks, interleaved: bool = False) -> "BlockLinear":
+        """`interleaved`: lay Q4_1 / Q8_0 blocks out 16 rows side by side (`interleave`): where the
+        loaded kernel runs them (`memrad.engine.kernels.block_gemv.interleaves()`, AVX512)."""
         kind, raw = pack(blocks)
-        if _interleaves() if interleaved is None else interleaved:
+        if interleaved:
             kind, raw = interleave(kind, raw)
         return cls(linear, raw, kind)
 
     @property
     def format(self) -> str:
         return FORMATS[_PLAIN.get(self.kind, self.kind)]
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether its blocks are laid out 16 rows side by side (`interleave`)."""
+        return self.kind in _PLAIN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., T, K]; the blocks only where one token goes through (decode)

@@ -7,15 +7,16 @@ Q6_K have no int4 form, so their other kernel is the dense weight (torch's F.lin
 model's dtype). Which is faster depends on the CPU:
 
     kernel ISA   head (Q8_0)                       layers (Q4_0/Q4_1)       layers (Q5_0, Q8_0)   layers (Q4_K, Q5_K, Q6_K)
-    AVX512       block kernel (int16 activations)  block kernel, 16 rows    int4: measured once   measured here, per group
-                                                   interleaved: measured    (docs/BENCHMARKS.md#memras-block-kernel)
+    AVX512       block kernel (int16 activations,  block kernel, 16 rows    int4: measured once   measured here, per group
+                 16 rows interleaved)              interleaved: measured    (docs/BENCHMARKS.md#memras-block-kernel)
                                                    once (memrad bench rows)
     AVX2         measured here, per group          measured here, per group measured here        measured here, per group
 
 On AVX512 the Q4_0 / Q4_1 layers whose rows come in sixteens run the kernel's interleaved Q4_1
-blocks (memrad.engine.model.block_linear.interleave): measured on SmolLM2-135M's layers, out of
-cache, faster than torch's int4 kernel at one row (0.77-0.95x its time) and at every row count
-to 8, where a row past the first costs 0.1-0.15x of one (torch's int4: up to 0.3x past 4 rows).
+blocks, and a head in sixteens its interleaved Q8_0 blocks (memrad.engine.model.block_linear.interleave):
+measured with `memrad bench rows` on SmolLM2-135M's layers, out of cache, on an Intel Xeon with
+AMX (one row 0.77-0.95x torch int4's time) and on an AMD EPYC Zen 5 without AMX (one row
+0.77-0.83x torch int4's, the head 0.23x its plain blocks'), and at every row count to 4 on both.
 
 On AVX2 (int16 activations, integer multiply-adds as on AVX512) each group (the head; the layers of one
 GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
@@ -112,14 +113,8 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
     for group, members in groups.items():
         first = next(iter(members.values()))
         if isa not in MEASURED_ON and not isinstance(first, SuperBlocks):
-            if group.startswith("head"):
-                out[group] = Verdict(group, True, f"memra block kernel, {path}; measured once: "
-                                                  "docs/BENCHMARKS.md#memras-block-kernel")
-            elif interleaved_4_bit(members):
-                out[group] = Verdict(group, True, f"memra block kernel, {path}, 16 rows interleaved; measured once: "
-                                                  "memrad bench rows")
-            else:
-                out[group] = Verdict(group, False, "")
+            on_blocks = group.startswith("head") or interleaved_4_bit(members)
+            out[group] = Verdict(group, on_blocks, _measured_once(path, _in_sixteens(members)) if on_blocks else "")
             continue
         shapes = Counter((tuple(b.shape), type(b).__name__) for b in members.values())
         key = f"{block_gemv.library().name} {group} {sorted(shapes.items())} {dtype} threads {torch.get_num_threads()}"
@@ -139,8 +134,20 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
 def interleaved_4_bit(members: dict[str, Blocks]) -> bool:
     """Whether a group runs as the kernel's interleaved Q4_1 blocks: 4-bit blocks (Q4_0, Q4_1), every
     layer's rows in sixteens, on a kernel build that interleaves (AVX512)."""
-    return block_gemv.interleaves() and all(isinstance(b, Int4Blocks) and b.shape[0] % 16 == 0
+    return all(isinstance(b, Int4Blocks) for b in members.values()) and _in_sixteens(members)
+
+
+def _in_sixteens(members: dict[str, Blocks]) -> bool:
+    """Whether BlockLinear.from_blocks lays every member out interleaved: its rows in sixteens, on a
+    kernel build that interleaves (AVX512)."""
+    return block_gemv.interleaves() and all(b.shape[0] % 16 == 0 and block_linear.kind_of(b) in block_linear.INTERLEAVED
                                             for b in members.values())
+
+
+def _measured_once(path: str, interleaved: bool) -> str:
+    """The reason of a group put on memra's kernel by the offline measurement."""
+    layout = ", 16 rows interleaved" if interleaved else ""
+    return f"memra block kernel, {path}{layout}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
 
 
 def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dtype: torch.dtype,
@@ -157,7 +164,7 @@ def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dt
             blocks = _rows(blocks, HEAD_ROWS)
         n, k = blocks.shape
         linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
-        on_blocks = BlockLinear.from_blocks(linear, blocks)
+        on_blocks = BlockLinear.from_blocks(linear, blocks, block_gemv.interleaves())
         on_int4 = _other(blocks, linear, dtype)
         x = torch.randn(1, 1, k, dtype=dtype)  # [1, 1, K]: one token
         with torch.no_grad():

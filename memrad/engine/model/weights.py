@@ -400,7 +400,7 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
     if built:
         _save_packed(folder, device, kernel_dtype, packed, stamp)
     for name, blocks in on_blocks.items():  # packing them takes a second: not kept in the packed file
-        _set_module(model, name, BlockLinear.from_blocks(modules[name], blocks))
+        _set_module(model, name, BlockLinear.from_blocks(modules[name], blocks, block_gemv.interleaves()))
     as_blocks = len(on_blocks)
     head = head_format(model)
     if head == "float":  # a warning where a pull would change that
