@@ -16,7 +16,7 @@ On AVX512 the Q4_0 / Q4_1 layers whose rows come in sixteens run the kernel's in
 blocks, and a head in sixteens its interleaved Q8_0 blocks (memrad.engine.model.block_linear.interleave):
 measured with `memrad bench rows` on SmolLM2-135M's layers, out of cache, on an Intel Xeon with
 AMX (one row 0.77-0.95x torch int4's time) and on an AMD EPYC Zen 5 without AMX (one row
-0.77-0.83x torch int4's, the head 0.23x its plain blocks'), and at every row count to 4 on both.
+0.69-0.90x torch int4's over two runs, the head 0.23-0.31x its plain blocks'), and at every row count to 4 on both.
 
 On AVX2 (int16 activations, integer multiply-adds as on AVX512) each group (the head; the layers of one
 GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
