@@ -2,14 +2,13 @@
 
     memrad bench rows [--model default] [--rows 1 2 4 8] [--reps 15] [--threads 2] [--no-step]
 
-Two arms of one loaded model, timed interleaved in one process (a burst of other work falls
-on both), the fastest of --reps calls each:
+Arms of one loaded model, timed interleaved in one process (a burst of other work falls
+on all), the fastest of --reps calls each:
 
-  * `int4`: the layers as the model loads them (kernel_choice's verdicts: on AVX512 torch's
-    int4 kernel for the Q4_x layers);
-  * `blocks`: every layer torch's int4 kernel runs put on memra's block kernel instead
-    (BlockLinear from the same shipped blocks, one output row's blocks after another): the
-    choice forced for this measurement only;
+  * `int4`: the 4-bit layers on torch's int4 kernel, the Q8_0 head on its plain blocks (main's
+    choice on AVX512 before the interleaved kinds);
+  * `blocks`: every 4-bit layer on memra's block kernel instead (BlockLinear from the same
+    shipped blocks, one output row's blocks after another): forced for this measurement only;
   * `blocks x16`: the same on the kernel's interleaved kinds (16 rows' blocks side by side,
     block_linear.interleave), where the kernel runs them (AVX512).
 
