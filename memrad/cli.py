@@ -54,7 +54,7 @@ BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk
                    "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits",
                    "arch-steps": "arch_steps", "build-phases": "build_phases",
                    "contended": "contended", "draft-index": "draft_index",
-                   "draft-replay": "draft_replay"}
+                   "draft-replay": "draft_replay", "rows": "rows"}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -467,7 +467,9 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int |
     for source in (*steps, window_state.__file__, quant.__file__, __file__, recurrent_state.__file__, *kernel_source):
         digest.update(Path(source).read_bytes())
     for name, module in step.named_modules():
-        digest.update(f"{name} {type(module).__module__}.{type(module).__qualname__}\n".encode())
+        # a BlockLinear's kind is compiled into the call (plain and interleaved blocks: one shape)
+        kind = f" kind {module.kind}" if isinstance(module, block_linear.BlockLinear) else ""
+        digest.update(f"{name} {type(module).__module__}.{type(module).__qualname__}{kind}\n".encode())
     for name, tensor in sorted(_constants(step).items()):
         digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)} {tensor.stride()}\n".encode())
     return digest.hexdigest()[:16]
