@@ -63,6 +63,7 @@ MOST_DRAFTED = 8  # tokens drafted at most per step on the eager one-row step (t
 # with speculation on, the batched packages are built for this many rows too (memrad.engine.decode.
 # decoder, `run_rows`), where max_batch is fewer; a step runs the smallest package that holds its rows.
 RUN_ROWS = 8
+COPY_MISSES = 2  # verify steps in a row that keep nothing of a copy's drafts end the copy
 
 
 class Speculating:
@@ -81,6 +82,11 @@ class Speculating:
         self._index: DraftIndex | None = None
         self._parked: DraftIndex | None = None  # the index of the session this flight replaces
         self._prompt_len = 0
+        # The copy in progress: the index position of the token it expects next, and how many
+        # steps in a row its draft kept nothing (COPY_MISSES of them end it).
+        self._copy: int | None = None
+        self._misses = 0
+        self._refused = False
         self.drafted = self.accepted = self.verify_steps = self.decode_steps = self.fed = 0
 
     def resume(self, parked: DraftIndex) -> None:
@@ -91,7 +97,13 @@ class Speculating:
     def draft(self, prompt: tuple[int, ...], generated: list[int], room: int) -> list[int]:
         """The tokens to verify after the pending one (generated[-1]): at most `room`, [] while
         paused or where the context holds no match. Indexes the prompt at the first call: from the
-        resumed session's index where there is one (the tokens past the shared prefix), else whole."""
+        resumed session's index where there is one (the tokens past the shared prefix), else whole.
+
+        A copy in progress drafts on from where it is (`_copy`), the draft length's tokens, as
+        far as the match it started from or not: a rewrite's copy runs on past each edit (a
+        renamed token is taken in place of the one it replaces, and the copy goes on after it),
+        where a fresh match would have to regrow from 3 tokens. Without one, the index's
+        longest match starts one (`DraftIndex.propose`: no longer than that match)."""
         if self.off is not None or self.length.paused or room < 1:
             return []
         if self._index is None:
@@ -100,7 +112,14 @@ class Speculating:
             self._parked, self._prompt_len = None, len(prompt)
         index = self._index
         index.extend(generated[len(index) - self._prompt_len :])
-        return index.propose(min(self.length.k, room))
+        most = min(self.length.k, room)
+        if self._copy is not None and self._copy < len(index):
+            return copied(index.tokens, self._copy, most)
+        found = index.locate()
+        if found is None:
+            return []
+        self._copy, self._misses = found[0], 0
+        return copied(index.tokens, found[0], min(most, found[1]))
 
     def parked_index(self, token_ids: tuple[int, ...]) -> DraftIndex | None:
         """The index to park with the session this flight leaves, over exactly `token_ids` (its
@@ -127,15 +146,41 @@ class Speculating:
         self.decode_steps += 1
         self.fed += fed
         self.length.record(drafted, accepted)
+        self._follow(fed, kept_nothing=accepted == 0)
 
     def plain_step(self) -> None:
         self.decode_steps += 1
         self.fed += 1
         self.length.plain_step()
+        self._follow(1, kept_nothing=self._refused)
+        self._refused = False
+
+    def refused(self) -> None:
+        """The grammar refused the copy's next token (its draft cut to nothing): the step that
+        follows counts as one that kept nothing of it."""
+        self._refused = self._copy is not None
+
+    def _follow(self, fed: int, kept_nothing: bool) -> None:
+        """The copy moves on by the tokens fed: each one taken for its source token, the one a
+        run's last row chose too (the copy's next token, or an edit in its place)."""
+        if self._copy is None:
+            return
+        self._misses = self._misses + 1 if kept_nothing else 0
+        self._copy = self._copy + fed if self._misses < COPY_MISSES else None
 
     def figures(self) -> Speculation:
         reason = self.reason if self.off is None else f"{self.reason}; then off: {self.off}"
         return Speculation(True, reason, self.drafted, self.accepted, self.verify_steps, self.decode_steps, self.fed)
+
+
+def copied(tokens: list[int], start: int, n: int) -> list[int]:
+    """n tokens copied from `start` on, the copy going on into itself where it reaches the end
+    (a source p tokens back repeats with period p: a loop, a repeated line)."""
+    out: list[int] = []
+    for i in range(n):
+        at = start + i
+        out.append(tokens[at] if at < len(tokens) else out[at - len(tokens)])
+    return out
 
 
 def room(cache: Any, position: int) -> int:
@@ -188,7 +233,11 @@ def drafts_for(flight: Any, rows_free: int) -> list[int]:
         return []
     left = flight.max_tokens - len(flight.out.generated)
     most = min(rows_free, left - 1, room(flight.cache, flight.position))
-    return flight.allowed(drafting.draft(flight.request.prompt_ids, flight.out.generated, most))
+    drafts = drafting.draft(flight.request.prompt_ids, flight.out.generated, most)
+    allowed = flight.allowed(drafts)
+    if drafts and not allowed:
+        drafting.refused()
+    return allowed
 
 
 @torch.inference_mode()

@@ -105,24 +105,31 @@ class DraftIndex:
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens that followed the longest earlier match of the tail (ties: the most
         recent), and no more than the match is long: a one-token match is weak evidence, a
-        copy that has run for 8 tokens is strong; [] when the tail's last token never occurred
-        before or k < 1."""
-        seq, end = self.tokens, len(self.tokens)
-        if k < 1 or end == 0:
+        copy that has run for 8 tokens is strong; [] when the tail's last 3 tokens never
+        occurred before or k < 1."""
+        found = self.locate() if k >= 1 else None
+        if found is None:
             return []
+        start, length = found
+        return self.tokens[start : start + min(k, length)]
+
+    def locate(self) -> tuple[int, int] | None:
+        """Where the longest earlier match of the tail ends (the position of the token that
+        followed it: the draft's start) and how long it is; None where there is none."""
+        seq, end = self.tokens, len(self.tokens)
         for n in KEYS:
             if end < n:
                 continue
             ends = self._ends[n].get(tuple(seq[end - n :]))
             if not ends:
                 continue
-            best, best_len = None, -1
+            best, best_len = -1, -1
             for j in reversed(ends[-CANDIDATES:]):  # most recent first: a tie keeps the newer
                 length = _match_length(seq, j, end)
                 if length > best_len:
                     best, best_len = j, length
-            return seq[best : best + min(k, best_len)]
-        return []
+            return best, best_len
+        return None
 
 
 def _match_length(seq: list[int], j: int, end: int) -> int:

@@ -14,6 +14,7 @@ import torch
 from memrad.bench.draft_replay import replay
 from memrad.chat.grammar import json_constraint
 from memrad.engine.sampling import Shaper
+from memrad.engine.speculation import Speculating, copied
 from memrad.protocol import Speculation, TurnEvent, from_line, to_line
 from memrad.request import GenerationRequest, SamplingParams
 from stories import make_engine, recording, run_together
@@ -105,20 +106,21 @@ def test_a_copying_reply_is_plain_decodings_bits_with_most_drafts_accepted(q4_bf
     plain = runs["off"]["r"][0].speculation
     assert plain == Speculation(False, "speculate = off")
     assert spec.on and spec.reason == "on the eager step, up to 8 drafted"
-    # 40 tokens, the first from the prompt's logits: 39 fed by 16 decode steps (the last is not fed);
+    # 40 tokens, the first from the prompt's logits: 39 fed by 11 decode steps (the last is not fed);
     # drafting starts once the copy's last 3 tokens occur in the file and grows as the copy goes on;
-    # the renamed token's draft is rejected, and the next waits for 3 tokens that match again
-    assert (spec.fed_tokens, spec.decode_steps, spec.verify_steps) == (39, 16, 9)
-    assert (spec.drafted_tokens, spec.accepted_tokens) == (32, 23)
+    # the renamed token's draft is rejected, and the copy goes on after it (16 decode steps when
+    # the next draft waited for 3 tokens that match again)
+    assert (spec.fed_tokens, spec.decode_steps, spec.verify_steps) == (39, 11, 9)
+    assert (spec.drafted_tokens, spec.accepted_tokens) == (39, 28)
     assert runs["auto"]["r"][3].runtime_choices["speculation"] == {  # `memrad status`
         "value": "auto", "reason": "drafts from the context verified as rows of the step each reply decodes on "
-                                   "(memra.speculation says per reply); finished replies so far: 23 of 32 drafted "
-                                   "tokens kept (72%), 2.44 tokens per decode step"}
+                                   "(memra.speculation says per reply); finished replies so far: 28 of 39 drafted "
+                                   "tokens kept (72%), 3.55 tokens per decode step"}
     assert spec.fed_tokens == spec.accepted_tokens + spec.decode_steps
     assert "tokens per step" in spec.render() and spec.render().startswith("speculation: on (on the eager step")
     plain_state = runs["off"]["r"][1]  # `memrad bench draft-replay` finds the same drafts from the plain reply alone
     replayed = replay(list(plain_state.request.prompt_ids), list(plain_state.generated_ids), 8)
-    assert (replayed["drafted"], replayed["kept"], replayed["verify_steps"], replayed["decode_steps"]) == (32, 23, 9, 16)
+    assert (replayed["drafted"], replayed["kept"], replayed["verify_steps"], replayed["decode_steps"]) == (39, 28, 9, 11)
 
 
 def test_max_tokens_a_stop_string_and_a_cancel_end_a_speculating_reply_where_they_end_a_plain_one(q4_bf16):
@@ -196,10 +198,10 @@ def test_a_draft_the_grammar_refuses_is_cut_before_it_takes_a_row(q4_bf16, monke
 
     reply = '{"w": 88883, "h": 8888444444444444444444'  # the tiny model's digits, until max_tokens
     assert runs["auto"]["json"][0].text == unchecked["auto"]["json"][0].text == reply
-    # 40 tokens in 27 decode steps either way: refused drafts cut, 42 rows (12 of 15 drafted kept)
-    # against 49 (12 of 22)
-    assert (checked.drafted_tokens, checked.accepted_tokens, checked.decode_steps, rows(checked)) == (15, 12, 27, 42)
-    assert (before.drafted_tokens, before.accepted_tokens, before.decode_steps, rows(before)) == (22, 12, 27, 49)
+    # 40 tokens: with refused drafts cut, 24 decode steps and 45 rows (15 of 21 drafted kept); verified
+    # and then rejected, 29 steps and 47 rows (10 of 18): a refused token also ends the copy sooner
+    assert (checked.drafted_tokens, checked.accepted_tokens, checked.decode_steps, rows(checked)) == (21, 15, 24, 45)
+    assert (before.drafted_tokens, before.accepted_tokens, before.decode_steps, rows(before)) == (18, 10, 29, 47)
 
 
 def test_requests_batched_together_speculate_each_on_its_own_rows(tiny_loaded):
@@ -265,3 +267,19 @@ def test_speculation_asks_for_the_batched_packages_at_admission(q4_bf16, monkeyp
         monkeypatch.setattr(engine.decoder, "want_batch", lambda: calls.append(1))
         flight = engine.admit(request(engine, "r"), lambda _: None, lambda: False)
         assert len(calls) == wanted and flight.feed.step == "eager"
+
+
+def test_a_copy_goes_on_past_an_edit_and_into_itself():
+    # the reply copies the prompt's tokens 10..39, with one token changed (a rename): the copy drafts
+    # on after the edit at once, where a fresh match waits for 3 tokens that occur in the prompt again
+    prompt = tuple(range(10, 40))
+    drafting = Speculating(8, "test")
+    assert drafting.draft(prompt, [10, 11, 12], 8) == [13, 14, 15]  # the match is 3 long: 3 drafted
+    drafting.record(3, 3, 4)  # kept all three, then the edit (99 for 16) from the run's last row
+    assert drafting.draft(prompt, [10, 11, 12, 13, 14, 15, 99], 8) == list(range(17, 25))  # the draft length: 8
+    # a loop p tokens back: the copy reaches the reply's end and repeats it
+    assert copied([5, 6, 7, 5, 6, 7], 3, 7) == [5, 6, 7, 5, 6, 7, 5]
+    # two verify steps in a row that keep nothing end the copy; the index then finds a new match
+    drafting.record(6, 0, 1)
+    drafting.record(1, 0, 1)
+    assert drafting._copy is None
