@@ -12,9 +12,9 @@ memrad.engine.model.loader), and never changes: resumed == cold is a promise per
 and a parked state primed under one attention must not be resumed under the other (the disk
 tier's key names it). `auto` picks the kernel wherever memra's kernels are built for AVX2 or
 AVX512 and the activations are bf16 or fp32: each of its paths (AMX tiles, AVX512-BF16 pair dots,
-fp32 FMA tiles on AVX512 or AVX2, bf16 widened to fp32) was measured faster than torch's SDPA at
-every cache length from 2k to 16k (docs/BENCHMARKS.md#the-prefill-attention-kernel), so nothing
-is timed at load. Elsewhere (CUDA, fp16, a CPU below AVX2) torch's attention runs, and the reason
+fp32 FMA tiles on AVX512 or AVX2, bf16 widened to fp32 on AVX2) was measured faster than torch's
+SDPA at every cache length from 2k to 16k (docs/BENCHMARKS.md#the-prefill-attention-kernel), so
+nothing is timed at load; a path not measured (bf16 widened on AVX512) keeps SDPA. Elsewhere (CUDA, fp16, a CPU below AVX2) torch's attention runs, and the reason
 says why.
 """
 
@@ -75,15 +75,15 @@ def install(model, mode: str = "auto") -> Choice:
     return choice
 
 
-# The kernel's path on this CPU (kernel.path) -> why auto takes it: each was measured against SDPA
-# on the op alone (a 256-token chunk of the default model's heads over 2k-16k cached rows).
+# The kernel's paths (kernel.path) auto takes -> why: each was measured faster than SDPA on the op
+# alone (a 256-token chunk of the default model's heads over 2k-16k cached rows, one thread; AMX's
+# at 8k-32k). A path not listed (bf16 widened on AVX512 without AVX512-BF16) keeps SDPA.
 _PATHS = {
     "amx": "AMX tiles (bf16; 1.1-1.8x torch's SDPA at 8k-32k on a Xeon)",
-    "avx512-bf16": "AVX512-BF16 pair dots (bf16; 2.1-3.3x torch's SDPA at 2k-16k on Zen 5)",
-    "avx512 fp32": "fp32 FMA on AVX512 (1.3-1.9x torch's SDPA at 2k-16k on Zen 5)",
-    "avx512 fp32 (bf16 widened)": "bf16 widened to fp32 FMA on AVX512 (the fp32 path's 1.3-1.9x on Zen 5)",
-    "avx2 fp32": "fp32 FMA on AVX2 (1.2-1.5x torch's SDPA at 2k-16k, forced AVX2 on Zen 5)",
-    "avx2 fp32 (bf16 widened)": "bf16 widened to fp32 FMA on AVX2 (1.2-1.5x torch's SDPA, forced AVX2 on Zen 5)",
+    "avx512-bf16": "AVX512-BF16 pair dots (bf16; 4.4-5.1x torch's SDPA at 2k-16k on Zen 5)",
+    "avx512 fp32": "fp32 FMA on AVX512 (2.1-2.2x torch's SDPA at 2k-16k on Zen 5)",
+    "avx2 fp32": "fp32 FMA on AVX2 (1.3x torch's SDPA at 2k-16k, forced AVX2 on Zen 5)",
+    "avx2 fp32 (bf16 widened)": "bf16 widened to fp32 FMA on AVX2 (1.3-1.4x torch's SDPA at 2k-16k, forced AVX2 on Zen 5)",
 }
 
 
@@ -101,7 +101,10 @@ def _why_not(model) -> str | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim % 32:
         return f"head dim {head_dim} is not a multiple of 32"
-    return kernel.load()
+    why_not = kernel.load()
+    if why_not is None and kernel.path(model.dtype) not in _PATHS:
+        return f"memra's prefill kernel would run {kernel.path(model.dtype)} here, not measured against torch's SDPA"
+    return why_not
 
 
 def _register() -> None:
