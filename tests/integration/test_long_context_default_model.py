@@ -8,7 +8,6 @@ The length: an agent CLI's first request, ~20k tokens (Claude Code's with its de
 docs/BENCHMARKS.md#the-prefill-attention-kernel has the time it took."""
 
 import pytest
-import torch
 
 import stories
 
@@ -27,13 +26,5 @@ def test_a_resumed_turn_at_20k_tokens_equals_its_cold_run(smol_served):
     engine = stories.make_engine(smol_served, CHUNK, 2, max_sessions=4, max_bytes=2**32)
     first_turn = [{"role": "system", "content": "You are a coding agent. The repository:\n" + FILES},
                   {"role": "user", "content": "Which module defines helper_7?"}]
-    first, _ = stories.ask(engine, first_turn, "t1", max_tokens=4)
+    first = stories.assert_second_turn_resumes_as_cold(engine, first_turn, "And which test covers it?")
     assert first.prompt_tokens == 20330  # an agent CLI's first request, 2.5x the native 8,192
-    second_turn = first_turn + [{"role": "assistant", "content": first.text},
-                                {"role": "user", "content": "And which test covers it?"}]
-    warm, warm_state = stories.ask(engine, second_turn, "t2", max_tokens=4)
-    cold, cold_state = stories.ask(engine, second_turn, "t2-cold", salt="cold", max_tokens=4)
-    assert warm.decision.outcome == "resumed", warm.decision.render()
-    assert warm.cached_tokens == first.prompt_tokens and cold.cached_tokens == 0
-    assert torch.equal(warm_state.prompt_logits, cold_state.prompt_logits)
-    assert warm.text == cold.text

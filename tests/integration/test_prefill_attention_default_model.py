@@ -8,7 +8,6 @@ The long version (a 20k-token first turn, past the native context) is
 test_long_context_default_model.py."""
 
 import pytest
-import torch
 
 import stories
 from memrad.engine.kernels import prefill_attention
@@ -31,13 +30,5 @@ def test_a_resumed_turn_on_the_kernel_equals_its_cold_run(fixture, request):
     engine = stories.make_engine(loaded, CHUNK, 2, max_sessions=4, max_bytes=2**31)
     first_turn = [{"role": "system", "content": "You are a coding agent. The repository:\n" + FILES},
                   {"role": "user", "content": "Which module defines helper_7?"}]
-    first, _ = stories.ask(engine, first_turn, "t1", max_tokens=4)
+    first = stories.assert_second_turn_resumes_as_cold(engine, first_turn, "And which test covers it?")
     assert 1536 < first.prompt_tokens < 2048, first.prompt_tokens
-    second_turn = first_turn + [{"role": "assistant", "content": first.text},
-                                {"role": "user", "content": "And which test covers it?"}]
-    warm, warm_state = stories.ask(engine, second_turn, "t2", max_tokens=4)
-    cold, cold_state = stories.ask(engine, second_turn, "t2-cold", salt="cold", max_tokens=4)
-    assert warm.decision.outcome == "resumed", warm.decision.render()
-    assert warm.cached_tokens == first.prompt_tokens and cold.cached_tokens == 0
-    assert torch.equal(warm_state.prompt_logits, cold_state.prompt_logits)
-    assert warm.text == cold.text
