@@ -235,15 +235,16 @@ bool has_avx512_bf16() { return false; }
 float softmax_row_avx512(const float*, int64_t, int64_t, float, float&, float&, bf16*) { return 0.f; }
 #endif
 
-// Runs tile(first row, rows per tile) over `rows` rows: tiles of R (4 or 6), then one of those left.
-template <int R, typename Tile>
+// Runs tile(first row, rows per tile) over `rows` rows: tiles of 6 rows, then one of those left.
+// Six rows hold 6 x 4 accumulators of AVX512's 32 registers, 6 x 2 of AVX2's 16 (fp32 and the
+// pair dots ran 1.1-1.25x faster than with tiles of 4 on Zen 5, either ISA).
+template <typename Tile>
 inline void by_row_tiles(int64_t rows, Tile&& tile) {
-  static_assert(R == 4 || R == 6);
   int64_t r = 0;
-  for (; r + R <= rows; r += R) tile(r, std::integral_constant<int, R>{});
+  for (; r + 6 <= rows; r += 6) tile(r, std::integral_constant<int, 6>{});
   switch (rows - r) {
-    case 5: if constexpr (R > 5) tile(r, std::integral_constant<int, 5>{}); break;
-    case 4: if constexpr (R > 4) tile(r, std::integral_constant<int, 4>{}); break;
+    case 5: tile(r, std::integral_constant<int, 5>{}); break;
+    case 4: tile(r, std::integral_constant<int, 4>{}); break;
     case 3: tile(r, std::integral_constant<int, 3>{}); break;
     case 2: tile(r, std::integral_constant<int, 2>{}); break;
     case 1: tile(r, std::integral_constant<int, 1>{}); break;
@@ -259,7 +260,6 @@ struct DotBf16 {
   using K = bf16;
   using P = bf16;
   static constexpr int64_t COLS = 64;  // score columns per tile; blocks are padded to it
-  static constexpr int ROWS = 6;  // rows per tile: 6 x 4 accumulators of the 32 registers
   static void pack_k(const bf16* k, int64_t ld, int64_t n, int64_t np, int64_t D, bf16* out) {
     pack_keys(k, ld, n, np, D, out);
   }
@@ -268,7 +268,7 @@ struct DotBf16 {
   }
   static void scores(const bf16* q, int64_t rows, int64_t D, const bf16* kb, int64_t np, int64_t cols, float* s,
                      int64_t lds) {
-    by_row_tiles<ROWS>(rows, [&](int64_t r, auto R) {
+    by_row_tiles(rows, [&](int64_t r, auto R) {
       for (int64_t j = 0; j < cols; j += COLS)  // kb: [D/2][np][2]
         tile_bf16<decltype(R)::value, 4>(q + r * D, D, kb + 2 * j, np, D / 2, s + r * lds + j, lds, false);
     });
@@ -280,7 +280,7 @@ struct DotBf16 {
   static void accumulate(const bf16* p, int64_t ldp, int64_t rows, int64_t D, const bf16* vb, int64_t used,
                          float* acc) {
     const int64_t pairs = (used + 1) / 2;  // p is zero past each row's end, the block past its rows
-    by_row_tiles<ROWS>(rows, [&](int64_t r, auto R) {
+    by_row_tiles(rows, [&](int64_t r, auto R) {
       constexpr int Rt = decltype(R)::value;
       for (int64_t d0 = 0; d0 < D;) {  // vb: [np/2][D][2]
         if (D - d0 >= 64) {
@@ -353,9 +353,6 @@ struct Float32 {
   using K = float;
   using P = float;
   static constexpr int64_t COLS = VECTORS * VF::size();  // score columns per tile; blocks are padded to it
-  // Rows per tile: 6 x 4 accumulators of AVX512's 32 registers, 6 x 2 of AVX2's 16 (measured
-  // 1.1-1.25x faster than 4 rows on Zen 5, either ISA).
-  static constexpr int ROWS = 6;
   static void pack_k(const T* k, int64_t ld, int64_t n, int64_t np, int64_t D, float* out) {
     pack_keys_f32(k, ld, n, np, D, out);
   }
@@ -364,7 +361,7 @@ struct Float32 {
   }
   static void scores(const float* q, int64_t rows, int64_t D, const float* kb, int64_t np, int64_t cols, float* s,
                      int64_t lds) {
-    by_row_tiles<ROWS>(rows, [&](int64_t r, auto R) {
+    by_row_tiles(rows, [&](int64_t r, auto R) {
       for (int64_t j = 0; j < cols; j += COLS)  // kb: [D][np]
         tile_f32<decltype(R)::value, VECTORS>(q + r * D, D, kb + j, np, D, s + r * lds + j, lds, false);
     });
@@ -374,7 +371,7 @@ struct Float32 {
   }
   static void accumulate(const float* p, int64_t ldp, int64_t rows, int64_t D, const float* vb, int64_t used,
                          float* acc) {
-    by_row_tiles<ROWS>(rows, [&](int64_t r, auto R) {
+    by_row_tiles(rows, [&](int64_t r, auto R) {
       constexpr int Rt = decltype(R)::value;
       for (int64_t d0 = 0; d0 < D;) {  // vb: [np][D]
         if (D - d0 >= COLS) {
