@@ -14,8 +14,8 @@ tier's key names it). `auto` picks the kernel wherever memra's kernels are built
 AVX512 and the activations are bf16 or fp32: each of its paths (AMX tiles, AVX512-BF16 pair dots,
 fp32 FMA tiles on AVX512 or AVX2, bf16 widened to fp32 on AVX2) was measured faster than torch's
 SDPA at every cache length from 2k to 16k (docs/BENCHMARKS.md#the-prefill-attention-kernel), so
-nothing is timed at load; a path not measured (bf16 widened on AVX512) keeps SDPA. Elsewhere (CUDA, fp16, a CPU below AVX2) torch's attention runs, and the reason
-says why.
+nothing is timed at load; a path not measured (bf16 widened on AVX512) keeps SDPA. Elsewhere
+(CUDA, fp16, a CPU below AVX2) torch's attention runs, and the reason says why.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ _PATHS = {
     "avx512-bf16": "AVX512-BF16 pair dots (bf16; 4.4-5.1x torch's SDPA at 2k-16k on Zen 5)",
     "avx512 fp32": "fp32 FMA on AVX512 (2.1-2.2x torch's SDPA at 2k-16k on Zen 5)",
     "avx2 fp32": "fp32 FMA on AVX2 (1.3x torch's SDPA at 2k-16k, forced AVX2 on Zen 5)",
-    "avx2 fp32 (bf16 widened)": "bf16 widened to fp32 FMA on AVX2 (1.3-1.4x torch's SDPA at 2k-16k, forced AVX2 on Zen 5)",
+    "avx2 fp32 (bf16 widened)": "bf16 widened to fp32 FMA on AVX2 (1.3-1.4x torch's SDPA at 2k-16k, forced AVX2 "
+                                "on Zen 5)",
 }
 
 

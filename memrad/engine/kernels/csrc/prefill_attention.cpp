@@ -219,7 +219,8 @@ MEMRA_AVX512_BF16 void tile_bf16(const bf16* a, int64_t lda, const bf16* b, int6
   for (int64_t k = 0; k < K; ++k) {
     __m512bh x[C];
     for (int v = 0; v < C; ++v)
-      x[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(b + (k * ldb + 16 * v) * 2)));
+      x[v] = reinterpret_cast<__m512bh>(
+          _mm512_loadu_si512(reinterpret_cast<const void*>(b + (k * ldb + 16 * v) * 2)));
     for (int r = 0; r < R; ++r) {
       const int32_t word = reinterpret_cast<const int32_t*>(a + r * lda)[k];
       const __m512bh y = reinterpret_cast<__m512bh>(_mm512_set1_epi32(word));
