@@ -70,6 +70,19 @@ def is_gemma(model: nn.Module) -> bool:
     return type(model).__name__ in _GEMMA
 
 
+def write_row(position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
+              value_rows: torch.Tensor, window: int | None) -> None:
+    """Write one row's k, v [1, H_kv, 1, D]: at `position` [1] of the slab (a full layer's,
+    window None), or as the last row of the window view (a sliding layer's)."""
+    if window is None:
+        key_rows.index_copy_(2, position, k)
+        value_rows.index_copy_(2, position, v)
+    else:
+        n = key_rows.shape[2]
+        key_rows.narrow(2, n - 1, 1).copy_(k)
+        value_rows.narrow(2, n - 1, 1).copy_(v)
+
+
 class _GemmaLayer(_Layer):
     """One Gemma3DecoderLayer's decode-step view; `window` is W for a sliding layer. The
     llama layer's projections (fused alike) and q/k norms (Gemma 3's own), with Gemma's feed-forward norms;
@@ -100,22 +113,10 @@ class _GemmaLayer(_Layer):
         gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
         return x + self.post_ff_norm(self.down_proj(self.act(gate) * up))
 
-    def write_row(self, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
-                  value_rows: torch.Tensor) -> None:
-        """Write one row's k, v [1, H_kv, 1, D]: at `position` [1] of the slab (global), or as the
-        last row of the window view (sliding)."""
-        if self.window is None:
-            key_rows.index_copy_(2, position, k)
-            value_rows.index_copy_(2, position, v)
-        else:
-            n = key_rows.shape[2]
-            key_rows.narrow(2, n - 1, 1).copy_(k)
-            value_rows.narrow(2, n - 1, 1).copy_(v)
-
     def attend_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, length: int,
                    key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
         """One row's attention: q [H, D] over its own rows once its k, v are written: [1, H_kv, G, D]."""
-        self.write_row(position, k, v, key_rows, value_rows)
+        write_row(position, k, v, key_rows, value_rows, self.window)
         q = q.view(1, self.kv_heads, self.heads // self.kv_heads, self.head_dim)  # a KV head's G query heads as rows
         if self.window is None:
             return attend(q, key_rows, value_rows, length, self.scale, kernel)
