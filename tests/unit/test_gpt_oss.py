@@ -3,20 +3,27 @@
 The tiny gpt-oss of tests/unit/tiny.py (build_gpt_oss: four layers, sliding-window (8) and full
 attention alternating, a sink logit per head drawn N(0, 1), q/k/v/o biases, YaRN rope, 8 experts
 of which 2 a token behind a biased router), saved as a Hugging Face folder and loaded through
-memra's loader. Not as a GGUF: transformers 5.24's GGUF loader cannot read gpt-oss's experts or
-sinks back (pinned below, so the day it can, a test says so). The step is named in `memrad
-status`; in bf16 its logits and KV rows are transformers' forward's bit for bit long past the
-window (fp32: within 1e-6), and without the sinks they are not; an expert the token did not
-choose is never read; an engine resumes turns bit-identically to their cold runs, and a
-compacted reply resumes at the sliding windows' boundary snapshot below it. The batched step
-gives a request's row the same bits beside any neighbours and alone (bf16: the one-row step's
-and the forward's too), and requests in flight together (two resumed) decode their alone bits;
-it runs eager only (its compiled rows are not checked against the compiled one-row step), so
-under a compiled one-row step requests decode one row at a time.
+memra's loader, and written as a GGUF as llama.cpp ships it (tests/unit/tiny_gguf.py:
+write_gpt_oss_gguf: experts MXFP4, attention and embeddings Q8_0) and loaded through memra's own
+gpt-oss reader (memrad.engine.model.gguf_gpt_oss), since transformers 5.24's GGUF loader cannot
+read gpt-oss's config, experts or sinks (pinned below, so the day it can, a test says so). From
+the GGUF every weight is what its blocks dequantise to, and `memrad status` and the start banner
+say the experts ship MXFP4 and run dequantised, with the bytes a token reads. The step is named
+in `memrad status`; in bf16 its logits and KV rows are transformers' forward's bit for bit long
+past the window (fp32: within 1e-6), from the folder and from the GGUF, and without the sinks
+they are not; an expert the token did not choose is never read; an engine resumes turns
+bit-identically to their cold runs, and a compacted reply resumes at the sliding windows'
+boundary snapshot below it. The batched step gives a request's row the same bits beside any
+neighbours and alone (bf16: the one-row step's and the forward's too), and requests in flight
+together (two resumed) decode their alone bits; it runs eager only (its compiled rows are not
+checked against the compiled one-row step), so under a compiled one-row step requests decode
+one row at a time.
 """
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as GGML
+from gguf.quants import dequantize
 from transformers import DynamicCache
 
 from memrad.engine.decode import decoder as decoder_module
@@ -31,7 +38,8 @@ from stories import make_engine
 from test_batching import in_flight_together_as_alone, rows_are_their_own
 from test_gemma_step import compiled_turns_equal_cold
 from test_gguf_steps import compacted_reply_resumes_at_its_boundary, own_cache, turns_resume_as_cold  # noqa: F401
-from tiny import GPT_OSS_LAYERS, build_gpt_oss
+from tiny import GPT_OSS_LAYERS, build_gpt_oss, build_tokenizer
+from tiny_gguf import gpt_oss_tensors, tiny_gpt_oss_gguf, write_gpt_oss_gguf
 
 WINDOW = 8  # tests/unit/tiny.py: build_gpt_oss
 PROMPT = list(range(5, 25))  # 20 tokens: past the window before the first step
@@ -45,20 +53,36 @@ def fresh(tiny_dir, dtype="bfloat16"):
     return load_model(str(tiny_dir("gpt_oss")), device="cpu", dtype=dtype, progress=lambda _: None)
 
 
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    """(the tiny gpt-oss's GGUF, the model holding what its blocks dequantise to)."""
+    return tiny_gpt_oss_gguf(tmp_path_factory.mktemp("gpt-oss-gguf"))
+
+
+def from_gguf(path, dtype="bfloat16"):
+    torch.set_num_threads(1)
+    return load_model(str(path), device="cpu", dtype=dtype, progress=lambda _: None)
+
+
 def primed(loaded, cache, prompt=PROMPT):
     prefill(loaded.model, cache, prompt, 0, 16)
     return cache
 
 
-def test_transformers_gguf_loader_cannot_read_gpt_oss_back():
-    """Why the tiny gpt-oss is not a GGUF: transformers 5.24 maps no llama.cpp tensor onto the
+def test_transformers_gguf_loader_cannot_read_gpt_oss_back(gguf):
+    """Why memra reads gpt-oss's GGUF itself: transformers 5.24's config reader fails on its rope
+    keys (a TypeError), and its tensor map places no llama.cpp tensor onto the
     experts' gate_up_proj or either expert bias (llama.cpp's ffn_gate_exps / ffn_up_exps /
     ffn_down_exps and their .bias), its gpt-oss tensor processor is registered as "gpt_oss" but
     looked up by the file's architecture "gpt-oss" (and matches "_projs" names llama.cpp does
     not write), and it expects the sinks as "attn_sinks" where llama.cpp writes
     "attn_sinks.weight". Loaded, those weights are freshly initialised (a MISSING report)."""
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, get_gguf_hf_weights_map
 
+    path, _ = gguf
+    with pytest.raises(TypeError):
+        AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     model = build_gpt_oss(64)
     mapped = get_gguf_hf_weights_map(model, TENSOR_PROCESSORS["gpt_oss"]())
     hf_names = set(mapped.values())
@@ -66,6 +90,56 @@ def test_transformers_gguf_loader_cannot_read_gpt_oss_back():
         assert f"model.layers.0.{missing}" not in hf_names
     assert "gpt-oss" not in TENSOR_PROCESSORS
     assert mapped.get("blk.0.attn_sinks") == "model.layers.0.self_attn.sinks" and "blk.0.attn_sinks.weight" not in mapped
+
+
+def test_a_gpt_oss_gguf_loads_on_memras_reader_with_the_files_weights(gguf):
+    """Every parameter is what the file's blocks dequantise to (the experts from MXFP4: 17 bytes a
+    32 weights, gguf-py's own layout), the model is on the gpt-oss step, and the start banner and
+    `memrad status` say the experts ship MXFP4 and run dequantised, with what a token reads."""
+    from gguf import GGUFReader
+    from memrad.engine.model.preflight import inspect_gguf
+
+    path, model = gguf
+    shipped = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    for kind in ("gate", "up", "down"):
+        experts = shipped[f"blk.0.ffn_{kind}_exps.weight"]
+        assert experts.tensor_type.name == "MXFP4" and experts.data.shape[-1] * 32 == experts.shape[0] * 17
+    loaded = from_gguf(path, "float32")
+    assert type(loaded.model).__name__ == "GptOssForCausalLM"
+    ours, theirs = loaded.model.state_dict(), model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    experts = loaded.model.model.layers[0].mlp.experts.gate_up_proj
+    assert torch.equal(experts[:, :, 1::2].transpose(1, 2),  # the up half, as the file ships it
+                       torch.from_numpy(dequantize(shipped["blk.0.ffn_up_exps.weight"].data, GGML.MXFP4).copy()))
+    assert Engine(loaded, EngineOptions(16, 1)).runtime_choices["step"] == {"value": "gpt-oss", "reason": REASON}
+    halved = from_gguf(path).model.model.layers[0].mlp.experts  # every MXFP4 value is a bf16 value
+    assert halved.gate_up_proj.dtype == torch.bfloat16 and torch.equal(halved.gate_up_proj.float(), experts)
+    # per token, 2 of 8 experts in each of 4 layers: gate_up [64, 64] and down [32, 64] weights each
+    assert ("mlp.experts.gate_up_proj MXFP4 x4: dense float32 (3-D expert tensors, dequantised: no packed form; "
+            f"a token reads {4 * 2 * 64 * 64 * 4:,} B of them ({4 * 2 * 64 * 64 // 32 * 17:,} B as shipped))"
+            ) in loaded.tensors.reason
+    assert "mlp.experts.down_proj MXFP4 x4: dense float32" in loaded.tensors.reason
+    lines = inspect_gguf(path, 0, torch.bfloat16).lines()
+    assert lines[1] == f"  fast decode step: yes, memra's gpt-oss step ({REASON})"
+    assert "ffn_gate_exps MXFP4; ffn_up_exps MXFP4; ffn_down_exps MXFP4" in lines[2]
+    assert lines[4] == f"  KV: {4 * 2 * 2 * 16 * 2:,} B/token in bfloat16; 2 sliding-window layers keep at most 8 rows"
+    # 2 of 8 experts in 4 layers: gate, up [32, 64] and down [64, 32] each, MXFP4 17 B a 32 weights
+    assert lines[5] == ("  experts: dequantised at load (3-D tensors: no packed form), a token reads "
+                        f"{4 * 2 * 3 * 32 * 64 * 2:,} B of them in bfloat16 ({4 * 2 * 3 * 32 * 64 // 32 * 17:,} B as shipped)")
+
+
+def test_a_gpt_oss_gguf_with_a_tensor_memra_does_not_place_is_refused(tmp_path):
+    """A fused gate/up tensor (a layout memra's table does not name) is refused by name, never
+    loaded as half-initialised weights."""
+    from memrad.engine.model.pull import ModelUnavailable
+
+    path, model = tiny_gpt_oss_gguf(tmp_path)
+    (tmp_path / "fused").mkdir()
+    fused = tmp_path / "fused" / "tiny-gpt-oss.gguf"
+    extra = [("blk.0.ffn_gate_up_exps.weight", model.model.layers[0].mlp.experts.gate_up_proj, GGML.F32)]
+    write_gpt_oss_gguf(fused, model, build_tokenizer(), tensors=gpt_oss_tensors(model) + extra)
+    with pytest.raises(ModelUnavailable, match="blk.0.ffn_gate_up_exps.weight"):
+        from_gguf(fused)
 
 
 def test_gpt_oss_is_on_its_step_and_says_so(tiny_dir):
@@ -86,9 +160,10 @@ def test_gpt_oss_is_on_its_step_and_says_so(tiny_dir):
     assert tuple(step.cos.shape[1:]) == (8,)  # gpt-oss's tables: half a head of 16 wide
 
 
+@pytest.mark.parametrize("source", ["folder", "gguf"])
 @pytest.mark.parametrize("dtype,tolerance", [("bfloat16", 0.0), ("float32", 1e-6)])
-def test_the_gpt_oss_step_decodes_transformers_bits_past_the_window(tiny_dir, dtype, tolerance):
-    loaded = fresh(tiny_dir, dtype)
+def test_the_gpt_oss_step_decodes_transformers_bits_past_the_window(tiny_dir, gguf, source, dtype, tolerance):
+    loaded = fresh(tiny_dir, dtype) if source == "folder" else from_gguf(gguf[0], dtype)
     feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
     ours, theirs = Engine(loaded, EngineOptions(16, 1)).new_cache(), DynamicCache(config=loaded.model.config)
     a, b = prefill(loaded.model, ours, PROMPT, 0, 16), prefill(loaded.model, theirs, PROMPT, 0, 16)
@@ -159,8 +234,10 @@ def test_an_expert_the_token_did_not_choose_is_never_read(tiny_dir):
     assert torch.isnan(feed(poisoned_chosen, 7, len(PROMPT))).all()
 
 
-def test_a_gpt_oss_engine_resumes_turns_bit_identical_to_cold(tiny_dir):
-    turns_resume_as_cold(make_engine(fresh(tiny_dir), 16, max_sessions=16, mode="exact"))
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_a_gpt_oss_engine_resumes_turns_bit_identical_to_cold(tiny_dir, gguf, source):
+    loaded = fresh(tiny_dir) if source == "folder" else from_gguf(gguf[0])
+    turns_resume_as_cold(make_engine(loaded, 16, max_sessions=16, mode="exact"))
 
 
 def test_a_rewritten_reply_resumes_from_the_windows_boundary_snapshot_below_it(tiny_dir):
