@@ -103,8 +103,9 @@ def has_batched(step: Any) -> bool:
 
 def compiles_batched(step: Any) -> str | None:
     """None where `step`'s batched twin is compiled into a package (memrad.engine.decode.package),
-    else why it runs eager only: gpt-oss's, whose compiled rows are not checked against the
-    compiled one-row step (its routers' near ties flip under inductor's rounding of fused work)."""
+    else why it runs eager only: gpt-oss's, whose batched graph exports (each row's window views
+    their own symbol, as Gemma's) but whose compiled rows no test holds to the compiled one-row
+    step's bits, which a batched row must be."""
     if isinstance(step, gpt_oss.GptOssStep):
         return "its compiled rows are not checked against the compiled one-row step's bits"
     return None
