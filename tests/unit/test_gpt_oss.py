@@ -15,9 +15,9 @@ they are not; an expert the token did not choose is never read; an engine resume
 bit-identically to their cold runs, and a compacted reply resumes at the sliding windows'
 boundary snapshot below it. The batched step gives a request's row the same bits beside any
 neighbours and alone (bf16: the one-row step's and the forward's too), and requests in flight
-together (two resumed) decode their alone bits; it runs eager only (its compiled rows are not
-checked against the compiled one-row step), so under a compiled one-row step requests decode
-one row at a time.
+together (two resumed) decode their alone bits; compiled (compile = on, max_batch 2), its
+package opens beside the one-row one and the decoder's check finds a row the compiled one-row
+step's bits.
 """
 
 import pytest
@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode import steps
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.decode.package import PackagedStep, options_for
+from memrad.engine.decode.package import INDUCTOR_OPTIONS, PackagedStep, options_for
 from memrad.engine.decode.steps.gpt_oss import GptOssStep
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
@@ -153,7 +153,7 @@ def test_gpt_oss_is_on_its_step_and_says_so(tiny_dir):
     assert engine.runtime_choices["step"] == {"value": "gpt-oss", "reason": REASON}  # what `memrad status` shows
     step = engine.decoder.eager_step
     assert type(step) is GptOssStep and steps.has_batched(step)
-    assert "not checked" in steps.compiles_batched(step) and options_for(step) == {}  # its batched twin: eager
+    assert options_for(step) == INDUCTOR_OPTIONS  # rounded as its compiled batched twin is
     assert steps.windows(step) == [WINDOW, None, WINDOW, None] and not any(steps.recurrent(step))
     assert [type(layer).__name__ for layer in engine.new_cache().layers] == ["WindowLayer", "SlabLayer"] * 2
     assert model.model.rotary_emb.rope_type == "yarn" and model.model.rotary_emb.attention_scaling != 1.0
@@ -273,9 +273,10 @@ def test_gpt_oss_requests_in_flight_together_decode_their_bits_alone(tiny_dir):
 
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
 def test_the_compiled_gpt_oss_step_resumes_bit_identical_and_decodes_as_the_eager_one(tiny_dir):
-    """compile = on, max_batch 2: the one-row package is built (minutes on a shared 2-core
-    machine) and the batched one is not, said so, so requests decode one row at a time on the
-    compiled step; turns resume on it bit-identical to their cold runs. The compiled step rounds
+    """compile = on, max_batch 2: the one-row package and the 2-row one are built (minutes on a
+    shared 2-core machine; each row's window views their own symbol, as Gemma's) and open, the
+    decoder's check finding a compiled batched row the compiled one-row step's bits; turns resume
+    on them bit-identical to their cold runs. The compiled step rounds
     fused work otherwise than the eager one (bf16), and the tiny model's flat router has near
     ties (2nd and 3rd logits one bf16 ulp apart) that such rounding flips a few steps in, so the
     two are compared one step at a time from the same primed state, before the window fills and
@@ -285,8 +286,16 @@ def test_the_compiled_gpt_oss_step_resumes_bit_identical_and_decodes_as_the_eage
     compiled_turns_equal_cold(engine)  # starts the build, checks the choice, holds a conversation
     decoder = engine.decoder
     assert isinstance(decoder.step, PackagedStep)
-    assert decoder.batch_choice.value == "eager" and "is not compiled" in decoder.batch_choice.reason
-    assert not decoder.batch_packages and decoder.batch_step(2) is None  # one row at a time on the compiled step
+    assert decoder.batch_choice.value == "compiled", decoder.batch_choice.reason
+    feed = decoder.batch_step(2)
+    assert list(decoder.batch_packages) == [2] and feed.compiled and feed.alone is not None  # checked: the same bits
+    prompts = (PROMPT, PROMPT[:5])  # one past the window, one inside it until it fills
+    together, alone, tokens = [[primed(loaded, engine.new_cache(), p) for p in prompts] for _ in range(2)] + [[7, 7]]
+    for step in range(2 * WINDOW):  # two real rows: the compiled 2-row graph, each row the one-row step's bits
+        rows = feed(together, tokens, [len(p) + step for p in prompts])
+        for r, prompt in enumerate(prompts):
+            assert torch.equal(rows[r], decoder.feeder()(alone[r], tokens[r], len(prompt) + step).float()), (step, r)
+        tokens = [int(row.argmax()) for row in rows]
     eager = Decoder(loaded.model, loaded.context_len, loaded.device, "off").feeder()
     for prompt in (PROMPT[:5], PROMPT):
         ours, theirs = (primed(loaded, engine.new_cache(), prompt) for _ in range(2))

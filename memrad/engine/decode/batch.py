@@ -23,7 +23,7 @@ and per row the rope at its own position, its KV row written into its own slab o
 and attention over those only. A sliding layer's row attends its request's window view
 [1, H_kv, n_r, D], n_r = min(positions[r] + 1, W), as the one-row step does; the final soft-cap
 runs row by row. gpt-oss's step (memrad.engine.decode.steps.gpt_oss) runs its rows the same way,
-with its sink attention and routed experts per row; it runs eager only (`steps.compiles_batched`).
+with its sink attention and routed experts per row.
 
 `BatchGraph` is that function over tensors only, so it runs eager or is exported and
 compiled into one AOTInductor graph (memrad.engine.decode.package, `rows`): each row's

@@ -252,8 +252,7 @@ class Decoder:
             return "not built: no C++ compiler (install g++, e.g. `apt install g++`)"
         kernel = decode_attention.load(compiler) is None
         said = []
-        batched = self.batch_rows and kernel and steps.compiles_batched(self.eager) is None
-        for rows in (None, *self.batch_sizes) if batched else (None,):
+        for rows in (None, *self.batch_sizes) if self.batch_rows and kernel else (None,):
             path = self._package(kernel, rows)
             if path.is_file():
                 said.append(f"already built: {path.name}")
@@ -337,11 +336,6 @@ class Decoder:
         return not self._wants_batch(kernel) or self._open_batch(kernel)
 
     def _wants_batch(self, kernel: bool) -> bool:
-        eager_only = steps.compiles_batched(self.eager) if self.batch_rows else None
-        if eager_only is not None:  # gpt-oss: the eager batched step beside the eager one-row step only
-            self.batch_choice = Choice("eager", f"the batched step is not compiled ({eager_only}): the eager "
-                                                "batched step while the one-row step is eager, then one row at a time")
-            return False
         if self.batch_rows and not kernel:
             self.batch_choice = Choice("eager", "the batched step compiles with memra's attention kernel only "
                                                 "(not built here): the eager batched step")

@@ -18,7 +18,7 @@ inductor compiles it into a shared library, and a later start only opens the lib
         the constants inductor made itself (the int4 op's group size, as a tensor per call)
     decode-step-...-rows{B}-...-{key}.pt2  (a step with a batched twin, memra's kernel)
             graph "batch"  B rows (memrad.engine.decode.batch), each row's attended length its
-                           own symbol in [2, capacity - 1] (Gemma: and each row's window view
+                           own symbol in [2, capacity - 1] (Gemma, gpt-oss: and each row's window view
                            rows its own in [2, W], shared by that row's sliding layers)
 
 memra's kernel is a C++ op (`memra::decode_attention`, TORCH_LIBRARY): the library calls it
@@ -228,10 +228,10 @@ def _open(step: DecodeStep, path: Path, graphs: Any) -> tuple[dict[str, torch.Te
 
 
 def options_for(step: Any) -> dict[str, Any]:
-    """Inductor's options for `step`: INDUCTOR_OPTIONS for a step with a compiled batched twin (the
-    llama-shaped step, LFM2's, Gemma's), none for the others (the hybrids decode one row at a time;
-    gpt-oss's batched twin runs eager only: `steps.compiles_batched`)."""
-    return dict(INDUCTOR_OPTIONS) if steps.has_batched(step) and steps.compiles_batched(step) is None else {}
+    """Inductor's options for `step`: INDUCTOR_OPTIONS for a step with a batched twin (the
+    llama-shaped step, LFM2's, Gemma's, gpt-oss's), none for the others (the hybrids decode one
+    row at a time)."""
+    return dict(INDUCTOR_OPTIONS) if steps.has_batched(step) else {}
 
 
 def build(step: DecodeStep, config: Any, capacity: int, kernel: bool, path: Path, rows: int | None = None,
@@ -285,8 +285,7 @@ def _check_isas_beside() -> threading.Thread:
 def _batch_programs(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int):
     """The batched step exported: row r's `length_rows` first size is its own symbol, and so
     are the rows of its window views (every sliding layer of row r has the same)."""
-    assert kernel and steps.has_batched(step) and steps.compiles_batched(step) is None, (
-        "the batched package: a step with a batched twin that compiles, memra's kernel")
+    assert kernel and steps.has_batched(step), "the batched package: a step with a batched twin, memra's kernel"
     device = _param(step).device
     windows = steps.windows(step)
     window = next((w for w in windows if w is not None), None)

@@ -101,16 +101,6 @@ def has_batched(step: Any) -> bool:
     return isinstance(step, (llama.DecodeStep, lfm2.Lfm2Step, gemma.GemmaStep, gemma2.Gemma2Step, gpt_oss.GptOssStep))
 
 
-def compiles_batched(step: Any) -> str | None:
-    """None where `step`'s batched twin is compiled into a package (memrad.engine.decode.package),
-    else why it runs eager only: gpt-oss's, whose batched graph exports (each row's window views
-    their own symbol, as Gemma's) but whose compiled rows no test holds to the compiled one-row
-    step's bits, which a batched row must be."""
-    if isinstance(step, gpt_oss.GptOssStep):
-        return "its compiled rows are not checked against the compiled one-row step's bits"
-    return None
-
-
 def windows(step: Any) -> list[int | None]:
     """Each layer's sliding window (None: full attention, a slab of the context; or a
     recurrent layer, see `recurrent`)."""
