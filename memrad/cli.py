@@ -54,7 +54,7 @@ BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk
                    "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits",
                    "arch-steps": "arch_steps", "build-phases": "build_phases",
                    "contended": "contended", "draft-index": "draft_index",
-                   "draft-replay": "draft_replay"}
+                   "draft-replay": "draft_replay", "rows": "rows"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -527,6 +527,7 @@ def _build_decode_step(spec: str) -> None:
     settings = load_settings({})
     if settings.engine.compile == "off":
         return
+    from memrad.engine import speculation
     from memrad.engine.decode.decoder import Decoder
     from memrad.engine.decode.builder import Recipe
     from memrad.engine.model.loader import load_model
@@ -536,7 +537,9 @@ def _build_decode_step(spec: str) -> None:
     recipe = Recipe(str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len)
     # The batched step's package too where the settings decode batched (a start would build it).
     batch_rows = settings.server.max_batch if settings.engine.batch_decode == "batched" else None
-    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", recipe, batch_rows=batch_rows)
+    run_rows = speculation.RUN_ROWS if settings.engine.speculate == "auto" else None
+    decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", recipe, batch_rows=batch_rows,
+                      run_rows=run_rows)
     with _Ticker() as ticker:
         said = decoder.prepare(ticker.building)
     print(f"decode step: {said}")

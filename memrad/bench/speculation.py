@@ -6,8 +6,8 @@ In one process, each greedy reply (no pool: every run cold, the same prompt each
     compiled        the compiled steps as the daemon serves them (compile = auto, max_batch 4, the
                     batched packages open: a lone request decodes on the compiled one-row step),
                     speculate = off
-    compiled+spec   the same, speculate = auto: drafts as runs of rows of the compiled 2- or
-                    4-row step (memrad.engine.speculation)
+    compiled+spec   the same, speculate = auto: drafts as runs of rows of the compiled 2-, 4-
+                    or 8-row step (memrad.engine.speculation)
     eager           the eager one-row step (compile = off, max_batch 1), speculate = off
     eager+spec      the same, speculate = auto: runs on eager batched steps of up to 9 rows
 and the table gives decode tok/s (the tokens after the first over the time after the first),

@@ -35,7 +35,7 @@ from memrad.chat.chat import Chat
 from memrad.engine.attaching import Attacher, Hold
 from memrad.engine.decode import builder
 from memrad.engine.decode.batch import BatchStep
-from memrad.engine.decode.decoder import Decoder
+from memrad.engine.decode.decoder import Decoder, said_sizes
 from memrad.engine.decode.steps import describe as describe_step, has_batched
 from memrad.engine.flight import Flight, Sampling
 from memrad.engine.forward import prefill_spans
@@ -160,7 +160,8 @@ class Engine:
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
         self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, options.compile, builder.Recipe(
             str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len),
-            batch_rows=self.max_batch if self._batches() else None)
+            batch_rows=self.max_batch if self._batches() else None,
+            run_rows=speculation.RUN_ROWS if options.speculate == "auto" else None)
         # Which step that is (llama-shaped, Gemma 3, Qwen3-Next) and its layers; none where transformers decodes.
         self.step_choice = (Choice("none", self.decoder.choice.reason) if self.decoder.step is None
                             else describe_step(loaded.model, loaded.context_len))
@@ -237,7 +238,7 @@ class Engine:
             how = self.decoder.batch_choice
             return {"value": f"batched, {self.max_batch} rows",
                     "reason": f"max_batch = {self.max_batch}: the requests decoding together in one step of "
-                              f"{' or '.join(map(str, self.decoder.batch_sizes))} rows, the fewest that hold them "
+                              f"{said_sizes(self.decoder.batch_sizes, 'or')} rows, the fewest that hold them "
                               "(padded, so a request's bits do not depend on its neighbours; one decoding alone runs "
                               f"the one-row step, whose bits a batched row has), {how.value}: {how.reason}"}
         why = ("batch_decode = rows" if self.batch_decode == "rows"
@@ -260,7 +261,7 @@ class Engine:
         the eager batched step's making where requests would decode on it (`warm_batch`)."""
         self.decoder.start()
         if self._batches():
-            self.decoder.warm_batch(self.max_batch)
+            self.decoder.warm_batch(self.decoder.batch_rows or self.max_batch)
 
     def init_worker_thread(self) -> None:
         """Run once on the thread that will call `admit` and `step` (or `generate`): fix the
@@ -549,7 +550,7 @@ class Engine:
         # batched packages are wanted.
         if self._batches() and (self._flights or self.options.speculate == "auto"):
             self.decoder.want_batch()
-        return self.decoder.choose(self.max_batch if self._batches() else None, cancelled, native)
+        return self.decoder.choose(self.decoder.batch_rows if self._batches() else None, cancelled, native)
 
     def _finish(self, flight: Flight) -> None:
         """Park a flight that ended and publish its turn; on an error, give its state back."""

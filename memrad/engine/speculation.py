@@ -28,7 +28,7 @@ one-token draft does).
 Where that holds, per the step a flight decodes on (chosen at admission, kept to its last token):
 
     batched step (eager or compiled)   its own step: a run takes the rows its neighbours leave
-                                       free (max_batch rows in all), checked once per step to
+                                       free (RUN_ROWS rows in all), checked once per step to
                                        give a run's rows their one-at-a-time bits (`runs_exact`:
                                        the compiled graph writes every row's KV before the
                                        attention that reads it)
@@ -59,6 +59,10 @@ from memrad.reuse.drafts import DraftIndex, DraftLength
 
 SETTINGS = ("auto", "off")
 MOST_DRAFTED = 8  # tokens drafted at most per step on the eager one-row step (the draft length starts there)
+# The rows of the batched step a request's run may take (its pending token and up to 7 drafts):
+# with speculation on, the batched packages are built for this many rows too (memrad.engine.decode.
+# decoder, `run_rows`), where max_batch is fewer; a step runs the smallest package that holds its rows.
+RUN_ROWS = 8
 
 
 class Speculating:

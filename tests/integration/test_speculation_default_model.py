@@ -68,7 +68,7 @@ def test_beside_other_requests_the_bits_are_the_same(smol_served):
                                        request(e, [{"role": "user", "content": "Name three colours."}], "colours", 12)],
                max_batch=4)
     assert_same(out)
-    assert out["auto"]["rewrite"][0].speculation.reason == ("on the eager batched step of 4 rows, up to 3 drafted in "
+    assert out["auto"]["rewrite"][0].speculation.reason == ("on the eager batched step of 8 rows, up to 7 drafted in "
                                                             "the rows its neighbours leave")
 
 
@@ -76,8 +76,8 @@ JSON = '{"name": "order-book", "version": "1.4.2", "files": ["book.py", "orders.
 
 
 def compiled_engine(loaded, speculate):
-    """As the daemon decodes once compiled (max_batch 4, the one-row and batched packages open;
-    built once into the cache if `memrad pull` has not)."""
+    """As the daemon decodes once compiled (max_batch 4, the one-row and batched packages open: 2, 4
+    and, with speculation on, 8 rows; built once into the cache if `memrad pull` has not)."""
     engine = stories.recording(stories.make_engine(loaded, CHUNK, 2, pool=False, max_batch=4, compile="auto",
                                                    speculate=speculate))
     engine.decoder.start()
@@ -105,7 +105,7 @@ def test_on_the_compiled_steps_replies_alone_and_beside_others_with_a_grammar_ar
     assert_same(out)
     rewrite = out["auto"]["rewrite-alone"][0]
     assert rewrite.decision.step == "compiled"
-    assert rewrite.speculation.reason == ("on the compiled batched step of 4 rows, up to 3 drafted in the rows its "
+    assert rewrite.speculation.reason == ("on the compiled batched step of 8 rows, up to 7 drafted in the rows its "
                                           "neighbours leave"), rewrite.speculation
     assert rewrite.speculation.accepted_tokens > 0
     assert out["auto"]["json-alone"][0].speculation.verify_steps > 0  # drafts offered through the grammar's mask

@@ -15,6 +15,7 @@ from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.hardware import native_bf16
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.pull import pull_default
+from memrad.engine.model import block_linear
 from memrad.engine.model.quant import Int4Linear, Q8Linear
 from memrad.request import GenerationRequest, SamplingParams
 from stories import make_engine
@@ -54,12 +55,15 @@ def test_auto_runs_the_shipped_4_bit_blocks_in_the_dtype_the_cpu_is_fast_at(load
     assert smol.dtype == (torch.bfloat16 if bf16 else torch.float32)
     assert smol.weights.value == "int4"
     assert "210 Q4 tensors from the shipped Q4_1 GGUF and its Q8_0 head" in smol.weights.reason
-    # 30 layers x 7: on torch's int4 kernel, or where memra's block kernel was measured faster (AVX2), on it
+    # 30 layers x 7: on torch's int4 kernel, or on memra's block kernel where it was measured faster
+    # (AVX2: at load; AVX512: once, 16 rows interleaved)
     on_blocks = [m for m in smol.model.modules() if isinstance(m, BlockLinear) and m.format == "Q4_1"]
     assert sum(type(m) is Int4Linear for m in smol.model.modules()) + len(on_blocks) == 210
     assert len(on_blocks) in (0, 210)  # one verdict for the group
     if block_gemv.why_not() is None and block_gemv.capability() == "AVX512":  # the head's blocks as shipped
-        assert type(smol.model.lm_head) is BlockLinear and smol.head == "q8_0 blocks" and not on_blocks
+        assert type(smol.model.lm_head) is BlockLinear and smol.head == "q8_0 blocks"
+        assert len(on_blocks) == (210 if block_gemv.interleaves() else 0)
+        assert all(m.kind == block_linear.Q4_1_X16 for m in on_blocks)
     elif block_gemv.why_not() is None:  # AVX2: each group as measured at load, and status says so
         runs = "Q8_0 blocks (memra block kernel" if type(smol.model.lm_head) is BlockLinear else "int4 hi|lo ("
         assert f"lm_head Q8_0 x1: {runs}" in smol.tensors.reason

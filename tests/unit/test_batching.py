@@ -301,6 +301,13 @@ def compiled_engines(q4_dir, tmp_path_factory):
         beside = first.admit(request(first, conversation("c", 1)[:-1], "c-1"), lambda _: None, lambda: False)
         building = (first.decoder.batch_choice.value, first.decoder.batch_choice.reason)
         first.decoder.wait()
+        # speculation's run of up to 8 rows (the daemon's default, speculate = auto): its admission
+        # alone asks for the packages, and the 8-row one is built beside the 2- and 4-row ones
+        speculating = make_engine(loaded, CHUNK, compile="wait", max_batch=4, speculate="auto")
+        speculating.decoder.start()  # as the daemon does before its first request: the one-row package opens
+        speculating.admit(request(speculating, conversation("d", 1)[:-1], "d-1"), lambda _: None, lambda: False)
+        speculating.decoder.wait()
+        assert speculating.decoder.batch_sizes == (2, 4, 8) and speculating.decoder.batch_choice.value == "compiled"
         yield loaded, first, (alone, beside, before, building), lambda **flags: started(recording(make_engine(
             loaded, CHUNK, compile="auto", max_batch=4, **flags)))
 
@@ -385,8 +392,8 @@ def test_compiled_and_eager_batched_steps_agree_within_the_compiled_tolerance(co
     """Not bit for bit (inductor fuses and rounds once where eager rounds each op, as for the
     one-row step): the same logits within 0.01, a one-token prompt's row (length 2) included."""
     loaded, first, _, _ = compiled_engines
-    compiled = first.decoder.batch_step(4)
-    eager = BatchStep(compiled.eager, 4, True, compiled.scratch, compiled.eager, False)
+    compiled = first.decoder.batch_step(first.decoder.batch_rows)
+    eager = BatchStep(compiled.eager, compiled.rows, True, compiled.scratch, compiled.eager, False)
     assert compiled.compiled and not eager.compiled
     prompts = [list(range(5, 45)), [9], list(range(9, 90))]
 
@@ -486,16 +493,16 @@ def test_speculation_runs_its_drafts_on_the_compiled_batched_step_with_its_bits(
         engine = copying(new_engine(speculate=arm))
         lone = requests(engine)[0]
         out[arm] = {"alone": run_together(engine, [lone])[lone.request_id], **run_together(engine, requests(engine))}
-        assert engine.decoder.batch_step(4).compiled
+        assert engine.decoder.batch_step(engine.decoder.batch_rows).compiled
     for rid, (completion, state, scores) in out["off"].items():
         spec = out["auto"][rid]
         assert summary(*spec) == summary(completion, state, scores), rid
         assert torch.equal(spec[2], scores), rid
     alone = out["auto"]["alone"][0]
     assert alone.decision.step == "compiled"
-    assert alone.speculation.reason == ("on the compiled batched step of 4 rows, up to 3 drafted in the rows its "
+    assert alone.speculation.reason == ("on the compiled batched step of 8 rows, up to 7 drafted in the rows its "
                                         "neighbours leave")
-    assert alone.speculation.accepted_tokens > alone.speculation.verify_steps > 0  # runs of 2 and 3 kept
+    assert alone.speculation.accepted_tokens > alone.speculation.verify_steps > 0  # runs of several kept
     assert sum(out["auto"][rid][0].speculation.accepted_tokens for rid in ("a-2", "b-1", "c-1", "d-3")) > 0
     rows = new_engine(speculate="auto", batch_decode="rows")
     flight = rows.admit(request(rows, conversation("a", 1)[:-1], "r"), lambda _: None, lambda: False)

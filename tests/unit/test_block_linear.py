@@ -24,7 +24,17 @@ _TYPES = {"Q8_0": (GGMLQuantizationType.Q8_0, unpack_q8_0, Q8_0),
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
+INTERLEAVED = ("Q8_0 x16", "Q4_1 x16") if block_gemv.interleaves() else ()  # the AVX512 build's own layouts
+
+
+def _packed(kind: str, blocks) -> tuple[int, torch.Tensor]:
+    """The op's kind and bytes for `kind` ("Q4_1 x16": Q4_1's blocks, 16 rows interleaved)."""
+    op_kind, packed = block_linear.pack(blocks)
+    return block_linear.interleave(op_kind, packed) if kind.endswith(" x16") else (op_kind, packed)
+
+
 def _shipped(kind: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, Int8Blocks | Int4Blocks | SuperBlocks]:
+    kind = kind.removesuffix(" x16")
     if kind in K_QUANTS:  # gguf-py cannot write k-quants: random super-blocks, read back by gguf-py's dequantize
         blocks = random_super_blocks(kind, rows, cols, torch.Generator().manual_seed(seed))
         return blocks.raw.numpy(), blocks
@@ -42,19 +52,20 @@ def test_packed_blocks_are_the_gguf_bytes_llama_cpp_ships_byte_for_byte(kind):
     assert torch.equal(packed, torch.from_numpy(np.ascontiguousarray(raw)))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1", *K_QUANTS])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1", *K_QUANTS, *INTERLEAVED])
 def test_the_kernel_multiplies_the_shipped_weights_within_the_int16_rounding_of_the_activation(kind):
-    _, blocks = _shipped(kind, 70, 768, seed=2)  # 768: 3 super-blocks, 24 blocks of 32
-    op_kind, packed = block_linear.pack(blocks)
+    n = 80 if kind in INTERLEAVED else 70  # the interleaved kinds: rows in sixteens
+    _, blocks = _shipped(kind, n, 768, seed=2)  # 768: 3 super-blocks, 24 blocks of 32
+    op_kind, packed = _packed(kind, blocks)
     x = torch.randn(3, 768)
     x[0, :32] *= 50  # an outlier block: its small entries lose the most to the rounding
-    got = torch.ops.memra.block_gemv(x, packed, op_kind)  # [3, 70]
+    got = torch.ops.memra.block_gemv(x, packed, op_kind)  # [3, N]
     w = blocks.dequantize().double()  # the shipped weights, exactly (the k-quants: as gguf-py reads them)
     expected = x.double() @ w.t()
-    assert got.dtype == torch.float32 and got.shape == (3, 70)
+    assert got.dtype == torch.float32 and got.shape == (3, n)
     # x is rounded to int16 per block of 32: each entry moves by at most 2^-16 of its block's max
     step = x.double().view(3, 24, 32).abs().amax(-1) / 65534  # [M, blocks]
-    bound = step @ w.abs().view(70, 24, 32).sum(-1).t()  # [M, N]
+    bound = step @ w.abs().view(n, 24, 32).sum(-1).t()  # [M, N]
     error = (got.double() - expected).abs()
     assert bool((error <= 1.01 * bound + 1e-6 * expected.abs().max()).all())
     assert float(error.max()) < 1e-4 * float(expected.abs().max())
@@ -63,10 +74,11 @@ def test_the_kernel_multiplies_the_shipped_weights_within_the_int16_rounding_of_
     assert torch.equal(bf16, torch.ops.memra.block_gemv(x.bfloat16().float(), packed, op_kind).bfloat16())
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", *K_QUANTS])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", *K_QUANTS, *INTERLEAVED])
 def test_each_output_has_the_same_bits_alone_batched_and_on_any_thread_count(kind):
-    _, blocks = _shipped(kind, 301, 256, seed=3)  # 301: tiles of 64 and rows of 4 (pairs of 2) leave remainders
-    op_kind, packed = block_linear.pack(blocks)
+    # 301: tiles of 64 and rows of 4 (pairs of 2) leave remainders; 304: 19 groups of 16, the last tile's 3
+    _, blocks = _shipped(kind, 304 if kind in INTERLEAVED else 301, 256, seed=3)
+    op_kind, packed = _packed(kind, blocks)
     x = torch.randn(8, 256).bfloat16()
     others = torch.randn(8, 256).bfloat16() * 30  # different neighbours, other magnitudes
     threads = torch.get_num_threads()
@@ -74,7 +86,7 @@ def test_each_output_has_the_same_bits_alone_batched_and_on_any_thread_count(kin
         torch.set_num_threads(1)
         alone = torch.cat([torch.ops.memra.block_gemv(x[i:i + 1], packed, op_kind) for i in range(8)])
         torch.set_num_threads(2)
-        for m in (2, 3, 4, 5, 8):  # 5: one full group of 4 activation rows and a lone one
+        for m in range(2, 9):  # 5: one full group of 4 activation rows and a lone one; 8: the x16 kinds' group
             for i in range(8):
                 batch = torch.cat([others[:m - 1], others[:0]])
                 batch = torch.cat([batch[:i % m], x[i:i + 1], batch[i % m:]])  # row i at position i % m
@@ -229,3 +241,23 @@ def test_the_kernels_plain_cpp_path_multiplies_every_kind_like_float64(tmp_path)
     assert report[("path", "plain_float32")] == "plain_float32"
     assert all(float(report[("bound", kind)]) <= 1.0 for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
     assert all(report[("same", kind)] == "True" for kind in ("Q4_K", "Q5_K", "Q6_K"))
+
+
+@pytest.mark.skipif(not INTERLEAVED, reason="the interleaved kinds run on the AVX512 build only")
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_interleaved_blocks_hold_every_row_s_own_blocks_and_a_cut_at_sixteen_rows_is_the_part_s_own(kind):
+    _, blocks = _shipped(kind, 48, 96, seed=7)
+    plain_kind, plain = block_linear.pack(blocks)
+    op_kind, packed = block_linear.interleave(plain_kind, plain)
+    assert op_kind == {"Q8_0": block_linear.Q8_0_X16, "Q4_1": block_linear.Q4_1_X16}[kind]
+    assert packed.shape == plain.shape and not torch.equal(packed, plain)
+    x = torch.randn(5, 96)
+    whole = torch.ops.memra.block_gemv(x, packed, op_kind)
+    assert torch.equal(torch.ops.memra.block_gemv(x, packed[16:48], op_kind), whole[:, 16:])  # a fused part
+    expected = x.double() @ blocks.dequantize().double().t()
+    assert float((whole.double() - expected).abs().max()) < 1e-4 * float(expected.abs().max())
+    kept_kind, kept = block_linear.interleave(plain_kind, plain[:40])  # rows not in sixteens: as they are
+    assert kept_kind == plain_kind and torch.equal(kept, plain[:40])
+    assert block_linear.interleave(block_linear.Q5_0, plain)[0] == block_linear.Q5_0
+    linear = torch.nn.Linear(96, 48, bias=False)
+    assert BlockLinear.from_blocks(linear, blocks, interleaved=True).format == kind

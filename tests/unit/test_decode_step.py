@@ -80,7 +80,7 @@ def test_models_the_step_does_not_cover_keep_transformers_forward_and_say_why(ti
     reason = steps.support(dense.model, dense.context_len)
     assert reason == ("Starcoder2ForCausalLM has no decode step (the steps cover LlamaForCausalLM, MistralForCausalLM, "
                       "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, "
-                      "Gemma3ForCausalLM, "
+                      "Gemma3ForCausalLM, Gemma4ForCausalLM, "
                       "Qwen3NextForCausalLM, FalconH1ForCausalLM, Lfm2ForCausalLM, GptOssForCausalLM)")
     chosen = Decoder(dense.model, dense.context_len, dense.device, "auto")
     assert (chosen.choice.value, chosen.choice.reason) == ("transformers", reason)

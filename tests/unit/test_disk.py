@@ -23,7 +23,7 @@ def make_engine(loaded, kind, directory, max_sessions=8, disk_bytes=10**9):
 ask = functools.partial(stories.ask, max_tokens=5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next", "falcon_h1", "lfm2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "gemma4", "qwen3_next", "falcon_h1", "lfm2", "gpt_oss"])
 def test_a_restart_resumes_from_disk_bit_identically(loaded, kind, tmp_path):
     before = make_engine(loaded, kind, tmp_path)
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "list files"}]
@@ -106,11 +106,12 @@ def test_a_fork_from_disk_leaves_the_file_in_place(loaded, tmp_path):
     assert dataclasses.replace(after.parking.disk.pool.get("s1"), last_used_at=0.0).on_disk
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next", "falcon_h1", "lfm2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "gemma4", "qwen3_next", "falcon_h1", "lfm2", "gpt_oss"])
 def test_every_cache_layer_kind_spills_at_stop_and_reloads_bit_exact(loaded, kind, tmp_path):
     """Dense (SlabLayer), sliding window (DynamicSlidingWindowLayer: a 0-dim int64 window
     tensor), hybrid (linear-attention conv/recurrent dicts; Mamba-2 beside attention; LFM2's
-    conv state alone, its recurrent entry None), with the boundary snapshots a second turn keeps."""
+    conv state alone, its recurrent entry None; Gemma 4's KV-shared layers, SharedLayer: no rows), with the
+    boundary snapshots a second turn keeps."""
     engine = make_engine(loaded, kind, tmp_path)
     client = stories.Client(engine, SYSTEM)
     client.say("list files")

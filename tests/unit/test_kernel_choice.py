@@ -35,16 +35,34 @@ def test_the_verdict_names_the_winner_its_path_and_the_measured_ratio():
         "layers Q4_1", False, "torch int4, 1.2x memra block kernel (avx2 int16; measured at load, one row)")
 
 
-def test_on_avx512_the_head_runs_the_blocks_and_the_layers_the_int4_kernel_as_measured_offline(monkeypatch):
+@pytest.mark.parametrize("interleaves", [True, False])
+def test_on_avx512_the_head_runs_the_blocks_and_the_4_bit_layers_interleaved_as_measured_offline(monkeypatch,
+                                                                                                  interleaves):
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX512")
+    monkeypatch.setattr(block_gemv, "interleaves", lambda: interleaves)
 
     def never(*_fns):
         raise AssertionError("measured on AVX512")
 
-    verdicts = kernel_choice.choose(_groups(), {}, torch.float32, timer=never)
-    assert verdicts["head Q8_0"].blocks and not verdicts["layers Q4_0"].blocks
-    assert verdicts["head Q8_0"].reason == (f"memra block kernel, {block_gemv.path()}; measured once: "
-                                            "docs/BENCHMARKS.md#memras-block-kernel")
+    groups = _groups()
+    g = torch.Generator().manual_seed(1)
+    odd = Int4Blocks(torch.randint(0, 16, (40, 128), generator=g).to(torch.uint8), torch.ones(40, 4), -8 * torch.ones(40, 4))
+    q8 = Int8Blocks(torch.randint(-127, 128, (64, 128), generator=g).to(torch.int8), torch.ones(64, 4))
+    groups.update({"layers Q4_1": {"b.0": odd}, "layers Q8_0": {"c.0": q8}})
+    verdicts = kernel_choice.choose(groups, {}, torch.float32, timer=never)
+    # the head's 64 rows, interleaved where the build interleaves (BlockLinear.from_blocks lays them out so)
+    layout = ", 16 rows interleaved" if interleaves else ""
+    why = f"memra block kernel, {block_gemv.path()}{layout}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
+    assert verdicts["head Q8_0"] == Verdict("head Q8_0", True, why)
+    # 4-bit layers in sixteens run interleaved where the build interleaves; rows not in sixteens
+    # and the 8-bit layers stay on torch's int4 kernel, as measured offline
+    assert verdicts["layers Q4_0"] == Verdict("layers Q4_0", interleaves, why if interleaves else "")
+    assert not verdicts["layers Q4_1"].blocks and not verdicts["layers Q8_0"].blocks
+    # a head not in sixteens runs its plain blocks, and says so
+    odd_head = Int8Blocks(torch.randint(-127, 128, (40, 128), generator=g).to(torch.int8), torch.ones(40, 4))
+    plain = kernel_choice.choose({"head Q8_0": {"lm_head": odd_head}}, {}, torch.float32, timer=never)["head Q8_0"]
+    assert plain == Verdict("head Q8_0", True, f"memra block kernel, {block_gemv.path()}; "
+                                               "measured once: docs/BENCHMARKS.md#memras-block-kernel")
 
 
 def test_on_avx2_each_group_is_measured_once_and_the_verdict_kept_for_later_starts(monkeypatch, tmp_path):
@@ -87,6 +105,7 @@ def _load(folder):
 def test_on_avx2_the_layers_run_the_blocks_where_they_won_and_status_says_why(q4_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))  # a fresh verdicts file
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
+    monkeypatch.setattr(block_gemv, "interleaves", lambda: False)  # as the AVX2 build: plain blocks only
     monkeypatch.setattr(kernel_choice, "_fastest", _timer(1e-4, 2e-4))
     loaded = _load(q4_dir)
     model = loaded.model
@@ -122,6 +141,7 @@ def test_on_avx2_where_the_int4_kernel_wins_the_layers_they_pack_for_it_and_the_
         q4_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
+    monkeypatch.setattr(block_gemv, "interleaves", lambda: False)  # as the AVX2 build: plain blocks only
     monkeypatch.setattr(kernel_choice, "_fastest", _by_kernel({("BlockLinear", "Q8_0"): 1e-4, ("Q8Linear", None): 4e-4,
                                                                ("BlockLinear", "Q4_1"): 3e-4, ("Int4Linear", None): 2e-4}))
     loaded = _load(q4_dir)
@@ -152,5 +172,6 @@ def test_the_k_quants_super_blocks_are_measured_here_on_avx512_too_against_int4_
     assert verdicts["layers Q6_K"] == Verdict(
         "layers Q6_K", True, f"memra block kernel, {path}, 3.0x dense bfloat16 (measured at load, one row)")
     assert verdicts["layers Q5_K"].blocks  # 48 rows: no int4 packing needed, the dense weight is the other kernel
-    assert verdicts["head Q8_0"].blocks and not verdicts["layers Q4_0"].blocks  # as measured offline
+    assert verdicts["head Q8_0"].blocks  # as measured offline, and the 4-bit layers interleaved where the build does
+    assert verdicts["layers Q4_0"].blocks == block_gemv.interleaves()
     assert len(json.loads((tmp_path / "c.json").read_text())) == 3  # the three k-quant groups, kept

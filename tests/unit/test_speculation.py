@@ -213,8 +213,26 @@ def test_requests_batched_together_speculate_each_on_its_own_rows(tiny_loaded):
     assert_same(runs)
     for rid in "abc":
         spec = runs["auto"][rid][0].speculation
-        assert spec.reason == "on the eager batched step of 4 rows, up to 3 drafted in the rows its neighbours leave"
+        assert spec.reason == "on the eager batched step of 8 rows, up to 7 drafted in the rows its neighbours leave"
         assert spec.accepted_tokens > 0, rid
+
+
+def test_with_speculation_on_the_batched_step_has_a_run_s_rows_beside_max_batch_s(q4_bf16):
+    # max_batch 4 requests together, and one request's run of up to 8 rows (its pending token, 7
+    # drafts) on the 8-row twin; off: the 2- and 4-row steps only
+    sizes = {arm: make_engine(q4_bf16, CHUNK, speculate=arm, max_batch=4).decoder.batch_sizes for arm in ("off", "auto")}
+    assert sizes == {"off": (2, 4), "auto": (2, 4, 8)}
+
+    def sampler(engine):
+        ids, start = file_tokens(engine)
+        return copying(engine, ids[start : start + 30])
+
+    runs = both(q4_bf16, lambda e: [request(e, "r", max_tokens=30)], sampler, max_batch=4)
+    assert_same(runs)
+    spec = runs["auto"]["r"][0].speculation
+    assert spec.reason == "on the eager batched step of 8 rows, up to 7 drafted in the rows its neighbours leave"
+    # the whole reply copies the file: a verify step feeds up to 8 tokens, where the 4-row step fed 4
+    assert spec.tokens_per_step > 4, spec
 
 
 def test_where_no_step_gives_a_row_the_one_row_steps_bits_speculation_turns_off_and_says_so(tiny_loaded):

@@ -17,6 +17,7 @@ from memrad.engine.state.disk import state_format
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.pull import ModelUnavailable
 from memrad.engine.kernels import block_gemv
+from memrad.engine.model import kernel_choice
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
 from memrad.engine.model.weights import (
@@ -30,6 +31,8 @@ CONFIGS = [("float", "float32"), ("float", "bfloat16"), ("int4", "float32"), ("i
 SYSTEM = {"role": "system", "content": "You are a helpful coding assistant. Read the file, then answer."}
 BLOCKS = block_gemv.why_not() is None  # memra's block kernel runs here (AVX512 with a compiler)
 needs_blocks = pytest.mark.skipif(not BLOCKS, reason=str(block_gemv.why_not()))
+# AVX512: the Q4_1 layers (rows in sixteens) run memra's kernel, 16 rows interleaved (kernel_choice)
+LAYERS_ON_BLOCKS = BLOCKS and block_gemv.capability() not in kernel_choice.MEASURED_ON and block_gemv.interleaves()
 
 
 @pytest.fixture
@@ -103,11 +106,18 @@ def test_with_memra_s_block_kernel_the_q8_0_head_runs_its_gguf_blocks_and_a_seco
     assert model.lm_head.weight is model.model.embed_tokens.weight  # prefill still runs the float embedding
     assert model.lm_head.blocks.shape == (400, 2 * 34)  # 64 inputs: 2 blocks of 34 bytes a row
     int4 = [m for m in model.modules() if type(m) is Int4Linear]
-    assert len(int4) == 14 and first.packed_bytes == model.lm_head.blocks.nbytes + sum(
-        m.packed.nbytes + m.scales_and_zeros.nbytes for m in int4)
-    why = f"memra block kernel, {block_gemv.path()}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
-    assert f"lm_head GGUF x1: Q8_0 blocks ({why}); " in first.tensors.reason
-    assert first.tensors.value == "Q8_0 blocks 1, int4 14"
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear) and m is not model.lm_head]
+    assert (len(int4), len(layers)) == ((0, 14) if LAYERS_ON_BLOCKS else (14, 0))
+    assert first.packed_bytes == model.lm_head.blocks.nbytes + sum(
+        m.packed.nbytes + m.scales_and_zeros.nbytes for m in int4) + sum(m.blocks.nbytes for m in layers)
+    # the AVX512 build lays the head's 400 rows (and the layers') out 16 side by side
+    x16 = " x16" if block_gemv.interleaves() else ""
+    assert model.lm_head.interleaved == block_gemv.interleaves() and all(m.interleaved for m in layers)
+    why = (f"memra block kernel, {block_gemv.path()}{', 16 rows interleaved' if x16 else ''}; "
+           "measured once: docs/BENCHMARKS.md#memras-block-kernel")
+    assert f"lm_head GGUF x1: Q8_0{x16} blocks ({why}); " in first.tensors.reason
+    assert first.tensors.value == ("Q8_0 x16 blocks 1, Q4_1 x16 blocks 14" if LAYERS_ON_BLOCKS
+                                   else f"Q8_0{x16} blocks 1, int4 14")
 
     def repack(*_):
         raise AssertionError("packed again")
@@ -137,7 +147,7 @@ def test_a_folder_made_before_the_head_was_kept_loads_with_a_dense_head_and_says
         loaded = _load(old_dir, "auto", "bfloat16")
     assert loaded.weights.value == "int4" and "Q8_0" not in loaded.weights.reason
     assert type(loaded.model.lm_head) is torch.nn.Linear and loaded.head == "float"
-    assert sum(type(m) is Int4Linear for m in loaded.model.modules()) == 14
+    assert sum(type(m) is (BlockLinear if LAYERS_ON_BLOCKS else Int4Linear) for m in loaded.model.modules()) == 14
     assert f"the output head runs dense: {old_dir} was made before memra kept the head's Q8_0 blocks; " \
            "`memrad pull` (the default model) or `memrad pull FILE.gguf` (a GGUF) adds them" in caplog.text
 
@@ -149,8 +159,9 @@ def test_adding_the_head_blocks_later_packs_the_head_at_the_next_start(old_dir, 
     after = _load(old_dir, "int4", "bfloat16")
     assert type(after.model.lm_head) is Q8Linear
     # parked state on disk made under the dense head is never loaded under the Q8_0 head
-    assert state_format(engine_before.loaded, 16, "exact")["head"] == "float"
-    assert state_format(after, 16, "exact") == dict(state_format(engine_before.loaded, 16, "exact"), head="q8_0")
+    before_key, after_key = state_format(engine_before.loaded, 16, "exact"), state_format(after, 16, "exact")
+    assert before_key["head"] == "float" and after_key["head"] == "q8_0"
+    assert {key for key in after_key if after_key[key] != before_key[key]} == {"head", "kernels"}
 
 
 def test_a_head_the_gguf_ships_in_another_format_stays_dense_and_says_so(old_dir, caplog):
@@ -226,3 +237,28 @@ def test_parked_bytes_count_bf16_kv_at_two_bytes_a_value(q4_dir):
     # 2 layers x (keys + values) x 2 kv heads x 16 dims x 2 bytes
     assert state.session.num_bytes == state.session.num_tokens * 2 * 2 * 2 * 16 * 2
     assert engine.parking.pool.bytes_parked == state.session.num_bytes
+
+
+@needs_blocks
+@pytest.mark.skipif(not LAYERS_ON_BLOCKS, reason="the layers run memra's kernel on AVX512 only, interleaved")
+def test_state_parked_under_torch_s_int4_layers_is_not_resumed_under_the_interleaved_kernel_s(q4_dir, tmp_path,
+                                                                                              monkeypatch):
+    from memrad.engine.state.disk import DiskTier
+
+    interleaved = _load(q4_dir, "int4", "bfloat16")
+    with monkeypatch.context() as patch:  # a start where the layers stayed on torch's int4 kernel
+        patch.setattr(kernel_choice, "interleaved_4_bit", lambda members: False)
+        int4 = _load(q4_dir, "int4", "bfloat16")
+    assert sum(type(m) is Int4Linear for m in int4.model.modules()) == 14
+    assert sum(isinstance(m, BlockLinear) and m.interleaved for m in interleaved.model.modules()) == 15
+    int4_key, x16_key = state_format(int4, 16, "fast"), state_format(interleaved, 16, "fast")
+    assert {key for key in x16_key if x16_key[key] != int4_key[key]} == {"kernels"}
+    assert x16_key["kernels"] == f"Q8_0 x16 blocks 1, Q4_1 x16 blocks 14; memra block kernel {block_gemv.path()}"
+    # fast mode parks the decoded KV, which the layers' kernel computed
+    before = make_engine(int4, 16, mode="fast", disk=DiskTier(tmp_path, 10**9, int4_key))
+    ask(before, [SYSTEM, {"role": "user", "content": "one " * 20}], "a")
+    before.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["s1.safetensors"]
+    tier = DiskTier(tmp_path, 10**9, x16_key)
+    assert tier.index() == [] and list(tier.foreign) == ["s1"]
+    assert len(DiskTier(tmp_path, 10**9, int4_key).index()) == 1  # its own engine's key still loads it

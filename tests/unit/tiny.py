@@ -147,6 +147,41 @@ def build_gemma3(vocab_size: int, seed: int = 0, window: int = 8):
     return model
 
 
+# Gemma 4's tiny layout: sliding layers of 8 tokens around two global ones, the last two KV-shared
+# (layer 4 reads layer 3's window, layer 5 layer 2's slab).
+GEMMA4_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                 "full_attention"]
+
+
+def build_gemma4(vocab_size: int, seed: int = 0, window: int = 8):
+    """Gemma 4 (text, Gemma4ForCausalLM) with every part its dense models have: per-layer inputs
+    (P = 8), the last 2 layers reading earlier layers' KV, global layers of their own head dim (32
+    against 16) with one KV head and keys as values (attention_k_eq_v), "proportional" rope on them
+    (a quarter of the angles turn), v norms, layer scalars; the norm weights, layer scalars and
+    rope bases off their defaults so a step that dropped one would differ; the final logits
+    soft-capped."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=len(GEMMA4_LAYERS),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=window, max_position_embeddings=1024, layer_types=GEMMA4_LAYERS,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 500_000.0}},
+        final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.3)
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    return model
+
+
 # gpt-oss's layers alternate, sliding first, as the released models lay them out
 GPT_OSS_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
@@ -179,8 +214,9 @@ def build_gpt_oss(vocab_size: int, seed: int = 0, window: int = 8):
 
 
 def save_tiny(folder: Path, kind: str) -> Path:
-    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | qwen3 | starcoder2
-    | mamba | lfm2 (tests/unit/tiny_gguf.py's, float weights: short convolutions beside attention) | gpt_oss.
+    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | gemma4 | qwen3
+    | starcoder2 | mamba | lfm2 (tests/unit/tiny_gguf.py's, float weights: short convolutions beside attention)
+    | gpt_oss.
     llama-short: a native context of 64 tokens, for RoPE scaling past it, with sharp attention
     (q and k weights x8) so that positions move the logits well past rounding."""
     tokenizer = build_tokenizer()
@@ -198,6 +234,8 @@ def save_tiny(folder: Path, kind: str) -> Path:
         model = build_falcon_h1(len(tokenizer))
     elif kind == "gemma3":
         model = build_gemma3(len(tokenizer))
+    elif kind == "gemma4":
+        model = build_gemma4(len(tokenizer))
     elif kind == "gpt_oss":
         model = build_gpt_oss(len(tokenizer))
     elif kind == "starcoder2":  # LayerNorm and a plain (ungated) MLP: no decode step covers it
@@ -232,13 +270,14 @@ def save_tiny(folder: Path, kind: str) -> Path:
 
 
 def write_q4_folder(folder: Path, kind: str = "llama") -> Path:
-    """The tiny llama (or `kind` "gemma3": the tiny Gemma 3) shaped like SmolLM2's GGUF, as `memrad
-    pull` leaves one: Q4_1 layers and a Q8_0 head tied to the embedding, their blocks kept
-    beside the float weights."""
+    """The tiny llama (or `kind` "gemma3", "gemma4": the tiny Gemma 3, Gemma 4) shaped like SmolLM2's
+    GGUF, as `memrad pull` leaves one: Q4_1 layers and a Q8_0 head tied to the embedding, their
+    blocks kept beside the float weights."""
     from memrad.engine.model.weights import quantize_head_q8_0, quantize_layers_q4_1, write_int4_cache, write_q8_cache
 
     tokenizer = build_tokenizer()
-    model = build_gemma3(len(tokenizer)) if kind == "gemma3" else build_llama(len(tokenizer), tied=True)
+    builds = {"gemma3": build_gemma3, "gemma4": build_gemma4}
+    model = builds[kind](len(tokenizer)) if kind in builds else build_llama(len(tokenizer), tied=True)
     blocks, head = quantize_layers_q4_1(model), quantize_head_q8_0(model)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -211,6 +211,49 @@ def tiny_gguf(folder: Path, arch: str) -> tuple[Path, object]:
     return write_gguf(folder / f"tiny-{arch}.gguf", model, tokenizer), model
 
 
+def write_gemma4_gguf(path: Path, model, tokenizer) -> Path:
+    """The tiny Gemma 4 of tests/unit/tiny.py (`build_gemma4`) as llama.cpp lays a gemma4 GGUF out:
+    transformers' tensor names mapped by its own map (F32; the embedding Q8_0, the model's weight
+    set to what it dequantizes to), the fields transformers' loader reads and the layout keys it
+    does not (sliding-window pattern, KV-shared layers, per-layer input width, the sliding layers'
+    head dim, both rope bases, the final soft-cap). Its widths are not whole k-quant super-blocks:
+    it exists to show what the loader makes of such a header (memrad.engine.model.preflight)."""
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    config, arch = model.config, "gemma4"
+    layers = config.per_layer_config
+    sliding = config.layer_types.index("sliding_attention")
+    full = config.layer_types.index("full_attention")
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("tiny-gemma4")
+    for key, value in (("context_length", config.max_position_embeddings), ("block_count", config.num_hidden_layers),
+                       ("feed_forward_length", config.intermediate_size), ("embedding_length", config.hidden_size),
+                       ("attention.key_length", layers[full].head_dim),
+                       ("attention.head_count", config.num_attention_heads),
+                       ("attention.head_count_kv", layers[sliding].num_key_value_heads),
+                       ("attention.sliding_window", config.sliding_window), ("vocab_size", config.vocab_size)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+    writer.add_shared_kv_layers(config.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input)
+    writer.add_key_length_swa(layers[sliding].head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    _write_tokenizer(writer, tokenizer)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for gguf_name, hf_name in get_gguf_hf_weights_map(model, TensorProcessor()).items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        target = tensors[hf_name].detach()
+        kind = T.Q8_0 if gguf_name.startswith("token_embd") else T.F32
+        raw = _encode(target.float().numpy(), kind, np.random.default_rng(0))
+        target.copy_(torch.from_numpy(quants.dequantize(raw, kind).reshape(target.shape)))
+        writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=kind)
+    return finish_gguf(writer, path)
+
+
 def gpt_oss_tensors(model) -> list[tuple[str, torch.Tensor, T]]:
     """(llama.cpp's name, the model's tensor as llama.cpp ships it, its GGUF type) for a tiny
     gpt-oss (tests/unit/tiny.py: build_gpt_oss), as llama.cpp's converter lays it out: the experts'

@@ -17,7 +17,7 @@ LFM2 (memrad.engine.decode.steps.lfm2) runs here too: its attention layers are l
 its short-convolution layers run their in_proj, out_proj and MLP as one matmul for every row and
 the convolution per row, over that request's own conv state (keys[r] of the layer).
 
-Gemma 3 and Gemma 2 (memrad.engine.decode.steps.gemma, gemma2) run their rows themselves
+Gemma 3, Gemma 2 and Gemma 4 (memrad.engine.decode.steps.gemma, gemma2, gemma4) run their rows themselves
 (`forward_rows`, whose call at B = 1 is their one-row step): the same matmuls for every row,
 and per row the rope at its own position, its KV row written into its own slab or window view
 and attention over those only. A sliding layer's row attends its request's window view
@@ -80,7 +80,7 @@ class BatchGraph(nn.Module):
         step, batch = self.step, tokens.shape[0]
         lengths = [r.shape[0] for r in rows]
         own_rows = getattr(step, "forward_rows", None)
-        if own_rows is not None:  # Gemma 3, Gemma 2, gpt-oss: their one-row step is this call at B = 1
+        if own_rows is not None:  # Gemma 3, 2, 4, gpt-oss: their one-row step is this call at B = 1
             return own_rows(tokens, positions, lengths, keys, values, self.kernel)
         x = step.embed(tokens).view(batch, 1, -1)  # [B, 1, hidden]
         cos = step.cos.index_select(0, positions)[:, None]  # [B, 1, D]: broadcast over heads

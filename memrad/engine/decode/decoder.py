@@ -32,7 +32,8 @@ answers with the very step every later start opens. `memrad pull` builds the pac
 
 With `batch_rows` (max_batch, `batch_decode = "batched"`), the batched step
 (memrad.engine.decode.batch) is compiled too, one package per row count of `batch_sizes`
-(2 and max_batch: two requests do not pay for two pad rows), opened beside the one-row one.
+(2 and max_batch: two requests do not pay for two pad rows; with speculation, `run_rows` too:
+one request's drafts verified as rows of one step), opened beside the one-row one.
 Under auto and wait they are built only when a second request first decodes beside another
 (`want_batch()`, after the one-row step: a single agent never pays for them; `memrad pull`
 still builds them ahead); `batch_step()` hands a request the compiled ones once they are
@@ -105,6 +106,12 @@ def _attention(kernel: bool, why_not: str | None = None) -> str:
     return "memra's attention kernel" if kernel else "torch's attention" + (f" ({why_not})" if why_not else "")
 
 
+def said_sizes(sizes: tuple[int, ...], last: str = "and") -> str:
+    """Row counts as a person reads them: "2 and 4", "2, 4 and 8"."""
+    words = [str(size) for size in sizes]
+    return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else "".join(words)
+
+
 def _first_line(exc: Exception) -> str:
     return (str(exc).splitlines() or [""])[0][:200]
 
@@ -116,7 +123,8 @@ class Decoder:
     """
 
     def __init__(self, model: Any, context_len: int, device: torch.device, mode: str = "off",
-                 recipe: builder.Recipe | None = None, batch_rows: int | None = None) -> None:
+                 recipe: builder.Recipe | None = None, batch_rows: int | None = None,
+                 run_rows: int | None = None) -> None:
         assert mode in COMPILE_MODES, mode
         self.model = model
         self.mode = mode
@@ -138,7 +146,11 @@ class Decoder:
         self._verify: dict[tuple[int, bool], BatchStep | None] = {}  # (rows, kernel) -> speculation's step, checked
         # The batched step compiled beside the one-row step (a step with a batched twin, memra's kernel):
         # its packages are built and opened with the one-row one, and `batch_choice` says how it went.
-        self.batch_rows = batch_rows if batch_rows and batch_rows > 1 else None
+        # `batch_rows`: the requests decoding together (max_batch); `run_rows`: the rows one request's
+        # speculated run may take (memrad.engine.speculation.RUN_ROWS), where more. A request holds the
+        # step of the most rows, and each step runs the smallest twin that holds its rows (`batch_sizes`).
+        self.batch_rows = max(batch_rows, run_rows or 0) if batch_rows and batch_rows > 1 else None
+        self._group_rows = batch_rows
         self.batch_packages: dict[int, step_package.PackagedBatch] = {}  # rows -> the package
         self.batch_choice = Choice("eager", "no batched step asked for")
         # Served past the native length: native requests decode on twins of the steps with the
@@ -157,6 +169,8 @@ class Decoder:
             self.native = native_steps.NativeSteps(self.switch, model, self.eager, context_len, self.capacity)
         if self.batch_rows and not steps.has_batched(self.eager):
             self.batch_rows = None  # the hybrids: no batched step, one row at a time
+        elif self.batch_rows and not isinstance(self.eager, DecodeStep):
+            self.batch_rows = self._group_rows  # Gemma, LFM2: no run's rows to cut back, no speculation
         if self.batch_rows:
             self.batch_choice = Choice("eager", f"compile = {mode}: the eager batched step"
                                        + (" (compiled with the one-row step)" if mode != "off" else ""))
@@ -219,7 +233,7 @@ class Decoder:
         if not isinstance(self.step, step_package.PackagedStep) or not self._wants_batch(self.current[1]):
             return False
         self.batch_choice = Choice("compiling", "a second request decodes beside another: building the "
-                                   f"{' and '.join(map(str, self.batch_sizes))}-row packages; each request on "
+                                   f"{said_sizes(self.batch_sizes)}-row packages; each request on "
                                    "the one-row step until they are open")
         return True
 
@@ -343,13 +357,13 @@ class Decoder:
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
-        """The batched step's row counts: 2 and max_batch (a group of n decodes on the smallest
-        that holds it; one request alone on the one-row step)."""
-        return tuple(sorted({2, self.batch_rows})) if self.batch_rows else ()
+        """The batched step's row counts: 2, max_batch and a speculated run's rows (a step of n
+        rows runs on the smallest that holds them; one request alone on the one-row step)."""
+        return tuple(sorted({2, self._group_rows, self.batch_rows})) if self.batch_rows else ()
 
     @property
     def batch_package(self) -> step_package.PackagedBatch | None:
-        """The max_batch rows' package, once open."""
+        """The package of the most rows (`batch_rows`), once open."""
         return self.batch_packages.get(self.batch_rows) if self.batch_rows else None
 
     def _open_batch(self, kernel: bool) -> bool:
@@ -369,7 +383,7 @@ class Decoder:
                 return False
             log.info("batched decode step (%d rows) opened from %s", rows, path)
         names = ", ".join(self._package(kernel, rows).name for rows in self.batch_sizes)
-        sizes = " and ".join(str(rows) for rows in self.batch_sizes)
+        sizes = said_sizes(self.batch_sizes)
         self.batch_choice = Choice("compiled", f"AOTInductor packages ({names}), {sizes} rows")
         return True
 
@@ -392,7 +406,7 @@ class Decoder:
             return
         if self._open_batch(kernel):
             log.info("batched decode steps (%s rows) compiled in %.1f s",
-                     " and ".join(str(rows) for rows in self.batch_sizes), time.perf_counter() - started)
+                     said_sizes(self.batch_sizes), time.perf_counter() - started)
 
     def _compile(self) -> None:
         compiler = cxx_compiler()

@@ -66,6 +66,7 @@ from memrad.engine.kernels import block_gemv, decode_attention
 from memrad.engine.model import block_linear, quant
 from memrad.engine.state import recurrent as recurrent_state
 from memrad.engine.state import window as window_state
+from memrad.engine.state.shared import SharedLayer
 from memrad.engine.state.window import buffer_rows
 from memrad.durable import publish
 from memrad.faultpoint import kill_point
@@ -147,8 +148,7 @@ class PackagedStep:
         # A full-attention layer's slab: its rows are the capacity the graphs were made for;
         # a sliding layer's buffer: its rows are fixed (buffer_rows), checked all the same.
         windows = steps.windows(eager)
-        self._slab = next((i for i, (window, state) in enumerate(zip(windows, steps.recurrent(eager)))
-                           if window is None and not state), None)
+        self._slab = next(iter(steps.slabs(eager)), None)
         self._window = next(((i, buffer_rows(w)) for i, w in enumerate(windows) if w is not None), None)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
@@ -204,10 +204,8 @@ def load(step: DecodeStep, capacity: int, kernel: bool, path: Path) -> PackagedS
 def load_batch(step: DecodeStep, capacity: int, rows: int, path: Path) -> PackagedBatch:
     """Open the batched step's package (built by `build(..., rows=rows)`), as `load` does."""
     made, runners = _open(step, path, [BATCH_GRAPH])
-    kinds = list(zip(steps.windows(step), steps.recurrent(step)))
-    slabs = [i for i, (window, state) in enumerate(kinds) if window is None and not state]
-    windows = [(i, buffer_rows(window)) for i, (window, _) in enumerate(kinds) if window is not None]
-    return PackagedBatch(runners[BATCH_GRAPH], made, capacity, rows, slabs, windows)
+    windows = [(i, buffer_rows(window)) for i, window in enumerate(steps.windows(step)) if window is not None]
+    return PackagedBatch(runners[BATCH_GRAPH], made, capacity, rows, steps.slabs(step), windows)
 
 
 def _open(step: DecodeStep, path: Path, graphs: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -363,17 +361,22 @@ def example_buffers(step: Any, config: Any, capacity: int, length: int, make: An
     made by `make(shape, dtype, device)`; and the window views (their rows are symbolic). A
     view's example rows (`view_rows`, else 3 if `length` is 2, else 2) differ from `length` so
     that export never takes the two sizes for one; a view is cut from a buffer of the window's
-    real rows, since the compiled code is made for the strides it is shown."""
-    kv_heads, head_dim = steps.kv_shape(config)
+    real rows, since the compiled code is made for the strides it is shown. A layer's rows have its
+    own KV heads and head dim where they differ by kind (Gemma 4); a KV-shared layer (Gemma 4)
+    is handed an empty pair (memrad.engine.state.shared.SharedLayer)."""
     param = _param(step)
     keys, values, windowed = [], [], []
     for layer, window, state in zip(step.layers, steps.windows(step), steps.recurrent(step)):
         if state:  # a spec per argument: (shape, dtype), or a list of them for a pair (FalconH1)
             pair = [tuple(make(*one, param.device) for one in spec) if isinstance(spec, list)
                     else make(*spec, param.device) for spec in layer.state_shapes(param.dtype, capacity)]
+        elif getattr(layer, "shared", False):
+            pair = [SharedLayer().step_buffers(length - 1)[0] for _ in range(2)]
         elif window is None:
+            kv_heads, head_dim = _rows_shape(layer, config)
             pair = [make((1, kv_heads, capacity, head_dim), param.dtype, param.device) for _ in range(2)]
         else:
+            kv_heads, head_dim = _rows_shape(layer, config)
             rows = view_rows or (3 if length == 2 else 2)
             pair = [make((1, kv_heads, buffer_rows(window), head_dim), param.dtype, param.device)[:, :, :rows]
                     for _ in range(2)]
@@ -382,6 +385,12 @@ def example_buffers(step: Any, config: Any, capacity: int, length: int, make: An
         if window is not None:
             windowed.extend(pair)
     return keys, values, windowed
+
+
+def _rows_shape(layer: Any, config: Any) -> tuple[int, int]:
+    """(KV heads, head dim) of an attention layer's rows: the step's layer's own (Gemma 4: per
+    kind), else the config's."""
+    return (layer.kv_heads, layer.head_dim) if hasattr(layer, "kv_heads") else steps.kv_shape(config)
 
 
 def _untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -459,7 +468,9 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int |
     for source in (*steps, window_state.__file__, quant.__file__, __file__, recurrent_state.__file__, *kernel_source):
         digest.update(Path(source).read_bytes())
     for name, module in step.named_modules():
-        digest.update(f"{name} {type(module).__module__}.{type(module).__qualname__}\n".encode())
+        # a BlockLinear's kind is compiled into the call (plain and interleaved blocks: one shape)
+        kind = f" kind {module.kind}" if isinstance(module, block_linear.BlockLinear) else ""
+        digest.update(f"{name} {type(module).__module__}.{type(module).__qualname__}{kind}\n".encode())
     for name, tensor in sorted(_constants(step).items()):
         digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)} {tensor.stride()}\n".encode())
     return digest.hexdigest()[:16]

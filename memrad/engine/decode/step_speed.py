@@ -29,6 +29,13 @@ SHAPES = {
                               sliding_window=8)),
     "qwen3_moe": ("qwen3_moe", dict(num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2,
                                     norm_topk_prob=True)),  # experts of 768 (the default moe_intermediate_size)
+    # Gemma 4's layout as tests/unit/tiny.py's tiny Gemma 4 (the last two layers KV-shared), at these widths
+    "gemma4": ("gemma4_text", dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                   sliding_window=8, num_kv_shared_layers=2, hidden_size_per_layer_input=64,
+                                   vocab_size_per_layer_input=400, final_logit_softcapping=30.0,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                "sliding_attention", "sliding_attention", "full_attention"])),
     # LFM2's layout as tests/unit/tiny_gguf.py writes it: short convolutions around two attention layers
     "lfm2": ("lfm2", dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                           block_auto_adjust_ff_dim=False,

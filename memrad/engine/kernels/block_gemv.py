@@ -55,6 +55,12 @@ def path() -> str:
     return torch.ops.memra.block_gemv_path()
 
 
+def interleaves() -> bool:
+    """Whether the loaded kernel runs the interleaved kinds (40: Q4_1 x16, 80: Q8_0 x16: its AVX512
+    build; memrad.engine.model.block_linear.interleave). Requires `why_not() is None`."""
+    return bool(torch.ops.memra.block_gemv_interleaves())
+
+
 def activation_step(path_name: str) -> float:
     """The activation's rounding as a fraction of its block's largest |x|: half a step of int16
     (1/65534); 0 for float32 (no rounding)."""
@@ -64,7 +70,7 @@ def activation_step(path_name: str) -> float:
 def _probe() -> str | None:
     """None when every block kind multiplies like float64 on a small case, within the activation's
     rounding, else what went wrong."""
-    from memrad.engine.model.block_linear import FORMATS, pack
+    from memrad.engine.model.block_linear import FORMATS, interleave, pack
     from memrad.engine.model.quant import Int4Blocks, Int8Blocks, random_super_blocks
 
     generator = torch.Generator().manual_seed(0)
@@ -75,16 +81,19 @@ def _probe() -> str | None:
              Int4Blocks(torch.randint(0, 16, (20, 256), generator=generator).to(torch.uint8), scales, -8 * scales),
              *(random_super_blocks(kind, 20, 256, generator) for kind in ("Q4_K", "Q5_K", "Q6_K"))]
     step = activation_step(path())
-    for blocks in cases:
-        kind, raw = pack(blocks)
+    packed = [(blocks, *pack(blocks)) for blocks in cases]
+    if interleaves():  # the interleaved kinds (Q8_0 x16, Q4_1 x16) on 16 of the rows
+        packed += [(blocks, *interleave(kind, raw[:16])) for blocks, kind, raw in (packed[0], packed[2])]
+    for blocks, kind, raw in packed:
         got = torch.ops.memra.block_gemv(x, raw, kind).double()
-        w = blocks.dequantize().double()
+        w = blocks.dequantize().double()[:raw.shape[0]]
         expected = x.double() @ w.t()
         bound = rounding_bound(x, w, step) + _PROBE_TOLERANCE * expected.abs().max()
         error = (got - expected).abs()
         if not bool((error <= bound).all()):
             worst = (error / expected.abs().max()).max().item()
-            return f"memra's block kernel is off by {worst:.3g} from float64 on its {FORMATS[kind]} probe"
+            name = FORMATS.get(kind) or f"{FORMATS[kind // 10]} x16"
+            return f"memra's block kernel is off by {worst:.3g} from float64 on its {name} probe"
     return None
 
 

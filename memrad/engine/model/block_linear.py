@@ -29,9 +29,11 @@ the activation rows (M ≤ the batch), and each output is one fixed sequence of 
 request's bits are the same alone or batched, on any thread count.
 
 Which groups of blocks run here and which on torch's int4 kernel, memrad.engine.model.kernel_choice
-decides: on AVX512 the head only (the head streams from memory, where fewer bytes won; the
-layers' blocks sit in cache, where the Q5_0 unpacking and the Q4_1 kind lost to torch's int4
-kernel: docs/BENCHMARKS.md#memras-block-kernel); on AVX2, where torch's int4 kernel has half
+decides: on AVX512 the head (it streams from memory, where fewer bytes won) and the Q4_0 / Q4_1
+layers as the interleaved kind (`interleave`: 16 rows' blocks side by side, made once at load, so
+a block's codes are widened once for every activation row and each output sums in its own lane;
+the row-major Q4_1 blocks and the Q5_0 unpacking lost to torch's int4 kernel:
+docs/BENCHMARKS.md#memras-block-kernel); on AVX2, where torch's int4 kernel has half
 the width too, each group as measured at load (docs/BENCHMARKS.md#avx2-class-cpus). Without a compiler, on other CPUs and on CUDA the blocks
 run on torch's int4 kernel and `block_gemv.why_not` says why. Longer inputs (prefill) run the
 dense `weight` the layer keeps, as Int4Linear does.
@@ -49,6 +51,10 @@ Q4_K, Q5_K, Q6_K = 12, 13, 14  # the k-quants' kinds: ggml's type numbers
 _BLOCK_BYTES = {Q8_0: 34, Q5_0: 22, Q4_1: 20}
 FORMATS = {Q8_0: "Q8_0", Q5_0: "Q5_0", Q4_1: "Q4_1", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}  # kind -> GGUF type
 _KINDS = {name: kind for kind, name in FORMATS.items()}
+
+Q4_1_X16, Q8_0_X16 = 40, 80  # Q4_1 / Q8_0 blocks of 16 output rows side by side (`interleave`)
+INTERLEAVED = {Q4_1: Q4_1_X16, Q8_0: Q8_0_X16}  # plain kind -> its interleaved kind
+_PLAIN = {v: k for k, v in INTERLEAVED.items()}
 
 Blocks = Int8Blocks | Int4Blocks | SuperBlocks
 
@@ -103,6 +109,30 @@ def pack(blocks: Blocks) -> tuple[int, torch.Tensor]:
     return Q8_0, raw.reshape(n, nb * _BLOCK_BYTES[Q8_0]).contiguous()
 
 
+def interleave(kind: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(kind, bytes) with the Q4_1 / Q8_0 blocks `pack` made laid out for the kernel's AVX512
+    path: each 16 output rows' blocks side by side (memrad.engine.kernels.csrc/block_gemv.cpp,
+    the interleaved kinds), made once at load. The same shape and bytes a row; rows cut at a
+    multiple of 16 stay their own. Other kinds, and rows not in sixteens, as they are."""
+    n = raw.shape[0]
+    if kind not in INTERLEAVED or n % 16:
+        return kind, raw
+    size = _BLOCK_BYTES[kind]
+    nb = raw.shape[1] // size
+    blocks = raw.view(n // 16, 16, nb, size).transpose(1, 2)  # [G, nb, 16 rows, B]
+    d = blocks[..., :2].reshape(n // 16, nb, 32)  # [G, nb, 16 x fp16]
+    if kind == Q8_0:
+        q = blocks[..., 2:].reshape(n // 16, nb, 16, 16, 2).transpose(2, 3)  # [G, nb, pair p, row, 2]
+        parts = [d, q.reshape(n // 16, nb, 512)]
+    else:
+        m = blocks[..., 2:4].reshape(n // 16, nb, 32)
+        qs = blocks[..., 4:]  # [G, nb, 16, 16]: weight j low, j + 16 high
+        codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # [G, nb, row, 32]
+        pairs = codes.view(n // 16, nb, 16, 2, 8, 2).permute(0, 1, 3, 4, 2, 5)  # [G, nb, half, j, row, 2]
+        parts = [d, m, (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n // 16, nb, 256)]
+    return INTERLEAVED[kind], torch.cat(parts, dim=-1).reshape(n, nb * size).contiguous()
+
+
 class BlockLinear(torch.nn.Linear):
     """A Linear whose single-token calls run `blocks` on memra's kernel; longer inputs (prefill)
     run the dense `weight` it keeps (for a tied head: the embedding's)."""
@@ -115,13 +145,22 @@ class BlockLinear(torch.nn.Linear):
         self.register_buffer("blocks", blocks, persistent=False)  # [N, K/32 · bytes] (k-quants: K/256) uint8
 
     @classmethod
-    def from_blocks(cls, linear: torch.nn.Linear, blocks: Blocks) -> "BlockLinear":
+    def from_blocks(cls, linear: torch.nn.Linear, blocks: Blocks, interleaved: bool = False) -> "BlockLinear":
+        """`interleaved`: lay Q4_1 / Q8_0 blocks out 16 rows side by side (`interleave`): where the
+        loaded kernel runs them (`memrad.engine.kernels.block_gemv.interleaves()`, AVX512)."""
         kind, raw = pack(blocks)
+        if interleaved:
+            kind, raw = interleave(kind, raw)
         return cls(linear, raw, kind)
 
     @property
     def format(self) -> str:
-        return FORMATS[self.kind]
+        return FORMATS[_PLAIN.get(self.kind, self.kind)]
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether its blocks are laid out 16 rows side by side (`interleave`)."""
+        return self.kind in _PLAIN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., T, K]; the blocks only where one token goes through (decode)

@@ -85,9 +85,9 @@ def _candidates(linear: torch.nn.Linear, shipped: Int4Blocks | Int8Blocks | None
         out["as shipped"] = (Q8Linear.from_blocks(dense, shipped, torch.bfloat16),
                              kernel_weights(high, torch.bfloat16) + kernel_weights(low, torch.bfloat16))
         if block_gemv.why_not() is None and block_linear.packable(shipped):
-            out["blocks"] = (BlockLinear.from_blocks(dense, shipped), shipped.dequantize())
+            out["blocks"] = (BlockLinear.from_blocks(dense, shipped, block_gemv.interleaves()), shipped.dequantize())
     if whole is not None and block_gemv.why_not() is None:
-        out["blocks"] = (BlockLinear.from_blocks(dense, whole), whole.dequantize())
+        out["blocks"] = (BlockLinear.from_blocks(dense, whole, block_gemv.interleaves()), whole.dequantize())
     return out
 
 

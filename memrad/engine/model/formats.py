@@ -9,7 +9,9 @@ and what it runs as now:
     int4          Int4Linear: the shipped 4-bit codes (Q4_0 / Q4_1 / Q4_K) on the int4 kernel
     int4 hi|lo    Q8Linear: the shipped 8-bit or 5-bit codes (Q8_0 / Q5_0) as two int4 halves
     Q8_0 blocks   BlockLinear: the shipped blocks themselves on memra's kernel (Q8_0, Q5_0, Q4_1
-                  blocks, a Q4_0 tensor's as Q4_1; Q4_K, Q5_K, Q6_K super-blocks)
+                  blocks, a Q4_0 tensor's as Q4_1; Q4_K, Q5_K, Q6_K super-blocks); "Q4_1 x16
+                  blocks": the same blocks, 16 output rows side by side (the AVX512 build's
+                  interleaved kinds, memrad.engine.model.block_linear.interleave)
     int8          Int8Linear: per-channel int8 made from the float weights (opt-in)
     dense DTYPE   the float weights transformers made of the blocks, in the model's dtype
 
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 
 from memrad.engine.decode.steps.experts import router_of
+from memrad.engine.kernels import block_gemv
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
 
@@ -67,7 +70,7 @@ class TensorGroup:
 
 def runs_as(module: torch.nn.Module) -> str:
     if isinstance(module, BlockLinear):
-        return f"{module.format} blocks"
+        return f"{module.format}{' x16' if module.interleaved else ''} blocks"
     if isinstance(module, Q8Linear):
         return "int4 hi|lo"
     if isinstance(module, Int4Linear):
@@ -148,6 +151,14 @@ def describe(found: tuple[TensorGroup, ...]) -> str:
     """One line: each group as `role kind xN: runs (why)`."""
     return "; ".join(f"{g.role.removeprefix('model.layers.*.')} {g.kind} x{g.count}: {g.runs}"
                      + (f" ({g.why})" if g.why else "") for g in found)
+
+
+def kernels(model: Any, runs: str) -> str:
+    """Which kernels a token's products run on, as the disk tier keys parked state by: `runs`
+    (`summary`'s line) and memra's block kernel's path where any layer runs on it."""
+    if not any(isinstance(m, BlockLinear) for m in model.modules()):
+        return runs
+    return f"{runs}; memra block kernel {block_gemv.path()}"
 
 
 def summary(found: tuple[TensorGroup, ...]) -> str:

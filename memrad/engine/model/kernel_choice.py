@@ -6,10 +6,17 @@ Q4_K / Q5_K / Q6_K super-blocks as shipped; torch's int4 kernel runs the 4-bit o
 Q6_K have no int4 form, so their other kernel is the dense weight (torch's F.linear in the
 model's dtype). Which is faster depends on the CPU:
 
-    kernel ISA   head (Q8_0)                       layers (Q4_0/Q4_1, Q5_0, Q8_0)       layers (Q4_K, Q5_K, Q6_K)
-    AVX512       block kernel (int16 activations)  int4: measured once                  measured here, per group
-                                                   (docs/BENCHMARKS.md#memras-block-kernel)
-    AVX2         measured here, per group          measured here, per group             measured here, per group
+    kernel ISA   head (Q8_0)                       layers (Q4_0/Q4_1)       layers (Q5_0, Q8_0)   layers (Q4_K, Q5_K, Q6_K)
+    AVX512       block kernel (int16 activations,  block kernel, 16 rows    int4: measured once   measured here, per group
+                 16 rows interleaved)              interleaved: measured    (docs/BENCHMARKS.md#memras-block-kernel)
+                                                   once (memrad bench rows)
+    AVX2         measured here, per group          measured here, per group measured here        measured here, per group
+
+On AVX512 the Q4_0 / Q4_1 layers whose rows come in sixteens run the kernel's interleaved Q4_1
+blocks, and a head in sixteens its interleaved Q8_0 blocks (memrad.engine.model.block_linear.interleave):
+measured with `memrad bench rows` on SmolLM2-135M's layers, out of cache, on an Intel Xeon with
+AMX (one row 0.77-0.95x torch int4's time) and on an AMD EPYC Zen 5 without AMX (one row
+0.69-0.90x torch int4's over two runs, the head 0.23-0.31x its plain blocks'), and at every row count to 4 on both.
 
 On AVX2 (int16 activations, integer multiply-adds as on AVX512) each group (the head; the layers of one
 GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
@@ -94,8 +101,9 @@ def decide(group: str, block_s: float, int4_s: float, path: str, int4_name: str)
 def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Module], dtype: torch.dtype,
            cache: Path | None = None, timer: Timer | None = None) -> dict[str, Verdict]:
     """{group: Verdict} for {group: {module name: blocks}} (every group's blocks `packable`).
-    Requires `block_gemv.why_not() is None`. On a kernel ISA not in MEASURED_ON: the head on
-    memra's kernel, the Q8_0 / Q5_0 / Q4_x layers on torch's int4, as measured offline; the
+    Requires `block_gemv.why_not() is None`. On a kernel ISA not in MEASURED_ON: the head and the
+    Q4_x layers in sixteens (`interleaved_4_bit`) on memra's kernel, the Q8_0 / Q5_0 layers on
+    torch's int4, as measured offline; the
     k-quants' super-blocks are measured here on every ISA. `cache`: the verdicts file
     (default: beside the kernel libraries); `timer`: seconds a call of each of two takes (tests)."""
     isa, path = block_gemv.capability(), block_gemv.path()
@@ -105,9 +113,8 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
     for group, members in groups.items():
         first = next(iter(members.values()))
         if isa not in MEASURED_ON and not isinstance(first, SuperBlocks):
-            out[group] = Verdict(group, group.startswith("head"),
-                                 f"memra block kernel, {path}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
-                                 if group.startswith("head") else "")
+            on_blocks = group.startswith("head") or interleaved_4_bit(members)
+            out[group] = Verdict(group, on_blocks, _measured_once(path, _in_sixteens(members)) if on_blocks else "")
             continue
         shapes = Counter((tuple(b.shape), type(b).__name__) for b in members.values())
         key = f"{block_gemv.library().name} {group} {sorted(shapes.items())} {dtype} threads {torch.get_num_threads()}"
@@ -124,6 +131,25 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
     return out
 
 
+def interleaved_4_bit(members: dict[str, Blocks]) -> bool:
+    """Whether a group runs as the kernel's interleaved Q4_1 blocks: 4-bit blocks (Q4_0, Q4_1), every
+    layer's rows in sixteens, on a kernel build that interleaves (AVX512)."""
+    return all(isinstance(b, Int4Blocks) for b in members.values()) and _in_sixteens(members)
+
+
+def _in_sixteens(members: dict[str, Blocks]) -> bool:
+    """Whether BlockLinear.from_blocks lays every member out interleaved: its rows in sixteens, on a
+    kernel build that interleaves (AVX512)."""
+    return block_gemv.interleaves() and all(b.shape[0] % 16 == 0 and block_linear.kind_of(b) in block_linear.INTERLEAVED
+                                            for b in members.values())
+
+
+def _measured_once(path: str, interleaved: bool) -> str:
+    """The reason of a group put on memra's kernel by the offline measurement."""
+    layout = ", 16 rows interleaved" if interleaved else ""
+    return f"memra block kernel, {path}{layout}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
+
+
 def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dtype: torch.dtype,
              timer: Timer) -> tuple[float, float]:
     """(block kernel, other kernel) seconds a token for the group: one layer per shape, times its count."""
@@ -138,7 +164,7 @@ def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dt
             blocks = _rows(blocks, HEAD_ROWS)
         n, k = blocks.shape
         linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
-        on_blocks = BlockLinear.from_blocks(linear, blocks)
+        on_blocks = BlockLinear.from_blocks(linear, blocks, block_gemv.interleaves())
         on_int4 = _other(blocks, linear, dtype)
         x = torch.randn(1, 1, k, dtype=dtype)  # [1, 1, K]: one token
         with torch.no_grad():

@@ -15,7 +15,11 @@ under a second) and a model built on the meta device (no weights, no memory):
 
 Refused here, with the reason: architectures transformers' GGUF loader does not read, and the
 Mamba-1 family (Mamba, FalconMamba, Jamba), whose multi-token forward ignores cached recurrent
-state in transformers 5.x, so chunked prefill and resumed turns would be silently wrong.
+state in transformers 5.x, so chunked prefill and resumed turns would be silently wrong; and a
+Gemma 4 GGUF whose layout keys (layer pattern, KV-shared layers, per-layer input width, sliding
+head dim, rope bases, final soft-cap) differ from the defaults transformers' loader assumes for
+them, since it reads none of them (`gemma4_layout_lost`): such a model would fail to load on
+mismatched shapes or, where the shapes agree, load as another model.
 """
 
 from __future__ import annotations
@@ -42,6 +46,18 @@ _RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_os
 _TEXT_ONLY = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}  # GGUFs hold the text backbone only
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 _EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight")  # a mixture's 3-D expert tensors
+# Gemma 4's layout keys that transformers' GGUF loader (5.24) does not read: (llama.cpp's key,
+# what the config it builds has instead, in the key's terms).
+_GEMMA4_LAYOUT = (
+    ("attention.sliding_window_pattern", lambda c: [kind == "sliding_attention" for kind in c.layer_types]),
+    ("attention.shared_kv_layers", lambda c: c.num_kv_shared_layers),
+    ("embedding_length_per_layer_input", lambda c: c.hidden_size_per_layer_input),
+    ("attention.key_length_swa", lambda c: c.per_layer_config[c.layer_types.index("sliding_attention")].head_dim
+     if "sliding_attention" in c.layer_types else None),
+    ("rope.freq_base", lambda c: c.rope_parameters["full_attention"]["rope_theta"]),
+    ("rope.freq_base_swa", lambda c: c.rope_parameters["sliding_attention"]["rope_theta"]),
+    ("final_logit_softcapping", lambda c: c.final_logit_softcapping),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +120,11 @@ def inspect_gguf(path: Path, requested_context: int, dtype: torch.dtype) -> Pref
                                f"transformers can build: {exc}") from exc
     step = steps.describe(model, served.num_tokens)
     kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-    kv_heads, head_dim = steps.kv_shape(config)
-    attention_layers = sum(kind in _ATTENTION_KINDS for kind in kinds)
     window_layers = kinds.count("sliding_attention")
     return Preflight(
         path=path, architecture=header.architecture, model_class=type(model).__name__, step=step,
         quants=quants_by_kind(header), context=served,
-        kv_bytes_per_token=attention_layers * 2 * kv_heads * head_dim * dtype.itemsize,
+        kv_bytes_per_token=sum(2 * heads * dim for heads, dim in steps.kv_row_shapes(config)) * dtype.itemsize,
         dtype=str(dtype).removeprefix("torch."), window_layers=window_layers,
         window_tokens=getattr(config, "sliding_window", None) if window_layers else None,
         expert_bytes=expert_bytes(header, config, dtype))
@@ -183,9 +197,34 @@ def gguf_config(header: GGUFHeader, path: Path) -> Any:
     model_type = _TEXT_ONLY.get(values.get("model_type", name), values.get("model_type", name))
     values["model_type"] = model_type
     try:
-        return CONFIG_MAPPING[model_type].from_dict(values)
+        config = CONFIG_MAPPING[model_type].from_dict(values)
     except (KeyError, ValueError, TypeError) as exc:
         raise ModelUnavailable(f"{path}: transformers cannot make a {model_type} config of its header: {exc}") from exc
+    lost = gemma4_layout_lost(header, config) if model_type == "gemma4_text" else []
+    if lost:
+        raise ModelUnavailable(
+            f"{path} is a gemma4 GGUF whose layout transformers' GGUF loader does not read, so it would build "
+            f"another model: {'; '.join(lost)}")
+    return config
+
+
+def gemma4_layout_lost(header: GGUFHeader, config: Any) -> list[str]:
+    """Each Gemma 4 layout key of `header` whose value differs from what the config transformers'
+    loader builds has (`_GEMMA4_LAYOUT`; and the per-layer embedding's rows), as "key: the GGUF's
+    X, transformers' Y"; empty where the GGUF's layout is transformers' defaults."""
+    arch, lost = header.architecture, []
+    for key, built in _GEMMA4_LAYOUT:
+        value = header.fields.get(f"{arch}.{key}")
+        if value is None:
+            continue
+        value = [bool(v) for v in value] if isinstance(value, (list, tuple)) else value
+        theirs = built(config)
+        if value != theirs and not (isinstance(value, float) and theirs is not None and abs(value - theirs) < 1e-3):
+            lost.append(f"{key}: the GGUF's {value}, transformers' {theirs}")
+    rows = next((t.shape[-1] for t in header.tensors if t.name == "per_layer_token_embd.weight"), None)
+    if rows is not None and rows != config.vocab_size_per_layer_input:
+        lost.append(f"per_layer_token_embd rows: the GGUF's {rows}, transformers' {config.vocab_size_per_layer_input}")
+    return lost
 
 
 def gpt_oss_fields(header: GGUFHeader) -> dict[str, Any]:

@@ -384,7 +384,8 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
     # The blocks memra's kernel runs as shipped, where it runs and wins (memrad.engine.model.kernel_choice:
-    # on AVX512 the Q8_0 head, measured once, and the k-quants measured here; on AVX2 each group
+    # on AVX512 the Q8_0 head and the 4-bit layers (interleaved), measured once, and the k-quants
+    # measured here; on AVX2 each group
     # measured here), else torch's int4 kernel (Q5_K, Q6_K: dense).
     verdicts, groups = _block_plan(model, folder, modules)
     on_blocks = {name: blocks for group, members in groups.items() if verdicts[group].blocks
@@ -399,7 +400,7 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
     if built:
         _save_packed(folder, device, kernel_dtype, packed, stamp)
     for name, blocks in on_blocks.items():  # packing them takes a second: not kept in the packed file
-        _set_module(model, name, BlockLinear.from_blocks(modules[name], blocks))
+        _set_module(model, name, BlockLinear.from_blocks(modules[name], blocks, block_gemv.interleaves()))
     as_blocks = len(on_blocks)
     head = head_format(model)
     if head == "float":  # a warning where a pull would change that
@@ -430,8 +431,10 @@ def _block_plan(model: Any, folder: Path, modules: dict[str, torch.nn.Module]
     int8 = load_q8_cache(folder)
     if block_gemv.capability() in kernel_choice.MEASURED_ON:
         candidates = {**load_int4_cache(folder), **int8}
-    else:  # measured offline: of the shipped int4 and int8 blocks only the head runs on the kernel
+    else:  # measured offline: of the shipped blocks the head and, interleaved, the 4-bit layers run on the kernel
         candidates = {head_name: int8[head_name]} if head_name in int8 else {}
+        if block_gemv.interleaves():
+            candidates.update(load_int4_cache(folder))
     candidates.update(load_super_cache(folder))
     groups = kernel_choice.packable_groups(candidates, load_kinds(folder), head_name,
                                            lambda name, blocks: _fits(modules.get(name), blocks,

@@ -13,7 +13,7 @@ the planner sees disk sessions beside memory ones; a chosen one is loaded then.
 Files are written to a temp name, fsynced and renamed, and the directory is fsynced after
 the rename (memrad.durable), so a crash or a power cut leaves a whole file or none (a stray
 temp file is deleted at the next start). A file whose compatibility key (the model,
-tokenizer, dtype, rope, device, chunk and mode it was made under: `state_format`) differs
+tokenizer, dtype, rope, kernels, device, chunk and mode it was made under: `state_format`) differs
 from the running engine's is kept for that engine; one that cannot be parsed (truncated),
 fails a check or whose checksum fails on load is never loaded: it is set aside as
 `<name>.bad`, logged with its name and why, and the start goes on (memrad.engine.state.sessionfile). The tier's records live in a
@@ -42,6 +42,7 @@ import torch
 import xxhash
 
 from memrad.engine.model.context import rope_key
+from memrad.engine.model.formats import kernels
 from memrad.engine.state.kv import SlabLayer
 from memrad.engine.state.recurrent import HybridSlabLayer
 from memrad.engine.threads import pin_to_one
@@ -76,6 +77,8 @@ def state_format(loaded: Any, prefill_chunk: int, mode: str) -> dict[str, str]:
     return {"model": loaded.model_id, "tokenizer": tokenizer_hash(loaded.tokenizer),
             "dtype": loaded.dtype_name, "weights": loaded.weights_name,
             "head": loaded.head,
+            # fast mode parks decoded KV: torch's int4 kernel and memra's blocks (plain or interleaved) round apart
+            "kernels": kernels(loaded.model, loaded.tensors.value),
             "rope": rope_key(loaded.model.config),  # a scaled context rotates every row differently
             "attention": loaded.attention.value,  # memra's prefill kernel and SDPA round differently
             "products": loaded.products.choice.value,  # sliced (any count) or torch's (memrad.engine.model.products)

@@ -5,16 +5,18 @@
     DynamicSlidingWindowLayer            -> WindowLayer      (memrad.engine.state.window)
     LinearAttentionLayer                 -> RecurrentLayer   (memrad.engine.state.recurrent)
     LinearAttentionAndFullAttentionLayer -> HybridSlabLayer  (memrad.engine.state.recurrent)
+    DummyLayer (a KV-shared layer)       -> SharedLayer      (memrad.engine.state.shared)
     anything else                        -> kept as it is (the decode step then does not run on it)
 """
 
 from __future__ import annotations
 
-from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer,
-                                      LinearAttentionLayer)
+from transformers.cache_utils import (DummyLayer, DynamicLayer, DynamicSlidingWindowLayer,
+                                      LinearAttentionAndFullAttentionLayer, LinearAttentionLayer)
 
 from memrad.engine.state.kv import SlabLayer
 from memrad.engine.state.recurrent import HybridSlabLayer, RecurrentLayer
+from memrad.engine.state.shared import SharedLayer
 from memrad.engine.state.window import WindowLayer
 
 
@@ -30,6 +32,8 @@ def install(cache, capacity: int):
             return RecurrentLayer(layer.number_of_states)
         if type(layer) is LinearAttentionAndFullAttentionLayer:
             return HybridSlabLayer(capacity, layer.number_of_states)
+        if type(layer) is DummyLayer:
+            return SharedLayer()
         return layer
 
     cache.layers = [in_place(layer) for layer in cache.layers]

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from memrad.engine.state.kv import SlabLayer, resident_bytes
+from memrad.engine.state.shared import SharedLayer
 from memrad.engine.state.window import WindowLayer
 
 RECENT_BOUNDARIES = 4  # the newest boundary checkpoints kept at full density
@@ -47,7 +48,7 @@ def is_croppable(cache: Any) -> bool:
     """True when every layer is plain full attention (or holds nothing)."""
     from transformers.cache_utils import DummyLayer, DynamicLayer
 
-    return all(type(layer) in (DynamicLayer, SlabLayer, DummyLayer) for layer in cache.layers)
+    return all(type(layer) in (DynamicLayer, SlabLayer, DummyLayer, SharedLayer) for layer in cache.layers)
 
 
 def _copy_layer(layer: Any) -> Any:

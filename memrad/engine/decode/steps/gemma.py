@@ -46,23 +46,30 @@ from memrad.engine.decode.steps.llama import _Layer, attend, rope
 
 _GEMMA = ("Gemma3ForCausalLM",)
 _LAYER_KINDS = ("sliding_attention", "full_attention")
+_STATIC_ROPE = ("default", "linear")
 _STEP_IDS = itertools.count()
 
 
 def support(model: nn.Module, context_len: int) -> str | None:
     """None if the Gemma step computes `model`'s decode, else why not; a model that is not
     Gemma 3 gets None from `is_gemma` and is not asked."""
+    why_not = kinds_and_ropes(model, _STATIC_ROPE)
+    if why_not is None and getattr(model.config, "use_bidirectional_attention", False):
+        return f"{type(model).__name__} attends bidirectionally"
+    return why_not
+
+
+def kinds_and_ropes(model: nn.Module, ropes: tuple[str, ...]) -> str | None:
+    """Why a step of sliding-window and full-attention layers, each kind with its own rope
+    (transformers' per-kind rotary module), cannot run `model`, or None where it can: a layer
+    of another kind, or a kind's rope outside `ropes` (their tables fixed at any length)."""
     name = type(model).__name__
-    config = model.config
-    kinds = set(getattr(config, "layer_types", None) or ())
+    kinds = set(getattr(model.config, "layer_types", None) or ())
     if not kinds <= set(_LAYER_KINDS):
         return f"{name} has layers of kinds {sorted(kinds - set(_LAYER_KINDS))}"
-    rotary = model.model.rotary_emb
-    dynamic = {kind: rope for kind, rope in rotary.rope_type.items() if rope not in ("default", "linear")}
+    dynamic = {kind: rope for kind, rope in model.model.rotary_emb.rope_type.items() if rope not in ropes}
     if dynamic:
         return f"{name} uses {sorted(dynamic.values())} rope, whose frequencies depend on the sequence length"
-    if getattr(config, "use_bidirectional_attention", False):
-        return f"{name} attends bidirectionally"
     return None
 
 
@@ -113,10 +120,15 @@ class _GemmaLayer(_Layer):
         gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
         return x + self.post_ff_norm(self.down_proj(self.act(gate) * up))
 
+    def write_row(self, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
+                  value_rows: torch.Tensor) -> None:
+        """Write one row's k, v [1, H_kv, 1, D] into this layer's slab or window view (`write_row`)."""
+        write_row(position, k, v, key_rows, value_rows, self.window)
+
     def attend_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, length: int,
                    key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
         """One row's attention: q [H, D] over its own rows once its k, v are written: [1, H_kv, G, D]."""
-        write_row(position, k, v, key_rows, value_rows, self.window)
+        self.write_row(position, k, v, key_rows, value_rows)
         q = q.view(1, self.kv_heads, self.heads // self.kv_heads, self.head_dim)  # a KV head's G query heads as rows
         if self.window is None:
             return attend(q, key_rows, value_rows, length, self.scale, kernel)
@@ -144,16 +156,7 @@ class GemmaStep(nn.Module):
         self.layers = nn.ModuleList(
             _GemmaLayer(layer, heads, kv_heads, head_dim, config.sliding_window if kind == "sliding_attention" else None)
             for layer, kind in zip(body.layers, kinds))
-        self.sliding = tuple(kind == "sliding_attention" for kind in kinds)
-        rotary = body.rotary_emb
-        # Inverse frequencies [D/2] and scaling per layer kind, as transformers' rotary module holds them.
-        self.register_buffer("global_inv_freq", rotary.full_attention_inv_freq.detach().clone().float()
-                             if "full_attention" in rotary.rope_type else torch.zeros(head_dim // 2), persistent=False)
-        self.register_buffer("local_inv_freq", rotary.sliding_attention_inv_freq.detach().clone().float()
-                             if "sliding_attention" in rotary.rope_type else torch.zeros(head_dim // 2), persistent=False)
-        self.global_scaling = float(getattr(rotary, "full_attention_attention_scaling", 1.0))
-        self.local_scaling = float(getattr(rotary, "sliding_attention_attention_scaling", 1.0))
-        self.dtype = next(model.parameters()).dtype
+        register_kind_ropes(self, model, kinds, head_dim, head_dim)
 
     def _angles(self, inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,12 +186,31 @@ class GemmaStep(nn.Module):
         x = self.embed(tokens).view(batch, 1, -1)  # [B, 1, hidden]
         for index, (layer, (cos, sin)) in enumerate(zip(self.layers, self.angles(positions))):
             x = layer(x, cos, sin, positions, lengths, [k[index] for k in keys], [v[index] for v in values], kernel)
-        logits = self.head(self.norm(x)).view(batch, -1)  # [B, V]
-        if batch == 1:
-            return soft_cap(logits, self.final_softcap)
-        # Capped row by row: an elementwise op runs its last few elements on another code path
-        # (scalar tanh), so a row capped inside [B, V] would not be the one-row step's bits.
-        return torch.cat([soft_cap(logits[r : r + 1], self.final_softcap) for r in range(batch)])
+        return capped_rows(self.head(self.norm(x)).view(batch, -1), self.final_softcap)  # [B, V]
+
+
+def register_kind_ropes(step: nn.Module, model: nn.Module, kinds: list[str], local_dim: int, global_dim: int) -> None:
+    """Give `step` what `GemmaStep.angles` reads: each layer kind's inverse frequencies [D/2]
+    and scaling, as transformers' rotary module holds them (D: that kind's head dim), and
+    which of the layers (`kinds`, in order) slide."""
+    rotary = model.model.rotary_emb
+    step.register_buffer("global_inv_freq", rotary.full_attention_inv_freq.detach().clone().float()
+                         if "full_attention" in rotary.rope_type else torch.zeros(global_dim // 2), persistent=False)
+    step.register_buffer("local_inv_freq", rotary.sliding_attention_inv_freq.detach().clone().float()
+                         if "sliding_attention" in rotary.rope_type else torch.zeros(local_dim // 2), persistent=False)
+    step.global_scaling = float(getattr(rotary, "full_attention_attention_scaling", 1.0))
+    step.local_scaling = float(getattr(rotary, "sliding_attention_attention_scaling", 1.0))
+    step.sliding = tuple(kind == "sliding_attention" for kind in kinds)
+    step.dtype = next(model.parameters()).dtype
+
+
+def capped_rows(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Logits [B, V] soft-capped. Row by row: an elementwise op runs its last few elements on
+    another code path (scalar tanh), so a row capped inside [B, V] would not be the one-row
+    step's bits."""
+    if logits.shape[0] == 1:
+        return soft_cap(logits, cap)
+    return torch.cat([soft_cap(logits[r : r + 1], cap) for r in range(logits.shape[0])])
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

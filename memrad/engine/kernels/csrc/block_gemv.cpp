@@ -14,10 +14,10 @@
 // torch's int4 kernel can run Q8_0 / Q5_0 only as two 4-bit passes (hi|lo: 10 bits a weight with
 // its bf16 scales, where the blocks are 8.5 and 5.5), and runs Q4_1 with d and m rounded to bf16.
 // This kernel reads the blocks llama.cpp reads and multiplies the shipped weights exactly (fp16
-// d, m are exact in float32). Q4_1 is measured, not used: torch's int4 kernel, its codes laid out
-// across output rows, costs less per activation row than these row-major blocks do (two FMAs per
-// 32 weights against multiply-adds, a conversion and a block scale; docs/BENCHMARKS.md, issue 22
-// session 10). With AVX512 the activation is rounded to int16 per block of 32 (2^-16 of the
+// d, m are exact in float32). Row-major Q4_1 blocks lost to torch's int4 kernel, its codes laid
+// out across output rows (docs/BENCHMARKS.md, issue 22 session 10); the interleaved kinds (40, 80,
+// below: 16 rows' blocks side by side, laid out once at load) beat it on AVX512 at one row and
+// cost a row past the first 0.1-0.15x of one (memrad bench rows, issue 34). With AVX512 the activation is rounded to int16 per block of 32 (2^-16 of the
 // block's largest |x|: see `quantize`), so a block is one int16 x int16 multiply-add (exact) and
 // one float32 scale; a float32 product per weight needed twice the instructions and ran no
 // faster than hi|lo. Q4_1's min term is m * sum_j x_j = m * sx * (sum_j x16_j): the int sum is
@@ -103,6 +103,7 @@ constexpr int64_t halves() { return KIND == Q6_K ? 2 : 1; }
 
 // Bytes per 32 weights (per 256 for the k-quants) of the op's kind: what `blocks` must hold per row.
 inline int64_t row_bytes(int64_t kind, int64_t K) {
+  if (kind == 40 || kind == 80) return K / GROUP * bytes_of(kind / 10);  // the plain kind's bytes, interleaved
   if (kind == Q4_K || kind == Q5_K || kind == Q6_K)
     return K / SUPER * (kind == Q4_K ? super_bytes<Q4_K>() : kind == Q5_K ? super_bytes<Q5_K>() : super_bytes<Q6_K>());
   return K / GROUP * bytes_of(kind);
@@ -582,6 +583,127 @@ void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   });
 }
 
+// The interleaved kinds (`pack(..., interleave=True)`, made once at load): 16 output rows'
+// blocks b side by side, so that a vector's 16 int32 lanes are 16 outputs and a row's block is
+// summed in its lane, with no horizontal sum and no per-row decode: a block's codes are widened
+// once for all the activation rows, and each row then costs 16 multiply-adds a block for 16
+// outputs (llama.cpp's ggml-cpu repack kernels, column-interleaved the same way).
+//
+//   kind 40, Q4_1 x16 (320 B per 16 rows and block): | d fp16 [16] | m fp16 [16] | qs[256] |
+//     qs[32 j + 2 c + e]: low nibble q_{2j+e}, high nibble q_{2(j+8)+e} of row c (j < 8, e < 2)
+//   kind 80, Q8_0 x16 (544 B per 16 rows and block): | d fp16 [16] | qs[512] int8 |
+//     qs[32 p + 2 c + e] = q_{2p+e} of row c (p < 16)
+//
+// blocks [N, K/32 * 20 or 34] as the plain kinds (N a multiple of 16): group g of 16 rows is
+// rows 16 g .. 16 g + 15, its blocks one after another, so rows cut at a multiple of 16 (a fused
+// projection's parts) are the parts' own blocks. Per output, activation row and block: the 32
+// products summed exactly in int32 (at most 32 * 128 * 32767 < 2^31), rounded once to float32,
+// scaled by d * sx into the output's accumulator, then (Q4_1) += m * sx * sum_j x16_j: one
+// fixed sequence per output whatever M, its neighbours or the thread count.
+template <int KIND>
+constexpr int64_t x16_bytes() { return KIND == 40 ? 320 : 544; }
+
+template <bool VNNI>
+inline __m512i dot_pair(__m512i acc, __m512i codes, __m512i x) {
+  if constexpr (VNNI) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(codes), "v"(x));
+    return acc;
+  } else {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(codes, x));
+  }
+}
+
+// One group's 16 outputs for MC activation rows from x16 (row length K); out [MC][16].
+template <int KIND, int MC, bool VNNI>
+inline void x16_dot(const uint8_t* group, int64_t nb, const int16_t* x16, int64_t K, const float* sx,
+                    const float* sums, int64_t nb_pad, float* out) {
+  __m512 acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = group + b * x16_bytes<KIND>();
+    __m512i c[16];  // c[p]: lane l holds rows l's codes 2p, 2p + 1 as int16
+    if constexpr (KIND == 40) {
+      const __m512i nibble = _mm512_set1_epi16(15);
+      for (int j = 0; j < 8; ++j) {
+        const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 + 32 * j)));
+        c[j] = _mm512_and_si512(q, nibble);
+        c[j + 8] = _mm512_srli_epi16(q, 4);
+      }
+    } else {
+      for (int p = 0; p < 16; ++p)
+        c[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 + 32 * p)));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+    for (int m = 0; m < MC; ++m) {
+      const int16_t* xb = x16 + m * K + b * GROUP;
+      __m512i s = _mm512_setzero_si512();
+      for (int p = 0; p < 16; ++p) {
+        int32_t pair;
+        std::memcpy(&pair, xb + 2 * p, 4);
+        s = dot_pair<VNNI>(s, c[p], _mm512_set1_epi32(pair));
+      }
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(sx[m * nb_pad + b])), _mm512_cvtepi32_ps(s), acc[m]);
+      if constexpr (KIND == 40)
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32))),
+                                 _mm512_set1_ps(sums[m * nb_pad + b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * 16, acc[m]);
+}
+
+constexpr int64_t XROWS16 = 8;  // activation rows a group's codes are widened once for (16 codes + 8 accumulators)
+
+template <int KIND, bool VNNI>
+inline void x16_rows(const uint8_t* group, int64_t nb, const Activation& a, int64_t m0, int64_t mc, int64_t K,
+                     int64_t nb_pad, float* y) {
+  const int16_t* x16 = a.x16.data() + m0 * K;
+  const float* sx = a.sx.data() + m0 * nb_pad;
+  const float* sums = a.sums.data() + m0 * nb_pad;
+  switch (mc) {
+    case 1: x16_dot<KIND, 1, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 2: x16_dot<KIND, 2, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 3: x16_dot<KIND, 3, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 4: x16_dot<KIND, 4, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 5: x16_dot<KIND, 5, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 6: x16_dot<KIND, 6, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 7: x16_dot<KIND, 7, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    default: x16_dot<KIND, 8, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+  }
+}
+
+template <int KIND, bool VNNI, typename T>
+void x16_gemv_with(const Activation& a, int64_t M, int64_t K, int64_t N, const uint8_t* bp, int64_t nb_pad, T* op) {
+  const int64_t nb = K / GROUP, groups = N / 16, per_tile = TILE / 16;
+  at::parallel_for(0, (groups + per_tile - 1) / per_tile, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float y[XROWS16 * 16];
+    for (int64_t g = first * per_tile; g < std::min(groups, last * per_tile); ++g) {
+      const uint8_t* group = bp + g * nb * x16_bytes<KIND>();
+      for (int64_t m0 = 0; m0 < M; m0 += XROWS16) {
+        const int64_t mc = std::min(XROWS16, M - m0);
+        x16_rows<KIND, VNNI>(group, nb, a, m0, mc, K, nb_pad, y);
+        for (int64_t m = 0; m < mc; ++m)
+          for (int64_t i = 0; i < 16; ++i) op[(m0 + m) * N + g * 16 + i] = static_cast<T>(y[m * 16 + i]);
+      }
+    }
+  });
+}
+
+template <int KIND, typename T>
+void x16_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), nb = K / GROUP;
+  const int64_t nb_pad = (nb + 15) / 16 * 16;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
+  const Activation a = quantize(xf.const_data_ptr<float>(), M, K, nb_pad);
+  const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
+  if (HAS_VNNI) {
+    x16_gemv_with<KIND, true>(a, M, K, N, bp, nb_pad, out.data_ptr<T>());
+  } else {
+    x16_gemv_with<KIND, false>(a, M, K, N, bp, nb_pad, out.data_ptr<T>());
+  }
+}
+
+constexpr bool INTERLEAVES = true;
+
 std::string path_name() { return HAS_VNNI ? "avx512 int16 avx512-vnni" : "avx512 int16"; }
 
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -876,6 +998,13 @@ void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
 }
 
 std::string path_name() { return HAS_AVX_VNNI ? "avx2 int16 avx-vnni" : "avx2 int16"; }
+
+template <int KIND, typename T>
+void x16_gemv(const at::Tensor&, const at::Tensor&, at::Tensor&) {
+  TORCH_CHECK(false, "the interleaved block kinds (40, 80) run on the AVX512 build only");
+}
+
+constexpr bool INTERLEAVES = false;
 #else
 
 template <int KIND>
@@ -990,11 +1119,20 @@ void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
 
 std::string path_name() { return "plain float32"; }
 
+template <int KIND, typename T>
+void x16_gemv(const at::Tensor&, const at::Tensor&, at::Tensor&) {
+  TORCH_CHECK(false, "the interleaved block kinds (40, 80) run on the AVX512 build only");
+}
+
+constexpr bool INTERLEAVES = false;
+
 #endif
 
 template <int KIND, typename T>
 void run(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
-  if constexpr (is_k<KIND>()) {
+  if constexpr (KIND == 40 || KIND == 80) {
+    x16_gemv<KIND, T>(x, blocks, out);
+  } else if constexpr (is_k<KIND>()) {
     k_gemv<KIND, T>(x, blocks, out);
   } else {
     gemv<KIND, T>(x, blocks, out);
@@ -1013,9 +1151,11 @@ void dispatch(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
 
 at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "block_gemv takes x [M, K] and blocks [N, K/32 * bytes]");
-  const bool k_quant = kind == Q4_K || kind == Q5_K || kind == Q6_K;
-  TORCH_CHECK(kind == 8 || kind == 5 || kind == 4 || k_quant,
-              "block_gemv kind is 8 (Q8_0), 5 (Q5_0), 4 (Q4_1), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)");
+  const bool k_quant = kind == Q4_K || kind == Q5_K || kind == Q6_K, interleaved = kind == 40 || kind == 80;
+  TORCH_CHECK(kind == 8 || kind == 5 || kind == 4 || k_quant || (interleaved && INTERLEAVES),
+              "block_gemv kind is 8 (Q8_0), 5 (Q5_0), 4 (Q4_1), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)",
+              INTERLEAVES ? "; 40 (Q4_1 x16) or 80 (Q8_0 x16)" : " (the interleaved kinds run on AVX512 only)");
+  TORCH_CHECK(!interleaved || blocks.size(0) % 16 == 0, "interleaved blocks come in groups of 16 rows");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.stride(1) == 1, "blocks must be uint8 rows");
   TORCH_CHECK(x.size(1) % (k_quant ? SUPER : GROUP) == 0, "K must be a multiple of 32 (of 256 for a k-quant)");
   TORCH_CHECK(blocks.size(1) == row_bytes(kind, x.size(1)), "blocks do not match K for this kind");
@@ -1024,6 +1164,8 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
     case 8: dispatch<8>(x, blocks, out); break;
     case 5: dispatch<5>(x, blocks, out); break;
     case 4: dispatch<4>(x, blocks, out); break;
+    case 40: dispatch<40>(x, blocks, out); break;
+    case 80: dispatch<80>(x, blocks, out); break;
     case Q4_K: dispatch<Q4_K>(x, blocks, out); break;
     case Q5_K: dispatch<Q5_K>(x, blocks, out); break;
     default: dispatch<Q6_K>(x, blocks, out); break;
@@ -1036,9 +1178,13 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
 // Which path this build runs: its ISA, the activation rounding and the dot instruction.
 std::string block_gemv_path() { return path_name(); }
 
+// Whether this build runs the interleaved kinds (40, 80): the AVX512 one.
+bool block_gemv_interleaves() { return INTERLEAVES; }
+
 TORCH_LIBRARY_FRAGMENT(memra, m) {
   m.def("block_gemv(Tensor x, Tensor blocks, int kind) -> Tensor");
   m.def("block_gemv_path() -> str", &block_gemv_path);
+  m.def("block_gemv_interleaves() -> bool", &block_gemv_interleaves);
 }
 
 TORCH_LIBRARY_IMPL(memra, CPU, m) { m.impl("block_gemv", block_gemv); }

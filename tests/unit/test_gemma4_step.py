@@ -1,0 +1,233 @@
+"""Gemma 4 (text: Gemma4ForCausalLM) on its decode step, on the tiny random Gemma 4 of tests/unit/tiny.py
+(per-layer inputs, the last two layers KV-shared, global layers of their own head dim with keys as
+values and proportional rope, windows of 8, final soft-cap).
+
+The step is named in `memrad status`; its cache keeps no rows for the KV-shared layers; in bf16 (float
+weights, and Q4_1 layers on the int4 kernel) and fp32 its logits and KV rows are transformers' forward's bit for bit (the forward attending one
+token with the step's layout, as tests/unit/test_experts.py says why) for 3W steps from a prompt
+already past the window (fp32 held to 1e-6, what the fused matmuls may move); dropping a part the
+forward has (the per-layer inputs, a KV-shared layer's producer) changes the bits; the batched
+step gives a row the same bits at any neighbours and alone, and the one-row step's, step after
+step past the window; an engine resumes turns bit-identically to their cold runs, eager and
+compiled (one-row and batched packages).
+"""
+
+import pytest
+import torch
+
+from memrad.engine.decode import decoder as decoder_module
+from memrad.engine.decode import steps
+from memrad.engine.decode.decoder import Decoder
+from memrad.engine.decode.package import PackagedStep
+from memrad.engine.decode.steps.gemma4 import Gemma4Step, producers
+from memrad.engine.engine import Engine, EngineOptions
+from memrad.engine.forward import decode_one_token, prefill
+from memrad.engine.model.loader import load_model
+from stories import make_engine
+from test_batching import rows_are_their_own
+from test_experts import with_the_steps_attention_layout
+from test_gemma_step import compiled_turns_equal_cold, rows_decode_their_own_bits
+from test_gguf_steps import turns_resume_as_cold
+from tiny import write_q4_folder
+
+WINDOW = 8  # tests/unit/tiny.py: build_gemma4
+PROMPT = list(range(5, 45))  # 40 tokens: past the window before the first step
+LAYERS = ["WindowLayer", "WindowLayer", "SlabLayer", "WindowLayer", "SharedLayer", "SharedLayer"]
+
+
+def fresh(tiny_dir, dtype="bfloat16"):
+    torch.set_num_threads(1)
+    return load_model(str(tiny_dir("gemma4")), device="cpu", dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def q4_gemma4_dir(tmp_path_factory):
+    """The tiny Gemma 4 as a GGUF's blocks: Q4_1 layers, a tied Q8_0 head (tiny.write_q4_folder)."""
+    return write_q4_folder(tmp_path_factory.mktemp("tiny-gemma4-q4"), "gemma4")
+
+
+def on_int4(folder):
+    torch.set_num_threads(1)
+    loaded = load_model(str(folder), device="cpu", dtype="bfloat16", weights="int4")
+    assert loaded.weights.value == "int4"
+    return loaded
+
+
+def test_the_gemma4_step_covers_it_and_says_so(tiny_dir):
+    loaded = fresh(tiny_dir)
+    reason = ("Gemma4ForCausalLM layers on one graph: 4 sliding-window, 2 full-attention; "
+              "the last 2 attend earlier layers' KV")
+    assert steps.describe(loaded.model, loaded.context_len) == steps.Choice("gemma4", reason)
+    engine = Engine(loaded, EngineOptions(16, 1))
+    assert engine.runtime_choices["step"] == {"value": "gemma4", "reason": reason}
+    step = engine.decoder.eager_step
+    assert isinstance(step, Gemma4Step) and steps.has_batched(step)
+    assert producers(loaded.model.config) == [0, 1, 2, 3, 3, 2]
+    assert [(layer.kv_heads, layer.head_dim, layer.window) for layer in step.layers] == [
+        (2, 16, 8), (2, 16, 8), (1, 32, None), (2, 16, 8), (2, 16, 8), (1, 32, None)]
+    assert steps.windows(step) == [8, 8, None, 8, None, None] and steps.slabs(step) == [2]
+    assert [type(layer).__name__ for layer in engine.new_cache().layers] == LAYERS
+
+
+def test_moe_bidirectional_and_all_shared_gemma4_have_no_step(tiny_dir):
+    loaded = fresh(tiny_dir)
+    loaded.model.config.enable_moe_block = True
+    assert steps.describe(loaded.model, loaded.context_len).reason == (
+        "Gemma4ForCausalLM has mixture-of-experts blocks beside its MLPs (enable_moe_block)")
+    loaded.model.config.enable_moe_block, loaded.model.config.use_bidirectional_attention = False, "all"
+    assert steps.support(loaded.model, loaded.context_len) == "Gemma4ForCausalLM attends bidirectionally"
+    loaded.model.config.use_bidirectional_attention, loaded.model.config.num_kv_shared_layers = None, 6
+    assert steps.support(loaded.model, loaded.context_len) == (
+        "Gemma4ForCausalLM reads every layer's keys and values from another model (num_kv_shared_layers = all)")
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("bfloat16", 0.0), ("float32", 1e-6), ("int4", 0.0)])
+def test_the_gemma4_step_decodes_transformers_bits_past_the_window(tiny_dir, q4_gemma4_dir, dtype, tolerance):
+    """bf16 and fp32 with float weights; "int4": bf16 on the int4 kernel (Q4_1 layers, the step's
+    fused projections against the forward's one by one)."""
+    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype)
+    feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
+    assert feed.step == "eager"
+    engine = Engine(loaded, EngineOptions(16, 1))
+    ours, theirs = engine.new_cache(), engine.new_cache()
+    a = prefill(loaded.model, ours, PROMPT, 0, 16)
+    b = prefill(loaded.model, theirs, PROMPT, 0, 16)
+    assert torch.equal(a, b)
+    with_the_steps_attention_layout(loaded.model)
+    for step in range(3 * WINDOW):  # the window's buffer (2W rows) moves
+        token = int(b.argmax())
+        a = feed(ours, token, len(PROMPT) + step)
+        b = decode_one_token(loaded.model, theirs, token, len(PROMPT) + step)
+        assert float((a - b).abs().max()) <= tolerance, (step, float((a - b).abs().max()))
+    assert ours.get_seq_length() == theirs.get_seq_length() == len(PROMPT) + 3 * WINDOW
+    for mine, forward in zip(ours.layers[:4], theirs.layers[:4]):  # the layers that keep rows
+        assert float((mine.keys - forward.keys).abs().max()) <= tolerance
+        assert float((mine.values - forward.values).abs().max()) <= tolerance
+    assert ours.layers[0].keys.shape[-2] == WINDOW - 1 and ours.layers[2].keys.shape[-2] == len(PROMPT) + 3 * WINDOW
+
+
+def test_the_step_needs_every_part_it_has(tiny_dir):
+    """The tiny config exercises what the step computes: without the per-layer inputs, or with a
+    KV-shared layer attending its own kind's other layer, the bits differ from the forward's."""
+    loaded = fresh(tiny_dir, "float32")
+    engine = Engine(loaded, EngineOptions(16, 1))
+    cache = engine.new_cache()
+    prefill(loaded.model, cache, PROMPT, 0, 16)
+    expected = decode_one_token(loaded.model, cache, 7, len(PROMPT))
+
+    def logits(change):
+        step = Gemma4Step(loaded.model, loaded.context_len)
+        change(step)
+        cache = engine.new_cache()
+        prefill(loaded.model, cache, PROMPT, 0, 16)
+        buffers = [layer.step_buffers(len(PROMPT)) for layer in cache.layers]
+        with torch.inference_mode():  # the slabs are inference tensors
+                return step.forward_rows(torch.tensor([7]), torch.tensor([len(PROMPT)]), [len(PROMPT) + 1],
+                                     [[k for k, _ in buffers]], [[v for _, v in buffers]], False)[0]
+
+    assert float((logits(lambda step: None) - expected).abs().max()) <= 1e-6
+    def without_per_layer_inputs(step):
+        for layer in step.layers:
+            layer.per_layer = False
+
+    assert not torch.allclose(logits(without_per_layer_inputs), expected, atol=1e-4)
+    assert not torch.allclose(logits(lambda step: setattr(step, "producers", [0, 1, 2, 3, 1, 2])), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int4"])
+def test_every_row_of_the_batched_gemma4_step_is_its_own_and_the_one_row_steps(tiny_dir, q4_gemma4_dir, dtype):
+    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype)
+    engine = make_engine(loaded, 16, max_batch=4)
+    assert engine.runtime_choices["batch"]["value"] == "batched, 4 rows"
+    first = rows_are_their_own(engine, loaded.model, 16)
+    if dtype != "float32":  # fp32 matmuls take another path at M = 1 (memrad.engine.decode.batch)
+        cache = engine.new_cache()
+        prefill(loaded.model, cache, list(range(5, 45)), 0, 16)
+        assert torch.equal(engine.decoder.feeder()(cache, 11, 40).float(), first)
+        rows_decode_their_own_bits(engine, loaded.model, WINDOW)
+
+
+def test_a_gemma4_engine_resumes_turns_bit_identical_to_cold(tiny_dir):
+    turns_resume_as_cold(make_engine(fresh(tiny_dir), 16, max_sessions=16, mode="exact"))
+
+
+@pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
+def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resumes_as_cold(tiny_dir):
+    """compile = on, max_batch 2: the one-row package (memra's kernel over the window views,
+    nothing handed for the KV-shared layers) decodes the eager step's logits within 1e-5 (fp32:
+    inductor fuses) from windows shorter than W to past it; in bf16 the batched package gives a
+    row the compiled one-row step's bits, and turns resume as cold."""
+    loaded = fresh(tiny_dir, "float32")
+    eager = Decoder(loaded.model, loaded.context_len, loaded.device, "off").feeder()
+    compiled = Decoder(loaded.model, loaded.context_len, loaded.device, "on")
+    compiled.start()
+    assert compiled.choice.value == "compiled", compiled.choice.reason
+    assert isinstance(compiled.step, PackagedStep) and list(compiled.step.runners) == ["kernel"]
+    feed = compiled.feeder()
+    engine = Engine(loaded, EngineOptions(16, 1))
+    ours, theirs = engine.new_cache(), engine.new_cache()
+    prefill(loaded.model, ours, PROMPT[:2], 0, 16)
+    b = prefill(loaded.model, theirs, PROMPT[:2], 0, 16)
+    for step in range(4 * WINDOW):
+        token = int(b.argmax())
+        a, b = feed(ours, token, 2 + step), eager(theirs, token, 2 + step)
+        assert float((a - b).abs().max()) <= 1e-5, (step, float((a - b).abs().max()))
+    engine = make_engine(fresh(tiny_dir), 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
+    engine.decoder.start()
+    assert engine.decoder.batch_choice.value == "compiled", engine.decoder.batch_choice.reason
+    batched = engine.decoder.batch_step(2)
+    assert batched.compiled and batched.alone is not None  # the compiled one-row step's bits, checked
+    compiled_turns_equal_cold(engine)
+
+
+# -- from a GGUF: transformers 5.24's loader reads a gemma4 header without its layout keys --
+
+@pytest.fixture(scope="module")
+def gemma4_gguf(tmp_path_factory):
+    from tiny import build_gemma4, build_tokenizer
+    from tiny_gguf import write_gemma4_gguf
+
+    tokenizer = build_tokenizer()
+    return write_gemma4_gguf(tmp_path_factory.mktemp("tiny-gemma4-gguf") / "tiny-gemma4.gguf",
+                             build_gemma4(len(tokenizer)), tokenizer)
+
+
+def test_transformers_gguf_loader_reads_gemma4_without_its_layout(gemma4_gguf):
+    """What blocks a Gemma 4 GGUF on memra's path (transformers' from_pretrained with gguf_file):
+    its config mapping (transformers.integrations.ggml, "gemma4") reads the widths and head counts
+    but none of llama.cpp's layout keys, so the config keeps its defaults (a 5:1 layer pattern, no
+    KV-shared layers, per-layer inputs of 256 over 262,144 tokens, sliding head dim 256, rope bases
+    10k / 1M, no final soft-cap), and the weights then do not fit it. When this starts failing,
+    transformers reads them: the tiny GGUF can then load and run the Gemma 4 step."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(gemma4_gguf.parent), gguf_file=gemma4_gguf.name)
+    assert type(config).__name__ == "Gemma4TextConfig"
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (config.num_kv_shared_layers, config.hidden_size_per_layer_input, config.vocab_size_per_layer_input,
+            config.final_logit_softcapping) == (0, 256, 262_144, None)
+    assert config.per_layer_config[0].head_dim == 256 and config.per_layer_config[5].head_dim == 32
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        AutoModelForCausalLM.from_pretrained(str(gemma4_gguf.parent), gguf_file=gemma4_gguf.name)
+
+
+def test_memrad_refuses_such_a_gemma4_gguf_before_the_wait_and_says_why(gemma4_gguf, tmp_path, monkeypatch):
+    from memrad.engine.model.preflight import inspect_gguf
+    from memrad.engine.model.pull import ModelUnavailable
+
+    with pytest.raises(ModelUnavailable) as refused:
+        inspect_gguf(gemma4_gguf, 0, torch.bfloat16)
+    said = str(refused.value)
+    assert "gemma4 GGUF whose layout transformers' GGUF loader does not read" in said
+    for lost in ("attention.sliding_window_pattern: the GGUF's [True, True, False, True, True, False], "
+                 "transformers' [True, True, True, True, True, False]",
+                 "attention.shared_kv_layers: the GGUF's 2, transformers' 0",
+                 "embedding_length_per_layer_input: the GGUF's 8, transformers' 256",
+                 "attention.key_length_swa: the GGUF's 16, transformers' 256",
+                 "final_logit_softcapping: the GGUF's 30.0, transformers' None",
+                 "per_layer_token_embd rows: the GGUF's"):
+        assert lost in said, said
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ModelUnavailable, match="transformers cannot load"):  # the load itself, were it asked
+        load_model(str(gemma4_gguf), device="cpu", dtype="bfloat16", progress=lambda _: None)
