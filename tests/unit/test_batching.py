@@ -55,6 +55,23 @@ def engine_with_parked(tiny_loaded, **flags):
     return engine
 
 
+def in_flight_together_as_alone(loaded) -> None:
+    """Four requests, two resumed from parked sessions, decoding on the batched step together:
+    each one's tokens, first logits and every step's scores are as when it runs alone."""
+    engine = engine_with_parked(loaded)
+    together = run_together(engine, second_turns(engine))
+    assert {rid for rid, (c, _, _) in together.items() if c.decision.outcome == "resumed"} == {"a-2", "b-2"}
+    for index in range(4):
+        by_itself = engine_with_parked(loaded)
+        request = second_turns(by_itself)[index]
+        completion, state, scores = run_together(by_itself, [request])[request.request_id]
+        their_completion, their_state, their_scores = together[request.request_id]
+        assert state.generated_ids == their_state.generated_ids and len(state.generated_ids) > 1
+        assert completion.cached_tokens == their_completion.cached_tokens
+        assert torch.equal(state.prompt_logits, their_state.prompt_logits)
+        assert torch.equal(scores, their_scores), request.request_id  # every decode step's logits
+
+
 def second_turns(engine):
     """Four requests: two resume turn 1 of "a" / "b", two are fresh prompts of other lengths."""
     return [request(engine, conversation("a", 2)[:-1], "a-2"),

@@ -81,7 +81,7 @@ def test_models_the_step_does_not_cover_keep_transformers_forward_and_say_why(ti
     assert reason == ("Starcoder2ForCausalLM has no decode step (the steps cover LlamaForCausalLM, MistralForCausalLM, "
                       "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, "
                       "Gemma3ForCausalLM, Gemma4ForCausalLM, "
-                      "Qwen3NextForCausalLM, FalconH1ForCausalLM, Lfm2ForCausalLM)")
+                      "Qwen3NextForCausalLM, FalconH1ForCausalLM, Lfm2ForCausalLM, GptOssForCausalLM)")
     chosen = Decoder(dense.model, dense.context_len, dense.device, "auto")
     assert (chosen.choice.value, chosen.choice.reason) == ("transformers", reason)
     assert Engine(dense, EngineOptions(16, 1)).runtime_choices["step"] == {"value": "none", "reason": reason}

@@ -14,15 +14,16 @@ SYSTEM = "You are a helpful coding assistant. Read the file, then answer. " * 3
 
 
 def make_engine(loaded, kind, directory, max_sessions=8, disk_bytes=10**9):
-    """A fresh engine (a restarted daemon) whose disk tier indexes `directory`."""
-    disk = DiskTier(directory, disk_bytes, state_format(loaded[kind], CHUNK, "exact"))
+    """A fresh engine (a restarted daemon) whose disk tier indexes `directory`, told the ropes the
+    model runs as memrad.engine.build tells it (gpt-oss ships YaRN as its native rope)."""
+    disk = DiskTier(directory, disk_bytes, state_format(loaded[kind], CHUNK, "exact"), loaded[kind].rope_keys)
     return stories.make_engine(loaded[kind], CHUNK, max_sessions=max_sessions, disk=disk, mode="exact")
 
 
 ask = functools.partial(stories.ask, max_tokens=5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3", "gemma4", "qwen3_next", "falcon_h1", "lfm2"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "gemma4", "qwen3_next", "falcon_h1", "lfm2", "gpt_oss"])
 def test_a_restart_resumes_from_disk_bit_identically(loaded, kind, tmp_path):
     before = make_engine(loaded, kind, tmp_path)
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "list files"}]
@@ -105,7 +106,7 @@ def test_a_fork_from_disk_leaves_the_file_in_place(loaded, tmp_path):
     assert dataclasses.replace(after.parking.disk.pool.get("s1"), last_used_at=0.0).on_disk
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3", "gemma4", "qwen3_next", "falcon_h1", "lfm2"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "gemma4", "qwen3_next", "falcon_h1", "lfm2", "gpt_oss"])
 def test_every_cache_layer_kind_spills_at_stop_and_reloads_bit_exact(loaded, kind, tmp_path):
     """Dense (SlabLayer), sliding window (DynamicSlidingWindowLayer: a 0-dim int64 window
     tensor), hybrid (linear-attention conv/recurrent dicts; Mamba-2 beside attention; LFM2's

@@ -72,8 +72,11 @@ def test_its_quants_run_as_shipped_and_say_which_stay_dense(written, arch, monke
         assert (f"{name} Q6_K x{count}: Q6_K blocks (memra block kernel, {block_gemv.path()}, 2.0x dense bfloat16 "
                 "(measured at load, one row))") in loaded.tensors.reason
     else:  # Qwen3-MoE: the 3-D experts, dense, and what a token reads of them (2 of 8, 2 layers, bf16)
+        # as shipped: Q6_K 210 bytes a 256 weights, Q4_K 144
         assert ("mlp.experts.down_proj Q6_K x2: dense bfloat16 (3-D expert tensors, dequantised: no packed form; "
-                f"a token reads {2 * 2 * 256 * 768 * 2:,} B of them)") in loaded.tensors.reason
+                f"a token reads {2 * 2 * 256 * 768 * 2:,} B of them ({2 * 2 * 768 * 210:,} B as shipped))"
+                ) in loaded.tensors.reason
         assert ("mlp.experts.gate_up_proj Q4_K x2: dense bfloat16 (3-D expert tensors, dequantised: no packed form; "
-                f"a token reads {2 * 2 * 1536 * 256 * 2:,} B of them)") in loaded.tensors.reason
+                f"a token reads {2 * 2 * 1536 * 256 * 2:,} B of them ({2 * 2 * 1536 * 144:,} B as shipped))"
+                ) in loaded.tensors.reason
     assert f"lm_head Q8_0 x1: {head.removesuffix(' 1')}" in loaded.tensors.reason

@@ -24,7 +24,7 @@ from memrad.engine.decode.steps.llama import DecodeStep
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
-from stories import make_engine
+from stories import ask, make_engine
 from test_batching import rows_are_their_own
 from test_experts import with_the_steps_attention_layout
 from test_gemma_step import compiled_turns_equal_cold, rows_decode_their_own_bits
@@ -144,6 +144,30 @@ def turns_resume_as_cold(engine):
         assert row["warm_state"].generated_ids == row["cold_state"].generated_ids
         assert len(row["warm_state"].generated_ids) > 1
         assert torch.equal(row["warm_state"].prompt_logits, row["cold_state"].prompt_logits)
+
+
+def compacted_reply_resumes_at_its_boundary(engine) -> list[int]:
+    """Four turns, then a client compacts turn 2's reply: the fifth turn resumes at the snapshot
+    taken at that reply's anchor (state that cannot be cut back: conv state, sliding windows) and
+    is the cold run's bit for bit. Returns where each reply began."""
+    system = "You are a helpful coding assistant. Read the file, then answer. " * 4
+    messages = [{"role": "system", "content": system}]
+    anchors = []
+    for turn in range(1, 5):
+        messages.append({"role": "user", "content": f"step {turn}: list files"})
+        done, state = ask(engine, messages, f"t{turn}", max_tokens=4)
+        anchors.append(done.prompt_tokens)  # where reply `turn` begins
+        messages.append({"role": "assistant", "content": done.text})
+    parked = state.session
+    assert anchors[1] in parked.checkpoints, "the boundary before turn 2's reply is kept"
+    messages[4] = {"role": "assistant", "content": "(compacted)"}
+    messages.append({"role": "user", "content": "step 5: list files"})
+    done, state = ask(engine, messages, "t5", max_tokens=4)
+    reference, ref_state = ask(engine, messages, "t5-cold", salt="cold-t5", max_tokens=4)
+    assert reference.cached_tokens == 0
+    assert done.decision.outcome == "resumed" and done.decision.checkpoint == anchors[1], done.decision.render()
+    assert torch.equal(state.prompt_logits, ref_state.prompt_logits) and done.text == reference.text
+    return anchors
 
 
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")

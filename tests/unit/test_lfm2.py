@@ -28,9 +28,10 @@ from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.gguf_header import read_header
 from memrad.engine.model.preflight import gguf_config as preflight_config, inspect_gguf
 from memrad.engine.state.snapshot import Snapshot
-from stories import ask, make_engine, run_together
-from test_gguf_steps import fresh, own_cache, turns_resume_as_cold  # noqa: F401 - own_cache: a fixture
-from test_batching import engine_with_parked, rows_are_their_own, second_turns
+from stories import make_engine
+from test_gguf_steps import (compacted_reply_resumes_at_its_boundary, fresh, own_cache,  # noqa: F401 - a fixture
+                             turns_resume_as_cold)
+from test_batching import in_flight_together_as_alone, rows_are_their_own
 from test_experts import with_the_steps_attention_layout
 from test_hybrid_steps import compiled_decodes_as_eager_and_resumes
 from tiny_gguf import LFM2_LAYERS, tiny_gguf
@@ -159,19 +160,7 @@ def test_every_row_of_the_batched_lfm2_step_is_its_own_and_the_one_row_steps(ggu
 def test_lfm2_requests_in_flight_together_decode_their_bits_alone(gguf):
     """Four requests, two resumed from parked sessions, decoding on the batched step together:
     each one's tokens, first logits and every step's scores as when it runs alone."""
-    loaded = fresh(gguf)
-    engine = engine_with_parked(loaded)
-    together = run_together(engine, second_turns(engine))
-    assert {rid for rid, (c, _, _) in together.items() if c.decision.outcome == "resumed"} == {"a-2", "b-2"}
-    for index in range(4):
-        by_itself = engine_with_parked(loaded)
-        request = second_turns(by_itself)[index]
-        completion, state, scores = run_together(by_itself, [request])[request.request_id]
-        their_completion, their_state, their_scores = together[request.request_id]
-        assert state.generated_ids == their_state.generated_ids and len(state.generated_ids) > 1
-        assert completion.cached_tokens == their_completion.cached_tokens
-        assert torch.equal(state.prompt_logits, their_state.prompt_logits)
-        assert torch.equal(scores, their_scores), request.request_id  # every decode step's logits
+    in_flight_together_as_alone(fresh(gguf))
 
 
 def test_an_lfm2_engine_resumes_turns_bit_identical_to_cold(gguf):
@@ -181,24 +170,7 @@ def test_an_lfm2_engine_resumes_turns_bit_identical_to_cold(gguf):
 def test_a_rewritten_reply_resumes_from_the_boundary_snapshot_below_it(gguf):
     """Conv state cannot be cut back: a client that compacts turn 2's reply resumes at the
     snapshot taken at that reply's anchor, and its turn is the cold run's bit for bit."""
-    engine = make_engine(fresh(gguf), 16, max_sessions=16, mode="exact")
-    system = "You are a helpful coding assistant. Read the file, then answer. " * 4
-    messages = [{"role": "system", "content": system}]
-    anchors = []
-    for turn in range(1, 5):
-        messages.append({"role": "user", "content": f"step {turn}: list files"})
-        done, state = ask(engine, messages, f"t{turn}", max_tokens=4)
-        anchors.append(done.prompt_tokens)  # where reply `turn` begins
-        messages.append({"role": "assistant", "content": done.text})
-    parked = state.session
-    assert anchors[1] in parked.checkpoints, "the boundary before turn 2's reply is kept"
-    messages[4] = {"role": "assistant", "content": "(compacted)"}
-    messages.append({"role": "user", "content": "step 5: list files"})
-    done, state = ask(engine, messages, "t5", max_tokens=4)
-    reference, ref_state = ask(engine, messages, "t5-cold", salt="cold-t5", max_tokens=4)
-    assert reference.cached_tokens == 0
-    assert done.decision.outcome == "resumed" and done.decision.checkpoint == anchors[1], done.decision.render()
-    assert torch.equal(state.prompt_logits, ref_state.prompt_logits) and done.text == reference.text
+    compacted_reply_resumes_at_its_boundary(make_engine(fresh(gguf), 16, max_sessions=16, mode="exact"))
 
 
 needs_compiler = pytest.mark.skipif(decoder_module.cxx_compiler() is None,

@@ -80,6 +80,10 @@ def test_a_qwen3_moe_gguf_says_its_experts_and_their_quants_before_it_loads(gguf
         "experts: top 2 of 8 per token)"]
     assert "ffn_gate_exps Q4_K; ffn_up_exps Q4_K; ffn_down_exps Q6_K; ffn_gate_inp F32" in lines[2]
     assert lines[4] == "  KV: 1,024 B/token in bfloat16"  # 2 layers x K and V x 1 KV head x 128 dims x 2 bytes
+    # 2 of 8 experts in 2 layers: gate and up [768, 256] Q4_K (144 B a 256), down [256, 768] Q6_K (210 B)
+    assert lines[5] == ("  experts: dequantised at load (3-D tensors: no packed form), a token reads "
+                        f"{2 * 2 * 3 * 768 * 256 * 2:,} B of them in bfloat16 "
+                        f"({2 * 2 * (2 * 768 * 144 + 768 * 210):,} B as shipped)")
 
 
 def test_a_gemma2_gguf_served_past_its_length_says_the_scaling_and_its_windows(ggufs):

@@ -182,9 +182,41 @@ def build_gemma4(vocab_size: int, seed: int = 0, window: int = 8):
     return model
 
 
+# gpt-oss's layers alternate, sliding first, as the released models lay them out
+GPT_OSS_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def build_gpt_oss(vocab_size: int, seed: int = 0, window: int = 8):
+    """gpt-oss: sliding-window layers of `window` tokens alternating with full attention, a sink
+    logit per head, q/k/v/o with biases, YaRN rope (factor 4 over a native 256: its attention
+    factor is not 1), 8 experts of which 2 a token behind a router with a bias. Sinks drawn
+    N(0, 1), every bias and norm weight random, so a step that dropped one would differ."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    config = GptOssConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=32, num_hidden_layers=len(GPT_OSS_LAYERS),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+        layer_types=GPT_OSS_LAYERS, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 256},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.3)
+            elif name.endswith("sinks"):
+                param.normal_(0.0, 1.0)
+            elif name.endswith(("bias", "_bias")):
+                param.normal_(0.0, 0.02)
+    return model
+
+
 def save_tiny(folder: Path, kind: str) -> Path:
     """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | gemma4 | qwen3
-    | starcoder2 | mamba | lfm2 (tests/unit/tiny_gguf.py's, float weights: short convolutions beside attention).
+    | starcoder2 | mamba | lfm2 (tests/unit/tiny_gguf.py's, float weights: short convolutions beside attention)
+    | gpt_oss.
     llama-short: a native context of 64 tokens, for RoPE scaling past it, with sharp attention
     (q and k weights x8) so that positions move the logits well past rounding."""
     tokenizer = build_tokenizer()
@@ -204,6 +236,8 @@ def save_tiny(folder: Path, kind: str) -> Path:
         model = build_gemma3(len(tokenizer))
     elif kind == "gemma4":
         model = build_gemma4(len(tokenizer))
+    elif kind == "gpt_oss":
+        model = build_gpt_oss(len(tokenizer))
     elif kind == "starcoder2":  # LayerNorm and a plain (ungated) MLP: no decode step covers it
         from transformers import Starcoder2Config, Starcoder2ForCausalLM
 

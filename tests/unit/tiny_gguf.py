@@ -21,6 +21,10 @@ short-convolution layer), the conv kernels [hidden, L] in F32.
 Qwen3-MoE's experts are 3-D tensors as llama.cpp ships them (`ffn_gate_exps`, `ffn_up_exps`
 [E, I, H], `ffn_down_exps` [E, H, I]; transformers joins gate and up into `gate_up_proj`
 [E, 2I, H]), Q4_K / Q4_K / Q6_K; the router (`ffn_gate_inp`) F32, as llama.cpp keeps it.
+
+gpt-oss is written apart (`write_gpt_oss_gguf`: transformers has no map of its tensors to
+invert): tests/unit/tiny.py's tiny gpt-oss under llama.cpp's names, experts MXFP4 (gguf-py's
+quantizer), attention and embeddings Q8_0, norms, biases, sinks and router F32.
 """
 
 from __future__ import annotations
@@ -248,3 +252,79 @@ def write_gemma4_gguf(path: Path, model, tokenizer) -> Path:
         target.copy_(torch.from_numpy(quants.dequantize(raw, kind).reshape(target.shape)))
         writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=kind)
     return finish_gguf(writer, path)
+
+
+def gpt_oss_tensors(model) -> list[tuple[str, torch.Tensor, T]]:
+    """(llama.cpp's name, the model's tensor as llama.cpp ships it, its GGUF type) for a tiny
+    gpt-oss (tests/unit/tiny.py: build_gpt_oss), as llama.cpp's converter lays it out: the experts'
+    gate and up (interleaved columns of `gate_up_proj` [E, H, 2I]) apart as [E, I, H] rows,
+    `down_proj` [E, I, H] as [E, H, I], their biases split alike; the sinks as `attn_sinks.weight`.
+    Experts MXFP4, attention and embeddings Q8_0, norms, biases, sinks and router F32."""
+    out = [("token_embd.weight", model.model.embed_tokens.weight, T.Q8_0),
+           ("output_norm.weight", model.model.norm.weight, T.F32), ("output.weight", model.lm_head.weight, T.Q8_0)]
+    for i, layer in enumerate(model.model.layers):
+        attention, experts = layer.self_attn, layer.mlp.experts
+        out += [(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, T.F32),
+                (f"blk.{i}.post_attention_norm.weight", layer.post_attention_layernorm.weight, T.F32),
+                (f"blk.{i}.attn_sinks.weight", attention.sinks, T.F32),
+                (f"blk.{i}.ffn_gate_inp.weight", layer.mlp.router.weight, T.F32),
+                (f"blk.{i}.ffn_gate_inp.bias", layer.mlp.router.bias, T.F32)]
+        for short, proj in (("q", attention.q_proj), ("k", attention.k_proj), ("v", attention.v_proj),
+                            ("output", attention.o_proj)):
+            out += [(f"blk.{i}.attn_{short}.weight", proj.weight, T.Q8_0),
+                    (f"blk.{i}.attn_{short}.bias", proj.bias, T.F32)]
+        gate_up, gate_up_bias = experts.gate_up_proj, experts.gate_up_proj_bias  # [E, H, 2I], [E, 2I]
+        out += [(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :, ::2].transpose(1, 2), T.MXFP4),
+                (f"blk.{i}.ffn_up_exps.weight", gate_up[:, :, 1::2].transpose(1, 2), T.MXFP4),
+                (f"blk.{i}.ffn_down_exps.weight", experts.down_proj.transpose(1, 2), T.MXFP4),
+                (f"blk.{i}.ffn_gate_exps.bias", gate_up_bias[:, ::2], T.F32),
+                (f"blk.{i}.ffn_up_exps.bias", gate_up_bias[:, 1::2], T.F32),
+                (f"blk.{i}.ffn_down_exps.bias", experts.down_proj_bias, T.F32)]
+    return out
+
+
+def write_gpt_oss_gguf(path: Path, model, tokenizer, tensors: list | None = None) -> Path:
+    """Write a tiny gpt-oss (tests/unit/tiny.py: build_gpt_oss) as llama.cpp's converter does:
+    its metadata (key and value lengths, sliding window, YaRN's factor and native length) and
+    `gpt_oss_tensors`, MXFP4 quantised with gguf-py's quantizer; sets the model's float weights
+    to what every block dequantizes to (mutates `model`), so the written model is the GGUF's.
+    `tensors`: others than `gpt_oss_tensors(model)` (a layout memra's reader refuses)."""
+    config, arch = model.config, "gpt-oss"
+    rope = config.rope_parameters
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("tiny-gpt-oss")
+    for key, value in (("context_length", config.max_position_embeddings), ("embedding_length", config.hidden_size),
+                       ("block_count", config.num_hidden_layers), ("feed_forward_length", config.intermediate_size),
+                       ("expert_feed_forward_length", config.intermediate_size),
+                       ("attention.head_count", config.num_attention_heads),
+                       ("attention.head_count_kv", config.num_key_value_heads),
+                       ("attention.key_length", config.head_dim), ("attention.value_length", config.head_dim),
+                       ("rope.dimension_count", config.head_dim), ("expert_count", config.num_local_experts),
+                       ("expert_used_count", config.num_experts_per_tok),
+                       ("attention.sliding_window", config.sliding_window),
+                       ("rope.scaling.original_context_length", rope["original_max_position_embeddings"])):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", float(rope["rope_theta"]))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+    writer.add_float32(f"{arch}.rope.scaling.factor", float(rope["factor"]))
+    _write_tokenizer(writer, tokenizer)
+    for name, tensor, kind in tensors or gpt_oss_tensors(model):
+        stored = tensor.detach().float().numpy()
+        if kind == T.F32:
+            writer.add_tensor(name, np.ascontiguousarray(stored))
+            continue
+        raw = quants.quantize(np.ascontiguousarray(stored), kind)  # [.., row bytes] uint8
+        with torch.no_grad():
+            tensor.copy_(torch.from_numpy(quants.dequantize(raw, kind).reshape(stored.shape)))  # views write through
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+    return finish_gguf(writer, path)
+
+
+def tiny_gpt_oss_gguf(folder: Path) -> tuple[Path, object]:
+    """(the GGUF of the tiny gpt-oss in `folder`, that model with the GGUF's weights)."""
+    from tiny import build_gpt_oss
+
+    tokenizer = build_tokenizer()
+    model = build_gpt_oss(len(tokenizer))
+    return write_gpt_oss_gguf(folder / "tiny-gpt-oss.gguf", model, tokenizer), model

@@ -22,7 +22,8 @@ Gemma 3, Gemma 2 and Gemma 4 (memrad.engine.decode.steps.gemma, gemma2, gemma4) 
 and per row the rope at its own position, its KV row written into its own slab or window view
 and attention over those only. A sliding layer's row attends its request's window view
 [1, H_kv, n_r, D], n_r = min(positions[r] + 1, W), as the one-row step does; the final soft-cap
-runs row by row.
+runs row by row. gpt-oss's step (memrad.engine.decode.steps.gpt_oss) runs its rows the same way,
+with its sink attention and routed experts per row.
 
 `BatchGraph` is that function over tensors only, so it runs eager or is exported and
 compiled into one AOTInductor graph (memrad.engine.decode.package, `rows`): each row's
@@ -65,7 +66,7 @@ Graph = Callable[..., torch.Tensor]
 
 class BatchGraph(nn.Module):
     """The batched step over tensors only; shares every weight with `step` (a DecodeStep, an
-    Lfm2Step, or a Gemma step, which computes its rows itself: `steps.has_batched`)."""
+    Lfm2Step, or a Gemma or gpt-oss step, which computes its rows itself: `steps.has_batched`)."""
 
     def __init__(self, step: DecodeStep, kernel: bool) -> None:
         super().__init__()
@@ -79,7 +80,7 @@ class BatchGraph(nn.Module):
         step, batch = self.step, tokens.shape[0]
         lengths = [r.shape[0] for r in rows]
         own_rows = getattr(step, "forward_rows", None)
-        if own_rows is not None:  # Gemma 3, 2, 4: their one-row step is this call at B = 1
+        if own_rows is not None:  # Gemma 3, 2, 4, gpt-oss: their one-row step is this call at B = 1
             return own_rows(tokens, positions, lengths, keys, values, self.kernel)
         x = step.embed(tokens).view(batch, 1, -1)  # [B, 1, hidden]
         cos = step.cos.index_select(0, positions)[:, None]  # [B, 1, D]: broadcast over heads

@@ -18,7 +18,7 @@ inductor compiles it into a shared library, and a later start only opens the lib
         the constants inductor made itself (the int4 op's group size, as a tensor per call)
     decode-step-...-rows{B}-...-{key}.pt2  (a step with a batched twin, memra's kernel)
             graph "batch"  B rows (memrad.engine.decode.batch), each row's attended length its
-                           own symbol in [2, capacity - 1] (Gemma: and each row's window view
+                           own symbol in [2, capacity - 1] (Gemma, gpt-oss: and each row's window view
                            rows its own in [2, W], shared by that row's sliding layers)
 
 memra's kernel is a C++ op (`memra::decode_attention`, TORCH_LIBRARY): the library calls it
@@ -227,7 +227,8 @@ def _open(step: DecodeStep, path: Path, graphs: Any) -> tuple[dict[str, torch.Te
 
 def options_for(step: Any) -> dict[str, Any]:
     """Inductor's options for `step`: INDUCTOR_OPTIONS for a step with a batched twin (the
-    llama-shaped step, LFM2's, Gemma's), none for the others (the hybrids decode one row at a time)."""
+    llama-shaped step, LFM2's, Gemma's, gpt-oss's), none for the others (the hybrids decode one
+    row at a time)."""
     return dict(INDUCTOR_OPTIONS) if steps.has_batched(step) else {}
 
 

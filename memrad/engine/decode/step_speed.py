@@ -40,6 +40,10 @@ SHAPES = {
     "lfm2": ("lfm2", dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                           block_auto_adjust_ff_dim=False,
                           layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"])),
+    # gpt-oss as tests/unit/tiny.py lays it out (sliding first, window 8), at these widths
+    "gpt_oss": ("gpt_oss", dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                sliding_window=8, num_local_experts=8, num_experts_per_tok=2,
+                                layer_types=["sliding_attention", "full_attention"] * 2)),
 }
 PROMPT = list(range(5, 45))
 
@@ -96,6 +100,6 @@ def measure(arch: str, dtype_name: str = "bfloat16", steps: int = 64, threads: i
                 logits = run(cache, token, len(PROMPT) + offset)
                 times.append(time.perf_counter() - started)
         timings[name] = statistics.median(times[4:]) * 1e3  # the first steps warm the allocator
-    sparse = any(experts.is_sparse(getattr(layer, "mlp", None)) for layer in model.model.layers)  # LFM2: feed_forward
+    sparse = any(experts.router_of(getattr(layer, "mlp", None)) is not None for layer in model.model.layers)
     return StepSpeed(arch, step_table.describe(model, context).value, str(dtype).removeprefix("torch."), steps,
                      timings["step"], timings["forward"], experts.bytes_per_token(model) if sparse else None)

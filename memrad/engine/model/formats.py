@@ -15,10 +15,11 @@ and what it runs as now:
     int8          Int8Linear: per-channel int8 made from the float weights (opt-in)
     dense DTYPE   the float weights transformers made of the blocks, in the model's dtype
 
-A mixture of experts (Qwen3-MoE) ships its experts as 3-D tensors (`ffn_gate_exps`, `ffn_up_exps`,
-`ffn_down_exps`, transformers' `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj`
-[E, H, I]): no Linear, so no packed form; they run dense, dequantised at conversion, and their
-group says so with the bytes a token reads of them (its top k of E experts, every layer).
+A mixture of experts (Qwen3-MoE, gpt-oss) ships its experts as 3-D tensors (`ffn_gate_exps`,
+`ffn_up_exps`, `ffn_down_exps`, transformers' `experts.gate_up_proj` and `experts.down_proj`;
+gpt-oss's in MXFP4): no Linear, so no packed form; they run dense, dequantised at conversion, and
+their group says so with the bytes a token reads of them (its top k of E experts, every layer)
+and what those bytes were as shipped.
 
 The dense ones carry a reason (why no packed form was used), and so does a Q8_0 head that runs
 hi|lo where memra's block kernel would run its blocks themselves (why it does not here), and
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from memrad.engine.decode.steps.experts import router_of
 from memrad.engine.kernels import block_gemv
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
@@ -113,9 +115,9 @@ def groups(model: Any, kinds: dict[str, str], head_why: str | None = None,
 def _expert_groups(model: Any, kinds: dict[str, str]) -> list[tuple[str, str, str, str, int]]:
     """(role, GGUF type, runs, why, count) of the routed experts' 3-D weights: dense, dequantised,
     with the bytes a token reads of them (top k of E per layer, summed over the layers)."""
-    found: dict[tuple[str, str, str], list[int]] = {}  # (role, kind, runs) -> [count, bytes a token]
+    found: dict[tuple[str, str, str], list[int]] = {}  # (role, kind, runs) -> [count, bytes a token, as shipped]
     for name, block in model.named_modules():
-        experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
+        experts, router = getattr(block, "experts", None), router_of(block)  # Qwen3-MoE's `gate`, gpt-oss's `router`
         if experts is None or not hasattr(router, "top_k") or not hasattr(experts, "num_experts"):
             continue
         for attribute in ("gate_up_proj", "down_proj"):
@@ -125,11 +127,24 @@ def _expert_groups(model: Any, kinds: dict[str, str]) -> list[tuple[str, str, st
             full = f"{name}.experts.{attribute}"
             key = (re.sub(r"\.\d+\.", ".*.", full), kinds.get(full, "float"),
                    f"dense {str(weight.dtype).removeprefix('torch.')}")
-            entry = found.setdefault(key, [0, 0])
+            entry = found.setdefault(key, [0, 0, 0])
             entry[0] += 1
             entry[1] += weight.numel() * weight.element_size() * router.top_k // experts.num_experts
-    return [(role, kind, runs, f"3-D expert tensors, dequantised: no packed form; a token reads {total:,} B of them",
-             count) for (role, kind, runs), (count, total) in found.items()]
+            entry[2] += shipped_bytes(key[1], weight.numel()) * router.top_k // experts.num_experts
+    return [(role, kind, runs, f"3-D expert tensors, dequantised: no packed form; a token reads {total:,} B of them"
+             + (f" ({shipped:,} B as shipped)" if shipped else ""), count)
+            for (role, kind, runs), (count, total, shipped) in found.items()]
+
+
+def shipped_bytes(kind: str, num_weights: int) -> int:
+    """The bytes `num_weights` weights take as GGUF type `kind` ships them (0: not a GGUF type,
+    or types mixed in one tensor, "Q4_K+Q6_K")."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if kind not in GGMLQuantizationType.__members__:
+        return 0
+    block_weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    return num_weights // block_weights * block_bytes
 
 
 def describe(found: tuple[TensorGroup, ...]) -> str:

@@ -10,6 +10,8 @@ under a second) and a model built on the meta device (no weights, no memory):
     quants         the GGUF type of each tensor kind (attn_q, ffn_down, ...), as shipped
     context        native and served (memrad.engine.model.context: the same plan the load makes)
     KV             bytes per token of context in the activation dtype
+    experts        a mixture's 3-D expert tensors, dequantised at load: the bytes a token reads
+                   of them in that dtype and as shipped (gpt-oss's MXFP4: 17 bytes a 32 weights)
 
 Refused here, with the reason: architectures transformers' GGUF loader does not read, and the
 Mamba-1 family (Mamba, FalconMamba, Jamba), whose multi-token forward ignores cached recurrent
@@ -22,6 +24,7 @@ mismatched shapes or, where the shapes agree, load as another model.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -41,6 +44,8 @@ REFUSED_ARCHITECTURES = ("mamba", "jamba", "falcon_mamba", "falcon-mamba")
 # llama.cpp's names that transformers' GGUF loader renames (transformers.modeling_gguf_pytorch_utils).
 _RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 _TEXT_ONLY = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}  # GGUFs hold the text backbone only
+_ATTENTION_KINDS = ("full_attention", "sliding_attention")
+_EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight")  # a mixture's 3-D expert tensors
 # Gemma 4's layout keys that transformers' GGUF loader (5.24) does not read: (llama.cpp's key,
 # what the config it builds has instead, in the key's terms).
 _GEMMA4_LAYOUT = (
@@ -69,6 +74,9 @@ class Preflight:
     dtype: str
     window_layers: int  # sliding-window layers among the attention ones (their rows stop at the window)
     window_tokens: int | None
+    # A mixture of experts: (bytes a token reads of its 3-D experts dequantised in `dtype`, as
+    # shipped), their top k of E in every layer; None without experts.
+    expert_bytes: tuple[int, int] | None = None
 
     def lines(self) -> list[str]:
         """The lines `memrad start` and `memrad pull` print."""
@@ -79,6 +87,9 @@ class Preflight:
                            for kind, types in self.quants)
         window = (f"; {self.window_layers} sliding-window layers keep at most {self.window_tokens:,} rows"
                   if self.window_layers else "")
+        experts = ([f"  experts: dequantised at load (3-D tensors: no packed form), a token reads "
+                    f"{self.expert_bytes[0]:,} B of them in {self.dtype} ({self.expert_bytes[1]:,} B as shipped)"]
+                   if self.expert_bytes else [])
         return [
             f"{self.path.name}: {self.architecture} ({self.model_class})",
             f"  fast decode step: {step}",
@@ -86,6 +97,7 @@ class Preflight:
             f"  context: native {self.context.native_tokens:,}, served {self.context.num_tokens:,} "
             f"({self.context.describe()})",
             f"  KV: {self.kv_bytes_per_token:,} B/token in {self.dtype}{window}",
+            *experts,
         ]
 
 
@@ -114,7 +126,22 @@ def inspect_gguf(path: Path, requested_context: int, dtype: torch.dtype) -> Pref
         quants=quants_by_kind(header), context=served,
         kv_bytes_per_token=sum(2 * heads * dim for heads, dim in steps.kv_row_shapes(config)) * dtype.itemsize,
         dtype=str(dtype).removeprefix("torch."), window_layers=window_layers,
-        window_tokens=getattr(config, "sliding_window", None) if window_layers else None)
+        window_tokens=getattr(config, "sliding_window", None) if window_layers else None,
+        expert_bytes=expert_bytes(header, config, dtype))
+
+
+def expert_bytes(header: GGUFHeader, config: Any, dtype: torch.dtype) -> tuple[int, int] | None:
+    """(bytes a token reads of the 3-D expert tensors dequantised in `dtype`, as shipped): top k of
+    E experts in every layer; None for a model without them."""
+    from memrad.engine.model.formats import shipped_bytes
+
+    experts = [tensor for tensor in header.tensors if _EXPERTS.fullmatch(tensor.name)]
+    total = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts or not total:
+        return None
+    top_k = config.num_experts_per_tok
+    dense = sum(math.prod(t.shape) * dtype.itemsize for t in experts) * top_k // total
+    return dense, sum(shipped_bytes(t.kind, math.prod(t.shape)) for t in experts) * top_k // total
 
 
 def quants_by_kind(header: GGUFHeader) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
@@ -156,14 +183,17 @@ def gguf_config(header: GGUFHeader, path: Path) -> Any:
         if attribute not in (None, -1) and not isinstance(value, LongArray):
             values[attribute] = value
     values["model_type"] = name
-    if "vocab_size" not in values and isinstance(header.fields.get("tokenizer.ggml.tokens"), LongArray):
-        values["vocab_size"] = header.fields["tokenizer.ggml.tokens"].num_items
+    tokens = header.fields.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in values and isinstance(tokens, (LongArray, list)):  # a list: a short (tiny) vocabulary
+        values["vocab_size"] = tokens.num_items if isinstance(tokens, LongArray) else len(tokens)
     if name == "lfm2":  # as transformers' loader: one KV head count per layer, 0 on the conv layers
         per_layer = values["num_key_value_heads"]
         values.update(num_key_value_heads=max(per_layer), block_auto_adjust_ff_dim=False,
                       full_attn_idxs=[i for i, heads in enumerate(per_layer) if heads > 0])
         if "rms_norm_eps" in values:  # LFM2's config names it norm_eps
             values["norm_eps"] = values.pop("rms_norm_eps")
+    if name == "gpt_oss":
+        values.update(gpt_oss_fields(header))
     model_type = _TEXT_ONLY.get(values.get("model_type", name), values.get("model_type", name))
     values["model_type"] = model_type
     try:
@@ -195,3 +225,21 @@ def gemma4_layout_lost(header: GGUFHeader, config: Any) -> list[str]:
     if rows is not None and rows != config.vocab_size_per_layer_input:
         lost.append(f"per_layer_token_embd rows: the GGUF's {rows}, transformers' {config.vocab_size_per_layer_input}")
     return lost
+
+
+def gpt_oss_fields(header: GGUFHeader) -> dict[str, Any]:
+    """What a gpt-oss GGUF carries that transformers' field mapping misses (its loader fails on
+    the rope keys): the head width (`attention.key_length`), the sliding window
+    (`attention.sliding_window`), the experts' width and YaRN's factor and native length. YaRN's
+    betas and `truncate` are not in the file: gpt-oss's config.json values (32, 1, false)."""
+    values = {"head_dim": header.arch_field("attention.key_length"),
+              "sliding_window": header.arch_field("attention.sliding_window"),
+              "intermediate_size": header.arch_field("expert_feed_forward_length")}
+    values = {key: value for key, value in values.items() if value is not None}
+    if header.arch_field("rope.scaling.type") == "yarn":
+        values["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": float(header.arch_field("rope.freq_base", 150_000.0)),
+            "factor": float(header.arch_field("rope.scaling.factor")), "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": int(header.arch_field("rope.scaling.original_context_length"))}
+    return values

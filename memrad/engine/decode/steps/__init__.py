@@ -10,6 +10,7 @@
     qwen3_next.py  Qwen3-Next's (gated delta net layers: gated_delta.py)
     falcon_h1.py   FalconH1's (Mamba-2 beside attention in every layer: mamba2.py)
     lfm2.py        LFM2's (gated short convolutions beside attention with per-head q/k norms)
+    gpt_oss.py     gpt-oss's (sliding-window and full attention with sinks, routed experts)
 
 The decoder (memrad.engine.decode.decoder) and the package (memrad.engine.decode.package) ask here."""
 
@@ -20,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from memrad.engine.decode.steps import falcon_h1, gemma, gemma2, gemma4, lfm2, llama, qwen3_next
+from memrad.engine.decode.steps import falcon_h1, gemma, gemma2, gemma4, gpt_oss, lfm2, llama, qwen3_next
 from memrad.engine.model.hardware import Choice
 
 # What each layer kind of transformers' `layer_types` is on the step, for `describe`.
@@ -32,13 +33,14 @@ _KIND_NAMES = {"full_attention": "full-attention", "sliding_attention": "sliding
 # What `describe` names each step by (every other llama-shaped class: "llama").
 _STEP_NAMES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3-moe", "Phi3ForCausalLM": "phi3",
                "Gemma2ForCausalLM": "gemma2", "Gemma4ForCausalLM": "gemma4",
-               "Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3-next", "Lfm2ForCausalLM": "lfm2"}
+               "Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3-next", "Lfm2ForCausalLM": "lfm2",
+               "GptOssForCausalLM": "gpt-oss"}
 
 
 def covered() -> tuple[str, ...]:
     """The model classes some step covers."""
     return (*llama._LLAMA_SHAPED, *gemma2._GEMMA2, *gemma._GEMMA, *gemma4._GEMMA4, *qwen3_next._QWEN3_NEXT,
-            *falcon_h1._FALCON_H1, *lfm2._LFM2)
+            *falcon_h1._FALCON_H1, *lfm2._LFM2, *gpt_oss._GPT_OSS)
 
 
 # The steps beside the llama-shaped one: (is it this architecture, why not, its step class).
@@ -49,6 +51,7 @@ _OTHER_STEPS = (
     (qwen3_next.is_qwen3_next, qwen3_next.support, qwen3_next.Qwen3NextStep),
     (falcon_h1.is_falcon_h1, falcon_h1.support, falcon_h1.FalconH1Step),
     (lfm2.is_lfm2, lfm2.support, lfm2.Lfm2Step),
+    (gpt_oss.is_gpt_oss, gpt_oss.support, gpt_oss.GptOssStep),
 )
 
 
@@ -70,7 +73,7 @@ def support(model: nn.Module, context_len: int) -> str | None:
 def describe(model: nn.Module, context_len: int) -> Choice:
     """Which step decodes `model` and what its layers are on it (/health, `memrad status`):
     value "llama", "qwen3", "qwen3-moe", "phi3", "gemma2", "gemma3", "gemma4", "qwen3-next", "falcon-h1", "lfm2",
-    or "none" with the reason it has none."""
+    "gpt-oss", or "none" with the reason it has none."""
     why_not = support(model, context_len)
     if why_not is not None:
         return Choice("none", why_not)
@@ -81,7 +84,7 @@ def describe(model: nn.Module, context_len: int) -> Choice:
     value = _STEP_NAMES.get(type(model).__name__, "llama")
     kinds = Counter(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
     layers = ", ".join(f"{count} {_KIND_NAMES.get(kind, kind)}" for kind, count in kinds.items())
-    experts = getattr(config, "num_experts", 0) or 0
+    experts = getattr(config, "num_experts", 0) or 0  # gpt-oss's num_local_experts too (its attribute map)
     moe = f"; experts: top {config.num_experts_per_tok} of {experts} per token" if experts else ""
     shared = getattr(config, "num_kv_shared_layers", 0) or 0  # Gemma 4
     sharing = f"; the last {shared} attend earlier layers' KV" if shared else ""
@@ -97,9 +100,10 @@ def new_step(model: nn.Module, max_positions: int) -> nn.Module:
 def has_batched(step: Any) -> bool:
     """Whether `step` has a batched twin (memrad.engine.decode.batch): the llama-shaped step,
     LFM2's (its attention layers llama's, its conv state one tensor per request), Gemma 3's,
-    Gemma 2's and Gemma 4's (each row over its own slabs and window views: `forward_rows`); the
-    hybrids decode one row at a time."""
-    return isinstance(step, (llama.DecodeStep, lfm2.Lfm2Step, gemma.GemmaStep, gemma2.Gemma2Step, gemma4.Gemma4Step))
+    Gemma 2's, Gemma 4's and gpt-oss's (each row over its own slabs and window views:
+    `forward_rows`); the hybrids decode one row at a time."""
+    return isinstance(step, (llama.DecodeStep, lfm2.Lfm2Step, gemma.GemmaStep, gemma2.Gemma2Step, gemma4.Gemma4Step,
+                             gpt_oss.GptOssStep))
 
 
 def windows(step: Any) -> list[int | None]:

@@ -35,6 +35,14 @@ def is_sparse(mlp: nn.Module) -> bool:
     return hasattr(mlp, "experts") and hasattr(mlp, "gate") and not hasattr(mlp, "gate_proj")
 
 
+def router_of(mlp: nn.Module) -> nn.Module | None:
+    """A routed block's router, with its `top_k`: Qwen3-MoE's `gate`, gpt-oss's `router` (None:
+    not a mixture of experts)."""
+    if not hasattr(mlp, "experts") or hasattr(mlp, "gate_proj"):
+        return None
+    return getattr(mlp, "gate", None) or getattr(mlp, "router", None)
+
+
 def feed_forward(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """The sparse block's output for h [B, 1, hidden], each row routed and computed on its own:
     [B, 1, hidden]."""
@@ -51,12 +59,12 @@ def bytes_per_token(model: nn.Module) -> tuple[int, int]:
     for layer in model.model.layers:
         mlp = layer.mlp
         weights = sum(p.numel() * p.element_size() for p in mlp.parameters())
-        if not is_sparse(mlp):
+        gate = router_of(mlp)
+        if gate is None:
             routed, dense = routed + weights, dense + weights
             continue
-        experts = mlp.experts
-        router = sum(p.numel() * p.element_size() for p in mlp.gate.parameters())
-        expert_bytes = (weights - router) // experts.num_experts
-        routed += router + mlp.gate.top_k * expert_bytes
+        router = sum(p.numel() * p.element_size() for p in gate.parameters())
+        expert_bytes = (weights - router) // mlp.experts.num_experts  # gpt-oss: each expert's biases too
+        routed += router + gate.top_k * expert_bytes
         dense += weights
     return routed, dense

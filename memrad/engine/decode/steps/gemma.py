@@ -77,6 +77,19 @@ def is_gemma(model: nn.Module) -> bool:
     return type(model).__name__ in _GEMMA
 
 
+def write_row(position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
+              value_rows: torch.Tensor, window: int | None) -> None:
+    """Write one row's k, v [1, H_kv, 1, D]: at `position` [1] of the slab (a full layer's,
+    window None), or as the last row of the window view (a sliding layer's)."""
+    if window is None:
+        key_rows.index_copy_(2, position, k)
+        value_rows.index_copy_(2, position, v)
+    else:
+        n = key_rows.shape[2]
+        key_rows.narrow(2, n - 1, 1).copy_(k)
+        value_rows.narrow(2, n - 1, 1).copy_(v)
+
+
 class _GemmaLayer(_Layer):
     """One Gemma3DecoderLayer's decode-step view; `window` is W for a sliding layer. The
     llama layer's projections (fused alike) and q/k norms (Gemma 3's own), with Gemma's feed-forward norms;
@@ -109,15 +122,8 @@ class _GemmaLayer(_Layer):
 
     def write_row(self, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
                   value_rows: torch.Tensor) -> None:
-        """Write one row's k, v [1, H_kv, 1, D]: at `position` [1] of the slab (global), or as the
-        last row of the window view (sliding)."""
-        if self.window is None:
-            key_rows.index_copy_(2, position, k)
-            value_rows.index_copy_(2, position, v)
-        else:
-            n = key_rows.shape[2]
-            key_rows.narrow(2, n - 1, 1).copy_(k)
-            value_rows.narrow(2, n - 1, 1).copy_(v)
+        """Write one row's k, v [1, H_kv, 1, D] into this layer's slab or window view (`write_row`)."""
+        write_row(position, k, v, key_rows, value_rows, self.window)
 
     def attend_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, length: int,
                    key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:

@@ -27,7 +27,7 @@ import itertools
 import torch
 from torch import nn
 
-from memrad.engine.decode.steps.gemma import GemmaStep, _GemmaLayer, soft_cap
+from memrad.engine.decode.steps.gemma import GemmaStep, _GemmaLayer, soft_cap, write_row
 from memrad.engine.decode.steps.llama import layers_and_rope, register_rope
 
 _GEMMA2 = ("Gemma2ForCausalLM",)
@@ -49,14 +49,30 @@ def capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      softcap: float | None) -> torch.Tensor:
     """Attention of one token's queries q [1, H, 1, D] over keys, values [1, H_kv, n, D] (every
     row attended), the scores soft-capped, as transformers' eager attention: [1, H, 1, D]."""
-    heads, kv_heads = q.shape[1], keys.shape[1]
-    _, _, n, d = keys.shape
-    keys = keys[:, :, None].expand(1, kv_heads, heads // kv_heads, n, d).reshape(1, heads, n, d)
-    values = values[:, :, None].expand(1, kv_heads, heads // kv_heads, n, d).reshape(1, heads, n, d)
+    keys, values = per_query_head(keys, q.shape[1]), per_query_head(values, q.shape[1])
     scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [1, H, 1, n]
     scores = soft_cap(scores, softcap)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(weights, values)  # [1, H, 1, D]
+
+
+def per_query_head(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """A KV head's rows [1, H_kv, n, D] repeated for each of its query heads: [1, H, n, D] (a
+    copy, as transformers' repeat_kv makes)."""
+    _, kv_heads, n, d = rows.shape
+    return rows[:, :, None].expand(1, kv_heads, heads // kv_heads, n, d).reshape(1, heads, n, d)
+
+
+def write_and_attended(position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
+                       value_rows: torch.Tensor, length: int, window: int | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one row's k, v [1, H_kv, 1, D] (`write_row`) and return the rows it attends, all of
+    them: a full layer's slab [1, H_kv, capacity, D] cut to its first `length` rows, or a
+    sliding layer's whole window view [1, H_kv, n, D]."""
+    write_row(position, k, v, key_rows, value_rows, window)
+    if window is None:
+        return key_rows[:, :, :length], value_rows[:, :, :length]
+    return key_rows, value_rows
 
 
 class _Gemma2Layer(_GemmaLayer):
@@ -71,9 +87,7 @@ class _Gemma2Layer(_GemmaLayer):
                    key_rows: torch.Tensor, value_rows: torch.Tensor, kernel: bool) -> torch.Tensor:
         """One row's capped attention: q [H, D] over its own rows once its k, v are written:
         [1, H, 1, D]. `kernel`: unused (no kernel soft-caps), accepted so every step is called alike."""
-        self.write_row(position, k, v, key_rows, value_rows)
-        if self.window is None:
-            key_rows, value_rows = key_rows[:, :, :length], value_rows[:, :, :length]
+        key_rows, value_rows = write_and_attended(position, k, v, key_rows, value_rows, length, self.window)
         return capped_attention(q.view(1, self.heads, 1, self.head_dim), key_rows, value_rows, self.scale,
                                 self.softcap)
 
