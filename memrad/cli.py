@@ -167,7 +167,7 @@ def _said_before_the_wait(spec: str, settings: Settings) -> bool:
         return True
     from memrad.engine.model.loader import pick_device, pick_dtype
     from memrad.engine.model.preflight import inspect_gguf
-    from memrad.engine.model.pull import ModelUnavailable
+    from memrad.engine.model.unavailable import ModelUnavailable
 
     try:
         dtype = pick_dtype(settings.model.dtype, pick_device(settings.model.device))
@@ -181,7 +181,7 @@ def _said_before_the_wait(spec: str, settings: Settings) -> bool:
 
 def _run_foreground(settings: Settings) -> int:
     from memrad.daemon import configure_logging, serve
-    from memrad.engine.model.pull import ModelUnavailable
+    from memrad.engine.model.unavailable import ModelUnavailable
 
     configure_logging(settings.log.level, detached=os.environ.get(DETACHED_ENV) == "1",
                       max_bytes=settings.log.max_bytes, backups=settings.log.backups)

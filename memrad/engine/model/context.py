@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from memrad.engine.model.pull import ModelUnavailable
+from memrad.engine.model.unavailable import ModelUnavailable
 
 _LENGTH_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 

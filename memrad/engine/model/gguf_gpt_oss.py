@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memrad.engine.model.pull import ModelUnavailable
+from memrad.engine.model.unavailable import ModelUnavailable
 
 ARCHITECTURE = "gpt-oss"  # general.architecture as llama.cpp writes it
 _ALL, _GATE, _UP = slice(None), slice(0, None, 2), slice(1, None, 2)  # columns of the last dim

@@ -24,7 +24,7 @@ from typing import Any
 
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from memrad.engine.model.pull import ModelUnavailable
+from memrad.engine.model.unavailable import ModelUnavailable
 
 # Arrays longer than this are kept as their length only (the tokenizer's vocabulary, merges).
 SHORT_ARRAY = 1024

@@ -37,7 +37,7 @@ from memrad.engine.model import context as served_context
 from memrad.engine.model.context import ServedContext
 from memrad.engine.model.gguf_header import GGUFHeader, LongArray, read_header
 from memrad.engine.model.hardware import Choice
-from memrad.engine.model.pull import ModelUnavailable
+from memrad.engine.model.unavailable import ModelUnavailable
 
 # GGUF architecture names of the Mamba-1 family (llama.cpp writes FalconMamba as "mamba").
 REFUSED_ARCHITECTURES = ("mamba", "jamba", "falcon_mamba", "falcon-mamba")

@@ -36,15 +36,12 @@ from memrad.durable import publish
 from memrad.faultpoint import kill_point
 from memrad.paths import cache_dir
 from memrad.process import pid_alive
+from memrad.engine.model.unavailable import ModelUnavailable
 
 DEFAULT_MODEL_ID = DEFAULT.model_id
 MARKER = "memra-converted.json"
 
 Progress = Callable[[str], None]
-
-
-class ModelUnavailable(RuntimeError):
-    """The model cannot be loaded or fetched; the message says what to run."""
 
 
 def models_dir() -> Path:
