@@ -85,7 +85,12 @@ def test_moe_bidirectional_and_all_shared_gemma4_have_no_step(tiny_dir):
 def test_the_gemma4_step_decodes_transformers_bits_past_the_window(tiny_dir, q4_gemma4_dir, dtype, tolerance):
     """bf16 and fp32 with float weights; "int4": bf16 on the int4 kernel (Q4_1 layers, the step's
     fused projections against the forward's one by one)."""
-    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype)
+    decodes_the_forwards_bits(on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype), tolerance)
+
+
+def decodes_the_forwards_bits(loaded, tolerance):
+    """The step's logits and kept KV rows are the forward's (within `tolerance`) for 3W steps from a
+    prompt already past the window."""
     feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
     assert feed.step == "eager"
     engine = Engine(loaded, EngineOptions(16, 1))
@@ -180,54 +185,127 @@ def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resu
     compiled_turns_equal_cold(engine)
 
 
-# -- from a GGUF: transformers 5.24's loader reads a gemma4 header without its layout keys --
+# -- from a GGUF: transformers 5.24's loader does not read a gemma4 header's layout; memra's reader does --
 
 @pytest.fixture(scope="module")
 def gemma4_gguf(tmp_path_factory):
+    """(the tiny Gemma 4's GGUF as llama.cpp lays it out, the model holding what it dequantises to)."""
     from tiny import build_gemma4, build_tokenizer
     from tiny_gguf import write_gemma4_gguf
 
     tokenizer = build_tokenizer()
-    return write_gemma4_gguf(tmp_path_factory.mktemp("tiny-gemma4-gguf") / "tiny-gemma4.gguf",
-                             build_gemma4(len(tokenizer)), tokenizer)
+    model = build_gemma4(len(tokenizer))
+    return write_gemma4_gguf(tmp_path_factory.mktemp("tiny-gemma4-gguf") / "tiny-gemma4.gguf", model, tokenizer), model
+
+
+def from_gguf(path, dtype="bfloat16"):
+    torch.set_num_threads(1)
+    return load_model(str(path), device="cpu", dtype=dtype, progress=lambda _: None)
 
 
 def test_transformers_gguf_loader_reads_gemma4_without_its_layout(gemma4_gguf):
-    """What blocks a Gemma 4 GGUF on memra's path (transformers' from_pretrained with gguf_file):
-    its config mapping (transformers.integrations.ggml, "gemma4") reads the widths and head counts
-    but none of llama.cpp's layout keys, so the config keeps its defaults (a 5:1 layer pattern, no
-    KV-shared layers, per-layer inputs of 256 over 262,144 tokens, sliding head dim 256, rope bases
-    10k / 1M, no final soft-cap), and the weights then do not fit it. When this starts failing,
-    transformers reads them: the tiny GGUF can then load and run the Gemma 4 step."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Why memra reads a Gemma 4 GGUF itself (memrad.engine.model.gguf_gemma4): transformers' config
+    mapping (transformers.integrations.ggml, "gemma4") reads the widths and head counts but none of
+    llama.cpp's layout keys, so its config would keep Gemma4TextConfig's defaults (a 5:1 layer
+    pattern, no KV-shared layers, per-layer inputs of 256, sliding head dim 256, rope bases 10k / 1M,
+    no final soft-cap); and it takes llama.cpp's KV heads per layer for one count, so it builds no
+    config at all. When this starts failing, transformers reads them."""
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
+    from transformers import AutoConfig, Gemma4TextConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    config = AutoConfig.from_pretrained(str(gemma4_gguf.parent), gguf_file=gemma4_gguf.name)
-    assert type(config).__name__ == "Gemma4TextConfig"
-    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
-    assert (config.num_kv_shared_layers, config.hidden_size_per_layer_input, config.vocab_size_per_layer_input,
-            config.final_logit_softcapping) == (0, 256, 262_144, None)
-    assert config.per_layer_config[0].head_dim == 256 and config.per_layer_config[5].head_dim == 32
-    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
-    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
-        AutoModelForCausalLM.from_pretrained(str(gemma4_gguf.parent), gguf_file=gemma4_gguf.name)
+    path, _ = gemma4_gguf
+    mapping = GGUF_CONFIG_MAPPING["gemma4"]
+    for key in ("attention.sliding_window_pattern", "attention.shared_kv_layers", "embedding_length_per_layer_input",
+                "attention.key_length_swa", "attention.value_length_swa", "rope.freq_base_swa",
+                "final_logit_softcapping"):
+        assert key not in mapping
+    assert mapping["rope.freq_base"] is None and mapping["attention.head_count_kv"] == "num_key_value_heads"
+    defaults = Gemma4TextConfig()
+    assert defaults.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (defaults.num_kv_shared_layers, defaults.hidden_size_per_layer_input, defaults.per_layer_config[0].head_dim,
+            defaults.final_logit_softcapping) == (0, 256, 256, None)
+    with pytest.raises(StrictDataclassFieldValidationError, match="num_key_value_heads"):
+        AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def test_memrad_refuses_such_a_gemma4_gguf_before_the_wait_and_says_why(gemma4_gguf, tmp_path, monkeypatch):
+def test_a_gemma4_gguf_loads_on_memras_reader_as_the_tiny_model(gemma4_gguf):
+    """Every parameter and layer scalar is what the file's tensors dequantise to, the config is the
+    tiny model's layout (read from llama.cpp's keys and rope_freqs), the model is on the Gemma 4
+    step, and `memrad start`'s banner says so before the wait."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from memrad.engine.model.preflight import inspect_gguf
+
+    path, model = gemma4_gguf
+    loaded = from_gguf(path, "float32")
+    ours, theirs = loaded.model.state_dict(), model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    shipped = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    q = shipped["blk.2.attn_q.weight"]
+    assert q.tensor_type.name == "Q8_0" and torch.equal(
+        loaded.model.model.layers[2].self_attn.q_proj.weight, torch.from_numpy(dequantize(q.data, q.tensor_type).copy()))
+    assert float(loaded.model.model.layers[3].layer_scalar) == float(shipped["blk.3.layer_output_scale.weight"].data[0])
+    config, tiny = loaded.model.config, model.config
+    for field in ("layer_types", "num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+                  "attention_k_eq_v", "sliding_window", "final_logit_softcapping", "rope_parameters",
+                  "num_attention_heads", "intermediate_size", "hidden_size", "vocab_size",
+                  "use_double_wide_mlp", "tie_word_embeddings", "enable_moe_block"):
+        assert getattr(config, field) == getattr(tiny, field), field
+    assert [(config.per_layer_config[i].head_dim, config.per_layer_config[i].num_key_value_heads)
+            for i in range(6)] == [(tiny.per_layer_config[i].head_dim, tiny.per_layer_config[i].num_key_value_heads)
+                                   for i in range(6)] == [(16, 2), (16, 2), (32, 1), (16, 2), (16, 2), (32, 1)]
+    reason = ("Gemma4ForCausalLM layers on one graph: 4 sliding-window, 2 full-attention; "
+              "the last 2 attend earlier layers' KV")
+    assert Engine(loaded, EngineOptions(16, 1)).runtime_choices["step"] == {"value": "gemma4", "reason": reason}
+    lines = inspect_gguf(path, 0, torch.bfloat16).lines()
+    assert lines[0] == "tiny-gemma4.gguf: gemma4 (Gemma4ForCausalLM)"
+    assert lines[1] == f"  fast decode step: yes, memra's gemma4 step ({reason})"
+
+
+def test_the_gemma4_step_from_the_gguf_decodes_transformers_bits_and_resumes_as_cold(gemma4_gguf):
+    """bf16: the step's logits are the forward's bit for bit for 3W steps past the window, on the
+    GGUF's weights; an engine resumes turns bit-identically to their cold runs."""
+    path, _ = gemma4_gguf
+    loaded = from_gguf(path)
+    assert isinstance(Engine(loaded, EngineOptions(16, 1)).decoder.eager_step, Gemma4Step)
+    decodes_the_forwards_bits(loaded, 0.0)
+    turns_resume_as_cold(make_engine(from_gguf(path), 16, max_sessions=16, mode="exact"))
+
+
+def test_a_gemma4_gguf_memras_reader_cannot_place_is_refused_by_name(gemma4_gguf, tmp_path):
+    """A mixture-of-experts tensor (which memra's table does not name) is refused before the wait
+    and at the load, by name."""
+    from tiny import build_gemma4, build_tokenizer
+    from tiny_gguf import write_gemma4_gguf
+
     from memrad.engine.model.preflight import inspect_gguf
     from memrad.engine.model.pull import ModelUnavailable
 
-    with pytest.raises(ModelUnavailable) as refused:
-        inspect_gguf(gemma4_gguf, 0, torch.bfloat16)
-    said = str(refused.value)
-    assert "gemma4 GGUF whose layout transformers' GGUF loader does not read" in said
-    for lost in ("attention.sliding_window_pattern: the GGUF's [True, True, False, True, True, False], "
-                 "transformers' [True, True, True, True, True, False]",
-                 "attention.shared_kv_layers: the GGUF's 2, transformers' 0",
-                 "embedding_length_per_layer_input: the GGUF's 8, transformers' 256",
-                 "attention.key_length_swa: the GGUF's 16, transformers' 256",
-                 "final_logit_softcapping: the GGUF's 30.0, transformers' None",
-                 "per_layer_token_embd rows: the GGUF's"):
-        assert lost in said, said
-    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
-    with pytest.raises(ModelUnavailable, match="transformers cannot load"):  # the load itself, were it asked
-        load_model(str(gemma4_gguf), device="cpu", dtype="bfloat16", progress=lambda _: None)
+    tokenizer = build_tokenizer()
+    experts = write_gemma4_gguf(tmp_path / "experts.gguf", build_gemma4(len(tokenizer)), tokenizer,
+                                extra=[("blk.0.ffn_gate_inp.weight", [[0.0] * 64] * 4)])
+    with pytest.raises(ModelUnavailable, match="tensors memra's reader does not place: blk.0.ffn_gate_inp.weight"):
+        inspect_gguf(experts, 0, torch.bfloat16)
+    with pytest.raises(ModelUnavailable, match="blk.0.ffn_gate_inp.weight"):
+        from_gguf(experts)
+
+
+def test_a_config_without_the_files_layout_is_named_key_by_key(gemma4_gguf):
+    """What preflight refuses a gemma4 GGUF on where a config came out other than the file says:
+    none for the tiny model's own config, every layout key for the defaults transformers' loader
+    would keep (it reads none of them)."""
+    from transformers import Gemma4TextConfig
+
+    from memrad.engine.model.gguf_header import read_header
+    from memrad.engine.model.preflight import gemma4_layout_lost
+
+    path, model = gemma4_gguf
+    header = read_header(path)
+    assert gemma4_layout_lost(header, model.config) == []
+    lost = gemma4_layout_lost(header, Gemma4TextConfig(vocab_size=len(model.model.embed_tokens.weight)))
+    assert [line.split(":")[0] for line in lost] == [
+        "attention.sliding_window_pattern", "attention.shared_kv_layers", "embedding_length_per_layer_input",
+        "attention.key_length_swa", "rope.freq_base", "rope.freq_base_swa", "final_logit_softcapping",
+        "per_layer_token_embd rows"]
+    assert "attention.shared_kv_layers: the GGUF's 2, the config's 0" in lost

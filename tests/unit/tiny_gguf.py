@@ -211,13 +211,19 @@ def tiny_gguf(folder: Path, arch: str) -> tuple[Path, object]:
     return write_gguf(folder / f"tiny-{arch}.gguf", model, tokenizer), model
 
 
-def write_gemma4_gguf(path: Path, model, tokenizer) -> Path:
-    """The tiny Gemma 4 of tests/unit/tiny.py (`build_gemma4`) as llama.cpp lays a gemma4 GGUF out:
-    transformers' tensor names mapped by its own map (F32; the embedding Q8_0, the model's weight
-    set to what it dequantizes to), the fields transformers' loader reads and the layout keys it
-    does not (sliding-window pattern, KV-shared layers, per-layer input width, the sliding layers'
-    head dim, both rope bases, the final soft-cap). Its widths are not whole k-quant super-blocks:
-    it exists to show what the loader makes of such a header (memrad.engine.model.preflight)."""
+def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = ()) -> Path:
+    """The tiny Gemma 4 of tests/unit/tiny.py (`build_gemma4`) as llama.cpp's converter
+    (convert_hf_to_gguf.py, Gemma4Model) lays a gemma4 GGUF out: the fields transformers' loader
+    reads and the layout keys it does not (sliding-window pattern, KV-shared layers, per-layer input
+    width, both kinds' key and value lengths, KV heads per layer, both rope bases and rotary widths,
+    the final soft-cap), the full layers' proportional rope as a `rope_freqs` tensor (1 for a pair
+    that turns, 1e30 for one that does not); transformers' tensor names mapped by its own map (they
+    are llama.cpp's), the layer scalar as `layer_output_scale.weight`, norms unshifted (llama.cpp's
+    Gemma 4 norm shift is 0) and embeddings unscaled. Matrices whose rows are whole Q8_0 blocks
+    (32 weights) Q8_0, the rest F32; the model's weights are set to what every tensor dequantizes
+    to (mutates `model`), so the written model is exactly what the GGUF holds. Its widths are not
+    whole k-quant super-blocks. `extra`: (name, float array) tensors written F32 besides (a layout
+    memra's reader refuses)."""
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
     config, arch = model.config, "gemma4"
@@ -229,28 +235,38 @@ def write_gemma4_gguf(path: Path, model, tokenizer) -> Path:
     for key, value in (("context_length", config.max_position_embeddings), ("block_count", config.num_hidden_layers),
                        ("feed_forward_length", config.intermediate_size), ("embedding_length", config.hidden_size),
                        ("attention.key_length", layers[full].head_dim),
+                       ("attention.value_length", layers[full].head_dim),
                        ("attention.head_count", config.num_attention_heads),
-                       ("attention.head_count_kv", layers[sliding].num_key_value_heads),
-                       ("attention.sliding_window", config.sliding_window), ("vocab_size", config.vocab_size)):
+                       ("attention.sliding_window", config.sliding_window), ("vocab_size", config.vocab_size),
+                       ("rope.dimension_count", layers[full].head_dim)):
         writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_head_count_kv([layers[layer].num_key_value_heads for layer in range(config.num_hidden_layers)])
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
     writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
     writer.add_shared_kv_layers(config.num_kv_shared_layers)
     writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input)
     writer.add_key_length_swa(layers[sliding].head_dim)
+    writer.add_value_length_swa(layers[sliding].head_dim)
+    writer.add_rope_dimension_count_swa(layers[sliding].head_dim)
     writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
     writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
     writer.add_final_logit_softcapping(config.final_logit_softcapping)
     _write_tokenizer(writer, tokenizer)
+    pairs = layers[full].head_dim // 2
+    turning = int(pairs * config.rope_parameters["full_attention"]["partial_rotary_factor"])
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (pairs - turning), dtype=np.float32))
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for gguf_name, hf_name in get_gguf_hf_weights_map(model, TensorProcessor()).items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         target = tensors[hf_name].detach()
-        kind = T.Q8_0 if gguf_name.startswith("token_embd") else T.F32
+        kind = T.Q8_0 if target.dim() == 2 and target.shape[-1] % 32 == 0 else T.F32
         raw = _encode(target.float().numpy(), kind, np.random.default_rng(0))
         target.copy_(torch.from_numpy(quants.dequantize(raw, kind).reshape(target.shape)))
-        writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=kind)
+        name = gguf_name if gguf_name.endswith(".weight") else f"{gguf_name}.weight"  # layer_output_scale
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+    for name, values in extra:
+        writer.add_tensor(name, np.asarray(values, dtype=np.float32))
     return finish_gguf(writer, path)
 
 

@@ -70,6 +70,15 @@ def install(model, mode: str = "auto") -> Choice:
     return choice
 
 
+def _head_dims(config) -> list[int]:
+    """Every layer's head dim: a heterogeneous config (Gemma 4's per_layer_config) has one a layer
+    and refuses a global `head_dim`."""
+    layers = getattr(config, "per_layer_config", None)
+    if layers:
+        return [layers[layer].head_dim for layer in range(config.num_hidden_layers)]
+    return [getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads]
+
+
 def _why_not(model) -> str | None:
     """Why memra's kernel cannot serve this model here, or None."""
     config = model.config
@@ -84,8 +93,8 @@ def _why_not(model) -> str | None:
         return bf16.reason
     if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", NAME):
         return f"the model was loaded with {config._attn_implementation} attention"
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim % 32:
+    head_dim = next((dim for dim in _head_dims(config) if dim % 32), None)
+    if head_dim is not None:
         return f"head dim {head_dim} is not a multiple of 32"
     return kernel.load()
 

@@ -16,6 +16,7 @@ Little-endian GGUF v2 and v3 only (what llama.cpp writes); anything else is refu
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class TensorInfo:
     name: str  # llama.cpp's name, e.g. "blk.3.attn_q.weight"
     shape: tuple[int, ...]  # as GGUF lists it: innermost (row length) first
     kind: str  # GGMLQuantizationType name: "Q4_K", "Q8_0", "F32", ...
+    offset: int = 0  # its bytes' start in the file
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,20 @@ class _Cursor:
         return self.unpack(_SCALARS[kind])
 
 
+def read_f32(path: Path, tensor: TensorInfo) -> tuple[float, ...]:
+    """The values of a small F32 tensor of the GGUF at `path` (e.g. Gemma 4's rope_freqs), read
+    without gguf-py's reader (which parses the whole vocabulary first)."""
+    if tensor.kind != "F32":
+        raise ModelUnavailable(f"{path}: {tensor.name} is {tensor.kind}, where memrad reads it as F32")
+    count = math.prod(tensor.shape)
+    with open(path, "rb") as handle:
+        handle.seek(tensor.offset)
+        data = handle.read(4 * count)
+    if len(data) != 4 * count:
+        raise ModelUnavailable(f"{path} ends inside {tensor.name}")
+    return struct.unpack(f"<{count}f", data)
+
+
 def read_header(path: Path) -> GGUFHeader:
     """The fields and tensor list of the GGUF at `path` (raises ModelUnavailable if it is not one)."""
     try:
@@ -123,8 +139,10 @@ def read_header(path: Path) -> GGUFHeader:
                 name = cursor.string()
                 shape = tuple(cursor.unpack("<Q") for _ in range(cursor.unpack("<I")))
                 kind = GGMLQuantizationType(cursor.unpack("<I")).name
-                cursor.unpack("<Q")  # offset into the data section: not needed here
-                tensors.append(TensorInfo(name, shape, kind))
+                tensors.append(TensorInfo(name, shape, kind, cursor.unpack("<Q")))  # offset into the data section
+            alignment = int(fields.get("general.alignment", 32))
+            start = -(-cursor.at // alignment) * alignment  # the data section follows, aligned
+            tensors = [TensorInfo(t.name, t.shape, t.kind, start + t.offset) for t in tensors]
     except (struct.error, ValueError, OSError) as exc:
         raise ModelUnavailable(f"{path}: cannot read its GGUF header ({exc})") from exc
     return GGUFHeader(fields, tuple(tensors))

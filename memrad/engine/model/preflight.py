@@ -15,11 +15,11 @@ under a second) and a model built on the meta device (no weights, no memory):
 
 Refused here, with the reason: architectures transformers' GGUF loader does not read, and the
 Mamba-1 family (Mamba, FalconMamba, Jamba), whose multi-token forward ignores cached recurrent
-state in transformers 5.x, so chunked prefill and resumed turns would be silently wrong; and a
-Gemma 4 GGUF whose layout keys (layer pattern, KV-shared layers, per-layer input width, sliding
-head dim, rope bases, final soft-cap) differ from the defaults transformers' loader assumes for
-them, since it reads none of them (`gemma4_layout_lost`): such a model would fail to load on
-mismatched shapes or, where the shapes agree, load as another model.
+state in transformers 5.x, so chunked prefill and resumed turns would be silently wrong. A Gemma 4
+GGUF's layout keys (layer pattern, KV-shared layers, per-layer input width, sliding head dim, rope
+bases, final soft-cap), which transformers' loader reads none of, are read by memra
+(memrad.engine.model.gguf_gemma4); such a file is refused only where one comes out other than
+the file says (`gemma4_layout_lost`) or it ships a tensor memra's reader does not place.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from memrad.engine.model import context as served_context
+from memrad.engine.model import gguf_fill, gguf_gemma4
 from memrad.engine.model.context import ServedContext
 from memrad.engine.model.gguf_header import GGUFHeader, LongArray, read_header
 from memrad.engine.model.hardware import Choice
@@ -46,8 +47,8 @@ _RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_os
 _TEXT_ONLY = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}  # GGUFs hold the text backbone only
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 _EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight")  # a mixture's 3-D expert tensors
-# Gemma 4's layout keys that transformers' GGUF loader (5.24) does not read: (llama.cpp's key,
-# what the config it builds has instead, in the key's terms).
+# Gemma 4's layout keys that transformers' GGUF loader (5.24) does not read and memra's reader does
+# (memrad.engine.model.gguf_gemma4): (llama.cpp's key, what the built config has, in the key's terms).
 _GEMMA4_LAYOUT = (
     ("attention.sliding_window_pattern", lambda c: [kind == "sliding_attention" for kind in c.layer_types]),
     ("attention.shared_kv_layers", lambda c: c.num_kv_shared_layers),
@@ -194,24 +195,37 @@ def gguf_config(header: GGUFHeader, path: Path) -> Any:
             values["norm_eps"] = values.pop("rms_norm_eps")
     if name == "gpt_oss":
         values.update(gpt_oss_fields(header))
+    if name == "gemma4":  # the layout transformers' mapping misses (memrad.engine.model.gguf_gemma4)
+        values.update(gguf_gemma4.config_fields(header, path))
     model_type = _TEXT_ONLY.get(values.get("model_type", name), values.get("model_type", name))
     values["model_type"] = model_type
     try:
         config = CONFIG_MAPPING[model_type].from_dict(values)
     except (KeyError, ValueError, TypeError) as exc:
         raise ModelUnavailable(f"{path}: transformers cannot make a {model_type} config of its header: {exc}") from exc
-    lost = gemma4_layout_lost(header, config) if model_type == "gemma4_text" else []
-    if lost:
-        raise ModelUnavailable(
-            f"{path} is a gemma4 GGUF whose layout transformers' GGUF loader does not read, so it would build "
-            f"another model: {'; '.join(lost)}")
+    if model_type == "gemma4_text":
+        refuse_unread_gemma4(header, config, path)
     return config
 
 
+def refuse_unread_gemma4(header: GGUFHeader, config: Any, path: Path) -> None:
+    """ModelUnavailable for a gemma4 GGUF memra's reader would not load as the file's model: a
+    layout key its config came out without (`gemma4_layout_lost`), or a tensor its table does not
+    place (memrad.engine.model.gguf_gemma4.TABLE: a mixture of experts), each by name."""
+    lost = gemma4_layout_lost(header, config)
+    if lost:
+        raise ModelUnavailable(f"{path} is a gemma4 GGUF whose layout memra's reader does not read, so it would "
+                               f"build another model: {'; '.join(lost)}")
+    unplaced = gguf_fill.unplaced(gguf_gemma4.TABLE, (tensor.name for tensor in header.tensors))
+    if unplaced:
+        raise ModelUnavailable(f"{path} is a gemma4 GGUF with tensors memra's reader does not place: "
+                               f"{', '.join(unplaced[:4])}" + (f" and {len(unplaced) - 4} more" if len(unplaced) > 4 else ""))
+
+
 def gemma4_layout_lost(header: GGUFHeader, config: Any) -> list[str]:
-    """Each Gemma 4 layout key of `header` whose value differs from what the config transformers'
-    loader builds has (`_GEMMA4_LAYOUT`; and the per-layer embedding's rows), as "key: the GGUF's
-    X, transformers' Y"; empty where the GGUF's layout is transformers' defaults."""
+    """Each Gemma 4 layout key of `header` whose value differs from what `config` has
+    (`_GEMMA4_LAYOUT`; and the per-layer embedding's rows), as "key: the GGUF's X, the config's Y";
+    empty where the config is the file's layout (as memra's reader builds it)."""
     arch, lost = header.architecture, []
     for key, built in _GEMMA4_LAYOUT:
         value = header.fields.get(f"{arch}.{key}")
@@ -220,10 +234,10 @@ def gemma4_layout_lost(header: GGUFHeader, config: Any) -> list[str]:
         value = [bool(v) for v in value] if isinstance(value, (list, tuple)) else value
         theirs = built(config)
         if value != theirs and not (isinstance(value, float) and theirs is not None and abs(value - theirs) < 1e-3):
-            lost.append(f"{key}: the GGUF's {value}, transformers' {theirs}")
+            lost.append(f"{key}: the GGUF's {value}, the config's {theirs}")
     rows = next((t.shape[-1] for t in header.tensors if t.name == "per_layer_token_embd.weight"), None)
     if rows is not None and rows != config.vocab_size_per_layer_input:
-        lost.append(f"per_layer_token_embd rows: the GGUF's {rows}, transformers' {config.vocab_size_per_layer_input}")
+        lost.append(f"per_layer_token_embd rows: the GGUF's {rows}, the config's {config.vocab_size_per_layer_input}")
     return lost
 
 

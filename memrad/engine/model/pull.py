@@ -283,12 +283,14 @@ def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print, entr
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from memrad.engine.model import gguf_gpt_oss
+    from memrad.engine.model import gguf_fill
     from memrad.engine.model.gguf_header import read_header
 
-    if gguf_gpt_oss.is_gpt_oss(read_header(gguf_path).architecture):  # transformers' loader cannot place its tensors
-        progress(f"converting {gguf_path.name} with memra's gpt-oss reader (transformers' cannot read its experts)")
-        model, tokenizer = gguf_gpt_oss.load(gguf_path)
+    own = gguf_fill.own_table(read_header(gguf_path).architecture)  # transformers' loader cannot place its tensors
+    if own is not None:
+        table, why = own
+        progress(f"converting {gguf_path.name} with memra's {table.architecture} reader ({why})")
+        model, tokenizer = gguf_fill.load(gguf_path, table)
         return publish_converted(model, tokenizer, gguf_path, target, progress, entry)
     progress(f"converting {gguf_path.name} with transformers (about 20 s)")
     folder, name = str(gguf_path.parent), gguf_path.name
