@@ -9,7 +9,11 @@ already past the window (fp32 held to 1e-6, what the fused matmuls may move); dr
 forward has (the per-layer inputs, a KV-shared layer's producer) changes the bits; the batched
 step gives a row the same bits at any neighbours and alone, and the one-row step's, step after
 step past the window; an engine resumes turns bit-identically to their cold runs, eager and
-compiled (one-row and batched packages).
+compiled (one-row and batched packages). From a GGUF as llama.cpp lays it out (tests/unit/tiny_gguf.py:
+write_gemma4_gguf), which transformers 5.24's loader cannot read (pinned), memra's reader
+(memrad.engine.model.gguf_gemma4) loads the file's weights bit for bit and the tiny layout, on which
+the step decodes the forward's bf16 bits and turns resume as cold; a tensor it does not place, or a
+layout key a config came out without, is named.
 """
 
 import pytest
@@ -243,8 +247,8 @@ def test_a_gemma4_gguf_loads_on_memras_reader_as_the_tiny_model(gemma4_gguf):
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     shipped = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
     q = shipped["blk.2.attn_q.weight"]
-    assert q.tensor_type.name == "Q8_0" and torch.equal(
-        loaded.model.model.layers[2].self_attn.q_proj.weight, torch.from_numpy(dequantize(q.data, q.tensor_type).copy()))
+    assert q.tensor_type.name == "Q8_0" and torch.equal(loaded.model.model.layers[2].self_attn.q_proj.weight,
+                                                        torch.from_numpy(dequantize(q.data, q.tensor_type).copy()))
     assert float(loaded.model.model.layers[3].layer_scalar) == float(shipped["blk.3.layer_output_scale.weight"].data[0])
     config, tiny = loaded.model.config, model.config
     for field in ("layer_types", "num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input",

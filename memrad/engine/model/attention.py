@@ -74,9 +74,9 @@ def _head_dims(config) -> list[int]:
     """Every layer's head dim: a heterogeneous config (Gemma 4's per_layer_config) has one a layer
     and refuses a global `head_dim`."""
     layers = getattr(config, "per_layer_config", None)
-    if layers:
-        return [layers[layer].head_dim for layer in range(config.num_hidden_layers)]
-    return [getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads]
+    per_layer = ([getattr(layers[layer], "head_dim", None) for layer in range(config.num_hidden_layers)] if layers
+                 else [getattr(config, "head_dim", None)])
+    return [dim or config.hidden_size // config.num_attention_heads for dim in per_layer]
 
 
 def _why_not(model) -> str | None:

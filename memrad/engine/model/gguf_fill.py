@@ -133,5 +133,9 @@ def fill(model: Any, tensors: Any, source: Path, table: Table) -> None:
     whole = {(None, None)}, {(0, 2), (1, 2)}
     missing = sorted(name for name in targets if filled.get(name) not in whole)
     if missing:
-        raise ModelUnavailable(f"{source} fills no tensor for {', '.join(missing[:4])}"
-                               + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+        raise ModelUnavailable(f"{source} fills no tensor for {named(missing)}")
+
+
+def named(names: list[str]) -> str:
+    """The first four of `names` and how many more."""
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")

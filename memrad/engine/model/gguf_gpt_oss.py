@@ -22,7 +22,8 @@ converter laid them out:
 
 The table is filled by memrad.engine.model.gguf_fill (shared with Gemma 4's reader): a file with
 a tensor it does not name, a tensor of another shape, or a parameter no tensor fills is refused
-(ModelUnavailable), so a layout memra does not know never loads as half-initialised weights. The float32 model then goes through the same publish as every GGUF
+(ModelUnavailable), so a layout memra does not know never loads as half-initialised weights.
+The float32 model then goes through the same publish as every GGUF
 (memrad.engine.model.pull.publish_converted: reload checked, block caches, marker).
 """
 

@@ -219,7 +219,7 @@ def refuse_unread_gemma4(header: GGUFHeader, config: Any, path: Path) -> None:
     unplaced = gguf_fill.unplaced(gguf_gemma4.TABLE, (tensor.name for tensor in header.tensors))
     if unplaced:
         raise ModelUnavailable(f"{path} is a gemma4 GGUF with tensors memra's reader does not place: "
-                               f"{', '.join(unplaced[:4])}" + (f" and {len(unplaced) - 4} more" if len(unplaced) > 4 else ""))
+                               f"{gguf_fill.named(unplaced)}")
 
 
 def gemma4_layout_lost(header: GGUFHeader, config: Any) -> list[str]:
