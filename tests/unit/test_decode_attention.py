@@ -83,19 +83,23 @@ def test_rows_in_one_call_have_the_bits_each_row_has_alone(heads, group, dim, dt
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            together = torch.ops.memra.decode_attention_rows(
-                q, [k[:, :, :n] for (k, _), n in zip(slabs, lengths)],
-                [v[:, :, :n] for (_, v), n in zip(slabs, lengths)], dim ** -0.5)
+            together = torch.ops.memra.decode_attention_rows(  # whole slabs: the rows past a length are stale
+                q, [k for k, _ in slabs], [v for _, v in slabs], lengths, dim ** -0.5)
             assert together.shape == q.shape and together.dtype == dtype
             assert all(torch.equal(together[r : r + 1], alone[r]) for r in range(len(lengths)))
     finally:
         torch.set_num_threads(before)
 
 
-def test_rows_refuse_a_row_count_the_keys_do_not_have():
+def test_rows_refuse_counts_and_lengths_the_keys_do_not_have():
     keys, values = slab(3, 8, 64, torch.bfloat16, seed=3)
-    with pytest.raises(RuntimeError, match="takes q \\[B, H_kv, G, D\\] and B keys and values"):
-        torch.ops.memra.decode_attention_rows(torch.randn(2, 3, 3, 64).to(torch.bfloat16), [keys], [values], 0.125)
+    q = torch.randn(2, 3, 3, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="takes q \\[B, H_kv, G, D\\] and B keys, values and lengths"):
+        torch.ops.memra.decode_attention_rows(q, [keys], [values], [8], 0.125)
+    with pytest.raises(RuntimeError, match="a length past its keys' rows"):
+        torch.ops.memra.decode_attention_rows(q, [keys, keys], [values, values], [8, 25], 0.125)
+    with pytest.raises(RuntimeError, match="no rows to attend"):
+        torch.ops.memra.decode_attention_rows(q, [keys, keys], [values, values], [8, 0], 0.125)
 
 
 def test_mismatched_inputs_are_refused_with_what_is_wrong():

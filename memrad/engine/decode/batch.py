@@ -116,8 +116,7 @@ def attend_rows(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
     values[r] [1, H_kv, capacity, D]: each row as `attend` gives it alone. With `kernel`, one call
     of memra's op for every row (memrad.engine.kernels.decode_attention); otherwise torch's, row by row."""
     if kernel:
-        return torch.ops.memra.decode_attention_rows(
-            q, [k[:, :, :n] for k, n in zip(keys, lengths)], [v[:, :, :n] for v, n in zip(values, lengths)], scale)
+        return torch.ops.memra.decode_attention_rows(q, keys, values, lengths, scale)
     return torch.cat([attend(q[r : r + 1], keys[r], values[r], lengths[r], scale) for r in range(q.shape[0])])
 
 

@@ -56,6 +56,6 @@ def _shape_of_output(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return torch.empty_like(q)  # [1, H_kv, G, D]: what torch.compile traces the op as
 
 
-def _shape_of_rows_output(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+def _shape_of_rows_output(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list,
                           scale: float) -> torch.Tensor:
     return torch.empty_like(q)  # [B, H_kv, G, D]

@@ -147,7 +147,8 @@ class _GemmaLayer(_Layer):
         seen = [write_and_attended(positions[r : r + 1], k[r : r + 1], v[r : r + 1], keys[r], values[r], lengths[r],
                                    self.window) for r in range(batch)]
         return torch.ops.memra.decode_attention_rows(q.view(batch, h_kv, self.heads // h_kv, d),
-                                                     [rows for rows, _ in seen], [rows for _, rows in seen], self.scale)
+                                                     [rows for rows, _ in seen], [rows for _, rows in seen],
+                                                     [rows.shape[2] for rows, _ in seen], self.scale)
 
     def write_row(self, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
                   value_rows: torch.Tensor) -> None:
