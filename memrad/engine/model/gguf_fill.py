@@ -61,28 +61,13 @@ class Table:
         return Place(f"model.layers.{block['layer']}.{at.name}", at.columns, at.transposed)
 
 
-def own_table(architecture: str) -> tuple[Table, str] | None:
-    """(memra's table for the GGUF `architecture`, why transformers' loader is not used), or None
-    where transformers' loader reads the file."""
-    from memrad.engine.model import gguf_gemma4, gguf_gpt_oss
-
-    for reader in (gguf_gpt_oss, gguf_gemma4):
-        if reader.TABLE.architecture == architecture:
-            return reader.TABLE, reader.WHY
-    return None
-
-
-def load(gguf_path: Path, table: Table) -> tuple[Any, Any]:
+def load(gguf_path: Path, table: Table, config: Any) -> tuple[Any, Any]:
     """(the model of `gguf_path` in float32 with the file's weights dequantised, its tokenizer):
-    the config from the header (memrad.engine.model.preflight.gguf_config), the tokenizer with
+    `config` read from the header (memrad.engine.model.preflight.gguf_config), the tokenizer with
     transformers' GGUF tokenizer reader (which needs no config), every weight by `table`."""
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from memrad.engine.model.gguf_header import read_header
-    from memrad.engine.model.preflight import gguf_config
-
-    config = gguf_config(read_header(gguf_path), gguf_path)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     fill(model, GGUFReader(gguf_path).tensors, gguf_path, table)

@@ -277,6 +277,17 @@ def converted_dir_for(gguf_path: Path) -> Path:
     return models_dir() / f"{gguf_path.stem}-{digest}"
 
 
+def _own_table(architecture: str):
+    """(memra's table for the GGUF `architecture`, why transformers' loader is not used), or None
+    where transformers' loader reads the file (memrad.engine.model.gguf_fill fills by a table)."""
+    from memrad.engine.model import gguf_gemma4, gguf_gpt_oss
+
+    for reader in (gguf_gpt_oss, gguf_gemma4):
+        if reader.TABLE.architecture == architecture:
+            return reader.TABLE, reader.WHY
+    return None
+
+
 def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print, entry: NamedModel | None = None) -> Path:
     """Dequantize a GGUF into a safetensors folder, verify the reload is bit-identical, and
     publish it at `target` (with `entry`'s template, for a catalog row)."""
@@ -285,12 +296,14 @@ def convert_gguf(gguf_path: Path, target: Path, progress: Progress = print, entr
 
     from memrad.engine.model import gguf_fill
     from memrad.engine.model.gguf_header import read_header
+    from memrad.engine.model.preflight import gguf_config
 
-    own = gguf_fill.own_table(read_header(gguf_path).architecture)  # transformers' loader cannot place its tensors
+    header = read_header(gguf_path)
+    own = _own_table(header.architecture)  # transformers' loader cannot place its tensors
     if own is not None:
         table, why = own
         progress(f"converting {gguf_path.name} with memra's {table.architecture} reader ({why})")
-        model, tokenizer = gguf_fill.load(gguf_path, table)
+        model, tokenizer = gguf_fill.load(gguf_path, table, gguf_config(header, gguf_path))
         return publish_converted(model, tokenizer, gguf_path, target, progress, entry)
     progress(f"converting {gguf_path.name} with transformers (about 20 s)")
     folder, name = str(gguf_path.parent), gguf_path.name
