@@ -65,7 +65,7 @@ def shipped(gguf_path: Path, model: Any) -> dict[str, Parts]:
         match = _EXPERTS.fullmatch(tensor.name)
         if match and tensor.tensor_type.name == KIND:  # data: [E, rows, row bytes]
             found.setdefault(f"model.layers.{match['layer']}.mlp.experts", {})[match["part"]] = torch.from_numpy(
-                np.ascontiguousarray(tensor.data))
+                np.array(tensor.data))  # a copy: the reader's memory map is read-only
     modules = dict(model.named_modules())
     kept = {}
     for name, parts in found.items():

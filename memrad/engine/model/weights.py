@@ -37,6 +37,8 @@ and torch build, stamped with the block files they were made from: new blocks, n
                                     header: "kinds", every Linear's GGUF type
     memra-k-blocks.safetensors      {layer}.Q4_K / .Q5_K / .Q6_K      its k-quant tensors' bytes
                                                                       as shipped (maybe none)
+    memra-expert-blocks.safetensors {layer}.mlp.experts.gate_up.MXFP4 gpt-oss's MXFP4 experts as
+                                    / .down.MXFP4                     shipped (memrad.engine.model.block_experts)
     memra-int4-{device}-{dtype}-torch{version}.safetensors
                                     {layer}.packed/.scales_and_zeros  Int4Linear
                                     {head}.q8_packed/.q8_scales_and_zeros  Q8Linear

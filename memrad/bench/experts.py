@@ -1,0 +1,32 @@
+"""gpt-oss's experts for one token, dense against their MXFP4 blocks: `memrad bench experts`.
+
+    memrad bench experts [--dtype bfloat16] [--reps 64] [--threads 1] [--shape tiny wide]
+
+What it runs and why: memrad.engine.decode.expert_speed (one random layer's sparse block). Prints
+one row per shape: ms a token dense and on the blocks, their ratio, and the bytes a token reads
+of the experts each way.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str]) -> int:
+    from memrad.engine.decode.expert_speed import SHAPES, measure
+
+    parser = argparse.ArgumentParser(prog="memrad bench experts", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--reps", type=int, default=64, help="tokens timed per arm")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--shape", nargs="*", choices=tuple(SHAPES), default=list(SHAPES))
+    args = parser.parse_args(argv)
+    print(f"dtype={args.dtype} threads={args.threads} reps={args.reps} (median ms a token, one layer)")
+    print(f"{'shape':6} {'hidden x width, top k of E':>27} {'dense ms':>9} {'blocks ms':>9} {'ratio':>6}  "
+          "experts' bytes a token: dense, as shipped")
+    for shape in args.shape:
+        speed = measure(shape, args.dtype, args.reps, args.threads)
+        hidden, width, count, top_k = SHAPES[shape]
+        print(f"{shape:6} {f'{hidden} x {width}, {top_k} of {count}':>27} {speed.dense_ms:9.3f} {speed.blocks_ms:9.3f} "
+              f"{speed.ratio:5.1f}x  {speed.dense_bytes:,}, {speed.shipped_bytes:,}")
+    return 0
