@@ -416,3 +416,16 @@ def test_the_compiled_gpt_oss_step_resumes_bit_identical_and_decodes_as_the_eage
         ours, theirs = (primed(loaded, engine.new_cache(), prompt) for _ in range(2))
         a, b = decoder.feeder()(ours, 7, len(prompt)), eager(theirs, 7, len(prompt))
         assert float((a - b).abs().max()) <= 0.0625, (len(prompt), float((a - b).abs().max()))  # bf16 rounding
+
+
+@needs_blocks
+@pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
+def test_the_compiled_gpt_oss_step_on_the_experts_blocks_resumes_bit_identical(gguf):
+    """compile = on from the GGUF: the one-row package exports the chosen experts' blocks (each
+    expert's id an unbacked size from `.item()`, as Qwen3-Next's) and opens (about 2 minutes on a
+    shared 2-core machine), and turns resume on it bit-identical to their cold runs."""
+    loaded = from_gguf(gguf[0])
+    assert isinstance(loaded.model.model.layers[0].mlp, BlockMoE)
+    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on")
+    compiled_turns_equal_cold(engine)
+    assert isinstance(engine.decoder.step, PackagedStep)

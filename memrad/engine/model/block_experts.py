@@ -171,15 +171,17 @@ class BlockMoE(nn.Module):
         """The k experts `ids` [k] of one token h [1, H] on their blocks, summed with `weights` [k]: [1, H]."""
         experts = self.experts
         ids, at = torch.sort(ids)  # ascending expert id, as transformers' loop over the hit experts
+        weights = weights.index_select(0, at)  # [k], in that order
         total = torch.zeros_like(h)
         for j in range(ids.shape[0]):
             e = ids[j].item()
             torch._check(e >= 0)  # so export may index with it (a data-dependent size)
             torch._check(e < self.gate_up_blocks.shape[0])
             gate_up = torch.ops.memra.block_gemv(h, self.gate_up_blocks.select(0, e), MXFP4)  # [1, 2I]
-            act = experts._apply_gate(gate_up + experts.gate_up_proj_bias[e])  # [1, I]
-            out = torch.ops.memra.block_gemv(act, self.down_blocks.select(0, e), MXFP4) + experts.down_proj_bias[e]
-            total = total + (out * weights[at[j]]).to(h.dtype)
+            act = experts._apply_gate(gate_up + experts.gate_up_proj_bias.select(0, e))  # [1, I]
+            out = torch.ops.memra.block_gemv(act, self.down_blocks.select(0, e), MXFP4)  # [1, H]
+            out = out + experts.down_proj_bias.select(0, e)
+            total = total + (out * weights[j]).to(h.dtype)
         return total
 
     def extra_repr(self) -> str:
