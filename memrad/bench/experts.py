@@ -9,18 +9,14 @@ of the experts each way.
 
 from __future__ import annotations
 
-import argparse
+from memrad.bench.arch_steps import tiny_arguments
 
 
 def main(argv: list[str]) -> int:
     from memrad.engine.decode.expert_speed import SHAPES, measure
 
-    parser = argparse.ArgumentParser(prog="memrad bench experts", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--reps", type=int, default=64, help="tokens timed per arm")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--shape", nargs="*", choices=tuple(SHAPES), default=list(SHAPES))
-    args = parser.parse_args(argv)
+    args = tiny_arguments(argv, "memrad bench experts", __doc__, ("--reps", "tokens timed per arm"),
+                          ("--shape", tuple(SHAPES)))
     print(f"dtype={args.dtype} threads={args.threads} reps={args.reps} (median ms a token, one layer)")
     print(f"{'shape':6} {'hidden x width, top k of E':>27} {'dense ms':>9} {'blocks ms':>9} {'ratio':>6}  "
           "experts' bytes a token: dense, as shipped")

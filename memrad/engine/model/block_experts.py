@@ -127,7 +127,7 @@ def count(folder: Path) -> int:
 def install(model: Any, folder: Path) -> int:
     """Make every sparse block whose experts the folder keeps as blocks a BlockMoE (in place);
     returns how many. Requires memra's block kernel (memrad.engine.kernels.block_gemv.why_not() is None)."""
-    count = 0
+    installed = 0
     for name, parts in load(folder).items():
         parent_name = name.removesuffix(".experts")
         mlp = model.get_submodule(parent_name)
@@ -136,8 +136,8 @@ def install(model: Any, folder: Path) -> int:
             continue
         owner, _, attribute = parent_name.rpartition(".")
         setattr(model.get_submodule(owner), attribute, BlockMoE(mlp, parts["gate_up"], parts["down"]))
-        count += 1
-    return count
+        installed += 1
+    return installed
 
 
 def _fits(experts: nn.Module, parts: Parts) -> bool:
