@@ -41,6 +41,8 @@ from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.kernels import block_gemv
 from memrad.engine.model.block_experts import BlockMoE
+from memrad.engine.model.block_linear import BlockLinear
+from memrad.engine.model.quant import Q8Linear
 from memrad.engine.model.loader import load_model
 from stories import make_engine
 from test_batching import in_flight_together_as_alone, rows_are_their_own
@@ -134,6 +136,10 @@ def test_a_gpt_oss_gguf_loads_on_memras_reader_with_the_files_weights(gguf):
         assert "mlp.experts.down_proj MXFP4 x4: MXFP4 blocks (memra block kernel" in loaded.tensors.reason
         assert "MXFP4 blocks 8" in loaded.tensors.value
         assert "16 Q8_0 / Q5_0 layers and 4 layers' MXFP4 experts from the GGUF" in loaded.weights.reason
+    # the Q8_0 attention runs as shipped under auto (int4 hi|lo or memra's blocks, as kernel_choice picks), not dense
+    attention = loaded.model.model.layers[0].self_attn
+    assert all(isinstance(proj, (Q8Linear, BlockLinear)) for proj in (attention.q_proj, attention.o_proj))
+    assert "self_attn.q_proj Q8_0 x4: dense" not in loaded.tensors.reason
     dense = from_gguf(path, "float32", weights="float")
     assert ("mlp.experts.gate_up_proj MXFP4 x4: dense float32 (3-D expert tensors, dequantised: no packed form; "
             f"a token reads {4 * 2 * 64 * 64 * 4:,} B of them ({4 * 2 * 64 * 64 // 32 * 17:,} B as shipped))"
