@@ -68,6 +68,40 @@ def test_the_bits_do_not_depend_on_the_thread_count():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,group,dim", SHAPES)
+def test_rows_in_one_call_have_the_bits_each_row_has_alone(heads, group, dim, dtype):
+    """The batched step's call: row r over its own slab and length, the one-row op's bits for it at
+    any neighbours, any thread count; rows sharing a slab (a verify run) included."""
+    lengths = [1, 257, 40, 41, 1000, 3]
+    slabs = [slab(heads, n, dim, dtype, seed=n + r) for r, n in enumerate(lengths)]
+    slabs[3] = slabs[2]  # rows 2 and 3: one run on one slab, at consecutive lengths
+    q = torch.randn(len(lengths), heads, group, dim).to(dtype)
+    alone = [torch.ops.memra.decode_attention(q[r : r + 1], k[:, :, :n], v[:, :, :n], dim ** -0.5)
+             for r, ((k, v), n) in enumerate(zip(slabs, lengths))]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            together = torch.ops.memra.decode_attention_rows(  # whole slabs: the rows past a length are stale
+                q, [k for k, _ in slabs], [v for _, v in slabs], lengths, dim ** -0.5)
+            assert together.shape == q.shape and together.dtype == dtype
+            assert all(torch.equal(together[r : r + 1], alone[r]) for r in range(len(lengths)))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rows_refuse_counts_and_lengths_the_keys_do_not_have():
+    keys, values = slab(3, 8, 64, torch.bfloat16, seed=3)
+    q = torch.randn(2, 3, 3, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="takes q \\[B, H_kv, G, D\\] and B keys, values and lengths"):
+        torch.ops.memra.decode_attention_rows(q, [keys], [values], [8], 0.125)
+    with pytest.raises(RuntimeError, match="a length past its keys' rows"):
+        torch.ops.memra.decode_attention_rows(q, [keys, keys], [values, values], [8, 25], 0.125)
+    with pytest.raises(RuntimeError, match="no rows to attend"):
+        torch.ops.memra.decode_attention_rows(q, [keys, keys], [values, values], [8, 0], 0.125)
+
+
 def test_mismatched_inputs_are_refused_with_what_is_wrong():
     keys, values = slab(3, 8, 64, torch.bfloat16, seed=2)
     with pytest.raises(RuntimeError, match="q, keys and values differ in dtype"):

@@ -8,7 +8,8 @@ weights once for all of them, while attention stays per row, over that request's
       per layer:  q, k, v = qkv(norm(x))                     one matmul, M = B rows
                   q_norm, k_norm per head (Qwen3); rope per row at its own position
                   row r: write k_r, v_r into row positions[r] of request r's slab;
-                         o_r = attend(q_r, rows [0, positions[r]] of that slab)
+                  o = attend_rows(q, rows [0, positions[r]] of each row's slab)
+                         one call of memra's op for every row (row r: what attend gives it alone)
                   x += o_proj(o);  x += down(act(gate) * up) of gate_up(norm(x))
                              (Qwen3-MoE: routed experts, row by row: memrad.engine.decode.steps.experts)
     -> norm -> head -> logits [B, V]
@@ -101,14 +102,22 @@ class BatchGraph(nn.Module):
         q = rope(layer.q_norm(q.view(batch, heads, d)), cos, sin)  # [B, H, D]; q_norm: per head (Qwen3)
         k = rope(layer.k_norm(k.view(batch, h_kv, d)), cos, sin)  # [B, H_kv, D]
         v = v.view(batch, h_kv, d)
-        out = []
-        for r in range(batch):
+        for r in range(batch):  # every row's KV first: a run's row j attends the rows before it only
             keys[r].index_copy_(2, positions[r : r + 1], k[r].view(1, h_kv, 1, d))
             values[r].index_copy_(2, positions[r : r + 1], v[r].view(1, h_kv, 1, d))
-            q_r = q[r].view(1, h_kv, heads // h_kv, d)
-            out.append(attend(q_r, keys[r], values[r], lengths[r], layer.scale, self.kernel))  # [1, H_kv, G, D]
-        x = x + layer.o_proj(torch.cat(out).reshape(batch, 1, heads * d))
+        o = attend_rows(q.view(batch, h_kv, heads // h_kv, d), keys, values, lengths, layer.scale, self.kernel)
+        x = x + layer.o_proj(o.reshape(batch, 1, heads * d))
         return x + layer.feed_forward(layer.post_norm(x))  # routed experts (Qwen3-MoE): each row on its own
+
+
+def attend_rows(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list,
+                scale: float, kernel: bool) -> torch.Tensor:
+    """Attention of rows q [B, H_kv, G, D], row r over the first lengths[r] rows of its slab keys[r],
+    values[r] [1, H_kv, capacity, D]: each row as `attend` gives it alone. With `kernel`, one call
+    of memra's op for every row (memrad.engine.kernels.decode_attention); otherwise torch's, row by row."""
+    if kernel:
+        return torch.ops.memra.decode_attention_rows(q, keys, values, lengths, scale)
+    return torch.cat([attend(q[r : r + 1], keys[r], values[r], lengths[r], scale) for r in range(q.shape[0])])
 
 
 class BatchStep:
@@ -159,10 +168,10 @@ class BatchStep:
             rows    | a: p_a  p_a+1  p_a+2 | b: p_b | pad ... |     one slab per request, handed
             attends | [0,p_a] [0,p_a+1] .. | [0,p_b]|         |     once per row of its run
 
-        A run's rows share its slab: per layer each row writes its KV row, then attends, in row
-        order, so row j reads the rows j' < j wrote just before it (speculation's verify step:
-        memrad.engine.speculation; the compiled graph is checked to keep that order:
-        `Decoder.runs_exact`). Each cache then holds its run: the caller cuts back what it drops."""
+        A run's rows share its slab: per layer every row writes its KV row, then all attend, row j
+        over the rows up to its own position, so it reads the rows j' < j wrote just before it and
+        none after (speculation's verify step: memrad.engine.speculation; the compiled graph is
+        checked to keep that: `Decoder.runs_exact`). Each cache then holds its run: the caller cuts back what it drops."""
         real = sum(len(run) for run in runs)
         assert 0 < real <= self.rows and all(runs), f"{real} rows for a step of {self.rows} rows"
         buffers = [[layer.step_buffers(at) for layer in cache.layers] for cache, at in zip(caches, positions)]

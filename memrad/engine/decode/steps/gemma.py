@@ -90,10 +90,24 @@ def write_row(position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows
         value_rows.narrow(2, n - 1, 1).copy_(v)
 
 
+def write_and_attended(position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
+                       value_rows: torch.Tensor, length: int, window: int | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one row's k, v [1, H_kv, 1, D] (`write_row`) and return the rows it attends, all of
+    them: a full layer's slab [1, H_kv, capacity, D] cut to its first `length` rows, or a
+    sliding layer's whole window view [1, H_kv, n, D]."""
+    write_row(position, k, v, key_rows, value_rows, window)
+    if window is None:
+        return key_rows[:, :, :length], value_rows[:, :, :length]
+    return key_rows, value_rows
+
+
 class _GemmaLayer(_Layer):
     """One Gemma3DecoderLayer's decode-step view; `window` is W for a sliding layer. The
     llama layer's projections (fused alike) and q/k norms (Gemma 3's own), with Gemma's feed-forward norms;
     `post_norm` is Gemma's post-attention norm."""
+
+    one_call = True  # with the kernel, every row's attention in one call of memra's op (`attend_rows`)
 
     def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:
         super().__init__(layer, heads, kv_heads, head_dim)
@@ -113,12 +127,28 @@ class _GemmaLayer(_Layer):
         q = rope(self.q_norm(q.view(batch, self.heads, d)), cos, sin)  # [B, H, D]
         k = rope(self.k_norm(k.view(batch, h_kv, d)), cos, sin)  # [B, H_kv, D]
         v = v.view(batch, h_kv, d)
-        out = [self.attend_row(q[r], k[r].view(1, h_kv, 1, d), v[r].view(1, h_kv, 1, d), positions[r : r + 1],
-                               lengths[r], keys[r], values[r], kernel) for r in range(batch)]
-        o = out[0] if batch == 1 else torch.cat(out)  # [B, H_kv, G, D] (Gemma 2: [B, H, 1, D]), heads in order
+        o = self.attend_rows(q, k, v, positions, lengths, keys, values, kernel)
         x = x + self.post_norm(self.o_proj(o.reshape(batch, 1, self.heads * d)))
         gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
         return x + self.post_ff_norm(self.down_proj(self.act(gate) * up))
+
+    def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, lengths: list,
+                    keys: list[torch.Tensor], values: list[torch.Tensor], kernel: bool) -> torch.Tensor:
+        """Every row's attention once its k, v are written: q [B, H, D], k, v [B, H_kv, D] ->
+        [B, H_kv, G, D] (Gemma 2: [B, H, 1, D]), heads in order. With `kernel` (and `one_call`), one
+        call of memra's op for all rows (memrad.engine.kernels.decode_attention: each row the bits
+        the one-row op gives it); otherwise `attend_row`, row by row."""
+        batch, h_kv, d = q.shape[0], self.kv_heads, self.head_dim
+        k, v = k.view(batch, h_kv, 1, d), v.view(batch, h_kv, 1, d)
+        if not (kernel and self.one_call):
+            out = [self.attend_row(q[r], k[r : r + 1], v[r : r + 1], positions[r : r + 1], lengths[r], keys[r],
+                                   values[r], kernel) for r in range(batch)]
+            return out[0] if batch == 1 else torch.cat(out)
+        seen = [write_and_attended(positions[r : r + 1], k[r : r + 1], v[r : r + 1], keys[r], values[r], lengths[r],
+                                   self.window) for r in range(batch)]
+        return torch.ops.memra.decode_attention_rows(q.view(batch, h_kv, self.heads // h_kv, d),
+                                                     [rows for rows, _ in seen], [rows for _, rows in seen],
+                                                     [rows.shape[2] for rows, _ in seen], self.scale)
 
     def write_row(self, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
                   value_rows: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ import itertools
 import torch
 from torch import nn
 
-from memrad.engine.decode.steps.gemma import GemmaStep, _GemmaLayer, soft_cap, write_row
+from memrad.engine.decode.steps.gemma import GemmaStep, _GemmaLayer, soft_cap, write_and_attended
 from memrad.engine.decode.steps.llama import layers_and_rope, register_rope
 
 _GEMMA2 = ("Gemma2ForCausalLM",)
@@ -63,20 +63,10 @@ def per_query_head(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows[:, :, None].expand(1, kv_heads, heads // kv_heads, n, d).reshape(1, heads, n, d)
 
 
-def write_and_attended(position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
-                       value_rows: torch.Tensor, length: int, window: int | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write one row's k, v [1, H_kv, 1, D] (`write_row`) and return the rows it attends, all of
-    them: a full layer's slab [1, H_kv, capacity, D] cut to its first `length` rows, or a
-    sliding layer's whole window view [1, H_kv, n, D]."""
-    write_row(position, k, v, key_rows, value_rows, window)
-    if window is None:
-        return key_rows[:, :, :length], value_rows[:, :, :length]
-    return key_rows, value_rows
-
-
 class _Gemma2Layer(_GemmaLayer):
     """One Gemma2DecoderLayer's decode-step view: Gemma 3's layer, no q/k norms, capped scores."""
+
+    one_call = False  # no kernel soft-caps: `attend_row`, row by row
 
     def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, window: int | None,
                  softcap: float | None) -> None:

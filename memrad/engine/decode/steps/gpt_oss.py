@@ -43,8 +43,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memrad.engine.decode.steps.gemma import GemmaStep
-from memrad.engine.decode.steps.gemma2 import per_query_head, write_and_attended
+from memrad.engine.decode.steps.gemma import GemmaStep, write_and_attended
+from memrad.engine.decode.steps.gemma2 import per_query_head
 from memrad.engine.decode.steps.llama import attention_shape, fuse, layers_and_rope, register_rope
 
 _GPT_OSS = ("GptOssForCausalLM",)

@@ -2,6 +2,9 @@
 //
 //   memra::decode_attention(q [1, H_kv, G, D], keys [1, H_kv, L, D], values [1, H_kv, L, D],
 //                           scale) -> out [1, H_kv, G, D]      (q, keys, values: one dtype)
+//   memra::decode_attention_rows(q [B, H_kv, G, D], keys [B x [1, H_kv, capacity_r, D]], values [same],
+//                                lengths [B], scale) -> out [B, H_kv, G, D]
+//                                (row r over its first lengths[r] rows, as the op above gives it)
 //
 // The G query heads that share a KV head are scored together, so each key and value row is
 // read once per token. Rows are cut into chunks of CHUNK_ROWS; each (KV head, chunk) is one
@@ -152,75 +155,120 @@ Task pick(int64_t G, int64_t D) {
   }
 }
 
+// Rows r = 0..B-1, each its own query q[r] [H_kv, G, D] over the first L_r rows of its own keys[r],
+// values[r] [1, H_kv, >= L_r, D]: every (row, KV head, chunk) is one task of one parallel loop, so B rows cost
+// one call (one thread wake-up, one dispatch), not B. A task's arithmetic and a row's merge do
+// not depend on the other rows, so a row has the bits the row alone gives (B = 1 is the one-row op).
 template <typename T>
-void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scale, at::Tensor& out) {
-  const int64_t heads = keys.size(1), G = q.size(2), L = keys.size(2), D = keys.size(3);
-  const int64_t chunks = (L + CHUNK_ROWS - 1) / CHUNK_ROWS;
-  const int64_t row_stride = keys.stride(2);
-  // Queries as float, scaled: [H_kv, G, D].
-  const at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();
-  const float* qp = qf.const_data_ptr<float>();
-  const T* kp = keys.const_data_ptr<T>();
-  const T* vp = values.const_data_ptr<T>();
-  std::vector<float> maxes(heads * chunks * G), sums(heads * chunks * G), accs(heads * chunks * G * D);
+void attend(const at::Tensor& q, at::TensorList keys, at::TensorList values, at::IntArrayRef lengths, double scale,
+            at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), G = q.size(2), D = q.size(3);
+  // Row r's tasks are [first[r], first[r + 1]): heads x chunks of its length.
+  std::vector<int64_t> chunks(batch), first(batch + 1, 0);
+  for (int64_t r = 0; r < batch; ++r) {
+    chunks[r] = (lengths[r] + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    first[r + 1] = first[r] + heads * chunks[r];
+  }
+  const int64_t tasks = first[batch];
+  // Queries as float, scaled: [B, H_kv, G, D] (here, not as torch ops: two dispatches a call).
+  const at::Tensor qc = q.contiguous();
+  const T* qsrc = qc.const_data_ptr<T>();
+  const float qscale = static_cast<float>(scale);
+  std::vector<float> qf(qc.numel());
+  for (size_t i = 0; i < qf.size(); ++i) qf[i] = static_cast<float>(qsrc[i]) * qscale;
+  const float* qp = qf.data();
+  std::vector<float> maxes(tasks * G), sums(tasks * G), accs(tasks * G * D);
   const Task task_fn = pick<T>(G, D);
-  at::parallel_for(0, heads * chunks, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, tasks, 1, [&](int64_t begin_task, int64_t end_task) {
     std::vector<float> scores(G * CHUNK_ROWS);
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t h = task / chunks, begin = (task % chunks) * CHUNK_ROWS;
-      const int64_t rows = std::min(L - begin, CHUNK_ROWS);
-      const T* k = kp + h * keys.stride(1) + begin * row_stride;
-      const T* v = vp + h * values.stride(1) + begin * row_stride;
+    int64_t r = std::upper_bound(first.begin(), first.end(), begin_task) - first.begin() - 1;
+    for (int64_t task = begin_task; task < end_task; ++task) {
+      while (task >= first[r + 1]) ++r;
+      const int64_t local = task - first[r], h = local / chunks[r], begin = (local % chunks[r]) * CHUNK_ROWS;
+      const at::Tensor &row_keys = keys[r], &row_values = values[r];
+      const int64_t row_stride = row_keys.stride(2);
+      const int64_t rows = std::min(lengths[r] - begin, CHUNK_ROWS);
+      const T* k = row_keys.const_data_ptr<T>() + h * row_keys.stride(1) + begin * row_stride;
+      const T* v = row_values.const_data_ptr<T>() + h * row_values.stride(1) + begin * row_stride;
       float *m = &maxes[task * G], *l = &sums[task * G], *a = &accs[task * G * D];
+      const float* qh = qp + (r * heads + h) * G * D;
       if (task_fn != nullptr) {
-        task_fn(qp + h * G * D, k, v, row_stride, rows, scores.data(), m, l, a);
+        task_fn(qh, k, v, row_stride, rows, scores.data(), m, l, a);
       } else {
-        chunk_task_any<T>(qp + h * G * D, G, D, k, v, row_stride, rows, scores.data(), m, l, a);
+        chunk_task_any<T>(qh, G, D, k, v, row_stride, rows, scores.data(), m, l, a);
       }
     }
   });
   T* op = out.data_ptr<T>();
   std::vector<float> o(D);
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t g = 0; g < G; ++g) {
-      float M = NEG_INF;
-      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, maxes[(h * chunks + c) * G + g]);
-      float total = 0.f;
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t at = (h * chunks + c) * G + g;
-        const float w = std::exp(maxes[at] - M);
-        total += w * sums[at];
-        for (int64_t d = 0; d < D; ++d) o[d] += w * accs[at * D + d];
+  for (int64_t r = 0; r < batch; ++r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t head_first = first[r] + h * chunks[r];
+        float M = NEG_INF;
+        for (int64_t c = 0; c < chunks[r]; ++c) M = std::max(M, maxes[(head_first + c) * G + g]);
+        float total = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t c = 0; c < chunks[r]; ++c) {
+          const int64_t at = (head_first + c) * G + g;
+          const float w = std::exp(maxes[at] - M);
+          total += w * sums[at];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * accs[at * D + d];
+        }
+        T* dst = op + ((r * heads + h) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] / total);
       }
-      T* dst = op + (h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] / total);
     }
   }
+}
+
+at::Tensor attend_any(const at::Tensor& q, at::TensorList keys, at::TensorList values, at::IntArrayRef lengths,
+                      double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == static_cast<int64_t>(keys.size()) && keys.size() == values.size() &&
+                  keys.size() == lengths.size(),
+              "decode_attention_rows takes q [B, H_kv, G, D] and B keys, values and lengths");
+  for (size_t r = 0; r < keys.size(); ++r) {
+    const at::Tensor &k = keys[r], &v = values[r];
+    TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == 1, "keys and values are [1, H_kv, L, D] a row");
+    TORCH_CHECK(k.sizes() == v.sizes() && k.stride(2) == v.stride(2), "keys and values differ in shape or row stride");
+    TORCH_CHECK(q.size(1) == k.size(1) && q.size(3) == k.size(3), "q does not match the keys' heads");
+    TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "key and value rows must be contiguous");
+    TORCH_CHECK(lengths[r] > 0, "no rows to attend");
+    TORCH_CHECK(lengths[r] <= k.size(2), "a length past its keys' rows");
+    TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+                "q, keys and values differ in dtype");
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (q.scalar_type() == at::kBFloat16) {
+    attend<c10::BFloat16>(q, keys, values, lengths, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention takes bfloat16 or float32");
+    attend<float>(q, keys, values, lengths, scale, out);
+  }
+  return out;
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scale) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && q.size(0) == 1 && keys.size(0) == 1,
               "decode_attention takes q [1, H_kv, G, D], keys and values [1, H_kv, L, D]");
-  TORCH_CHECK(keys.sizes() == values.sizes() && keys.stride(2) == values.stride(2),
-              "keys and values differ in shape or row stride");
-  TORCH_CHECK(q.size(1) == keys.size(1) && q.size(3) == keys.size(3), "q does not match the keys' heads");
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "key and value rows must be contiguous");
-  TORCH_CHECK(keys.size(2) > 0, "no rows to attend");
-  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
-              "q, keys and values differ in dtype");
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  if (keys.scalar_type() == at::kBFloat16) {
-    attend<c10::BFloat16>(q, keys, values, scale, out);
-  } else {
-    TORCH_CHECK(keys.scalar_type() == at::kFloat, "decode_attention takes bfloat16 or float32");
-    attend<float>(q, keys, values, scale, out);
-  }
-  return out;
+  return attend_any(q, {keys}, {values}, {keys.size(2)}, scale);
+}
+
+// The slabs whole and the lengths beside them: a compiled graph hands its inputs as they are,
+// where a list of slices costs it a view made per row and layer (~1 µs each).
+at::Tensor decode_attention_rows(const at::Tensor& q, at::TensorList keys, at::TensorList values,
+                                 at::IntArrayRef lengths, double scale) {
+  return attend_any(q, keys, values, lengths, scale);
 }
 
 }  // namespace
 
-TORCH_LIBRARY(memra, m) { m.def("decode_attention(Tensor q, Tensor keys, Tensor values, float scale) -> Tensor"); }
+TORCH_LIBRARY(memra, m) {
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, float scale) -> Tensor");
+  m.def("decode_attention_rows(Tensor q, Tensor[] keys, Tensor[] values, SymInt[] lengths, float scale) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(memra, CPU, m) { m.impl("decode_attention", decode_attention); }
+TORCH_LIBRARY_IMPL(memra, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+  m.impl("decode_attention_rows", decode_attention_rows);
+}
