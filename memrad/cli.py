@@ -54,7 +54,7 @@ BENCH_HARNESSES = {"record": "record", "replay": "replay", "chunk-probe": "chunk
                    "concurrent": "concurrent", "weights": "weight_formats", "step-bits": "step_bits",
                    "arch-steps": "arch_steps", "build-phases": "build_phases",
                    "contended": "contended", "draft-index": "draft_index",
-                   "draft-replay": "draft_replay", "rows": "rows"}
+                   "draft-replay": "draft_replay", "rows": "rows", "experts": "experts"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -170,8 +170,9 @@ def _said_before_the_wait(spec: str, settings: Settings) -> bool:
     from memrad.engine.model.unavailable import ModelUnavailable
 
     try:
-        dtype = pick_dtype(settings.model.dtype, pick_device(settings.model.device))
-        preflight = inspect_gguf(path, settings.model.context, dtype)
+        device = pick_device(settings.model.device)
+        dtype = pick_dtype(settings.model.dtype, device)
+        preflight = inspect_gguf(path, settings.model.context, dtype, settings.model.weights, device.type)
     except ModelUnavailable as exc:
         print(f"memrad: {exc}", file=sys.stderr)
         return False

@@ -1,5 +1,5 @@
-"""memra's block kernel: a GGUF's Q8_0 / Q5_0 / Q4_1 blocks and Q4_K / Q5_K / Q6_K super-blocks, as
-shipped, multiplied for one token (and for a few rows at once, each row as it is alone)."""
+"""memra's block kernel: a GGUF's Q8_0 / Q5_0 / Q4_1 / MXFP4 blocks and Q4_K / Q5_K / Q6_K super-blocks,
+as shipped, multiplied for one token (and for a few rows at once, each row as it is alone)."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType, quants
 from memrad.engine.kernels import block_gemv
 from memrad.engine.kernels.build import cxx_compiler
 from memrad.engine.model import block_linear
-from memrad.engine.model.block_linear import Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, BlockLinear
+from memrad.engine.model.block_linear import MXFP4, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, BlockLinear
 from memrad.engine.model.quant import (
     Int4Blocks, Int8Blocks, SuperBlocks, random_super_blocks, unpack_blocks, unpack_q5_0, unpack_q8_0,
 )
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(block_gemv.why_not() is not None, reason=str(blo
 _TYPES = {"Q8_0": (GGMLQuantizationType.Q8_0, unpack_q8_0, Q8_0),
           "Q5_0": (GGMLQuantizationType.Q5_0, unpack_q5_0, Q5_0),
           "Q4_1": (GGMLQuantizationType.Q4_1, lambda raw: unpack_blocks(raw, "Q4_1"), Q4_1),
+          "MXFP4": (GGMLQuantizationType.MXFP4, lambda raw: SuperBlocks("MXFP4", torch.from_numpy(raw)), MXFP4),
           "Q4_K": (GGMLQuantizationType.Q4_K, None, Q4_K), "Q5_K": (GGMLQuantizationType.Q5_K, None, Q5_K),
           "Q6_K": (GGMLQuantizationType.Q6_K, None, Q6_K)}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
@@ -44,7 +45,7 @@ def _shipped(kind: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, In
     return raw, unpack(raw)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1", *K_QUANTS])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1", "MXFP4", *K_QUANTS])
 def test_packed_blocks_are_the_gguf_bytes_llama_cpp_ships_byte_for_byte(kind):
     raw, blocks = _shipped(kind, 40, 256, seed=1)
     op_kind, packed = block_linear.pack(blocks)
@@ -52,7 +53,7 @@ def test_packed_blocks_are_the_gguf_bytes_llama_cpp_ships_byte_for_byte(kind):
     assert torch.equal(packed, torch.from_numpy(np.ascontiguousarray(raw)))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1", *K_QUANTS, *INTERLEAVED])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_1", "MXFP4", *K_QUANTS, *INTERLEAVED])
 def test_the_kernel_multiplies_the_shipped_weights_within_the_int16_rounding_of_the_activation(kind):
     n = 80 if kind in INTERLEAVED else 70  # the interleaved kinds: rows in sixteens
     _, blocks = _shipped(kind, n, 768, seed=2)  # 768: 3 super-blocks, 24 blocks of 32
@@ -74,7 +75,7 @@ def test_the_kernel_multiplies_the_shipped_weights_within_the_int16_rounding_of_
     assert torch.equal(bf16, torch.ops.memra.block_gemv(x.bfloat16().float(), packed, op_kind).bfloat16())
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", *K_QUANTS, *INTERLEAVED])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "MXFP4", *K_QUANTS, *INTERLEAVED])
 def test_each_output_has_the_same_bits_alone_batched_and_on_any_thread_count(kind):
     # 301: tiles of 64 and rows of 4 (pairs of 2) leave remainders; 304: 19 groups of 16, the last tile's 3
     _, blocks = _shipped(kind, 304 if kind in INTERLEAVED else 301, 256, seed=3)
@@ -160,7 +161,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from memrad.engine.kernels import block_gemv, build
 from memrad.engine.model import block_linear
-from memrad.engine.model.quant import random_super_blocks, unpack_blocks, unpack_q5_0, unpack_q8_0
+from memrad.engine.model.quant import SuperBlocks, random_super_blocks, unpack_blocks, unpack_q5_0, unpack_q8_0
 
 if block_gemv.capability() == "DEFAULT":  # not chosen by memrad: loaded as is
     torch.ops.load_library(str(build.build(build.cxx_compiler(), block_gemv.SOURCE)))
@@ -168,7 +169,7 @@ else:
     assert block_gemv.why_not() is None, block_gemv.why_not()
 print("path", block_gemv.path().replace(" ", "_"))
 unpack = {"Q8_0": unpack_q8_0, "Q5_0": unpack_q5_0, "Q4_0": lambda raw: unpack_blocks(raw, "Q4_0"),
-          "Q4_1": lambda raw: unpack_blocks(raw, "Q4_1")}
+          "Q4_1": lambda raw: unpack_blocks(raw, "Q4_1"), "MXFP4": lambda raw: SuperBlocks("MXFP4", torch.from_numpy(raw))}
 outputs = {}
 for seed, kind in enumerate([*unpack, "Q4_K", "Q5_K", "Q6_K"]):
     g = torch.Generator().manual_seed(seed)
@@ -227,7 +228,7 @@ def test_the_forced_avx2_path_holds_its_int16_bound_and_gives_a_row_the_same_bit
     plain_report, plain_outputs = _forced(tmp_path, MEMRA_KERNEL_ISA="avx2", MEMRA_KERNEL_VNNI="0")
     assert plain_report[("path", "avx2_int16")] == "avx2_int16"
     assert report.get(("path", "avx2_int16_avx-vnni"), report.get(("path", "avx2_int16"))) is not None
-    for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"):
+    for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "MXFP4", "Q4_K", "Q5_K", "Q6_K"):
         for got in (report, plain_report):
             assert float(got[("bound", kind)]) <= 1.0, (kind, got)  # within the int16 rounding of x
             assert got[("same", kind)] == "True", kind
@@ -239,8 +240,9 @@ def test_the_kernels_plain_cpp_path_multiplies_every_kind_like_float64(tmp_path)
     """The path a CPU without AVX2 builds (memrad does not choose it, but it must be right)."""
     report, _ = _forced(tmp_path, MEMRA_KERNEL_ISA="default")
     assert report[("path", "plain_float32")] == "plain_float32"
-    assert all(float(report[("bound", kind)]) <= 1.0 for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
-    assert all(report[("same", kind)] == "True" for kind in ("Q4_K", "Q5_K", "Q6_K"))
+    assert all(float(report[("bound", kind)]) <= 1.0
+               for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "MXFP4", "Q4_K", "Q5_K", "Q6_K"))
+    assert all(report[("same", kind)] == "True" for kind in ("MXFP4", "Q4_K", "Q5_K", "Q6_K"))
 
 
 @pytest.mark.skipif(not INTERLEAVED, reason="the interleaved kinds run on the AVX512 build only")

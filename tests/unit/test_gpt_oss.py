@@ -7,8 +7,14 @@ memra's loader, and written as a GGUF as llama.cpp ships it (tests/unit/tiny_ggu
 write_gpt_oss_gguf: experts MXFP4, attention and embeddings Q8_0) and loaded through memra's own
 gpt-oss reader (memrad.engine.model.gguf_gpt_oss), since transformers 5.24's GGUF loader cannot
 read gpt-oss's config, experts or sinks (pinned below, so the day it can, a test says so). From
-the GGUF every weight is what its blocks dequantise to, and `memrad status` and the start banner
-say the experts ship MXFP4 and run dequantised, with the bytes a token reads. The step is named
+the GGUF every weight is what its blocks dequantise to; conversion keeps the experts' MXFP4 blocks
+(the file's bytes), and where memra's block kernel runs a token's step multiplies only its chosen
+experts' blocks (memrad.engine.model.block_experts): fed the dense-dequantised step's tokens, its
+logits stay within EXPERTS_BOUND of them and pick the same tokens, a row is its own bits batched
+and alone, and turns resume bit-identical to cold on it; `memrad status` and the start banner say
+the experts run from their MXFP4 blocks (or, under --weights float, dequantised), with the bytes a
+token reads as shipped and dense. The GGUF's Q8_0 attention runs as shipped too, on the kernel
+memrad.engine.model.kernel_choice picks (int4 hi|lo where AVX512's offline measurement says so). The step is named
 in `memrad status`; in bf16 its logits and KV rows are transformers' forward's bit for bit long
 past the window (fp32: within 1e-6), from the folder and from the GGUF, and without the sinks
 they are not; an expert the token did not choose is never read; an engine resumes turns
@@ -33,6 +39,10 @@ from memrad.engine.decode.package import INDUCTOR_OPTIONS, PackagedStep, options
 from memrad.engine.decode.steps.gpt_oss import GptOssStep
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
+from memrad.engine.kernels import block_gemv
+from memrad.engine.model.block_experts import BlockMoE
+from memrad.engine.model.block_linear import BlockLinear
+from memrad.engine.model.quant import Q8Linear
 from memrad.engine.model.loader import load_model
 from stories import make_engine
 from test_batching import in_flight_together_as_alone, rows_are_their_own
@@ -46,6 +56,8 @@ PROMPT = list(range(5, 25))  # 20 tokens: past the window before the first step
 STEPS = 3 * WINDOW  # the window's buffer (2W rows) moves on twice
 REASON = ("GptOssForCausalLM layers on one graph: 2 sliding-window, 2 full-attention; "
           "experts: top 2 of 8 per token")
+ON_BLOCKS = block_gemv.why_not() is None  # the experts run from their MXFP4 blocks where memra's kernel runs
+needs_blocks = pytest.mark.skipif(not ON_BLOCKS, reason=f"memra's block kernel: {block_gemv.why_not()}")
 
 
 def fresh(tiny_dir, dtype="bfloat16"):
@@ -59,9 +71,9 @@ def gguf(tmp_path_factory):
     return tiny_gpt_oss_gguf(tmp_path_factory.mktemp("gpt-oss-gguf"))
 
 
-def from_gguf(path, dtype="bfloat16"):
+def from_gguf(path, dtype="bfloat16", weights="auto"):
     torch.set_num_threads(1)
-    return load_model(str(path), device="cpu", dtype=dtype, progress=lambda _: None)
+    return load_model(str(path), device="cpu", dtype=dtype, progress=lambda _: None, weights=weights)
 
 
 def primed(loaded, cache, prompt=PROMPT):
@@ -95,7 +107,8 @@ def test_transformers_gguf_loader_cannot_read_gpt_oss_back(gguf):
 def test_a_gpt_oss_gguf_loads_on_memras_reader_with_the_files_weights(gguf):
     """Every parameter is what the file's blocks dequantise to (the experts from MXFP4: 17 bytes a
     32 weights, gguf-py's own layout), the model is on the gpt-oss step, and the start banner and
-    `memrad status` say the experts ship MXFP4 and run dequantised, with what a token reads."""
+    `memrad status` say the experts ship MXFP4 and run from their blocks on memra's kernel (or,
+    under --weights float, dequantised), with what a token reads as shipped and dense."""
     from gguf import GGUFReader
     from memrad.engine.model.preflight import inspect_gguf
 
@@ -115,17 +128,125 @@ def test_a_gpt_oss_gguf_loads_on_memras_reader_with_the_files_weights(gguf):
     halved = from_gguf(path).model.model.layers[0].mlp.experts  # every MXFP4 value is a bf16 value
     assert halved.gate_up_proj.dtype == torch.bfloat16 and torch.equal(halved.gate_up_proj.float(), experts)
     # per token, 2 of 8 experts in each of 4 layers: gate_up [64, 64] and down [32, 64] weights each
+    path_name = block_gemv.path() if ON_BLOCKS else None
+    if ON_BLOCKS:
+        assert ("mlp.experts.gate_up_proj MXFP4 x4: MXFP4 blocks (memra block kernel, "
+                f"{path_name}, the chosen experts only; a token reads {4 * 2 * 64 * 64 // 32 * 17:,} B of them as "
+                f"shipped ({4 * 2 * 64 * 64 * 4:,} B dense float32))") in loaded.tensors.reason
+        assert "mlp.experts.down_proj MXFP4 x4: MXFP4 blocks (memra block kernel" in loaded.tensors.reason
+        assert "MXFP4 blocks 8" in loaded.tensors.value
+        assert "16 Q8_0 / Q5_0 layers and 4 layers' MXFP4 experts from the GGUF" in loaded.weights.reason
+    # the Q8_0 attention runs as shipped under auto (int4 hi|lo or memra's blocks, as kernel_choice picks), not dense
+    attention = loaded.model.model.layers[0].self_attn
+    assert all(isinstance(proj, (Q8Linear, BlockLinear)) for proj in (attention.q_proj, attention.o_proj))
+    assert "self_attn.q_proj Q8_0 x4: dense" not in loaded.tensors.reason
+    dense = from_gguf(path, "float32", weights="float")
     assert ("mlp.experts.gate_up_proj MXFP4 x4: dense float32 (3-D expert tensors, dequantised: no packed form; "
             f"a token reads {4 * 2 * 64 * 64 * 4:,} B of them ({4 * 2 * 64 * 64 // 32 * 17:,} B as shipped))"
-            ) in loaded.tensors.reason
-    assert "mlp.experts.down_proj MXFP4 x4: dense float32" in loaded.tensors.reason
+            ) in dense.tensors.reason
     lines = inspect_gguf(path, 0, torch.bfloat16).lines()
     assert lines[1] == f"  fast decode step: yes, memra's gpt-oss step ({REASON})"
     assert "ffn_gate_exps MXFP4; ffn_up_exps MXFP4; ffn_down_exps MXFP4" in lines[2]
     assert lines[4] == f"  KV: {4 * 2 * 2 * 16 * 2:,} B/token in bfloat16; 2 sliding-window layers keep at most 8 rows"
     # 2 of 8 experts in 4 layers: gate, up [32, 64] and down [64, 32] each, MXFP4 17 B a 32 weights
-    assert lines[5] == ("  experts: dequantised at load (3-D tensors: no packed form), a token reads "
-                        f"{4 * 2 * 3 * 32 * 64 * 2:,} B of them in bfloat16 ({4 * 2 * 3 * 32 * 64 // 32 * 17:,} B as shipped)")
+    if ON_BLOCKS:
+        assert lines[5] == (f"  experts: MXFP4 blocks on memra's block kernel ({path_name}), the chosen experts only, "
+                            f"a token reads {4 * 2 * 3 * 32 * 64 // 32 * 17:,} B of them as shipped "
+                            f"({4 * 2 * 3 * 32 * 64 * 2:,} B dequantised in bfloat16)")
+    assert inspect_gguf(path, 0, torch.bfloat16, weights="float").lines()[5] == (
+        "  experts: dequantised at load (--weights float), a token reads "
+        f"{4 * 2 * 3 * 32 * 64 * 2:,} B of them in bfloat16 ({4 * 2 * 3 * 32 * 64 // 32 * 17:,} B as shipped)")
+
+
+def dense_experts(loaded):
+    """`loaded` with every layer's experts back on transformers' GptOssMLP (the same router and
+    dense experts, as --weights float runs them; the attention stays as loaded): the reference
+    the experts' blocks are held to."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    for layer in loaded.model.model.layers:
+        assert isinstance(layer.mlp, BlockMoE)
+        mlp = GptOssMLP(loaded.model.config)
+        mlp.router, mlp.experts = layer.mlp.router, layer.mlp.experts
+        layer.mlp = mlp
+    return loaded
+
+
+@needs_blocks
+def test_the_experts_blocks_are_the_files_bytes_and_only_the_chosen_experts_are_read(gguf):
+    """Conversion keeps each layer's MXFP4 experts as the file's bytes (gate and up rows
+    interleaved as transformers interleaves gate_up_proj's columns); a token's step reads only its
+    chosen experts' blocks and biases: every other expert poisoned (scale bytes 255: 2^127, biases
+    NaN) leaves its logits' bits alone, and one chosen expert's block poisoned changes them."""
+    from gguf import GGUFReader
+
+    path, _ = gguf
+    loaded = from_gguf(path, "float32")
+    shipped = {tensor.name: torch.from_numpy(tensor.data.copy()) for tensor in GGUFReader(path).tensors}
+    mlp = loaded.model.model.layers[1].mlp
+    assert isinstance(mlp, BlockMoE) and mlp.gate_up_blocks.dtype == torch.uint8
+    assert torch.equal(mlp.gate_up_blocks[:, 0::2], shipped["blk.1.ffn_gate_exps.weight"])
+    assert torch.equal(mlp.gate_up_blocks[:, 1::2], shipped["blk.1.ffn_up_exps.weight"])
+    assert torch.equal(mlp.down_blocks, shipped["blk.1.ffn_down_exps.weight"])
+    engine = Engine(loaded, EngineOptions(16, 1))
+    feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
+    clean, poisoned, poisoned_chosen = (primed(loaded, engine.new_cache()) for _ in range(3))
+    seen = routes(loaded.model)
+    expected = feed(clean, 7, len(PROMPT))
+    chosen = {layer: set(ids.view(-1).tolist()) for layer, ids in seen}
+    layers = loaded.model.model.layers
+    with torch.no_grad():
+        for index, layer in enumerate(layers):
+            for e in set(range(8)) - chosen[index]:
+                layer.mlp.gate_up_blocks[e, :, ::17] = 255
+                layer.mlp.down_blocks[e, :, ::17] = 255
+                layer.mlp.experts.gate_up_proj_bias[e] = float("nan")
+                layer.mlp.experts.down_proj_bias[e] = float("nan")
+    assert torch.equal(feed(poisoned, 7, len(PROMPT)), expected)
+    with torch.no_grad():
+        layers[3].mlp.down_blocks[min(chosen[3]), :, ::17] = 255  # a chosen one: the test can fail
+    assert not torch.equal(feed(poisoned_chosen, 7, len(PROMPT)), expected)
+
+
+EXPERTS_BOUND = 4e-3  # of the dense logits' largest |.|: measured 1.1e-3 (EPYC, AVX512 path) over these steps
+
+
+@needs_blocks
+def test_the_step_on_the_experts_blocks_decodes_the_dense_steps_tokens_within_the_bound(gguf):
+    """From the same GGUF in float32, the step whose experts run their MXFP4 blocks (the kernel
+    rounds each activation to int16 per block of 32: 2^-16 of its largest |x|, the sums float32)
+    and the step on the dense dequantised experts: the same prefill bits (prefill runs the dense
+    experts either way), then, fed the dense run's tokens for 24 steps past the window, logits
+    within EXPERTS_BOUND of the dense ones' largest and the same greedy token at every step, so
+    both decode the same tokens. The kernel's own bound per product: tests/unit/test_block_linear.py."""
+    blocks, dense = from_gguf(gguf[0], "float32"), dense_experts(from_gguf(gguf[0], "float32"))
+    feeds = [Decoder(m.model, m.context_len, m.device).feeder() for m in (blocks, dense)]
+    caches = [Engine(m, EngineOptions(16, 1)).new_cache() for m in (blocks, dense)]
+    a, b = (prefill(m.model, cache, PROMPT, 0, 16) for m, cache in zip((blocks, dense), caches))
+    assert torch.equal(a, b)
+    worst = 0.0
+    for step in range(STEPS):
+        token = int(b.argmax())
+        a, b = (feed(cache, token, len(PROMPT) + step) for feed, cache in zip(feeds, caches))
+        worst = max(worst, float((a - b).abs().max() / b.abs().max()))
+        assert int(a.argmax()) == int(b.argmax()), step
+    assert 0.0 < worst <= EXPERTS_BOUND, worst  # rounded (the blocks did run), within the bound
+
+
+@needs_blocks
+def test_a_gpt_oss_request_on_the_experts_blocks_is_the_same_bits_batched_and_alone(gguf):
+    """The experts' blocks run one fixed sequence of operations per output: a request's row on the
+    batched step is its own bits beside any neighbours, the one-row step's and the forward's."""
+    loaded = from_gguf(gguf[0])
+    assert isinstance(loaded.model.model.layers[0].mlp, BlockMoE)
+    engine = make_engine(loaded, 16, max_batch=4)
+    first = rows_are_their_own(engine, loaded.model, 16)
+    prompt = list(range(5, 45))
+    for decode in (engine.decoder.feeder(), lambda cache, token, at: decode_one_token(loaded.model, cache, token, at)):
+        cache = engine.new_cache()
+        prefill(loaded.model, cache, prompt, 0, 16)
+        assert torch.equal(decode(cache, 11, len(prompt)).float(), first)
+    in_flight_together_as_alone(from_gguf(gguf[0]))
 
 
 def test_a_gpt_oss_gguf_with_a_tensor_memra_does_not_place_is_refused(tmp_path):
@@ -301,3 +422,16 @@ def test_the_compiled_gpt_oss_step_resumes_bit_identical_and_decodes_as_the_eage
         ours, theirs = (primed(loaded, engine.new_cache(), prompt) for _ in range(2))
         a, b = decoder.feeder()(ours, 7, len(prompt)), eager(theirs, 7, len(prompt))
         assert float((a - b).abs().max()) <= 0.0625, (len(prompt), float((a - b).abs().max()))  # bf16 rounding
+
+
+@needs_blocks
+@pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
+def test_the_compiled_gpt_oss_step_on_the_experts_blocks_resumes_bit_identical(gguf):
+    """compile = on from the GGUF: the one-row package exports the chosen experts' blocks (each
+    expert's id an unbacked size from `.item()`, as Qwen3-Next's) and opens (about 2 minutes on a
+    shared 2-core machine), and turns resume on it bit-identical to their cold runs."""
+    loaded = from_gguf(gguf[0])
+    assert isinstance(loaded.model.model.layers[0].mlp, BlockMoE)
+    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on")
+    compiled_turns_equal_cold(engine)
+    assert isinstance(engine.decoder.step, PackagedStep)

@@ -2,7 +2,7 @@
 
     decode_attention    memra::decode_attention   the decode steps' attention (any CPU capability)
     prefill_attention   memra::prefill_attention  a prefill chunk's attention (AMX, bf16)
-    block_gemv          memra::block_gemv         a GGUF's Q8_0 / Q5_0 / Q4_1 blocks as shipped (AVX512, AVX2)
+    block_gemv          memra::block_gemv         a GGUF's blocks as shipped (Q8_0 ... Q6_K, MXFP4; AVX512, AVX2)
     sliced_linear       memra::sliced_linear      a prefill chunk's dense products, the same bits at any count
 
 Each module builds its kernel the first time it is asked to load it; `prepare()` builds every

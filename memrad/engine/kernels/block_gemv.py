@@ -1,6 +1,6 @@
 """memra's block GEMV kernel: built once per machine, loaded as `memra::block_gemv` and probed.
 
-csrc/block_gemv.cpp multiplies activations by a GGUF's Q8_0 / Q5_0 / Q4_1 blocks and Q4_K /
+csrc/block_gemv.cpp multiplies activations by a GGUF's Q8_0 / Q5_0 / Q4_1 / MXFP4 blocks and Q4_K /
 Q5_K / Q6_K super-blocks as shipped (the layout and why: memrad.engine.model.block_linear, which packs the blocks and calls the op
 by name). It is built as every kernel is (memrad.engine.kernels.build), where the kernels' ISA
 is AVX512 or AVX2 (int16 activations and integer multiply-adds on both, 16 or 8 lanes;
@@ -79,7 +79,7 @@ def _probe() -> str | None:
     cases = [Int8Blocks(torch.randint(-127, 128, (20, 256), generator=generator).to(torch.int8), scales),
              Int8Blocks(torch.randint(-16, 16, (20, 256), generator=generator).to(torch.int8), scales),
              Int4Blocks(torch.randint(0, 16, (20, 256), generator=generator).to(torch.uint8), scales, -8 * scales),
-             *(random_super_blocks(kind, 20, 256, generator) for kind in ("Q4_K", "Q5_K", "Q6_K"))]
+             *(random_super_blocks(kind, 20, 256, generator) for kind in ("Q4_K", "Q5_K", "Q6_K", "MXFP4"))]
     step = activation_step(path())
     packed = [(blocks, *pack(blocks)) for blocks in cases]
     if interleaves():  # the interleaved kinds (Q8_0 x16, Q4_1 x16) on 16 of the rows

@@ -12,6 +12,7 @@ blocks themselves:
     Q4_K super-block of 256 (144 B): 8 blocks of 32, w = (d·sc)·q − dmin·m, 6-bit sc and m
     Q5_K super-block of 256 (176 B): as Q4_K, q of 5 bits
     Q6_K super-block of 256 (210 B): 16 sub-blocks of 16, w = (d·sc)·(q − 32), int8 sc
+    MXFP4 block (17 B) | e uint8 | qs[16] |                  w = 2^(e − 128)·v(q), v: E2M1 doubled, int8
                        (the layouts: memrad.engine.kernels.csrc/block_gemv.cpp, llama.cpp's ggml-quants)
 
     blocks  [N, K/32 · bytes] uint8, one output row per row, as llama.cpp lays them out
@@ -48,8 +49,10 @@ from memrad.engine.model.quant import GROUP, Int4Blocks, Int8Blocks, SuperBlocks
 
 Q8_0, Q5_0, Q4_1 = 8, 5, 4  # the op's `kind`
 Q4_K, Q5_K, Q6_K = 12, 13, 14  # the k-quants' kinds: ggml's type numbers
+MXFP4 = 39  # ggml's too: gpt-oss's experts (memrad.engine.model.block_experts), kept whole as SuperBlocks
 _BLOCK_BYTES = {Q8_0: 34, Q5_0: 22, Q4_1: 20}
-FORMATS = {Q8_0: "Q8_0", Q5_0: "Q5_0", Q4_1: "Q4_1", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}  # kind -> GGUF type
+FORMATS = {Q8_0: "Q8_0", Q5_0: "Q5_0", Q4_1: "Q4_1", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
+           MXFP4: "MXFP4"}  # kind -> GGUF type
 _KINDS = {name: kind for kind, name in FORMATS.items()}
 
 Q4_1_X16, Q8_0_X16 = 40, 80  # Q4_1 / Q8_0 blocks of 16 output rows side by side (`interleave`)

@@ -17,9 +17,10 @@ and what it runs as now:
 
 A mixture of experts (Qwen3-MoE, gpt-oss) ships its experts as 3-D tensors (`ffn_gate_exps`,
 `ffn_up_exps`, `ffn_down_exps`, transformers' `experts.gate_up_proj` and `experts.down_proj`;
-gpt-oss's in MXFP4): no Linear, so no packed form; they run dense, dequantised at conversion, and
-their group says so with the bytes a token reads of them (its top k of E experts, every layer)
-and what those bytes were as shipped.
+gpt-oss's in MXFP4): no Linear. gpt-oss's MXFP4 experts run from their blocks on memra's kernel
+where it runs ("MXFP4 blocks": memrad.engine.model.block_experts); other experts run dense,
+dequantised at conversion. Their group says which, with the bytes a token reads of them (its top
+k of E experts, every layer), as shipped and dense.
 
 The dense ones carry a reason (why no packed form was used), and so does a Q8_0 head that runs
 hi|lo where memra's block kernel would run its blocks themselves (why it does not here), and
@@ -43,6 +44,8 @@ import torch
 
 from memrad.engine.decode.steps.experts import router_of
 from memrad.engine.kernels import block_gemv
+from memrad.engine.model import block_experts
+from memrad.engine.model.block_experts import BlockMoE
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
 
@@ -113,8 +116,9 @@ def groups(model: Any, kinds: dict[str, str], head_why: str | None = None,
 
 
 def _expert_groups(model: Any, kinds: dict[str, str]) -> list[tuple[str, str, str, str, int]]:
-    """(role, GGUF type, runs, why, count) of the routed experts' 3-D weights: dense, dequantised,
-    with the bytes a token reads of them (top k of E per layer, summed over the layers)."""
+    """(role, GGUF type, runs, why, count) of the routed experts' 3-D weights, with the bytes a
+    token reads of them (top k of E per layer, summed over the layers): on their MXFP4 blocks
+    (memrad.engine.model.block_experts.BlockMoE), or dense, dequantised."""
     found: dict[tuple[str, str, str], list[int]] = {}  # (role, kind, runs) -> [count, bytes a token, as shipped]
     for name, block in model.named_modules():
         experts, router = getattr(block, "experts", None), router_of(block)  # Qwen3-MoE's `gate`, gpt-oss's `router`
@@ -125,15 +129,25 @@ def _expert_groups(model: Any, kinds: dict[str, str]) -> list[tuple[str, str, st
             if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
                 continue
             full = f"{name}.experts.{attribute}"
+            dense = f"dense {str(weight.dtype).removeprefix('torch.')}"
+            blocks = getattr(block, attribute.replace("_proj", "_blocks"), None) if isinstance(block, BlockMoE) else None
             key = (re.sub(r"\.\d+\.", ".*.", full), kinds.get(full, "float"),
-                   f"dense {str(weight.dtype).removeprefix('torch.')}")
+                   dense if blocks is None else f"{block_experts.KIND} blocks")
             entry = found.setdefault(key, [0, 0, 0])
             entry[0] += 1
             entry[1] += weight.numel() * weight.element_size() * router.top_k // experts.num_experts
-            entry[2] += shipped_bytes(key[1], weight.numel()) * router.top_k // experts.num_experts
-    return [(role, kind, runs, f"3-D expert tensors, dequantised: no packed form; a token reads {total:,} B of them"
-             + (f" ({shipped:,} B as shipped)" if shipped else ""), count)
-            for (role, kind, runs), (count, total, shipped) in found.items()]
+            entry[2] += (shipped_bytes(key[1], weight.numel()) if blocks is None else blocks.nbytes) * router.top_k \
+                // experts.num_experts
+    out = []
+    for (role, kind, runs), (count, total, shipped) in found.items():
+        if runs.startswith("dense"):
+            why = (f"3-D expert tensors, dequantised: no packed form; a token reads {total:,} B of them"
+                   + (f" ({shipped:,} B as shipped)" if shipped else ""))
+        else:
+            why = (f"memra block kernel, {block_gemv.path()}, the chosen experts only; a token reads {shipped:,} B "
+                   f"of them as shipped ({total:,} B dense {str(model.dtype).removeprefix('torch.')})")
+        out.append((role, kind, runs, why, count))
+    return out
 
 
 def shipped_bytes(kind: str, num_weights: int) -> int:
@@ -155,8 +169,8 @@ def describe(found: tuple[TensorGroup, ...]) -> str:
 
 def kernels(model: Any, runs: str) -> str:
     """Which kernels a token's products run on, as the disk tier keys parked state by: `runs`
-    (`summary`'s line) and memra's block kernel's path where any layer runs on it."""
-    if not any(isinstance(m, BlockLinear) for m in model.modules()):
+    (`summary`'s line) and memra's block kernel's path where any layer or expert runs on it."""
+    if not any(isinstance(m, (BlockLinear, BlockMoE)) for m in model.modules()):
         return runs
     return f"{runs}; memra block kernel {block_gemv.path()}"
 

@@ -24,7 +24,9 @@ The table is filled by memrad.engine.model.gguf_fill (shared with Gemma 4's read
 a tensor it does not name, a tensor of another shape, or a parameter no tensor fills is refused
 (ModelUnavailable), so a layout memra does not know never loads as half-initialised weights.
 The float32 model then goes through the same publish as every GGUF
-(memrad.engine.model.pull.publish_converted: reload checked, block caches, marker).
+(memrad.engine.model.pull.publish_converted: reload checked, block caches, marker); the block
+caches keep the experts' MXFP4 bytes too, which decode runs on memra's block kernel
+(memrad.engine.model.block_experts), and the Q8_0 attention's blocks.
 """
 
 from __future__ import annotations

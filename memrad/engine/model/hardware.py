@@ -70,10 +70,13 @@ def pick_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, Choic
 
 
 def pick_weights(requested: str, device: torch.device, int4_tensors: int, source: str,
-                 q8_head: bool = False) -> Choice:
+                 q8_head: bool = False, also: tuple[str, ...] = ()) -> Choice:
     """The weight format for `requested`; `int4_tensors` counts the GGUF's Q4_0/Q4_1/Q4_K linear
     weights (0 when the model has no GGUF), `source` names where they come from, `q8_head`
-    says its output head's Q8_0 blocks run on the same kernel (memrad.engine.model.quant.Q8Linear)."""
+    says its output head's Q8_0 blocks run on the same kernel (memrad.engine.model.quant.Q8Linear),
+    `also` names the other blocks it keeps ("16 Q8_0 / Q5_0 layers", "4 layers' MXFP4 experts"):
+    a GGUF without 4-bit layers (gpt-oss's: Q8_0 attention, MXFP4 experts) still runs as shipped
+    ("int4" names the as-shipped choice; each group's kernel is `memrad status`'s tensors line)."""
     if requested == "float":
         return Choice("float", "set by model.weights")
     if requested == "int8":
@@ -81,7 +84,10 @@ def pick_weights(requested: str, device: torch.device, int4_tensors: int, source
     head = " and its Q8_0 head" if q8_head else ""
     if requested == "int4":
         return Choice("int4", f"set by model.weights ({int4_tensors} Q4 tensors from {source}{head})")
-    if int4_tensors == 0:
+    if int4_tensors == 0 and not also:
         return Choice("float", f"auto: {source}")
+    if int4_tensors == 0:
+        return Choice("int4", f"auto: as shipped, {' and '.join(also)} from the GGUF{head} (each group's kernel: "
+                              "the tensors line)")
     kernel = "tinygemm" if device.type == "cuda" else "the CPU int4 kernel (bf16 inputs)"
     return Choice("int4", f"auto: as shipped, {int4_tensors} Q4 tensors from {source}{head} on {kernel}")

@@ -128,11 +128,13 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     dev = pick_device(device)
     dt, dtype_choice = _pick_dtype(dtype, dev)
     int4_tensors = count_int4_cache(folder)
+    also = _other_blocks(folder)
     weights_choice = pick_weights(weights, dev, int4_tensors, _int4_source(spec, folder, int4_tensors),
-                                  q8_head=count_q8_cache(folder) > 0)
-    if weights_choice.value == "int4" and int4_tensors == 0:
-        raise ModelUnavailable(f"--weights int4 needs a GGUF's Q4_0/Q4_1/Q4_K blocks and {folder} has none "
-                               f"({_int4_source(spec, folder, 0)}); use --weights auto or float")
+                                  q8_head=count_q8_cache(folder) > 0, also=also)
+    if weights_choice.value == "int4" and int4_tensors == 0 and not also:
+        raise ModelUnavailable(f"--weights int4 needs a GGUF's Q4_0/Q4_1/Q4_K blocks (or Q8_0 / Q5_0 layers, MXFP4 "
+                               f"experts) and {folder} has none ({_int4_source(spec, folder, 0)}); use --weights "
+                               "auto or float")
     if dev.type == "cpu":
         # Unless told that torch's SDPA takes grouped KV heads with a mask (its CPU kernel
         # does), transformers copies the whole cache out to every query head, per layer and
@@ -186,6 +188,18 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         rope=switch,
         rope_keys=rope_switch.keys(served, model.config, shipped if switch is not None else None),
     )
+
+
+def _other_blocks(folder: Path) -> tuple[str, ...]:
+    """The blocks besides the 4-bit layers' and the head's that the folder keeps as shipped, named
+    for the weights' reason: its Q8_0 / Q5_0 layers, its layers' MXFP4 experts."""
+    from memrad.engine.model import block_experts
+    from memrad.engine.model.weights import Q8_CACHE, _cached_names
+
+    layers = len([name for name in _cached_names(folder / Q8_CACHE) if name != "lm_head"])  # the head: q8_head
+    experts = block_experts.count(folder)
+    return tuple(text for count, text in ((layers, f"{layers} Q8_0 / Q5_0 layers"),
+                                          (experts, f"{experts} layers' MXFP4 experts")) if count)
 
 
 def _int4_source(spec: str, folder: Path, int4_tensors: int) -> str:

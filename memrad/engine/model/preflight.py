@@ -10,8 +10,10 @@ under a second) and a model built on the meta device (no weights, no memory):
     quants         the GGUF type of each tensor kind (attn_q, ffn_down, ...), as shipped
     context        native and served (memrad.engine.model.context: the same plan the load makes)
     KV             bytes per token of context in the activation dtype
-    experts        a mixture's 3-D expert tensors, dequantised at load: the bytes a token reads
-                   of them in that dtype and as shipped (gpt-oss's MXFP4: 17 bytes a 32 weights)
+    experts        a mixture's 3-D expert tensors: gpt-oss's MXFP4 run from their blocks on memra's
+                   kernel where it runs (memrad.engine.model.block_experts), others dequantised at
+                   load; the bytes a token reads of them as shipped (MXFP4: 17 bytes a 32 weights)
+                   and dense in that dtype
 
 Refused here, with the reason: architectures transformers' GGUF loader does not read, and the
 Mamba-1 family (Mamba, FalconMamba, Jamba), whose multi-token forward ignores cached recurrent
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 from memrad.engine.model import context as served_context
-from memrad.engine.model import gguf_fill, gguf_gemma4
+from memrad.engine.model import block_experts, gguf_fill, gguf_gemma4, gguf_gpt_oss
 from memrad.engine.model.context import ServedContext
 from memrad.engine.model.gguf_header import GGUFHeader, LongArray, read_header
 from memrad.engine.model.hardware import Choice
@@ -78,6 +80,8 @@ class Preflight:
     # A mixture of experts: (bytes a token reads of its 3-D experts dequantised in `dtype`, as
     # shipped), their top k of E in every layer; None without experts.
     expert_bytes: tuple[int, int] | None = None
+    # Where the experts run: "MXFP4 blocks on memra's block kernel (PATH)", or why they are dequantised.
+    experts_run: str = "dequantised at load (3-D tensors: no packed form)"
 
     def lines(self) -> list[str]:
         """The lines `memrad start` and `memrad pull` print."""
@@ -88,9 +92,11 @@ class Preflight:
                            for kind, types in self.quants)
         window = (f"; {self.window_layers} sliding-window layers keep at most {self.window_tokens:,} rows"
                   if self.window_layers else "")
-        experts = ([f"  experts: dequantised at load (3-D tensors: no packed form), a token reads "
-                    f"{self.expert_bytes[0]:,} B of them in {self.dtype} ({self.expert_bytes[1]:,} B as shipped)"]
-                   if self.expert_bytes else [])
+        dense, shipped = self.expert_bytes or (0, 0)
+        read = (f"a token reads {shipped:,} B of them as shipped ({dense:,} B dequantised in {self.dtype})"
+                if self.experts_run.startswith(block_experts.KIND) else
+                f"a token reads {dense:,} B of them in {self.dtype} ({shipped:,} B as shipped)")
+        experts = [f"  experts: {self.experts_run}, {read}"] if self.expert_bytes else []
         return [
             f"{self.path.name}: {self.architecture} ({self.model_class})",
             f"  fast decode step: {step}",
@@ -102,9 +108,11 @@ class Preflight:
         ]
 
 
-def inspect_gguf(path: Path, requested_context: int, dtype: torch.dtype) -> Preflight:
-    """The Preflight of the GGUF at `path` served with `requested_context` tokens (0: native)
-    and activations in `dtype`; raises ModelUnavailable for what memrad cannot serve."""
+def inspect_gguf(path: Path, requested_context: int, dtype: torch.dtype, weights: str = "auto",
+                 device: str = "cpu") -> Preflight:
+    """The Preflight of the GGUF at `path` served with `requested_context` tokens (0: native),
+    activations in `dtype`, `weights` (model.weights) on `device` (its type); raises
+    ModelUnavailable for what memrad cannot serve."""
     from transformers import AutoModelForCausalLM
 
     from memrad.engine.decode import steps
@@ -128,7 +136,26 @@ def inspect_gguf(path: Path, requested_context: int, dtype: torch.dtype) -> Pref
         kv_bytes_per_token=sum(2 * heads * dim for heads, dim in steps.kv_row_shapes(config)) * dtype.itemsize,
         dtype=str(dtype).removeprefix("torch."), window_layers=window_layers,
         window_tokens=getattr(config, "sliding_window", None) if window_layers else None,
-        expert_bytes=expert_bytes(header, config, dtype))
+        expert_bytes=expert_bytes(header, config, dtype), experts_run=experts_run(header, weights, device))
+
+
+def experts_run(header: GGUFHeader, weights: str, device: str) -> str:
+    """Where a mixture's experts will run: gpt-oss's MXFP4 ones from their blocks on memra's kernel
+    (memrad.engine.model.block_experts) where the weights run as shipped and the kernel runs here,
+    else dequantised, and why."""
+    from memrad.engine.kernels import block_gemv
+
+    kinds = {tensor.kind for tensor in header.tensors if _EXPERTS.fullmatch(tensor.name)}
+    if kinds != {block_experts.KIND} or header.architecture != gguf_gpt_oss.ARCHITECTURE:
+        return "dequantised at load (3-D tensors: no packed form)"
+    if weights in ("float", "int8"):
+        return f"dequantised at load (--weights {weights})"
+    if device != "cpu":
+        return f"dequantised at load (memra's block kernel is CPU-only, {device})"
+    why_not = block_gemv.why_not()
+    if why_not is not None:
+        return f"dequantised at load (memra's block kernel: {why_not})"
+    return f"{block_experts.KIND} blocks on memra's block kernel ({block_gemv.path()}), the chosen experts only"
 
 
 def expert_bytes(header: GGUFHeader, config: Any, dtype: torch.dtype) -> tuple[int, int] | None:

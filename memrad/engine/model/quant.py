@@ -69,6 +69,9 @@ _Q5_0_BLOCK_BYTES = 22  # d fp16 | qh: bit j = the high bit of weight j (uint32)
 _Q4_K_BLOCK_BYTES = 144  # d fp16 | dmin fp16 | 12 bytes of 6-bit sc, m | qs[128]
 SUPER_BLOCK = 256  # weights per k-quant super-block
 SUPER_BLOCK_BYTES = {"Q4_K": _Q4_K_BLOCK_BYTES, "Q5_K": 176, "Q6_K": 210}  # llama.cpp's block_q4_K / _q5_K / _q6_K
+# Blocks kept whole as shipped that are not k-quants: (weights, bytes) a block. MXFP4 (gpt-oss's
+# experts): an E8M0 scale byte and 16 bytes of E2M1 codes per 32 weights (llama.cpp's block_mxfp4).
+WHOLE_BLOCKS = {"MXFP4": (GROUP, 17), **{kind: (SUPER_BLOCK, size) for kind, size in SUPER_BLOCK_BYTES.items()}}
 _BF16_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding moves a value by <= 2^-8 of it
 
 
@@ -112,16 +115,18 @@ class Int4Blocks:
 
 @dataclass(frozen=True, slots=True)
 class SuperBlocks:
-    """One weight matrix's GGUF k-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights each), the
-    bytes as shipped; memra's block kernel reads them as they are."""
+    """One weight matrix's GGUF k-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights each), or
+    another type's blocks kept whole (MXFP4: 32 weights each, WHOLE_BLOCKS), the bytes as shipped;
+    memra's block kernel reads them as they are."""
 
-    kind: str  # "Q4_K", "Q5_K" or "Q6_K"
-    raw: torch.Tensor  # [N, K/256 · SUPER_BLOCK_BYTES[kind]] uint8
+    kind: str  # "Q4_K", "Q5_K", "Q6_K" or "MXFP4"
+    raw: torch.Tensor  # [N, K / weights a block · bytes a block] uint8 (WHOLE_BLOCKS)
 
     @property
     def shape(self) -> tuple[int, int]:
         """(N, K) of the weight matrix."""
-        return self.raw.shape[0], self.raw.shape[1] // SUPER_BLOCK_BYTES[self.kind] * SUPER_BLOCK
+        weights, size = WHOLE_BLOCKS[self.kind]
+        return self.raw.shape[0], self.raw.shape[1] // size * weights
 
     def dequantize(self) -> torch.Tensor:
         """The float weights [N, K] float32, as gguf-py (and so transformers' GGUF loader) computes them."""
@@ -138,17 +143,21 @@ class SuperBlocks:
 def random_super_blocks(kind: str, rows: int, cols: int, generator: torch.Generator) -> SuperBlocks:
     """Random k-quant super-blocks [rows, cols] (`cols` a multiple of 256): every byte random but
     the fp16 d (and dmin), small positive values, as a real tensor's are. gguf-py reads k-quants
-    but cannot write them; memra's kernel probe and the tests take these."""
-    assert cols % SUPER_BLOCK == 0, f"a k-quant row holds whole super-blocks of {SUPER_BLOCK}, not {cols}"
-    size = SUPER_BLOCK_BYTES[kind]
-    n = rows * cols // SUPER_BLOCK
+    but cannot write them; memra's kernel probe and the tests take these. MXFP4 (`cols` a multiple
+    of 32): random codes, scale bytes e in 117..124 (weights of 2^-11..2^-4 times a code up to 12,
+    as a trained expert's are)."""
+    weights, size = WHOLE_BLOCKS[kind]
+    assert cols % weights == 0, f"a {kind} row holds whole blocks of {weights}, not {cols}"
+    n = rows * cols // weights
     raw = torch.randint(0, 256, (n, size), generator=generator, dtype=torch.uint8)
     scales = (torch.rand(n, 2, generator=generator) / 100).half().view(torch.uint8)  # [n, 4]: d, dmin
-    if kind == "Q6_K":
+    if kind == "MXFP4":
+        raw[:, 0] = torch.randint(117, 125, (n,), generator=generator, dtype=torch.uint8)
+    elif kind == "Q6_K":
         raw[:, 208:210] = scales[:, :2]
     else:
         raw[:, 0:4] = scales
-    return SuperBlocks(kind, raw.view(rows, cols // SUPER_BLOCK * size).contiguous())
+    return SuperBlocks(kind, raw.view(rows, cols // weights * size).contiguous())
 
 
 @dataclass(frozen=True, slots=True)

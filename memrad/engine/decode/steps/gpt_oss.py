@@ -25,7 +25,9 @@ as transformers' does.
 The feed-forward is the model's own sparse block called on the one token (router with bias,
 top k, softmax over the k logits; GptOssExperts: gate and up interleaved in `gate_up_proj`,
 gate clamped above and up on both sides at `swiglu_limit`, gate * sigmoid(alpha * gate) *
-(up + 1)): its bits are the forward's at one token, and only the chosen experts are read.
+(up + 1)): its bits are the forward's at one token, and only the chosen experts are read. From a
+GGUF the sparse block is memra's BlockMoE (memrad.engine.model.block_experts: the same router and
+experts, the chosen experts' MXFP4 blocks on memra's kernel for one token), called the same way.
 Rope is gpt-oss's: the two halves of a head rotated by cos, sin tables D/2 wide.
 
 Several requests at once (the batched step, memrad.engine.decode.batch) run `forward_rows`, as

@@ -1,5 +1,5 @@
-// One token's matrix-vector product straight from a GGUF's Q8_0, Q5_0, Q4_1, Q4_K, Q5_K or Q6_K
-// blocks, as shipped.
+// One token's matrix-vector product straight from a GGUF's Q8_0, Q5_0, Q4_1, MXFP4, Q4_K, Q5_K or
+// Q6_K blocks, as shipped.
 //
 //   memra::block_gemv(x [M, K], blocks [N, K/32 * B] uint8, kind) -> out [M, N]   (x's dtype)
 //   (the k-quants: blocks [N, K/256 * B], below)
@@ -10,6 +10,12 @@
 //                           plus 16 * bit j of qh
 //   kind 4, Q4_1 (B = 20):  | d fp16 | m fp16 | qs[16] |                   w_j = d * q_j + m
 //                           q_j = low nibble of qs[j] (j < 16) or high nibble of qs[j - 16]
+//   kind 39, MXFP4 (B = 17): | e uint8 | qs[16] |                          w_j = 2^(e - 128) * v(q_j)
+//                           q_j as Q4_1's; v = kvalues_mxfp4, the E2M1 values doubled (0, 1, 2, 3,
+//                           4, 6, 8, 12 and their negatives): int8 codes, so a block is Q8_0's
+//                           arithmetic with the power of two 2^(e - 128) (ggml's
+//                           GGML_E8M0_TO_FP32_HALF: E8M0's 2^(e - 127), halved for the doubled
+//                           values) in place of d; gpt-oss's experts ship it (ggml type 39)
 //
 // torch's int4 kernel can run Q8_0 / Q5_0 only as two 4-bit passes (hi|lo: 10 bits a weight with
 // its bf16 scales, where the blocks are 8.5 and 5.5), and runs Q4_1 with d and m rounded to bf16.
@@ -67,10 +73,25 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-template <int KIND>
-constexpr int64_t block_bytes() { return KIND == 8 ? 34 : KIND == 5 ? 22 : 20; }
+constexpr int MXFP4 = 39;  // ggml's type number
 
-inline int64_t bytes_of(int64_t kind) { return kind == 8 ? block_bytes<8>() : kind == 5 ? block_bytes<5>() : block_bytes<4>(); }
+template <int KIND>
+constexpr int64_t block_bytes() { return KIND == 8 ? 34 : KIND == 5 ? 22 : KIND == MXFP4 ? 17 : 20; }
+
+inline int64_t bytes_of(int64_t kind) {
+  return kind == 8 ? block_bytes<8>() : kind == 5 ? block_bytes<5>() : kind == MXFP4 ? block_bytes<MXFP4>() : block_bytes<4>();
+}
+
+// MXFP4's doubled E2M1 values by code (ggml's kvalues_mxfp4), and its E8M0 scale byte as the
+// float32 2^(e - 128) (ggml's ggml_e8m0_to_fp32_half: e < 2 are the subnormals 2^-128, 2^-127).
+alignas(16) constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t{0x00200000} << e : static_cast<uint32_t>(e - 1) << 23;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
 
 // The k-quants, by ggml's type numbers: super-blocks of 256 weights (K a multiple of 256).
 //
@@ -191,6 +212,16 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 
+// An MXFP4 block's 32 values v(q_j) as int8, weight j in byte j: each nibble looked up in
+// kvalues_mxfp4 by a byte shuffle (llama.cpp's way).
+inline __m256i mxfp4_values(const uint8_t* b) {
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(MXFP4_VALUES));
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1)), nibble = _mm_set1_epi8(15);
+  const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(qs, nibble));
+  const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), nibble));
+  return _mm256_set_m128i(hi, lo);
+}
+
 // `k_scales` with the conversions and products 8 at a time (the same float32 products: a
 // scalar decode per block cost as much as the block's multiply-adds).
 template <int KIND>
@@ -218,7 +249,7 @@ inline void k_scales_vec(const uint8_t* row, int64_t nsuper, float* scale, float
 
 #if defined(CPU_CAPABILITY_AVX512)
 
-// The block's 32 codes as int16 (q_j; q_j - 16 for Q5_0), weight j in lane j.
+// The block's 32 codes as int16 (q_j; q_j - 16 for Q5_0; v(q_j) for MXFP4), weight j in lane j.
 template <int KIND>
 inline __m512i codes16(const uint8_t* b) {
   if constexpr (KIND == 8) {
@@ -227,6 +258,8 @@ inline __m512i codes16(const uint8_t* b) {
     const __m256i qs = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
     const __m256i lo = _mm256_and_si256(qs, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(qs, 4);
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else if constexpr (KIND == MXFP4) {
+    return _mm512_cvtepi8_epi16(mxfp4_values(b));
   } else {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
@@ -242,7 +275,8 @@ inline __m512i codes16(const uint8_t* b) {
 
 // The rows' block scales d (and for Q4_1 mins m) as float32, [r][nb_pad] (nb_pad: nb rounded up
 // to 16, zeros past nb): 16 blocks' first 4 bytes in one gather, converted together (a scalar
-// fp16 conversion per block cost more than the block's products).
+// fp16 conversion per block cost more than the block's products); MXFP4's first byte e as
+// 2^(e - 128), its float32 bits built as `e8m0_half` builds them.
 template <int KIND>
 inline void scales(const uint8_t* row, int64_t stride, int64_t nb, int64_t nb_pad, int64_t r, float* d, float* mins) {
   const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -252,7 +286,15 @@ inline void scales(const uint8_t* row, int64_t stride, int64_t nb, int64_t nb_pa
       const __mmask16 in = nb - b0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nb - b0)) - 1);
       const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, at,
                                                     row + i * stride + b0 * block_bytes<KIND>(), 1);
-      _mm512_storeu_ps(d + i * nb_pad + b0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+      if constexpr (KIND == MXFP4) {
+        const __m512i e = _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
+        const __mmask16 subnormal = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __m512i bits = _mm512_mask_blend_epi32(subnormal, normal, _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e));
+        _mm512_storeu_ps(d + i * nb_pad + b0, _mm512_castsi512_ps(_mm512_maskz_mov_epi32(in, bits)));
+      } else {
+        _mm512_storeu_ps(d + i * nb_pad + b0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+      }
       if constexpr (KIND == 4)
         _mm512_storeu_ps(mins + i * nb_pad + b0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
     }
@@ -730,7 +772,8 @@ inline __m256i nibbles(const uint8_t* qs) {
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
 }
 
-// The block's 32 codes as int16: weights 0..15 in lo, 16..31 in hi (q_j; q_j - 16 for Q5_0).
+// The block's 32 codes as int16: weights 0..15 in lo, 16..31 in hi (q_j; q_j - 16 for Q5_0;
+// v(q_j) for MXFP4).
 template <int KIND>
 inline void codes16(const uint8_t* b, __m256i& lo, __m256i& hi) {
   if constexpr (KIND == 8) {
@@ -740,6 +783,10 @@ inline void codes16(const uint8_t* b, __m256i& lo, __m256i& hi) {
     const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
     lo = _mm256_and_si256(q, _mm256_set1_epi16(15));
     hi = _mm256_srli_epi16(q, 4);
+  } else if constexpr (KIND == MXFP4) {
+    const __m256i v = mxfp4_values(b);
+    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
   } else {
     // byte j = 0xFF where bit j of qh is set: the high bit; where it is clear, 0xF0 | nibble is q - 16
     uint32_t qh;
@@ -788,7 +835,7 @@ inline void tile_dot(const uint8_t* row, int64_t stride, const int16_t* x16, con
       const uint8_t* block = row + r * stride + b * block_bytes<KIND>();
       __m256i lo, hi;
       codes16<KIND>(block, lo, hi);  // decoded once for the MC activation rows
-      const float d = half_f16c(block);
+      const float d = KIND == MXFP4 ? e8m0_half(block[0]) : half_f16c(block);
       for (int m = 0; m < MC; ++m) {
         const int16_t* xb = x16 + m * K + b * GROUP;
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
@@ -1016,6 +1063,11 @@ inline void codes(const uint8_t* b, float* c) {
       c[j] = static_cast<float>(b[4 + j] & 15);
       c[j + 16] = static_cast<float>(b[4 + j] >> 4);
     }
+  } else if constexpr (KIND == MXFP4) {
+    for (int j = 0; j < 16; ++j) {
+      c[j] = static_cast<float>(MXFP4_VALUES[b[1 + j] & 15]);
+      c[j + 16] = static_cast<float>(MXFP4_VALUES[b[1 + j] >> 4]);
+    }
   } else {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
@@ -1035,7 +1087,7 @@ float row_dot(const uint8_t* row, const float* x, int64_t blocks) {
     const uint8_t* block = row + b * block_bytes<KIND>();
     const float* xb = x + b * GROUP;
     codes<KIND>(block, c);
-    const float scale = half_at(block);
+    const float scale = KIND == MXFP4 ? e8m0_half(block[0]) : half_at(block);
     for (int l = 0; l < 16; ++l) acc[l] += scale * (c[l] * xb[l] + c[l + 16] * xb[l + 16]);
     if constexpr (KIND == 4) {
       float sum = 0.f;
@@ -1152,8 +1204,8 @@ void dispatch(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
 at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "block_gemv takes x [M, K] and blocks [N, K/32 * bytes]");
   const bool k_quant = kind == Q4_K || kind == Q5_K || kind == Q6_K, interleaved = kind == 40 || kind == 80;
-  TORCH_CHECK(kind == 8 || kind == 5 || kind == 4 || k_quant || (interleaved && INTERLEAVES),
-              "block_gemv kind is 8 (Q8_0), 5 (Q5_0), 4 (Q4_1), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)",
+  TORCH_CHECK(kind == 8 || kind == 5 || kind == 4 || kind == MXFP4 || k_quant || (interleaved && INTERLEAVES),
+              "block_gemv kind is 8 (Q8_0), 5 (Q5_0), 4 (Q4_1), 39 (MXFP4), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)",
               INTERLEAVES ? "; 40 (Q4_1 x16) or 80 (Q8_0 x16)" : " (the interleaved kinds run on AVX512 only)");
   TORCH_CHECK(!interleaved || blocks.size(0) % 16 == 0, "interleaved blocks come in groups of 16 rows");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.stride(1) == 1, "blocks must be uint8 rows");
@@ -1164,6 +1216,7 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
     case 8: dispatch<8>(x, blocks, out); break;
     case 5: dispatch<5>(x, blocks, out); break;
     case 4: dispatch<4>(x, blocks, out); break;
+    case MXFP4: dispatch<MXFP4>(x, blocks, out); break;
     case 40: dispatch<40>(x, blocks, out); break;
     case 80: dispatch<80>(x, blocks, out); break;
     case Q4_K: dispatch<Q4_K>(x, blocks, out); break;
