@@ -215,7 +215,7 @@ inline void k_scales_vec(const uint8_t* row, int64_t nsuper, float* scale, float
   }
 }
 
-// The interleaved kinds (`pack(..., interleave=True)`, made once at load): 16 output rows'
+// The interleaved kinds (block_linear.interleave, made once at load): 16 output rows'
 // blocks b side by side, so that a vector's 16 int32 lanes are 16 outputs and a row's block is
 // summed in its lane, with no horizontal sum and no per-row decode: a block's codes are widened
 // once for all the activation rows, and each row then costs 16 multiply-adds a block for 16
