@@ -719,18 +719,23 @@ const bool HAS_VNNI = [] {
   return __builtin_cpu_supports("avxvnni") && !(off != nullptr && off[0] == '0');
 }();
 
-// lo * x0 + hi * x1 summed in pairs into 8 int32 lanes, exact: VNNI's vpdpwssd does the second
-// multiply-add and the sum in one instruction (the same integers as madd + add). Written as asm:
-// AVX-VNNI is not in the AVX2 flags, and chosen at run time.
+// acc + codes * x summed in pairs into 8 int32 lanes, exact: VNNI's vpdpwssd does the multiply-add
+// and the sum in one instruction (the same integers as madd + add). Written as asm: AVX-VNNI is
+// not in the AVX2 flags, and chosen at run time.
+template <bool VNNI>
+inline __m256i dot_pair(__m256i acc, __m256i codes, __m256i x) {
+  if constexpr (VNNI) {
+    asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(codes), "x"(x));
+    return acc;
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(codes, x));
+  }
+}
+
+// lo * x0 + hi * x1 summed in pairs into 8 int32 lanes.
 template <bool VNNI>
 inline __m256i pair_sums(__m256i lo, __m256i x0, __m256i hi, __m256i x1) {
-  __m256i sums = _mm256_madd_epi16(lo, x0);
-  if constexpr (VNNI) {
-    asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(sums) : "x"(hi), "x"(x1));
-  } else {
-    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(hi, x1));
-  }
-  return sums;
+  return dot_pair<VNNI>(_mm256_madd_epi16(lo, x0), hi, x1);
 }
 
 // R output rows from `row` against MC activation rows from x16 (row length K; sx, sums with row
@@ -962,16 +967,6 @@ void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
 // activation rows both halves run together (2 x MC sums), so one broadcast pair serves 16
 // outputs; 5..8 rows, one half after the other. Either way a block's codes are widened once for
 // all MC activation rows (the row-major AVX2 path: once for 2, XROWS_AVX2).
-template <bool VNNI>
-inline __m256i dot_pair(__m256i acc, __m256i codes, __m256i x) {
-  if constexpr (VNNI) {
-    asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(codes), "x"(x));
-    return acc;
-  } else {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(codes, x));
-  }
-}
-
 // x16_j's weights 2p, 2p + 1 in every int32 lane.
 inline __m256i x_pair(const int16_t* xb, int p) {
   int32_t pair;
