@@ -25,7 +25,7 @@ _TYPES = {"Q8_0": (GGMLQuantizationType.Q8_0, unpack_q8_0, Q8_0),
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
-INTERLEAVED = ("Q8_0 x16", "Q4_1 x16") if block_gemv.interleaves() else ()  # the AVX512 build's own layouts
+INTERLEAVED = ("Q8_0 x16", "Q4_1 x16") if block_gemv.interleaves() else ()  # the AVX512 and AVX2 builds' layouts
 
 
 def _packed(kind: str, blocks) -> tuple[int, torch.Tensor]:
@@ -170,15 +170,26 @@ else:
 print("path", block_gemv.path().replace(" ", "_"))
 unpack = {"Q8_0": unpack_q8_0, "Q5_0": unpack_q5_0, "Q4_0": lambda raw: unpack_blocks(raw, "Q4_0"),
           "Q4_1": lambda raw: unpack_blocks(raw, "Q4_1"), "MXFP4": lambda raw: SuperBlocks("MXFP4", torch.from_numpy(raw))}
+# the interleaved kinds (rows in sixteens): 304 rows (a tile's remainder), then the default model's
+# shapes: its Q4_1 layers' and its Q8_0 head's K with 2064 of its rows (the last tile one group)
+cases = [(kind, 301, 640) for kind in unpack] + [(kind, 301, 512) for kind in ("Q4_K", "Q5_K", "Q6_K")]
+if block_gemv.interleaves():
+    cases += [("Q8_0_x16", 304, 640), ("Q4_1_x16", 304, 640), ("Q4_0_x16", 304, 640), ("Q8_0_x16", 2064, 576),
+              *(("Q4_1_x16", n, k) for n, k in ((192, 576), (576, 576), (1536, 576), (576, 1536)))]
 outputs = {}
-for seed, kind in enumerate([*unpack, "Q4_K", "Q5_K", "Q6_K"]):
+for seed, (kind, n, k) in enumerate(cases):
     g = torch.Generator().manual_seed(seed)
-    if kind in unpack:
-        weights = np.random.default_rng(seed).standard_normal((301, 640)).astype(np.float32)
-        blocks = unpack[kind](quants.quantize(weights, getattr(GGMLQuantizationType, kind)))
+    plain = kind.removesuffix("_x16")
+    if plain in unpack:
+        weights = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+        blocks = unpack[plain](quants.quantize(weights, getattr(GGMLQuantizationType, plain)))
     else:  # the k-quants: random super-blocks, K = 512 (two a row)
-        blocks = random_super_blocks(kind, 301, 512, g)
+        blocks = random_super_blocks(kind, n, k, g)
     op_kind, raw = block_linear.pack(blocks)
+    if kind.endswith("_x16"):
+        op_kind, raw = block_linear.interleave(op_kind, raw)
+        assert op_kind in (block_linear.Q4_1_X16, block_linear.Q8_0_X16), op_kind
+        kind = f"{kind}_{n}x{k}"
     k = blocks.shape[1]
     x = torch.randn(8, k, generator=g)
     x[0, :32] *= 50  # an outlier block: its small entries lose the most to the rounding
@@ -199,7 +210,7 @@ for seed, kind in enumerate([*unpack, "Q4_K", "Q5_K", "Q6_K"]):
     same = same and bf16.dtype == torch.bfloat16 and torch.equal(
         bf16, torch.ops.memra.block_gemv(x.bfloat16().float(), raw, op_kind).bfloat16())
     print("same", kind, same)
-    outputs[kind] = alone
+    outputs[kind] = {"alone": alone, "x": x, "raw": raw, "op_kind": op_kind}
 torch.save(outputs, sys.argv[1])
 """
 
@@ -218,6 +229,10 @@ def _forced(tmp_path, **env):
     return {(words[0], words[1]): words[-1] for words in report}, torch.load(out)
 
 
+X16_CASES = ("Q8_0_x16_304x640", "Q4_1_x16_304x640", "Q4_0_x16_304x640", "Q8_0_x16_2064x576", "Q4_1_x16_192x576",
+             "Q4_1_x16_576x576", "Q4_1_x16_1536x576", "Q4_1_x16_576x1536")  # the default model's shapes among them
+
+
 @pytest.mark.skipif(cxx_compiler() is None, reason="needs a C++ compiler")
 def test_the_forced_avx2_path_holds_its_int16_bound_and_gives_a_row_the_same_bits_alone_batched_and_on_2_threads(
         tmp_path):
@@ -228,11 +243,16 @@ def test_the_forced_avx2_path_holds_its_int16_bound_and_gives_a_row_the_same_bit
     plain_report, plain_outputs = _forced(tmp_path, MEMRA_KERNEL_ISA="avx2", MEMRA_KERNEL_VNNI="0")
     assert plain_report[("path", "avx2_int16")] == "avx2_int16"
     assert report.get(("path", "avx2_int16_avx-vnni"), report.get(("path", "avx2_int16"))) is not None
-    for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "MXFP4", "Q4_K", "Q5_K", "Q6_K"):
+    for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "MXFP4", "Q4_K", "Q5_K", "Q6_K", *X16_CASES):
         for got in (report, plain_report):
             assert float(got[("bound", kind)]) <= 1.0, (kind, got)  # within the int16 rounding of x
-            assert got[("same", kind)] == "True", kind
-        assert torch.equal(outputs[kind], plain_outputs[kind])  # vpdpwssd and madd + add: the same integers
+            assert got[("same", kind)] == "True", kind  # M = 1..8, any position, 1 and 2 threads
+        assert torch.equal(outputs[kind]["alone"], plain_outputs[kind]["alone"])  # vpdpwssd, madd + add: the same integers
+    if block_gemv.capability() == "AVX512" and block_gemv.interleaves():
+        # the interleaved kinds at 8 lanes run each output's operations as the 16 lanes do: the same bits
+        for kind in X16_CASES:
+            case = outputs[kind]
+            assert torch.equal(torch.ops.memra.block_gemv(case["x"], case["raw"], case["op_kind"]), case["alone"]), kind
 
 
 @pytest.mark.skipif(cxx_compiler() is None, reason="needs a C++ compiler")
@@ -240,8 +260,9 @@ def test_the_kernels_plain_cpp_path_multiplies_every_kind_like_float64(tmp_path)
     """The path a CPU without AVX2 builds (memrad does not choose it, but it must be right)."""
     report, _ = _forced(tmp_path, MEMRA_KERNEL_ISA="default")
     assert report[("path", "plain_float32")] == "plain_float32"
-    assert all(float(report[("bound", kind)]) <= 1.0
-               for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "MXFP4", "Q4_K", "Q5_K", "Q6_K"))
+    assert not any("_x16" in kind for _, kind in report)  # the interleaved kinds: AVX512 and AVX2 only
+    assert all(float(report[("bound", kind)]) <= 1.0 for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "MXFP4", "Q4_K", "Q5_K",
+                                                                        "Q6_K"))
     assert all(report[("same", kind)] == "True" for kind in ("MXFP4", "Q4_K", "Q5_K", "Q6_K"))
 
 

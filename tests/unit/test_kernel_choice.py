@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memrad.engine.kernels import block_gemv
-from memrad.engine.model import kernel_choice
+from memrad.engine.model import block_linear, kernel_choice
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.kernel_choice import Verdict, decide
 from memrad.engine.model.loader import load_model
@@ -15,9 +15,9 @@ from memrad.engine.model.quant import Int4Blocks, Int4Linear, Int8Blocks, Q8Line
 pytestmark = pytest.mark.skipif(block_gemv.why_not() is not None, reason=str(block_gemv.why_not()))
 
 
-def _timer(block_s: float, int4_s: float):
-    """A fake clock: (block kernel, torch's int4 kernel) seconds a call, for every shape."""
-    return lambda on_blocks, on_int4: (on_blocks(), on_int4(), (block_s, int4_s))[-1]
+def _timer(block_s: float, int4_s: float, x16_s: float | None = None):
+    """A fake clock: (row-major blocks, torch's int4 kernel[, interleaved blocks]) seconds a call, for every shape."""
+    return lambda *calls: ([call() for call in calls], (block_s, int4_s, x16_s)[:len(calls)])[-1]
 
 
 def _groups():  # [64, 128] blocks: 4 of 32 a row
@@ -33,6 +33,16 @@ def test_the_verdict_names_the_winner_its_path_and_the_measured_ratio():
         "head Q8_0", True, "memra block kernel, avx2 int16 avx-vnni, 1.9x torch int4 hi|lo (measured at load, one row)")
     assert decide("layers Q4_1", 0.012, 0.010, "avx2 int16", "torch int4") == Verdict(
         "layers Q4_1", False, "torch int4, 1.2x memra block kernel (avx2 int16; measured at load, one row)")
+    # three kernels where the group's blocks interleave: the fastest, and what the others cost
+    assert decide("layers Q4_1", 0.012, 0.018, "avx2 int16", "torch int4", x16_s=0.006) == Verdict(
+        "layers Q4_1", True, "memra block kernel, avx2 int16, 16 rows interleaved, 3.0x torch int4, 2.0x row-major "
+                             "blocks (measured at load, one row)", interleaved=True)
+    assert decide("head Q8_0", 0.010, 0.019, "avx2 int16", "torch int4 hi|lo", x16_s=0.015) == Verdict(
+        "head Q8_0", True, "memra block kernel, avx2 int16, 1.9x torch int4 hi|lo, 1.5x interleaved "
+                           "(measured at load, one row)")
+    assert decide("layers Q4_1", 0.020, 0.010, "avx2 int16", "torch int4", x16_s=0.012) == Verdict(
+        "layers Q4_1", False, "torch int4, 1.2x memra block kernel (avx2 int16; measured at load, one row)")
+    assert decide("layers Q4_1", 0.010, 0.010, "avx2 int16", "torch int4", x16_s=0.010).interleaved  # ties: interleaved
 
 
 @pytest.mark.parametrize("interleaves", [True, False])
@@ -53,10 +63,10 @@ def test_on_avx512_the_head_runs_the_blocks_and_the_4_bit_layers_interleaved_as_
     # the head's 64 rows, interleaved where the build interleaves (BlockLinear.from_blocks lays them out so)
     layout = ", 16 rows interleaved" if interleaves else ""
     why = f"memra block kernel, {block_gemv.path()}{layout}; measured once: docs/BENCHMARKS.md#memras-block-kernel"
-    assert verdicts["head Q8_0"] == Verdict("head Q8_0", True, why)
+    assert verdicts["head Q8_0"] == Verdict("head Q8_0", True, why, interleaves)
     # 4-bit layers in sixteens run interleaved where the build interleaves; rows not in sixteens
     # and the 8-bit layers stay on torch's int4 kernel, as measured offline
-    assert verdicts["layers Q4_0"] == Verdict("layers Q4_0", interleaves, why if interleaves else "")
+    assert verdicts["layers Q4_0"] == Verdict("layers Q4_0", interleaves, why if interleaves else "", interleaves)
     assert not verdicts["layers Q4_1"].blocks and not verdicts["layers Q8_0"].blocks
     # a head not in sixteens runs its plain blocks, and says so
     odd_head = Int8Blocks(torch.randint(-127, 128, (40, 128), generator=g).to(torch.int8), torch.ones(40, 4))
@@ -66,24 +76,26 @@ def test_on_avx512_the_head_runs_the_blocks_and_the_4_bit_layers_interleaved_as_
 
 
 def test_on_avx2_each_group_is_measured_once_and_the_verdict_kept_for_later_starts(monkeypatch, tmp_path):
+    """Both groups' blocks interleave (64 rows): row-major, torch's int4 and interleaved, timed."""
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
     cache = tmp_path / "choices.json"
     path = block_gemv.path()
-    verdicts = kernel_choice.choose(_groups(), {}, torch.float32, cache=cache, timer=_timer(1e-4, 3e-4))
-    assert verdicts["head Q8_0"] == Verdict("head Q8_0", True, f"memra block kernel, {path}, 3.0x torch int4 hi|lo "
-                                                               "(measured at load, one row)")
-    assert verdicts["layers Q4_0"].blocks and "3.0x torch int4 (" in verdicts["layers Q4_0"].reason
+    verdicts = kernel_choice.choose(_groups(), {}, torch.float32, cache=cache, timer=_timer(1e-4, 3e-4, 2e-4))
+    assert verdicts["head Q8_0"] == Verdict("head Q8_0", True, f"memra block kernel, {path}, 3.0x torch int4 hi|lo, "
+                                                               "2.0x interleaved (measured at load, one row)")
+    assert verdicts["layers Q4_0"].blocks and "3.0x torch int4, 2.0x interleaved (" in verdicts["layers Q4_0"].reason
     kept = json.loads(cache.read_text())
     # the layers' two members share a shape: one timed, counted twice (the kept times are the sums)
     by_group = {group: value for key, value in kept.items() for group in ("head Q8_0", "layers Q4_0") if group in key}
-    assert by_group == {"head Q8_0": {"block_s": 1e-4, "int4_s": 3e-4}, "layers Q4_0": {"block_s": 2e-4, "int4_s": 6e-4}}
+    assert by_group == {"head Q8_0": {"block_s": 1e-4, "int4_s": 3e-4, "x16_s": 2e-4},
+                        "layers Q4_0": {"block_s": 2e-4, "int4_s": 6e-4, "x16_s": 4e-4}}
     assert all(block_gemv.library().name in key and f"threads {torch.get_num_threads()}" in key for key in kept) and len(kept) == 2
 
     def never(*_fns):
         raise AssertionError("measured again")
 
     assert kernel_choice.choose(_groups(), {}, torch.float32, cache=cache, timer=never) == verdicts
-    slower = kernel_choice.choose(_groups(), {}, torch.bfloat16, cache=cache, timer=_timer(4e-4, 2e-4))
+    slower = kernel_choice.choose(_groups(), {}, torch.bfloat16, cache=cache, timer=_timer(4e-4, 2e-4, 5e-4))
     assert not slower["head Q8_0"].blocks  # another dtype: measured afresh
     assert slower["head Q8_0"].reason == f"torch int4 hi|lo, 2.0x memra block kernel ({path}; measured at load, one row)"
 
@@ -91,10 +103,11 @@ def test_on_avx2_each_group_is_measured_once_and_the_verdict_kept_for_later_star
 def test_a_group_of_one_shape_is_timed_on_one_layer_and_counted_for_each(monkeypatch, tmp_path):
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
     calls = []
-    kernel_choice.choose({"layers Q4_0": _groups()["layers Q4_0"]}, {}, torch.float32, cache=tmp_path / "c.json",
-                         timer=lambda *fns: calls.append(fns) or (1e-4, 1e-4))
+    verdicts = kernel_choice.choose({"layers Q4_0": _groups()["layers Q4_0"]}, {}, torch.float32,
+                                    cache=tmp_path / "c.json", timer=lambda *fns: calls.append(fns) or (1e-4,) * len(fns))
     kept, = json.loads((tmp_path / "c.json").read_text()).values()
-    assert len(calls) == 1 and kept == {"block_s": 2e-4, "int4_s": 2e-4}  # a tie goes to the block kernel
+    assert len(calls) == 1 and len(calls[0]) == 3 and kept == {"block_s": 2e-4, "int4_s": 2e-4, "x16_s": 2e-4}
+    assert verdicts["layers Q4_0"].interleaved  # a tie goes to the block kernel, interleaved
 
 
 def _load(folder):
@@ -102,55 +115,65 @@ def _load(folder):
     return load_model(str(folder), device="cpu", dtype="float32", weights="auto")
 
 
-def test_on_avx2_the_layers_run_the_blocks_where_they_won_and_status_says_why(q4_dir, monkeypatch, tmp_path):
-    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))  # a fresh verdicts file
-    monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
-    monkeypatch.setattr(block_gemv, "interleaves", lambda: False)  # as the AVX2 build: plain blocks only
-    monkeypatch.setattr(kernel_choice, "_fastest", _timer(1e-4, 2e-4))
-    loaded = _load(q4_dir)
-    model = loaded.model
-    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
-    assert len(layers) == 15 and {m.format for m in layers} == {"Q4_1", "Q8_0"}
-    assert not any(isinstance(m, Int4Linear) for m in model.modules())
-    path = block_gemv.path()
-    assert (f"self_attn.q_proj GGUF x2: Q4_1 blocks (memra block kernel, {path}, 2.0x torch int4 "
-            "(measured at load, one row))") in loaded.tensors.reason
-    assert f"lm_head GGUF x1: Q8_0 blocks (memra block kernel, {path}, 2.0x torch int4 hi|lo" in loaded.tensors.reason
-    assert loaded.tensors.value == "Q8_0 blocks 1, Q4_1 blocks 14" and loaded.head == "q8_0 blocks"
-    x = torch.randn(1, 1, 64)
-    q = model.model.layers[0].self_attn.q_proj
-    assert torch.equal(q(x), torch.ops.memra.block_gemv(x.view(1, 64), q.blocks, q.kind).view(1, 1, -1))
-
-
-
 def _by_kernel(times: dict):
-    """A fake clock that times a call by the layer it ran: {(class name, block format or None): seconds}."""
+    """A fake clock that times a call by the layer it ran: {(class name, block format or None): seconds},
+    the format "Q4_1 x16" for interleaved blocks."""
+    def name(module) -> tuple[str, str | None]:
+        layout = " x16" if getattr(module, "interleaved", False) else ""
+        return type(module).__name__, getattr(module, "format", None) and module.format + layout
+
     def one(fn):
         ran = []
-        handle = torch.nn.modules.module.register_module_forward_hook(
-            lambda module, args, out: ran.append((type(module).__name__, getattr(module, "format", None))))
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: ran.append(name(module)))
         try:
             fn()
         finally:
             handle.remove()
         return times[ran[0]]
-    return lambda on_blocks, on_int4: (one(on_blocks), one(on_int4))
+    return lambda *calls: tuple(one(call) for call in calls)
+
+
+def test_on_avx2_the_layers_run_the_blocks_where_they_won_interleaved_or_not_and_status_says_why(
+        q4_dir, monkeypatch, tmp_path):
+    """The AVX2 build interleaves: the Q4_1 layers win interleaved, the Q8_0 head row-major."""
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))  # a fresh verdicts file
+    monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
+    monkeypatch.setattr(kernel_choice, "_fastest", _by_kernel({
+        ("BlockLinear", "Q4_1 x16"): 1e-4, ("BlockLinear", "Q4_1"): 2e-4, ("Int4Linear", None): 3e-4,
+        ("BlockLinear", "Q8_0 x16"): 3e-4, ("BlockLinear", "Q8_0"): 1e-4, ("Q8Linear", None): 2e-4}))
+    loaded = _load(q4_dir)
+    model = loaded.model
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert len(layers) == 15 and {(m.format, m.interleaved) for m in layers} == {("Q4_1", True), ("Q8_0", False)}
+    assert not any(isinstance(m, Int4Linear) for m in model.modules())
+    path = block_gemv.path()
+    assert (f"self_attn.q_proj GGUF x2: Q4_1 x16 blocks (memra block kernel, {path}, 16 rows interleaved, 3.0x torch "
+            "int4, 2.0x row-major blocks (measured at load, one row))") in loaded.tensors.reason
+    assert (f"lm_head GGUF x1: Q8_0 blocks (memra block kernel, {path}, 2.0x torch int4 hi|lo, 3.0x interleaved "
+            "(measured at load, one row))") in loaded.tensors.reason
+    assert loaded.tensors.value == "Q8_0 blocks 1, Q4_1 x16 blocks 14" and loaded.head == "q8_0 blocks"
+    x = torch.randn(1, 1, 64)
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.kind == block_linear.Q4_1_X16
+    assert torch.equal(q(x), torch.ops.memra.block_gemv(x.view(1, 64), q.blocks, q.kind).view(1, 1, -1))
 
 
 def test_on_avx2_where_the_int4_kernel_wins_the_layers_they_pack_for_it_and_the_head_keeps_its_blocks(
         q4_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
-    monkeypatch.setattr(block_gemv, "interleaves", lambda: False)  # as the AVX2 build: plain blocks only
-    monkeypatch.setattr(kernel_choice, "_fastest", _by_kernel({("BlockLinear", "Q8_0"): 1e-4, ("Q8Linear", None): 4e-4,
-                                                               ("BlockLinear", "Q4_1"): 3e-4, ("Int4Linear", None): 2e-4}))
+    monkeypatch.setattr(kernel_choice, "_fastest", _by_kernel({
+        ("BlockLinear", "Q8_0"): 1e-4, ("BlockLinear", "Q8_0 x16"): 0.5e-4, ("Q8Linear", None): 4e-4,
+        ("BlockLinear", "Q4_1"): 3e-4, ("BlockLinear", "Q4_1 x16"): 2.4e-4, ("Int4Linear", None): 2e-4}))
     loaded = _load(q4_dir)
-    assert type(loaded.model.lm_head) is BlockLinear and loaded.head == "q8_0 blocks"
+    assert type(loaded.model.lm_head) is BlockLinear and loaded.head == "q8_0 blocks" and loaded.model.lm_head.interleaved
     assert sum(type(m) is Int4Linear for m in loaded.model.modules()) == 14
     path = block_gemv.path()
-    assert ("self_attn.q_proj GGUF x2: int4 (torch int4, 1.5x memra block kernel "
+    # the int4 kernel's lead over the faster of memra's two layouts (interleaved, 2.4e-4)
+    assert ("self_attn.q_proj GGUF x2: int4 (torch int4, 1.2x memra block kernel "
             f"({path}; measured at load, one row))") in loaded.tensors.reason
-    assert f"lm_head GGUF x1: Q8_0 blocks (memra block kernel, {path}, 4.0x torch int4 hi|lo" in loaded.tensors.reason
+    assert (f"lm_head GGUF x1: Q8_0 x16 blocks (memra block kernel, {path}, 16 rows interleaved, 8.0x torch int4 hi|lo, "
+            "2.0x row-major blocks") in loaded.tensors.reason
     assert not any(isinstance(m, Q8Linear) for m in loaded.model.modules())
 
 

@@ -1,6 +1,6 @@
 """What a row past the first costs in the multi-row decode step: `memrad bench rows` (memrad.bench.rows).
 
-    memrad bench rows [--model default] [--rows 1 2 4 8] [--reps 15] [--threads 2] [--no-step]
+    memrad bench rows [--model default] [--rows 1 2 4 8] [--reps 15] [--threads 2] [--dtype bfloat16] [--no-step]
 
 Arms of one loaded model, timed interleaved in one process (a burst of other work falls
 on all), the fastest of --reps calls each:
@@ -10,7 +10,10 @@ on all), the fastest of --reps calls each:
   * `blocks`: every 4-bit layer on memra's block kernel instead (BlockLinear from the same
     shipped blocks, one output row's blocks after another): forced for this measurement only;
   * `blocks x16`: the same on the kernel's interleaved kinds (16 rows' blocks side by side,
-    block_linear.interleave), where the kernel runs them (AVX512).
+    block_linear.interleave), where the kernel runs them (AVX512, AVX2).
+
+--dtype float32 is what an AVX2-only CPU runs (no native bf16); run it under
+`ATEN_CPU_CAPABILITY=avx2` to time torch's and memra's AVX2 paths on an AVX-512 machine.
 
 For each arm: the eager batched step (memrad.engine.decode.batch) at each --rows, its time
 split by kernel (the layers' projections, the head, the rest) from forward hooks; then one
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the activations (float32: an AVX2-only CPU's)")
     parser.add_argument("--no-step", action="store_true", help="the layers alone only")
     parser.add_argument("--no-layers", action="store_true", help="the batched step only")
     args = parser.parse_args(argv)
@@ -192,15 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     from memrad.engine.model.loader import load_model, resolve_model_folder
     from memrad.engine.model.quant import Int4Linear
 
-    loaded = load_model(args.model, device="cpu", dtype="bfloat16", weights="int4")
+    loaded = load_model(args.model, device="cpu", dtype=args.dtype, weights="int4")
     folder = resolve_model_folder(args.model, print, False)[1]
     arms = _arms(loaded.model, folder)
     as_loaded = {name: module for name, module in loaded.model.named_modules() if name in arms["int4"]}
     head = loaded.model.get_output_embeddings()
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    print(f"# {args.model}: {len(arms['blocks'])} layers and head; block kernel {block_gemv.path()}; threads {args.threads}; "
-          f"load {' '.join(load)}")
+    print(f"# {args.model}: {len(arms['blocks'])} layers and head; block kernel {block_gemv.path()}; "
+          f"torch {torch.backends.cpu.get_cpu_capability()}; {args.dtype}; threads {args.threads}; load {' '.join(load)}")
 
     def kind(module) -> str | None:
         if module is head or getattr(module, "out_features", 0) == head.out_features:

@@ -57,7 +57,8 @@ def path() -> str:
 
 def interleaves() -> bool:
     """Whether the loaded kernel runs the interleaved kinds (40: Q4_1 x16, 80: Q8_0 x16: its AVX512
-    build; memrad.engine.model.block_linear.interleave). Requires `why_not() is None`."""
+    and AVX2 builds, the same bits on both; memrad.engine.model.block_linear.interleave). Requires
+    `why_not() is None`."""
     return bool(torch.ops.memra.block_gemv_interleaves())
 
 

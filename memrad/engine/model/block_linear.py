@@ -35,7 +35,8 @@ layers as the interleaved kind (`interleave`: 16 rows' blocks side by side, made
 a block's codes are widened once for every activation row and each output sums in its own lane;
 the row-major Q4_1 blocks and the Q5_0 unpacking lost to torch's int4 kernel:
 docs/BENCHMARKS.md#memras-block-kernel); on AVX2, where torch's int4 kernel has half
-the width too, each group as measured at load (docs/BENCHMARKS.md#avx2-class-cpus). Without a compiler, on other CPUs and on CUDA the blocks
+the width too, each group as measured at load: interleaved, row-major or torch's int4
+(docs/BENCHMARKS.md#avx2-class-cpus). Without a compiler, on other CPUs and on CUDA the blocks
 run on torch's int4 kernel and `block_gemv.why_not` says why. Longer inputs (prefill) run the
 dense `weight` the layer keeps, as Int4Linear does.
 """
@@ -113,8 +114,8 @@ def pack(blocks: Blocks) -> tuple[int, torch.Tensor]:
 
 
 def interleave(kind: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """(kind, bytes) with the Q4_1 / Q8_0 blocks `pack` made laid out for the kernel's AVX512
-    path: each 16 output rows' blocks side by side (memrad.engine.kernels.csrc/block_gemv.cpp,
+    """(kind, bytes) with the Q4_1 / Q8_0 blocks `pack` made laid out for the kernel's AVX512 and
+    AVX2 paths: each 16 output rows' blocks side by side (memrad.engine.kernels.csrc/block_gemv.cpp,
     the interleaved kinds), made once at load. The same shape and bytes a row; rows cut at a
     multiple of 16 stay their own. Other kinds, and rows not in sixteens, as they are."""
     n = raw.shape[0]
@@ -150,7 +151,7 @@ class BlockLinear(torch.nn.Linear):
     @classmethod
     def from_blocks(cls, linear: torch.nn.Linear, blocks: Blocks, interleaved: bool = False) -> "BlockLinear":
         """`interleaved`: lay Q4_1 / Q8_0 blocks out 16 rows side by side (`interleave`): where the
-        loaded kernel runs them (`memrad.engine.kernels.block_gemv.interleaves()`, AVX512)."""
+        loaded kernel runs them (`memrad.engine.kernels.block_gemv.interleaves()`: AVX512, AVX2)."""
         kind, raw = pack(blocks)
         if interleaved:
             kind, raw = interleave(kind, raw)

@@ -10,8 +10,8 @@ and what it runs as now:
     int4 hi|lo    Q8Linear: the shipped 8-bit or 5-bit codes (Q8_0 / Q5_0) as two int4 halves
     Q8_0 blocks   BlockLinear: the shipped blocks themselves on memra's kernel (Q8_0, Q5_0, Q4_1
                   blocks, a Q4_0 tensor's as Q4_1; Q4_K, Q5_K, Q6_K super-blocks); "Q4_1 x16
-                  blocks": the same blocks, 16 output rows side by side (the AVX512 build's
-                  interleaved kinds, memrad.engine.model.block_linear.interleave)
+                  blocks": the same blocks, 16 output rows side by side (the AVX512 and AVX2
+                  builds' interleaved kinds, memrad.engine.model.block_linear.interleave)
     int8          Int8Linear: per-channel int8 made from the float weights (opt-in)
     dense DTYPE   the float weights transformers made of the blocks, in the model's dtype
 

@@ -10,7 +10,8 @@ model's dtype). Which is faster depends on the CPU:
     AVX512       block kernel (int16 activations,  block kernel, 16 rows    int4: measured once   measured here, per group
                  16 rows interleaved)              interleaved: measured    (docs/BENCHMARKS.md#memras-block-kernel)
                                                    once (memrad bench rows)
-    AVX2         measured here, per group          measured here, per group measured here        measured here, per group
+    AVX2         measured here, per group: interleaved, row-major blocks    measured here         measured here, per group
+                 or torch int4 (hi|lo)             or torch int4
 
 On AVX512 the Q4_0 / Q4_1 layers whose rows come in sixteens run the kernel's interleaved Q4_1
 blocks, and a head in sixteens its interleaved Q8_0 blocks (memrad.engine.model.block_linear.interleave):
@@ -20,9 +21,11 @@ AMX (one row 0.77-0.95x torch int4's time) and on an AMD EPYC Zen 5 without AMX 
 
 On AVX2 (int16 activations, integer multiply-adds as on AVX512) each group (the head; the layers of one
 GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
-each distinct shape (the head: its first HEAD_ROWS rows), the two kernels' calls interleaved
-(so a burst of other work falls on both), the fastest of REPS calls each (the least disturbed), weighted by how many layers have
-that shape. The group runs where the sum is lower. A verdict is kept in the kernel cache beside
+each distinct shape (the head: its first HEAD_ROWS rows) on each kernel (memra's row-major
+blocks, its interleaved ones where the group's blocks are Q4_x / Q8_0 in sixteens, torch's int4
+or the dense weight), the kernels' calls interleaved (so a burst of other work falls on all),
+the fastest of REPS calls each (the least disturbed), weighted by how many layers have that
+shape. The group runs where the sum is lowest (a tie: interleaved, then row-major blocks). A verdict is kept in the kernel cache beside
 the libraries, named by the kernel build, the group's shapes, dtype and thread count, so later
 starts read it and never re-measure (a verdict never flips between starts of one build).
 """
@@ -55,16 +58,18 @@ MEASURED_ON = ("AVX2",)  # kernel ISAs whose choice is measured here; AVX512's w
 # (the k-quants' super-blocks are measured here on every ISA: no offline measurement covers them)
 
 Blocks = Int4Blocks | Int8Blocks | SuperBlocks
-Timer = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]]  # seconds a call of each
+Timer = Callable[..., tuple[float, ...]]  # (call, call[, call]) -> seconds a call of each
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """One group's kernel: `blocks` True for memra's block kernel; `reason` as `memrad status` says it."""
+    """One group's kernel: `blocks` True for memra's block kernel, `interleaved` for its blocks laid
+    out 16 rows side by side (block_linear.interleave); `reason` as `memrad status` says it."""
 
     group: str  # "head Q8_0", "layers Q4_1"
     blocks: bool
     reason: str
+    interleaved: bool = False
 
 
 def group_of(name: str, kind: str, head_name: str | None) -> str:
@@ -88,13 +93,20 @@ def _other(blocks: Blocks, linear: torch.nn.Linear, dtype: torch.dtype) -> torch
     return (Q8Linear if isinstance(blocks, Int8Blocks) else Int4Linear).from_blocks(linear, blocks, kernel_dtype)
 
 
-def decide(group: str, block_s: float, int4_s: float, path: str, int4_name: str) -> Verdict:
+def decide(group: str, block_s: float, int4_s: float, path: str, int4_name: str, x16_s: float | None = None) -> Verdict:
     """The verdict for measured times (seconds a token for the group on each kernel; `int4_s` and
-    `int4_name`: the other kernel's, torch's int4 or the dense weight)."""
+    `int4_name`: the other kernel's, torch's int4 or the dense weight; `x16_s`: memra's interleaved
+    blocks', where they were measured). The fastest wins; a tie goes to memra's kernel, interleaved."""
+    if x16_s is not None and x16_s <= min(block_s, int4_s):
+        return Verdict(group, True, f"memra block kernel, {path}, 16 rows interleaved, {int4_s / x16_s:.1f}x "
+                                    f"{int4_name}, {block_s / x16_s:.1f}x row-major blocks (measured at load, one row)",
+                       interleaved=True)
+    versus = "" if x16_s is None else f", {x16_s / block_s:.1f}x interleaved"
     if block_s <= int4_s:
-        return Verdict(group, True, f"memra block kernel, {path}, {int4_s / block_s:.1f}x {int4_name} "
+        return Verdict(group, True, f"memra block kernel, {path}, {int4_s / block_s:.1f}x {int4_name}{versus} "
                                     "(measured at load, one row)")
-    return Verdict(group, False, f"{int4_name}, {block_s / int4_s:.1f}x memra block kernel ({path}; "
+    fastest = block_s if x16_s is None else min(block_s, x16_s)
+    return Verdict(group, False, f"{int4_name}, {fastest / int4_s:.1f}x memra block kernel ({path}; "
                                  "measured at load, one row)")
 
 
@@ -105,7 +117,7 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
     Q4_x layers in sixteens (`interleaved_4_bit`) on memra's kernel, the Q8_0 / Q5_0 layers on
     torch's int4, as measured offline; the
     k-quants' super-blocks are measured here on every ISA. `cache`: the verdicts file
-    (default: beside the kernel libraries); `timer`: seconds a call of each of two takes (tests)."""
+    (default: beside the kernel libraries); `timer`: seconds a call of each call it is given (tests)."""
     isa, path = block_gemv.capability(), block_gemv.path()
     cache = cache or block_gemv.library().parent / CACHE_NAME
     kept = _read(cache)
@@ -114,7 +126,8 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
         first = next(iter(members.values()))
         if isa not in MEASURED_ON and not isinstance(first, SuperBlocks):
             on_blocks = group.startswith("head") or interleaved_4_bit(members)
-            out[group] = Verdict(group, on_blocks, _measured_once(path, _in_sixteens(members)) if on_blocks else "")
+            interleaved = on_blocks and _in_sixteens(members)
+            out[group] = Verdict(group, on_blocks, _measured_once(path, interleaved) if on_blocks else "", interleaved)
             continue
         shapes = Counter((tuple(b.shape), type(b).__name__) for b in members.values())
         key = f"{block_gemv.library().name} {group} {sorted(shapes.items())} {dtype} threads {torch.get_num_threads()}"
@@ -123,23 +136,22 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
             out[group] = Verdict(group, True, f"memra block kernel, {path} (the int4 kernel packs rows in sixteens)")
             continue
         if key not in kept:
-            block_s, int4_s = _measure(members, modules, dtype, timer or _fastest)
-            kept[key] = {"block_s": block_s, "int4_s": int4_s}
+            kept[key] = _measure(members, modules, dtype, timer or _fastest, _in_sixteens(members))
             _write(cache, kept)
-        out[group] = decide(group, kept[key]["block_s"], kept[key]["int4_s"], path, int4_name)
+        out[group] = decide(group, kept[key]["block_s"], kept[key]["int4_s"], path, int4_name, kept[key].get("x16_s"))
         log.info("%s: %s", group, out[group].reason)
     return out
 
 
 def interleaved_4_bit(members: dict[str, Blocks]) -> bool:
     """Whether a group runs as the kernel's interleaved Q4_1 blocks: 4-bit blocks (Q4_0, Q4_1), every
-    layer's rows in sixteens, on a kernel build that interleaves (AVX512)."""
+    layer's rows in sixteens, on a kernel build that interleaves (AVX512, AVX2)."""
     return all(isinstance(b, Int4Blocks) for b in members.values()) and _in_sixteens(members)
 
 
 def _in_sixteens(members: dict[str, Blocks]) -> bool:
-    """Whether BlockLinear.from_blocks lays every member out interleaved: its rows in sixteens, on a
-    kernel build that interleaves (AVX512)."""
+    """Whether BlockLinear.from_blocks can lay every member out interleaved: Q4_x / Q8_0 blocks, its
+    rows in sixteens, on a kernel build that interleaves (AVX512, AVX2)."""
     return block_gemv.interleaves() and all(b.shape[0] % 16 == 0 and block_linear.kind_of(b) in block_linear.INTERLEAVED
                                             for b in members.values())
 
@@ -151,12 +163,14 @@ def _measured_once(path: str, interleaved: bool) -> str:
 
 
 def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dtype: torch.dtype,
-             timer: Timer) -> tuple[float, float]:
-    """(block kernel, other kernel) seconds a token for the group: one layer per shape, times its count."""
+             timer: Timer, interleaved: bool) -> dict[str, float]:
+    """Seconds a token for the group on each kernel, one layer per shape times its count: `block_s`
+    memra's row-major blocks, `int4_s` the other kernel, `x16_s` memra's interleaved blocks
+    (where `interleaved`)."""
     by_shape: dict[tuple, list[str]] = {}
     for name, blocks in members.items():
         by_shape.setdefault(tuple(blocks.shape), []).append(name)
-    block_s = int4_s = 0.0
+    total = {"block_s": 0.0, "int4_s": 0.0, **({"x16_s": 0.0} if interleaved else {})}
     for shape, names in by_shape.items():
         blocks, scale = members[names[0]], len(names)
         if shape[0] > HEAD_ROWS:  # time the first rows, scale by the rest
@@ -164,13 +178,15 @@ def _measure(members: dict[str, Blocks], modules: dict[str, torch.nn.Module], dt
             blocks = _rows(blocks, HEAD_ROWS)
         n, k = blocks.shape
         linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
-        on_blocks = BlockLinear.from_blocks(linear, blocks, block_gemv.interleaves())
-        on_int4 = _other(blocks, linear, dtype)
+        arms = [BlockLinear.from_blocks(linear, blocks), _other(blocks, linear, dtype)]
+        if interleaved:
+            arms.append(BlockLinear.from_blocks(linear, blocks, interleaved=True))
         x = torch.randn(1, 1, k, dtype=dtype)  # [1, 1, K]: one token
         with torch.no_grad():
-            on_blocks_s, on_int4_s = timer(lambda: on_blocks(x), lambda: on_int4(x))
-        block_s, int4_s = block_s + scale * on_blocks_s, int4_s + scale * on_int4_s
-    return block_s, int4_s
+            seconds = timer(*[lambda arm=arm: arm(x) for arm in arms])
+        for name, arm_s in zip(total, seconds):
+            total[name] += scale * arm_s
+    return total
 
 
 def _rows(blocks: Blocks, rows: int) -> Blocks:
@@ -182,17 +198,18 @@ def _rows(blocks: Blocks, rows: int) -> Blocks:
     return Int4Blocks(blocks.codes[:rows].contiguous(), blocks.scales[:rows].contiguous(), mins)
 
 
-def _fastest(first: Callable[[], object], second: Callable[[], object]) -> tuple[float, float]:
+def _fastest(*calls: Callable[[], object]) -> tuple[float, ...]:
     """The fastest of REPS calls of each, their calls interleaved."""
     for _ in range(3):
-        first(), second()
-    best = [float("inf"), float("inf")]
+        for fn in calls:
+            fn()
+    best = [float("inf")] * len(calls)
     for _ in range(REPS):
-        for i, fn in enumerate((first, second)):
+        for i, fn in enumerate(calls):
             started = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - started)
-    return best[0], best[1]
+    return tuple(best)
 
 
 def _read(cache: Path) -> dict:

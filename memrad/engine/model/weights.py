@@ -387,11 +387,12 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
     device = next(model.parameters()).device
     # The blocks memra's kernel runs as shipped, where it runs and wins (memrad.engine.model.kernel_choice:
     # on AVX512 the Q8_0 head and the 4-bit layers (interleaved), measured once, and the k-quants
-    # measured here; on AVX2 each group
-    # measured here), else torch's int4 kernel (Q5_K, Q6_K: dense).
+    # measured here; on AVX2 each group measured here, interleaved or row-major), else torch's int4
+    # kernel (Q5_K, Q6_K: dense).
     verdicts, groups = _block_plan(model, folder, modules)
     on_blocks = {name: blocks for group, members in groups.items() if verdicts[group].blocks
                  for name, blocks in members.items()}
+    interleaved = {name for group, members in groups.items() if verdicts[group].interleaved for name in members}
     stamp = _blocks_stamp(folder) + _blocks_suffix(set(on_blocks), _head_name(model))
     packed = _load_packed(folder, device, kernel_dtype, stamp)
     built = packed is None
@@ -402,7 +403,7 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
     if built:
         _save_packed(folder, device, kernel_dtype, packed, stamp)
     for name, blocks in on_blocks.items():  # packing them takes a second: not kept in the packed file
-        _set_module(model, name, BlockLinear.from_blocks(modules[name], blocks, block_gemv.interleaves()))
+        _set_module(model, name, BlockLinear.from_blocks(modules[name], blocks, name in interleaved))
     # gpt-oss's MXFP4 experts: their chosen experts' blocks for one token wherever memra's kernel runs
     experts = block_experts.install(model, folder) if _blocks_why_not(model) is None else 0
     as_blocks = len(on_blocks)

@@ -23,7 +23,8 @@
 // d, m are exact in float32). Row-major Q4_1 blocks lost to torch's int4 kernel, its codes laid
 // out across output rows (docs/BENCHMARKS.md, issue 22 session 10); the interleaved kinds (40, 80,
 // below: 16 rows' blocks side by side, laid out once at load) beat it on AVX512 at one row and
-// cost a row past the first 0.1-0.15x of one (memrad bench rows, issue 34). With AVX512 the activation is rounded to int16 per block of 32 (2^-16 of the
+// cost a row past the first 0.1-0.15x of one (memrad bench rows, issue 34); AVX2 runs them at 8
+// lanes with the AVX512 path's bits (issue 38). With AVX512 the activation is rounded to int16 per block of 32 (2^-16 of the
 // block's largest |x|: see `quantize`), so a block is one int16 x int16 multiply-add (exact) and
 // one float32 scale; a float32 product per weight needed twice the instructions and ran no
 // faster than hi|lo. Q4_1's min term is m * sum_j x_j = m * sx * (sum_j x16_j): the int sum is
@@ -244,6 +245,38 @@ inline void k_scales_vec(const uint8_t* row, int64_t nsuper, float* scale, float
     }
   }
 }
+
+// The interleaved kinds (block_linear.interleave, made once at load): 16 output rows'
+// blocks b side by side, so that a vector's 16 int32 lanes are 16 outputs and a row's block is
+// summed in its lane, with no horizontal sum and no per-row decode: a block's codes are widened
+// once for all the activation rows, and each row then costs 16 multiply-adds a block for 16
+// outputs (llama.cpp's ggml-cpu repack kernels, column-interleaved the same way).
+//
+//   kind 40, Q4_1 x16 (320 B per 16 rows and block): | d fp16 [16] | m fp16 [16] | qs[256] |
+//     qs[32 j + 2 c + e]: low nibble q_{2j+e}, high nibble q_{2(j+8)+e} of row c (j < 8, e < 2)
+//   kind 80, Q8_0 x16 (544 B per 16 rows and block): | d fp16 [16] | qs[512] int8 |
+//     qs[32 p + 2 c + e] = q_{2p+e} of row c (p < 16)
+//
+// blocks [N, K/32 * 20 or 34] as the plain kinds (N a multiple of 16): group g of 16 rows is
+// rows 16 g .. 16 g + 15, its blocks one after another, so rows cut at a multiple of 16 (a fused
+// projection's parts) are the parts' own blocks. Per output, activation row and block: the 32
+// products summed exactly in int32 (at most 32 * 128 * 32767 < 2^31), rounded once to float32,
+// scaled by d * sx into the output's accumulator, then (Q4_1) += m * sx * sum_j x16_j: one
+// fixed sequence per output whatever M, its neighbours or the thread count.
+template <int KIND>
+constexpr int64_t x16_bytes() { return KIND == 40 ? 320 : 544; }
+
+// Tasks (TILE output rows each) of at least MIN_TASK_WEIGHTS weights: on AVX2 a layer smaller than
+// 2^18 weights runs on one thread, which on a busy machine costs less than waiting at the team's
+// barrier for a descheduled thread (the tiles and so the bits are the same either way); AVX512's
+// tasks are one tile each, as measured there.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t MIN_TASK_WEIGHTS = int64_t{1} << 18;
+#else
+constexpr int64_t MIN_TASK_WEIGHTS = 1;
+#endif
+
+inline int64_t task_grain(int64_t K) { return std::max<int64_t>(1, MIN_TASK_WEIGHTS / (TILE * K)); }
 
 #endif
 
@@ -625,26 +658,6 @@ void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   });
 }
 
-// The interleaved kinds (`pack(..., interleave=True)`, made once at load): 16 output rows'
-// blocks b side by side, so that a vector's 16 int32 lanes are 16 outputs and a row's block is
-// summed in its lane, with no horizontal sum and no per-row decode: a block's codes are widened
-// once for all the activation rows, and each row then costs 16 multiply-adds a block for 16
-// outputs (llama.cpp's ggml-cpu repack kernels, column-interleaved the same way).
-//
-//   kind 40, Q4_1 x16 (320 B per 16 rows and block): | d fp16 [16] | m fp16 [16] | qs[256] |
-//     qs[32 j + 2 c + e]: low nibble q_{2j+e}, high nibble q_{2(j+8)+e} of row c (j < 8, e < 2)
-//   kind 80, Q8_0 x16 (544 B per 16 rows and block): | d fp16 [16] | qs[512] int8 |
-//     qs[32 p + 2 c + e] = q_{2p+e} of row c (p < 16)
-//
-// blocks [N, K/32 * 20 or 34] as the plain kinds (N a multiple of 16): group g of 16 rows is
-// rows 16 g .. 16 g + 15, its blocks one after another, so rows cut at a multiple of 16 (a fused
-// projection's parts) are the parts' own blocks. Per output, activation row and block: the 32
-// products summed exactly in int32 (at most 32 * 128 * 32767 < 2^31), rounded once to float32,
-// scaled by d * sx into the output's accumulator, then (Q4_1) += m * sx * sum_j x16_j: one
-// fixed sequence per output whatever M, its neighbours or the thread count.
-template <int KIND>
-constexpr int64_t x16_bytes() { return KIND == 40 ? 320 : 544; }
-
 template <bool VNNI>
 inline __m512i dot_pair(__m512i acc, __m512i codes, __m512i x) {
   if constexpr (VNNI) {
@@ -692,59 +705,6 @@ inline void x16_dot(const uint8_t* group, int64_t nb, const int16_t* x16, int64_
   }
   for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * 16, acc[m]);
 }
-
-constexpr int64_t XROWS16 = 8;  // activation rows a group's codes are widened once for (16 codes + 8 accumulators)
-
-template <int KIND, bool VNNI>
-inline void x16_rows(const uint8_t* group, int64_t nb, const Activation& a, int64_t m0, int64_t mc, int64_t K,
-                     int64_t nb_pad, float* y) {
-  const int16_t* x16 = a.x16.data() + m0 * K;
-  const float* sx = a.sx.data() + m0 * nb_pad;
-  const float* sums = a.sums.data() + m0 * nb_pad;
-  switch (mc) {
-    case 1: x16_dot<KIND, 1, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
-    case 2: x16_dot<KIND, 2, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
-    case 3: x16_dot<KIND, 3, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
-    case 4: x16_dot<KIND, 4, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
-    case 5: x16_dot<KIND, 5, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
-    case 6: x16_dot<KIND, 6, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
-    case 7: x16_dot<KIND, 7, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
-    default: x16_dot<KIND, 8, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
-  }
-}
-
-template <int KIND, bool VNNI, typename T>
-void x16_gemv_with(const Activation& a, int64_t M, int64_t K, int64_t N, const uint8_t* bp, int64_t nb_pad, T* op) {
-  const int64_t nb = K / GROUP, groups = N / 16, per_tile = TILE / 16;
-  at::parallel_for(0, (groups + per_tile - 1) / per_tile, 1, [&](int64_t first, int64_t last) {
-    alignas(64) float y[XROWS16 * 16];
-    for (int64_t g = first * per_tile; g < std::min(groups, last * per_tile); ++g) {
-      const uint8_t* group = bp + g * nb * x16_bytes<KIND>();
-      for (int64_t m0 = 0; m0 < M; m0 += XROWS16) {
-        const int64_t mc = std::min(XROWS16, M - m0);
-        x16_rows<KIND, VNNI>(group, nb, a, m0, mc, K, nb_pad, y);
-        for (int64_t m = 0; m < mc; ++m)
-          for (int64_t i = 0; i < 16; ++i) op[(m0 + m) * N + g * 16 + i] = static_cast<T>(y[m * 16 + i]);
-      }
-    }
-  });
-}
-
-template <int KIND, typename T>
-void x16_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), nb = K / GROUP;
-  const int64_t nb_pad = (nb + 15) / 16 * 16;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
-  const Activation a = quantize(xf.const_data_ptr<float>(), M, K, nb_pad);
-  const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
-  if (HAS_VNNI) {
-    x16_gemv_with<KIND, true>(a, M, K, N, bp, nb_pad, out.data_ptr<T>());
-  } else {
-    x16_gemv_with<KIND, false>(a, M, K, N, bp, nb_pad, out.data_ptr<T>());
-  }
-}
-
-constexpr bool INTERLEAVES = true;
 
 std::string path_name() { return HAS_VNNI ? "avx512 int16 avx512-vnni" : "avx512 int16"; }
 
@@ -801,23 +761,28 @@ inline void codes16(const uint8_t* b, __m256i& lo, __m256i& hi) {
   }
 }
 
-const bool HAS_AVX_VNNI = [] {
+const bool HAS_VNNI = [] {
   const char* off = std::getenv("MEMRA_KERNEL_VNNI");  // "0": two madds (the same integers; tested)
   return __builtin_cpu_supports("avxvnni") && !(off != nullptr && off[0] == '0');
 }();
 
-// lo * x0 + hi * x1 summed in pairs into 8 int32 lanes, exact: VNNI's vpdpwssd does the second
-// multiply-add and the sum in one instruction (the same integers as madd + add). Written as asm:
-// AVX-VNNI is not in the AVX2 flags, and chosen at run time.
+// acc + codes * x summed in pairs into 8 int32 lanes, exact: VNNI's vpdpwssd does the multiply-add
+// and the sum in one instruction (the same integers as madd + add). Written as asm: AVX-VNNI is
+// not in the AVX2 flags, and chosen at run time.
+template <bool VNNI>
+inline __m256i dot_pair(__m256i acc, __m256i codes, __m256i x) {
+  if constexpr (VNNI) {
+    asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(codes), "x"(x));
+    return acc;
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(codes, x));
+  }
+}
+
+// lo * x0 + hi * x1 summed in pairs into 8 int32 lanes.
 template <bool VNNI>
 inline __m256i pair_sums(__m256i lo, __m256i x0, __m256i hi, __m256i x1) {
-  __m256i sums = _mm256_madd_epi16(lo, x0);
-  if constexpr (VNNI) {
-    asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(sums) : "x"(hi), "x"(x1));
-  } else {
-    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(hi, x1));
-  }
-  return sums;
+  return dot_pair<VNNI>(_mm256_madd_epi16(lo, x0), hi, x1);
 }
 
 // R output rows from `row` against MC activation rows from x16 (row length K; sx, sums with row
@@ -868,11 +833,7 @@ inline void tile_rows(const uint8_t* row, int64_t stride, const Activation& a, i
 template <int KIND, bool VNNI, typename T>
 void gemv_with(const Activation& a, int64_t M, int64_t K, int64_t N, const uint8_t* bp, int64_t stride, T* op) {
   const int64_t nb = K / GROUP;
-  // Tasks of at least 2^18 weights: a layer smaller than that runs on one thread, which on a busy
-  // machine costs less than waiting at the team's barrier for a descheduled thread (the tiles and
-  // so the bits are the same either way).
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (TILE * K));
-  at::parallel_for(0, (N + TILE - 1) / TILE, grain, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, (N + TILE - 1) / TILE, task_grain(K), [&](int64_t first, int64_t last) {
     float y[ROWS * XROWS_AVX2];
     for (int64_t tile = first; tile < last; ++tile) {
       const int64_t end = std::min(N, (tile + 1) * TILE);
@@ -900,7 +861,7 @@ void gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
   const Activation a = quantize(xf.const_data_ptr<float>(), M, K, K / GROUP);  // row pitch nb: no padding
   const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
-  if (HAS_AVX_VNNI) {
+  if (HAS_VNNI) {
     gemv_with<KIND, true>(a, M, K, N, bp, blocks.stride(0), out.data_ptr<T>());
   } else {
     gemv_with<KIND, false>(a, M, K, N, bp, blocks.stride(0), out.data_ptr<T>());
@@ -1003,8 +964,7 @@ inline void k_tile_rows(const uint8_t* row, int64_t stride, const Activation& a,
 template <int KIND, bool VNNI, typename T>
 void k_gemv_with(const Activation& a, int64_t M, int64_t K, int64_t N, const uint8_t* bp, int64_t stride, T* op) {
   const int64_t nb = K / GROUP, nsuper = K / SUPER;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (TILE * K));  // as gemv_with's
-  at::parallel_for(0, (N + TILE - 1) / TILE, grain, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, (N + TILE - 1) / TILE, task_grain(K), [&](int64_t first, int64_t last) {
     std::vector<float> scale(ROWS * nb), mins(ROWS * nb);
     float y[ROWS * XROWS_AVX2];
     for (int64_t tile = first; tile < last; ++tile) {
@@ -1037,21 +997,96 @@ void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
   const Activation a = quantize(xf.const_data_ptr<float>(), M, K, K / GROUP);
   const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
-  if (HAS_AVX_VNNI) {
+  if (HAS_VNNI) {
     k_gemv_with<KIND, true>(a, M, K, N, bp, blocks.stride(0), out.data_ptr<T>());
   } else {
     k_gemv_with<KIND, false>(a, M, K, N, bp, blocks.stride(0), out.data_ptr<T>());
   }
 }
 
-std::string path_name() { return HAS_AVX_VNNI ? "avx2 int16 avx-vnni" : "avx2 int16"; }
-
-template <int KIND, typename T>
-void x16_gemv(const at::Tensor&, const at::Tensor&, at::Tensor&) {
-  TORCH_CHECK(false, "the interleaved block kinds (40, 80) run on the AVX512 build only");
+// The interleaved kinds (40, 80; their layout: above) at 8 lanes: a group's 16 outputs are two
+// halves of 8 rows, the half's codes of a pair the 16 bytes of the 32 the AVX512 path widens, one
+// output a ymm lane. Each output runs the AVX512 path's own operations (the int32 sums exact, then
+// acc = fma(d * sx, sums, acc), then Q4_1's acc = fma(m, sums_x, acc)), so the two builds give
+// the same bits. 16 ymm registers: a half's MC int32 sums for the block (8 at MC = 8), its codes
+// of one pair (Q4_1: one load gives pairs j and j + 8), the broadcast activation pair and a
+// product; the float32 accumulators wait in `out` (L1), updated once a block and half. Up to 4
+// activation rows both halves run together (2 x MC sums), so one broadcast pair serves 16
+// outputs; 5..8 rows, one half after the other. Either way a block's codes are widened once for
+// all MC activation rows (the row-major AVX2 path: once for 2, XROWS_AVX2).
+// x16_j's weights 2p, 2p + 1 in every int32 lane.
+inline __m256i x_pair(const int16_t* xb, int p) {
+  int32_t pair;
+  std::memcpy(&pair, xb + 2 * p, 4);
+  return _mm256_set1_epi32(pair);
 }
 
-constexpr bool INTERLEAVES = false;
+// Halves h0 .. h0 + H - 1 of block b (at `block`) against MC activation rows from x16:
+// out[m * 16 + 8 h + c] += (d_c * sx_m) * row 8 h + c's products (Q4_1: then += m_c * sums_m).
+template <int KIND, int MC, int H, bool VNNI>
+inline void x16_block(const uint8_t* block, int h0, int64_t b, const int16_t* x16, int64_t K, const float* sx,
+                      const float* sums, int64_t nb_pad, float* out) {
+  __m256i s[H][MC];
+  for (int h = 0; h < H; ++h)
+    for (int m = 0; m < MC; ++m) s[h][m] = _mm256_setzero_si256();
+  const int16_t* xb = x16 + b * GROUP;
+  if constexpr (KIND == 40) {
+    for (int j = 0; j < 8; ++j) {
+      __m256i lo[H], hi[H];  // pairs j and j + 8
+      for (int h = 0; h < H; ++h) {
+        const __m256i q = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 32 * j + 16 * (h0 + h))));
+        lo[h] = _mm256_and_si256(q, _mm256_set1_epi16(15));
+        hi[h] = _mm256_srli_epi16(q, 4);
+      }
+      for (int m = 0; m < MC; ++m) {
+        const __m256i x0 = x_pair(xb + m * K, j), x1 = x_pair(xb + m * K, j + 8);
+        for (int h = 0; h < H; ++h) s[h][m] = dot_pair<VNNI>(dot_pair<VNNI>(s[h][m], lo[h], x0), hi[h], x1);
+      }
+    }
+  } else {
+    for (int p = 0; p < 16; ++p) {
+      __m256i c[H];
+      for (int h = 0; h < H; ++h)
+        c[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 32 * p + 16 * (h0 + h))));
+      for (int m = 0; m < MC; ++m) {
+        const __m256i x = x_pair(xb + m * K, p);
+        for (int h = 0; h < H; ++h) s[h][m] = dot_pair<VNNI>(s[h][m], c[h], x);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * (h0 + h))));
+    for (int m = 0; m < MC; ++m) {
+      float* at = out + m * 16 + 8 * (h0 + h);
+      __m256 acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(sx[m * nb_pad + b])), _mm256_cvtepi32_ps(s[h][m]),
+                                   _mm256_loadu_ps(at));
+      if constexpr (KIND == 40)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * (h0 + h)))),
+                              _mm256_set1_ps(sums[m * nb_pad + b]), acc);
+      _mm256_storeu_ps(at, acc);
+    }
+  }
+}
+
+// One group's 16 outputs for MC activation rows from x16 (row length K); out [MC][16].
+template <int KIND, int MC, bool VNNI>
+inline void x16_dot(const uint8_t* group, int64_t nb, const int16_t* x16, int64_t K, const float* sx,
+                    const float* sums, int64_t nb_pad, float* out) {
+  std::fill(out, out + MC * 16, 0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = group + b * x16_bytes<KIND>();
+    if constexpr (MC <= 4) {
+      x16_block<KIND, MC, 2, VNNI>(block, 0, b, x16, K, sx, sums, nb_pad, out);
+    } else {
+      x16_block<KIND, MC, 1, VNNI>(block, 0, b, x16, K, sx, sums, nb_pad, out);
+      x16_block<KIND, MC, 1, VNNI>(block, 1, b, x16, K, sx, sums, nb_pad, out);
+    }
+  }
+}
+
+std::string path_name() { return HAS_VNNI ? "avx2 int16 avx-vnni" : "avx2 int16"; }
+
 #else
 
 template <int KIND>
@@ -1171,9 +1206,69 @@ void k_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
 
 std::string path_name() { return "plain float32"; }
 
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+
+// Activation rows a group's codes are widened once for: AVX512 holds a block's 16 code vectors
+// and 8 accumulators in its 32 registers; AVX2 8 int32 sums a half (its x16_dot).
+constexpr int64_t XROWS16 = 8;
+
+template <int KIND, bool VNNI>
+inline void x16_rows(const uint8_t* group, int64_t nb, const Activation& a, int64_t m0, int64_t mc, int64_t K,
+                     int64_t nb_pad, float* y) {
+  const int16_t* x16 = a.x16.data() + m0 * K;
+  const float* sx = a.sx.data() + m0 * nb_pad;
+  const float* sums = a.sums.data() + m0 * nb_pad;
+  switch (mc) {
+    case 1: x16_dot<KIND, 1, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 2: x16_dot<KIND, 2, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 3: x16_dot<KIND, 3, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 4: x16_dot<KIND, 4, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 5: x16_dot<KIND, 5, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 6: x16_dot<KIND, 6, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    case 7: x16_dot<KIND, 7, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+    default: x16_dot<KIND, 8, VNNI>(group, nb, x16, K, sx, sums, nb_pad, y); break;
+  }
+}
+
+template <int KIND, bool VNNI, typename T>
+void x16_gemv_with(const Activation& a, int64_t M, int64_t K, int64_t N, const uint8_t* bp, int64_t nb_pad, T* op) {
+  const int64_t nb = K / GROUP, groups = N / 16, per_tile = TILE / 16;
+  at::parallel_for(0, (groups + per_tile - 1) / per_tile, task_grain(K), [&](int64_t first, int64_t last) {
+    alignas(64) float y[XROWS16 * 16];
+    for (int64_t g = first * per_tile; g < std::min(groups, last * per_tile); ++g) {
+      const uint8_t* group = bp + g * nb * x16_bytes<KIND>();
+      for (int64_t m0 = 0; m0 < M; m0 += XROWS16) {
+        const int64_t mc = std::min(XROWS16, M - m0);
+        x16_rows<KIND, VNNI>(group, nb, a, m0, mc, K, nb_pad, y);
+        for (int64_t m = 0; m < mc; ++m)
+          for (int64_t i = 0; i < 16; ++i) op[(m0 + m) * N + g * 16 + i] = static_cast<T>(y[m * 16 + i]);
+      }
+    }
+  });
+}
+
+template <int KIND, typename T>
+void x16_gemv(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), nb = K / GROUP;
+  const int64_t nb_pad = (nb + 15) / 16 * 16;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
+  const Activation a = quantize(xf.const_data_ptr<float>(), M, K, nb_pad);
+  const uint8_t* bp = blocks.const_data_ptr<uint8_t>();
+  if (HAS_VNNI) {
+    x16_gemv_with<KIND, true>(a, M, K, N, bp, nb_pad, out.data_ptr<T>());
+  } else {
+    x16_gemv_with<KIND, false>(a, M, K, N, bp, nb_pad, out.data_ptr<T>());
+  }
+}
+
+constexpr bool INTERLEAVES = true;
+#else
+
 template <int KIND, typename T>
 void x16_gemv(const at::Tensor&, const at::Tensor&, at::Tensor&) {
-  TORCH_CHECK(false, "the interleaved block kinds (40, 80) run on the AVX512 build only");
+  TORCH_CHECK(false, "the interleaved block kinds (40, 80) run on the AVX512 and AVX2 builds only");
 }
 
 constexpr bool INTERLEAVES = false;
@@ -1206,7 +1301,7 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
   const bool k_quant = kind == Q4_K || kind == Q5_K || kind == Q6_K, interleaved = kind == 40 || kind == 80;
   TORCH_CHECK(kind == 8 || kind == 5 || kind == 4 || kind == MXFP4 || k_quant || (interleaved && INTERLEAVES),
               "block_gemv kind is 8 (Q8_0), 5 (Q5_0), 4 (Q4_1), 39 (MXFP4), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)",
-              INTERLEAVES ? "; 40 (Q4_1 x16) or 80 (Q8_0 x16)" : " (the interleaved kinds run on AVX512 only)");
+              INTERLEAVES ? "; 40 (Q4_1 x16) or 80 (Q8_0 x16)" : " (the interleaved kinds run on AVX512 and AVX2 only)");
   TORCH_CHECK(!interleaved || blocks.size(0) % 16 == 0, "interleaved blocks come in groups of 16 rows");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.stride(1) == 1, "blocks must be uint8 rows");
   TORCH_CHECK(x.size(1) % (k_quant ? SUPER : GROUP) == 0, "K must be a multiple of 32 (of 256 for a k-quant)");
@@ -1231,7 +1326,7 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
 // Which path this build runs: its ISA, the activation rounding and the dot instruction.
 std::string block_gemv_path() { return path_name(); }
 
-// Whether this build runs the interleaved kinds (40, 80): the AVX512 one.
+// Whether this build runs the interleaved kinds (40, 80): the AVX512 and AVX2 ones.
 bool block_gemv_interleaves() { return INTERLEAVES; }
 
 TORCH_LIBRARY_FRAGMENT(memra, m) {
