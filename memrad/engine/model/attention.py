@@ -1,18 +1,21 @@
-"""Which attention a model's prefill runs: memra's AMX kernel where it applies, else torch's SDPA.
+"""Which attention a model's prefill runs: memra's kernel where it applies, else torch's SDPA.
 
 memra's kernel (memrad.engine.kernels.prefill_attention) is installed behind transformers'
 attention interface, and each call goes to it or to SDPA:
 
     model forward -> each attention layer -> attend(module, q [1, H_q, T, D], keys, values [1, H_kv, L, D])
-        T > 1, bf16, plain causal layer   -> memra::prefill_attention -> out [1, T, H_q, D]
-        anything else (one token, sliding window, soft-capping, fp32, ...) -> transformers' SDPA
+        T > 1, bf16 or fp32, plain causal layer -> memra::prefill_attention -> out [1, T, H_q, D]
+        anything else (one token, sliding window, soft-capping, fp16, ...) -> transformers' SDPA
 
 Which one a model runs is decided once, when it is loaded (`install`, from
 memrad.engine.model.loader), and never changes: resumed == cold is a promise per configuration,
 and a parked state primed under one attention must not be resumed under the other (the disk
-tier's key names it). `auto` picks the kernel where the CPU has AMX and the activations are
-bf16; everywhere else (AVX2-only or AVX512 CPUs without AMX, fp32, CUDA) torch's attention
-runs, and the reason says why.
+tier's key names it). `auto` picks the kernel wherever memra's kernels are built for AVX2 or
+AVX512 and the activations are bf16 or fp32: each of its paths (AMX tiles, AVX512-BF16 pair dots,
+fp32 FMA tiles on AVX512 or AVX2, bf16 widened to fp32 on AVX2) was measured faster than torch's
+SDPA at every cache length from 2k to 16k (docs/BENCHMARKS.md#the-prefill-attention-kernel), so
+nothing is timed at load; a path not measured (bf16 widened on AVX512) keeps SDPA. Elsewhere
+(CUDA, fp16, a CPU below AVX2) torch's attention runs, and the reason says why.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from __future__ import annotations
 import torch
 
 from memrad.engine.kernels import prefill_attention as kernel
-from memrad.engine.model.hardware import Choice, native_bf16
+from memrad.engine.kernels.build import capability
+from memrad.engine.model.hardware import Choice
 
 NAME = "memra_prefill"  # the attention implementation's name in transformers' registry
 MODES = ("auto", "torch")
+_DTYPES = (torch.bfloat16, torch.float32)  # what the kernel multiplies
 
 
 def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout: float = 0.0,
@@ -41,8 +46,8 @@ def _kernel_applies(module, query: torch.Tensor, key: torch.Tensor, dropout: flo
     # The kernel's mask is implicit: query t attends rows 0 .. L - T + t. That is the mask
     # transformers builds for one unpadded sequence over a cache on a plain causal layer (memra
     # never pads), and nothing else: a window, soft-capping or a position bias goes to SDPA.
-    return (query.shape[2] > 1 and query.shape[0] == 1 and query.dtype == torch.bfloat16
-            and key.dtype == torch.bfloat16 and query.device.type == "cpu" and dropout == 0.0
+    return (query.shape[2] > 1 and query.shape[0] == 1 and query.dtype in _DTYPES
+            and key.dtype == query.dtype and query.device.type == "cpu" and dropout == 0.0
             and key.shape[2] >= query.shape[2] and getattr(module, "is_causal", True)
             and getattr(module, "sliding_window", None) is None and kwargs.get("softcap") is None
             and kwargs.get("position_bias") is None and query.shape[-1] % 32 == 0)
@@ -63,7 +68,7 @@ def install(model, mode: str = "auto") -> Choice:
     if why_not is None:
         _register()
         model.config._attn_implementation = NAME
-        choice = Choice("memra", "auto: the CPU has AMX and the activations are bf16 (memra's prefill kernel)")
+        choice = Choice("memra", f"auto: memra's prefill kernel, {_PATHS[kernel.path(model.dtype)]}")
     else:
         choice = Choice("torch", why_not if mode == "torch" else f"auto: {why_not}")
     model._memra_prefill_attention = (mode, choice)
@@ -79,24 +84,37 @@ def _head_dims(config) -> list[int]:
     return [dim or config.hidden_size // config.num_attention_heads for dim in per_layer]
 
 
+# The kernel's paths (kernel.path) auto takes -> why: each was measured faster than SDPA on the op
+# alone (a 256-token chunk of the default model's heads over 2k-16k cached rows, one thread; AMX's
+# at 8k-32k). A path not listed (bf16 widened on AVX512 without AVX512-BF16) keeps SDPA.
+_PATHS = {
+    "amx": "AMX tiles (bf16; 1.1-1.8x torch's SDPA at 8k-32k on a Xeon)",
+    "avx512-bf16": "AVX512-BF16 pair dots (bf16; 4.4-5.1x torch's SDPA at 2k-16k on Zen 5)",
+    "avx512 fp32": "fp32 FMA on AVX512 (2.1-2.2x torch's SDPA at 2k-16k on Zen 5)",
+    "avx2 fp32": "fp32 FMA on AVX2 (1.3x torch's SDPA at 2k-16k, forced AVX2 on Zen 5)",
+    "avx2 fp32 (bf16 widened)": "bf16 widened to fp32 FMA on AVX2 (1.3-1.4x torch's SDPA at 2k-16k, forced AVX2 "
+                                "on Zen 5)",
+}
+
+
 def _why_not(model) -> str | None:
     """Why memra's kernel cannot serve this model here, or None."""
     config = model.config
     if model.device.type != "cpu":
         return f"torch's attention on {model.device.type}"
-    if model.dtype != torch.bfloat16:
-        return f"the activations are {str(model.dtype).removeprefix('torch.')} (the kernel multiplies bf16)"
-    if not kernel.has_amx():
-        return "the CPU has no AMX tiles (the kernel multiplies on them)"
-    bf16 = native_bf16()
-    if bf16.value != "yes":
-        return bf16.reason
+    if model.dtype not in _DTYPES:
+        return f"the activations are {str(model.dtype).removeprefix('torch.')} (the kernel multiplies bf16 or fp32)"
+    if capability() not in ("AVX512", "AVX2"):
+        return f"the CPU kernels are {capability()} (memra's prefill kernel runs on AVX2 or AVX512)"
     if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", NAME):
         return f"the model was loaded with {config._attn_implementation} attention"
     head_dim = next((dim for dim in _head_dims(config) if dim % 32), None)
     if head_dim is not None:
         return f"head dim {head_dim} is not a multiple of 32"
-    return kernel.load()
+    why_not = kernel.load()
+    if why_not is None and kernel.path(model.dtype) not in _PATHS:
+        return f"memra's prefill kernel would run {kernel.path(model.dtype)} here, not measured against torch's SDPA"
+    return why_not
 
 
 def _register() -> None:
