@@ -18,6 +18,7 @@ from memrad.engine.kernels import prefill_attention
 from memrad.engine.kernels.build import capability
 from memrad.engine.forward import prefill
 from memrad.engine.model import attention
+from memrad.engine.model.hardware import Choice
 from memrad.engine.model.loader import load_model
 from memrad.engine.state.disk import state_format
 from tiny import build_tokenizer
@@ -130,7 +131,7 @@ def test_a_model_keeps_its_first_choice(tiny_llama_dir):
     assert attention.install(loaded.model, "torch") is loaded.attention
     with pytest.raises(ValueError, match="load it again"):
         attention.install(loaded.model, "auto")
-    with pytest.raises(ValueError, match="auto, torch"):
+    with pytest.raises(ValueError, match="auto, memra, torch"):
         attention.install(loaded.model, "fast")
 
 
@@ -152,11 +153,11 @@ def head_dim_32(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_model_on_the_kernel_matches_torchs_attention_and_resumes_bit_identically(head_dim_32, dtype):
     torch.set_num_threads(1)
-    ours = load_model(str(head_dim_32), device="cpu", dtype=dtype)
+    ours = load_model(str(head_dim_32), device="cpu", dtype=dtype, prefill_attention="memra")
     theirs = load_model(str(head_dim_32), device="cpu", dtype=dtype, prefill_attention="torch")
     assert (ours.attention.value, theirs.attention.value) == ("memra", "torch")
     path = prefill_attention.path(ours.model.dtype)
-    assert ours.attention.reason == f"auto: memra's prefill kernel, {attention._PATHS[path]}"
+    assert ours.attention.reason == f"set by engine.prefill_attention: memra's prefill kernel, {attention._PATHS[path]}"
     assert ours.model.config._attn_implementation == attention.NAME
     assert state_format(ours, 16, "exact")["attention"] == "memra"
     ids = [(7 * i) % 90 + 3 for i in range(300)]
@@ -170,3 +171,17 @@ def test_a_model_on_the_kernel_matches_torchs_attention_and_resumes_bit_identica
         assert torch.equal(resumed, cold[loaded.attention.value])
     assert not torch.equal(cold["memra"], cold["torch"])  # the kernel really ran
     assert (cold["memra"] - cold["torch"]).abs().max() < 0.05 * cold["torch"].abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_auto_takes_the_kernel_where_it_wins_and_keeps_sdpa_where_bf16_rounding_flips_answers(head_dim_32, dtype):
+    loaded = load_model(str(head_dim_32), device="cpu", dtype=dtype)
+    path = prefill_attention.path(loaded.model.dtype)
+    if path in attention._AUTO_DECLINES:  # AVX512-BF16 pair dots, bf16 widened on AVX2
+        assert (loaded.attention.value, loaded.attention.reason) == ("torch", f"auto: {attention._AUTO_DECLINES[path]}")
+        assert loaded.model.config._attn_implementation == "sdpa"
+    else:  # fp32 on AVX512 / AVX2, AMX
+        assert loaded.attention == Choice("memra", f"auto: memra's prefill kernel, {attention._PATHS[path]}")
+    if dtype == "float32":
+        assert loaded.attention.value == "memra"

@@ -14,8 +14,10 @@ tier's key names it). `auto` picks the kernel wherever memra's kernels are built
 AVX512 and the activations are bf16 or fp32: each of its paths (AMX tiles, AVX512-BF16 pair dots,
 fp32 FMA tiles on AVX512 or AVX2, bf16 widened to fp32 on AVX2) was measured faster than torch's
 SDPA at every cache length from 2k to 16k (docs/BENCHMARKS.md#the-prefill-attention-kernel), so
-nothing is timed at load; a path not measured (bf16 widened on AVX512) keeps SDPA. Elsewhere
-(CUDA, fp16, a CPU below AVX2) torch's attention runs, and the reason says why.
+nothing is timed at load; a path not measured (bf16 widened on AVX512) keeps SDPA. auto still
+declines the two bf16 vector paths (`_AUTO_DECLINES`: as accurate as SDPA, but the bf16 logits tie
+a near-tied answer the other way); `memra` runs the kernel on any path it has. Elsewhere (CUDA,
+fp16, a CPU below AVX2) torch's attention runs, and the reason says why.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from memrad.engine.kernels.build import capability
 from memrad.engine.model.hardware import Choice
 
 NAME = "memra_prefill"  # the attention implementation's name in transformers' registry
-MODES = ("auto", "torch")
+MODES = ("auto", "memra", "torch")
 _DTYPES = (torch.bfloat16, torch.float32)  # what the kernel multiplies
 
 
@@ -54,9 +56,10 @@ def _kernel_applies(module, query: torch.Tensor, key: torch.Tensor, dropout: flo
 
 
 def install(model, mode: str = "auto") -> Choice:
-    """Route `model`'s attention through memra's kernel where it applies (`auto`), or leave
-    torch's SDPA (`torch`, or where the kernel cannot run: the reason says why). Mutates the
-    model's config. A model keeps its first choice: installing the other one later raises."""
+    """Route `model`'s attention through memra's kernel where auto takes it (`auto`), or on any
+    path the kernel has here (`memra`: for A/B runs and the tests of the paths auto declines),
+    or leave torch's SDPA (`torch`, or where the kernel cannot run: the reason says why). Mutates
+    the model's config. A model keeps its first choice: installing another one later raises."""
     if mode not in MODES:
         raise ValueError(f"prefill attention must be one of {', '.join(MODES)}, got {mode!r}")
     made = getattr(model, "_memra_prefill_attention", None)
@@ -64,13 +67,14 @@ def install(model, mode: str = "auto") -> Choice:
         if made[0] != mode:
             raise ValueError(f"this model's prefill attention was set to {made[0]!r}; load it again for {mode!r}")
         return made[1]
-    why_not = "set by engine.prefill_attention" if mode == "torch" else _why_not(model)
+    said = "auto" if mode == "auto" else "set by engine.prefill_attention"
+    why_not = said if mode == "torch" else _why_not(model, mode)
     if why_not is None:
         _register()
         model.config._attn_implementation = NAME
-        choice = Choice("memra", f"auto: memra's prefill kernel, {_PATHS[kernel.path(model.dtype)]}")
+        choice = Choice("memra", f"{said}: memra's prefill kernel, {_PATHS[kernel.path(model.dtype)]}")
     else:
-        choice = Choice("torch", why_not if mode == "torch" else f"auto: {why_not}")
+        choice = Choice("torch", why_not if mode == "torch" else f"{said}: {why_not}")
     model._memra_prefill_attention = (mode, choice)
     return choice
 
@@ -84,9 +88,9 @@ def _head_dims(config) -> list[int]:
     return [dim or config.hidden_size // config.num_attention_heads for dim in per_layer]
 
 
-# The kernel's paths (kernel.path) auto takes -> why: each was measured faster than SDPA on the op
-# alone (a 256-token chunk of the default model's heads over 2k-16k cached rows, one thread; AMX's
-# at 8k-32k). A path not listed (bf16 widened on AVX512 without AVX512-BF16) keeps SDPA.
+# The kernel's paths (kernel.path) -> what was measured: each faster than SDPA on the op alone (a
+# 256-token chunk of the default model's heads over 2k-16k cached rows, one thread; AMX's at
+# 8k-32k). A path not listed (bf16 widened on AVX512 without AVX512-BF16) keeps SDPA.
 _PATHS = {
     "amx": "AMX tiles (bf16; 1.1-1.8x torch's SDPA at 8k-32k on a Xeon)",
     "avx512-bf16": "AVX512-BF16 pair dots (bf16; 4.4-5.1x torch's SDPA at 2k-16k on Zen 5)",
@@ -97,8 +101,22 @@ _PATHS = {
 }
 
 
-def _why_not(model) -> str | None:
-    """Why memra's kernel cannot serve this model here, or None."""
+# The paths auto declines though they win, and why. Their bf16 output is as close to float64 as
+# SDPA's (the default model's France prompt, every layer: worst 0.0166 both, rms 5.5e-4 both), but
+# the logits are bf16 (ulp 0.125 at 25), so a first token whose float64 lead is 0.08 ties there
+# ("The" 25.5 / "L" 25.5; SDPA's 25.75 / 25.5), and argmax takes the wrong one ("L'Étoile, ...":
+# docs/BENCHMARKS.md#the-prefill-attention-kernel). AMX kept auto's choice from before.
+_AUTO_DECLINES = {
+    "avx512-bf16": "torch's SDPA: memra's kernel would run AVX512-BF16 pair dots here, whose bf16 rounding "
+                   "flips the default model's near-tied answers (engine.prefill_attention = memra runs it)",
+    "avx2 fp32 (bf16 widened)": "torch's SDPA: memra's kernel would widen bf16 to fp32 here, whose bf16 rounding "
+                                "flips the default model's near-tied answers (engine.prefill_attention = memra "
+                                "runs it)",
+}
+
+
+def _why_not(model, mode: str) -> str | None:
+    """Why memra's kernel does not serve this model here under `mode` (auto, memra), or None."""
     config = model.config
     if model.device.type != "cpu":
         return f"torch's attention on {model.device.type}"
@@ -112,9 +130,12 @@ def _why_not(model) -> str | None:
     if head_dim is not None:
         return f"head dim {head_dim} is not a multiple of 32"
     why_not = kernel.load()
-    if why_not is None and kernel.path(model.dtype) not in _PATHS:
-        return f"memra's prefill kernel would run {kernel.path(model.dtype)} here, not measured against torch's SDPA"
-    return why_not
+    if why_not is not None:
+        return why_not
+    path = kernel.path(model.dtype)
+    if path not in _PATHS:
+        return f"memra's prefill kernel would run {path} here, not measured against torch's SDPA"
+    return _AUTO_DECLINES.get(path) if mode == "auto" else None
 
 
 def _register() -> None:
