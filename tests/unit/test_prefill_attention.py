@@ -8,6 +8,8 @@ The reference is float64 attention over the same rows with the causal mask trans
 for a chunk after a cache; the kernel is handed slab views whose rows past the end are stale.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -185,3 +187,23 @@ def test_auto_takes_the_kernel_where_it_wins_and_keeps_sdpa_where_bf16_rounding_
         assert loaded.attention == Choice("memra", f"auto: memra's prefill kernel, {attention._PATHS[path]}")
     if dtype == "float32":
         assert loaded.attention.value == "memra"
+
+
+def test_a_heterogeneous_config_gives_the_kernel_each_layers_head_dim():
+    """Gemma 4's config has no global head_dim (reading it raises) but one a layer; a config without
+    any (LFM2, Phi-3) takes hidden / heads. A layer whose head dim is not a multiple of 32 keeps SDPA."""
+    class Heterogeneous:
+        num_hidden_layers, hidden_size, num_attention_heads = 3, 640, 4
+        per_layer_config = [SimpleNamespace(head_dim=dim) for dim in (256, 512, 256)]
+
+        @property
+        def head_dim(self):
+            raise AttributeError("head_dim differs by layer: read per_layer_config")
+
+    assert attention._head_dims(Heterogeneous()) == [256, 512, 256]
+    assert attention._head_dims(SimpleNamespace(num_hidden_layers=2, hidden_size=576, num_attention_heads=9)) == [64]
+    odd = Heterogeneous()
+    odd.per_layer_config = [SimpleNamespace(head_dim=dim) for dim in (256, 80, 256)]
+    model = SimpleNamespace(config=odd, device=torch.device("cpu"), dtype=torch.float32)
+    if capability() in ("AVX512", "AVX2"):
+        assert attention._why_not(model, "auto") == "head dim 80 is not a multiple of 32"
