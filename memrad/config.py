@@ -150,7 +150,7 @@ _CHOICES = {
     "engine.compile": ("auto", "wait", "on", "off"),
     "engine.batch_decode": ("batched", "rows"),
     "engine.speculate": ("auto", "off"),
-    "engine.prefill_attention": ("auto", "torch"),
+    "engine.prefill_attention": ("auto", "memra", "torch"),
 }
 _MINIMUM = {
     "server.port": 0,

@@ -139,3 +139,19 @@ def run_together(engine, requests, cancel_after=None):
     return {f.request.request_id: (f.completion, states.get(f.request.request_id),
                                    torch.stack(engine.scores[id(f.request.sampling)]))
             for f in flights}
+
+
+def assert_second_turn_resumes_as_cold(engine, first_turn, follow_up, max_tokens=4):
+    """Ask `first_turn`, then the turn after it (its reply, then `follow_up` from the user) twice:
+    resumed from the first turn's parked state, and cold (another salt). Asserts the resume reused
+    the whole first prompt and gave the cold run's logits and text bit for bit; returns the first
+    turn's Completion."""
+    first, _ = ask(engine, first_turn, "t1", max_tokens=max_tokens)
+    second_turn = first_turn + [{"role": "assistant", "content": first.text}, {"role": "user", "content": follow_up}]
+    warm, warm_state = ask(engine, second_turn, "t2", max_tokens=max_tokens)
+    cold, cold_state = ask(engine, second_turn, "t2-cold", salt="cold", max_tokens=max_tokens)
+    assert warm.decision.outcome == "resumed", warm.decision.render()
+    assert warm.cached_tokens == first.prompt_tokens and cold.cached_tokens == 0
+    assert torch.equal(warm_state.prompt_logits, cold_state.prompt_logits)
+    assert warm.text == cold.text
+    return first

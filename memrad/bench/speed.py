@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suffix", type=int, default=256, help="resumed suffix primed after the longest prefill")
     parser.add_argument("--resume-after", nargs="+", type=int,
                         help="prime the suffix after each of these prefixes (default: the longest prefill)")
-    parser.add_argument("--prefill-attention", choices=("auto", "torch"), default="auto",
-                        help="engine.prefill_attention for every arm: auto (memra's kernel where it runs) or torch")
+    parser.add_argument("--prefill-attention", choices=("auto", "memra", "torch"), default="auto",
+                        help="engine.prefill_attention for every arm: auto (memra's kernel where auto takes it), memra (on any of "
+                             "its paths) or torch")
     parser.add_argument("--context", type=int, default=0,
                         help="the context served (model.context; 0: the model's default, 32768 for `default`)")
     parser.add_argument("--decode-steps", type=int, default=32)

@@ -1,7 +1,7 @@
 """memra's C++ kernels: their sources (csrc/), one way to build them (build), a module per kernel.
 
     decode_attention    memra::decode_attention   the decode steps' attention (any CPU capability)
-    prefill_attention   memra::prefill_attention  a prefill chunk's attention (AMX, bf16)
+    prefill_attention   memra::prefill_attention  a prefill chunk's attention (AMX, AVX512-BF16; fp32 on AVX512, AVX2)
     block_gemv          memra::block_gemv         a GGUF's blocks as shipped (Q8_0 ... Q6_K, MXFP4; AVX512, AVX2)
     sliced_linear       memra::sliced_linear      a prefill chunk's dense products, the same bits at any count
 
@@ -25,7 +25,7 @@ def prepare(say: Callable[[str], None] = print) -> None:
         say("building the CPU decode-attention kernel (once per machine and torch) ...")
         why_not = decode_attention.load(compiler)
         say(f"attention kernel: {'built' if why_not is None else f'not built ({why_not}); decode uses torch attention'}")
-    if prefill_attention.has_amx() and compiler is not None and not prefill_attention.built(compiler):
+    if capability() in ("AVX512", "AVX2") and compiler is not None and not prefill_attention.built(compiler):
         say("building the CPU prefill-attention kernel (once per machine and torch) ...")
         why_not = prefill_attention.load()
         say(f"prefill kernel: {'built' if why_not is None else f'not built ({why_not}); prefill uses torch attention'}")

@@ -45,7 +45,7 @@ class LoadedModel:
     head: str = "float"  # how the output head runs (memrad.engine.model.weights.head_format)
     # What each group of linear weights runs as and why (memrad.engine.model.formats).
     tensors: Choice = Choice("", "")
-    # Prefill attention (memrad.engine.model.attention): "memra" (the AMX kernel) or "torch".
+    # Prefill attention (memrad.engine.model.attention): "memra" (memra's prefill kernel, any of its paths) or "torch".
     attention: Choice = Choice("torch", "set by engine.prefill_attention")
     # A prefill chunk's dense products (memrad.engine.model.products): fixed spans whose bits
     # hold at any thread count (so prefill's team may follow the CPU), or torch's own.
