@@ -668,12 +668,17 @@ inline __m512i dot_pair(__m512i acc, __m512i codes, __m512i x) {
   }
 }
 
-// One group's 16 outputs for MC activation rows from x16 (row length K); out [MC][16].
+// One group's 16 outputs for MC activation rows from x16 (row length K); out [MC][16]. A block's
+// codes are widened once; then up to 4 activation rows at a time, each row's 16 multiply-adds
+// split over two int32 chains (even and odd pairs) and the rows' chains interleaved, so the
+// vpdpwssd latency is hidden by independent work rather than paid 16 times a row (the sums are
+// exact integers, so the split gives the same int32 as one chain); the float accumulators live in
+// `out` (L1) between blocks, leaving the registers to the codes and the chains. Per output and
+// row the float operations are the same sequence whatever MC.
 template <int KIND, int MC, bool VNNI>
 inline void x16_dot(const uint8_t* group, int64_t nb, const int16_t* x16, int64_t K, const float* sx,
                     const float* sums, int64_t nb_pad, float* out) {
-  __m512 acc[MC];
-  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * 16, _mm512_setzero_ps());
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = group + b * x16_bytes<KIND>();
     __m512i c[16];  // c[p]: lane l holds rows l's codes 2p, 2p + 1 as int16
@@ -689,21 +694,33 @@ inline void x16_dot(const uint8_t* group, int64_t nb, const int16_t* x16, int64_
         c[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 + 32 * p)));
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
-    for (int m = 0; m < MC; ++m) {
-      const int16_t* xb = x16 + m * K + b * GROUP;
-      __m512i s = _mm512_setzero_si512();
-      for (int p = 0; p < 16; ++p) {
-        int32_t pair;
-        std::memcpy(&pair, xb + 2 * p, 4);
-        s = dot_pair<VNNI>(s, c[p], _mm512_set1_epi32(pair));
+    for (int m0 = 0; m0 < MC; m0 += 4) {
+      constexpr int G = MC < 4 ? MC : 4;
+      const int g = MC - m0 < G ? MC - m0 : G;
+      __m512i s0[G], s1[G];
+      for (int m = 0; m < G; ++m) s0[m] = s1[m] = _mm512_setzero_si512();
+      for (int p = 0; p < 16; p += 2)
+        for (int m = 0; m < G; ++m) {
+          if (m >= g) break;
+          const int16_t* xb = x16 + (m0 + m) * K + b * GROUP + 2 * p;
+          int32_t even, odd;
+          std::memcpy(&even, xb, 4);
+          std::memcpy(&odd, xb + 2, 4);
+          s0[m] = dot_pair<VNNI>(s0[m], c[p], _mm512_set1_epi32(even));
+          s1[m] = dot_pair<VNNI>(s1[m], c[p + 1], _mm512_set1_epi32(odd));
+        }
+      for (int m = 0; m < g; ++m) {
+        float* at = out + (m0 + m) * 16;
+        const __m512i s = _mm512_add_epi32(s0[m], s1[m]);
+        __m512 acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(sx[(m0 + m) * nb_pad + b])), _mm512_cvtepi32_ps(s),
+                                     _mm512_loadu_ps(at));
+        if constexpr (KIND == 40)
+          acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32))),
+                                _mm512_set1_ps(sums[(m0 + m) * nb_pad + b]), acc);
+        _mm512_storeu_ps(at, acc);
       }
-      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(sx[m * nb_pad + b])), _mm512_cvtepi32_ps(s), acc[m]);
-      if constexpr (KIND == 40)
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32))),
-                                 _mm512_set1_ps(sums[m * nb_pad + b]), acc[m]);
     }
   }
-  for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * 16, acc[m]);
 }
 
 std::string path_name() { return HAS_VNNI ? "avx512 int16 avx512-vnni" : "avx512 int16"; }
