@@ -10,7 +10,7 @@ kernel (fp32: within rounding of the fused matmul; Gemma 2's bit for bit too, an
 be without the attention soft-cap); the batched step (the llama-shaped one's twin and Gemma 2's
 rows) gives a request's row the same bits at any neighbours and alone, Gemma 2's step after
 step past its window, float weights and int4; an engine resumes turns bit-identically to
-their cold runs; and compiled (compile = on, max_batch 2, on the int4 kernel's blocks) each one's
+their cold runs (Gemma 2's rewritten reply at its windows' boundary snapshot); and compiled (compile = on, max_batch 2, on the int4 kernel's blocks) each one's
 one-row and 2-row packages resume turns as cold, and a row on the 2-row graph is the compiled
 one-row step's bits beside a neighbour, step after step.
 """
@@ -147,6 +147,14 @@ def turns_resume_as_cold(engine):
         assert row["warm_state"].generated_ids == row["cold_state"].generated_ids
         assert len(row["warm_state"].generated_ids) > 1
         assert torch.equal(row["warm_state"].prompt_logits, row["cold_state"].prompt_logits)
+
+
+def test_a_rewritten_gemma2_reply_resumes_from_the_windows_boundary_snapshot_below_it(ggufs):
+    """Gemma 2's sliding windows cannot be cut back (their older rows are gone): a client that
+    compacts turn 2's reply resumes at the snapshot taken at that reply's anchor, far past the
+    window of 8, and its turn is the cold run's bit for bit."""
+    engine = make_engine(fresh(ggufs["gemma2"], "bfloat16", "auto"), 16, max_sessions=16, mode="exact")
+    assert compacted_reply_resumes_at_its_boundary(engine)[1] > 4 * 8
 
 
 def compacted_reply_resumes_at_its_boundary(engine) -> list[int]:
