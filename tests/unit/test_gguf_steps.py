@@ -9,8 +9,10 @@ tests/unit/test_experts.py says why), with float weights and with the Q4_K block
 kernel (fp32: within rounding of the fused matmul; Gemma 2's bit for bit too, and it would not
 be without the attention soft-cap); the batched step (the llama-shaped one's twin and Gemma 2's
 rows) gives a request's row the same bits at any neighbours and alone, Gemma 2's step after
-step past its window, float weights and int4; and an engine resumes turns bit-identically to
-their cold runs.
+step past its window, float weights and int4; an engine resumes turns bit-identically to
+their cold runs (Gemma 2's rewritten reply at its windows' boundary snapshot); and compiled (compile = on, max_batch 2, on the int4 kernel's blocks) each one's
+one-row and 2-row packages resume turns as cold, and a row on the 2-row graph is the compiled
+one-row step's bits beside a neighbour, step after step.
 """
 
 import pytest
@@ -19,6 +21,7 @@ import torch
 from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode import steps
 from memrad.engine.decode.decoder import Decoder
+from memrad.engine.decode.package import PackagedStep
 from memrad.engine.decode.steps.gemma2 import Gemma2Step
 from memrad.engine.decode.steps.llama import DecodeStep
 from memrad.engine.engine import Engine, EngineOptions
@@ -146,6 +149,14 @@ def turns_resume_as_cold(engine):
         assert torch.equal(row["warm_state"].prompt_logits, row["cold_state"].prompt_logits)
 
 
+def test_a_rewritten_gemma2_reply_resumes_from_the_windows_boundary_snapshot_below_it(ggufs):
+    """Gemma 2's sliding windows cannot be cut back (their older rows are gone): a client that
+    compacts turn 2's reply resumes at the snapshot taken at that reply's anchor, far past the
+    window of 8, and its turn is the cold run's bit for bit."""
+    engine = make_engine(fresh(ggufs["gemma2"], "bfloat16", "auto"), 16, max_sessions=16, mode="exact")
+    assert compacted_reply_resumes_at_its_boundary(engine)[1] > 4 * 8
+
+
 def compacted_reply_resumes_at_its_boundary(engine) -> list[int]:
     """Four turns, then a client compacts turn 2's reply: the fifth turn resumes at the snapshot
     taken at that reply's anchor (state that cannot be cut back: conv state, sliding windows) and
@@ -171,7 +182,36 @@ def compacted_reply_resumes_at_its_boundary(engine) -> list[int]:
 
 
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_a_compiled_engine_resumes_bit_identical_to_cold(ggufs, arch):
-    compiled_turns_equal_cold(make_engine(fresh(ggufs[arch], "bfloat16", "auto"), 16, max_sessions=16,
-                                          mode="exact", compile="on"))
+@pytest.mark.parametrize("arch", STEPPED)
+def test_the_compiled_packages_resume_bit_identical_and_give_a_batched_row_its_alone_bits(ggufs, arch):
+    """compile = on, max_batch 2, from the GGUF on `auto` (the int4 kernel's blocks): the one-row
+    package and the 2-row one are built (minutes on a shared 2-core machine) and open, turns
+    resume on them bit-identical to their cold runs, and two rows on the compiled 2-row graph are
+    each the compiled one-row step's bits, step after step (Gemma 2: past its window of 8)."""
+    engine = make_engine(fresh(ggufs[arch], "bfloat16", "auto"), 16, max_sessions=16, mode="exact", compile="on",
+                         max_batch=2)
+    compiled_turns_equal_cold(engine)
+    compiled_rows_are_the_one_row_steps(engine, (PROMPT, PROMPT[:5]), 16)
+
+
+def compiled_rows_are_the_one_row_steps(engine, prompts, steps: int) -> None:
+    """`engine`'s compiled packages (one row and 2 rows, already built): the decoder chose them
+    and checked that a lone request's one-row step gives a batched row's bits; `prompts` (two)
+    greedy-decoded side by side on the 2-row graph for `steps` steps, each row at every step the
+    compiled one-row step's bits from the same state, so a row is the same bits batched and alone."""
+    decoder, model = engine.decoder, engine.loaded.model
+    assert isinstance(decoder.step, PackagedStep)
+    assert decoder.batch_choice.value == "compiled", decoder.batch_choice.reason
+    feed = decoder.batch_step(2)
+    assert list(decoder.batch_packages) == [2] and feed.compiled and feed.alone is not None
+    together, alone = ([engine.new_cache() for _ in prompts] for _ in range(2))
+    for cache, twin, prompt in zip(together, alone, prompts):
+        prefill(model, cache, prompt, 0, 16)
+        prefill(model, twin, prompt, 0, 16)
+    tokens = [7] * len(prompts)
+    for step in range(steps):
+        rows = feed(together, tokens, [len(p) + step for p in prompts])  # [2, V] float32
+        for r, prompt in enumerate(prompts):
+            lone = decoder.feeder()(alone[r], tokens[r], len(prompt) + step).float()
+            assert torch.equal(rows[r], lone), (step, r, float((rows[r] - lone).abs().max()))
+        tokens = [int(row.argmax()) for row in rows]

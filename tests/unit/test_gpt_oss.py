@@ -21,9 +21,10 @@ they are not; an expert the token did not choose is never read; an engine resume
 bit-identically to their cold runs, and a compacted reply resumes at the sliding windows'
 boundary snapshot below it. The batched step gives a request's row the same bits beside any
 neighbours and alone (bf16: the one-row step's and the forward's too), and requests in flight
-together (two resumed) decode their alone bits; compiled (compile = on, max_batch 2), its
-package opens beside the one-row one and the decoder's check finds a row the compiled one-row
-step's bits.
+together (two resumed) decode their alone bits; compiled (compile = on, max_batch 2), from the
+folder and from the GGUF on the experts' MXFP4 blocks, its 2-row package opens beside the one-row
+one, the decoder's check finds a row the compiled one-row step's bits, and two rows decoded side
+by side past the window are each the compiled one-row step's bits at every step.
 """
 
 import pytest
@@ -35,7 +36,7 @@ from transformers import DynamicCache
 from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode import steps
 from memrad.engine.decode.decoder import Decoder
-from memrad.engine.decode.package import INDUCTOR_OPTIONS, PackagedStep, options_for
+from memrad.engine.decode.package import INDUCTOR_OPTIONS, options_for
 from memrad.engine.decode.steps.gpt_oss import GptOssStep
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
@@ -47,7 +48,8 @@ from memrad.engine.model.loader import load_model
 from stories import make_engine
 from test_batching import in_flight_together_as_alone, rows_are_their_own
 from test_gemma_step import compiled_turns_equal_cold
-from test_gguf_steps import compacted_reply_resumes_at_its_boundary, own_cache, turns_resume_as_cold  # noqa: F401
+from test_gguf_steps import (compacted_reply_resumes_at_its_boundary, compiled_rows_are_the_one_row_steps,  # noqa: F401
+                             own_cache, turns_resume_as_cold)
 from tiny import GPT_OSS_LAYERS, build_gpt_oss, build_tokenizer
 from tiny_gguf import gpt_oss_tensors, tiny_gpt_oss_gguf, write_gpt_oss_gguf
 
@@ -405,18 +407,16 @@ def test_the_compiled_gpt_oss_step_resumes_bit_identical_and_decodes_as_the_eage
     loaded = fresh(tiny_dir)
     engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
     compiled_turns_equal_cold(engine)  # starts the build, checks the choice, holds a conversation
+    compiled_rows_are_the_eager_ones_within_rounding(engine, loaded)
+
+
+def compiled_rows_are_the_eager_ones_within_rounding(engine, loaded) -> None:
+    """`engine`'s compiled packages (one row and 2 rows, built): two rows on the 2-row graph, one
+    past the window and one inside it until it fills, each the compiled one-row step's bits; and
+    the compiled one-row step within bf16 rounding of the eager one, before the window fills and
+    past it."""
+    compiled_rows_are_the_one_row_steps(engine, (PROMPT, PROMPT[:5]), 2 * WINDOW)
     decoder = engine.decoder
-    assert isinstance(decoder.step, PackagedStep)
-    assert decoder.batch_choice.value == "compiled", decoder.batch_choice.reason
-    feed = decoder.batch_step(2)
-    assert list(decoder.batch_packages) == [2] and feed.compiled and feed.alone is not None  # checked: the same bits
-    prompts = (PROMPT, PROMPT[:5])  # one past the window, one inside it until it fills
-    together, alone, tokens = [[primed(loaded, engine.new_cache(), p) for p in prompts] for _ in range(2)] + [[7, 7]]
-    for step in range(2 * WINDOW):  # two real rows: the compiled 2-row graph, each row the one-row step's bits
-        rows = feed(together, tokens, [len(p) + step for p in prompts])
-        for r, prompt in enumerate(prompts):
-            assert torch.equal(rows[r], decoder.feeder()(alone[r], tokens[r], len(prompt) + step).float()), (step, r)
-        tokens = [int(row.argmax()) for row in rows]
     eager = Decoder(loaded.model, loaded.context_len, loaded.device, "off").feeder()
     for prompt in (PROMPT[:5], PROMPT):
         ours, theirs = (primed(loaded, engine.new_cache(), prompt) for _ in range(2))
@@ -426,12 +426,14 @@ def test_the_compiled_gpt_oss_step_resumes_bit_identical_and_decodes_as_the_eage
 
 @needs_blocks
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
-def test_the_compiled_gpt_oss_step_on_the_experts_blocks_resumes_bit_identical(gguf):
-    """compile = on from the GGUF: the one-row package exports the chosen experts' blocks (each
-    expert's id an unbacked size from `.item()`, as Qwen3-Next's) and opens (about 2 minutes on a
-    shared 2-core machine), and turns resume on it bit-identical to their cold runs."""
+def test_the_compiled_gpt_oss_steps_on_the_experts_blocks_resume_and_batch_bit_identical(gguf):
+    """compile = on from the GGUF, max_batch 2: the one-row and 2-row packages export the chosen
+    experts' blocks (each row's expert ids unbacked sizes from `.item()`, as Qwen3-Next's) and open
+    (minutes on a shared 2-core machine); turns resume on them bit-identical to their cold runs,
+    and a row of the compiled 2-row step is the compiled one-row step's bits beside a neighbour
+    and alone, step after step past the window."""
     loaded = from_gguf(gguf[0])
     assert isinstance(loaded.model.model.layers[0].mlp, BlockMoE)
-    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on")
+    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
     compiled_turns_equal_cold(engine)
-    assert isinstance(engine.decoder.step, PackagedStep)
+    compiled_rows_are_the_eager_ones_within_rounding(engine, loaded)

@@ -72,6 +72,20 @@ def test_a_qwen3_gguf_is_described_before_it_loads(ggufs):
     ]
 
 
+@pytest.mark.parametrize("arch,layers,quants", [
+    ("phi3", "2 full-attention", "token_embd Q8_0; attn_output Q4_K; attn_qkv Q4_K; ffn_up Q4_K; ffn_down Q6_K; "
+     "attn_norm F32; ffn_norm F32; output_norm F32; output Q8_0"),  # qkv and gate/up fused, as shipped
+    ("gemma2", "2 sliding-window, 2 full-attention", "token_embd Q8_0; attn_q Q4_K; attn_k Q4_K; attn_v Q4_K; "
+     "attn_output Q4_K; ffn_gate Q4_K; ffn_up Q4_K; ffn_down Q6_K; attn_norm F32; post_attention_norm F32; "
+     "ffn_norm F32; post_ffw_norm F32; output_norm F32")])  # the head tied to token_embd
+def test_a_phi3_or_gemma2_gguf_names_its_step_and_quants_before_it_loads(ggufs, arch, layers, quants):
+    model_class = {"phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}[arch]
+    assert inspect_gguf(ggufs[arch], 0, torch.bfloat16).lines()[:3] == [
+        f"tiny-{arch}.gguf: {arch} ({model_class})",
+        f"  fast decode step: yes, memra's {arch} step ({model_class} layers on one graph: {layers})",
+        f"  quants: {quants}"]
+
+
 def test_a_qwen3_moe_gguf_says_its_experts_and_their_quants_before_it_loads(ggufs):
     lines = inspect_gguf(ggufs["qwen3_moe"], 0, torch.bfloat16).lines()
     assert lines[:2] == [
