@@ -23,6 +23,7 @@ from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode import steps
 from memrad.engine.decode.decoder import Decoder
 from memrad.engine.decode.package import PackagedStep
+from memrad.engine.decode.steps import experts
 from memrad.engine.decode.steps.gemma4 import Gemma4Step, producers
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
@@ -39,9 +40,12 @@ PROMPT = list(range(5, 45))  # 40 tokens: past the window before the first step
 LAYERS = ["WindowLayer", "WindowLayer", "SlabLayer", "WindowLayer", "SharedLayer", "SharedLayer"]
 
 
-def fresh(tiny_dir, dtype="bfloat16"):
+KINDS = ["gemma4", "gemma4_moe"]  # tests/unit/tiny.py: dense, and with 8 experts beside every MLP (top 2)
+
+
+def fresh(tiny_dir, dtype="bfloat16", kind="gemma4"):
     torch.set_num_threads(1)
-    return load_model(str(tiny_dir("gemma4")), device="cpu", dtype=dtype)
+    return load_model(str(tiny_dir(kind)), device="cpu", dtype=dtype)
 
 
 @pytest.fixture(scope="module")
@@ -73,23 +77,93 @@ def test_the_gemma4_step_covers_it_and_says_so(tiny_dir):
     assert [type(layer).__name__ for layer in engine.new_cache().layers] == LAYERS
 
 
-def test_moe_bidirectional_and_all_shared_gemma4_have_no_step(tiny_dir):
+def test_the_moe_gemma4_step_covers_it_and_says_so(tiny_dir):
+    loaded = fresh(tiny_dir, kind="gemma4_moe")
+    reason = ("Gemma4ForCausalLM layers on one graph: 4 sliding-window, 2 full-attention; experts: top 2 of 8 "
+              "per token; the last 2 attend earlier layers' KV")
+    assert steps.describe(loaded.model, loaded.context_len) == steps.Choice("gemma4", reason)
+    step = Engine(loaded, EngineOptions(16, 1)).decoder.eager_step
+    assert isinstance(step, Gemma4Step) and all(layer.moe for layer in step.layers)
+
+
+def test_a_moe_gemma4_token_reads_its_router_and_two_of_eight_experts(tiny_dir):
+    """Per layer: the router (proj [8, 64], scale [64], per-expert scales [8]) and 2 of 8 experts
+    (gate_up [128, 64], down [64, 64]) besides the dense MLP (gate, up [128, 64], down [64, 128])."""
+    model = fresh(tiny_dir, kind="gemma4_moe").model
+    mlp, router, expert = 3 * 128 * 64 * 2, (8 * 64 + 64 + 8) * 2, (128 * 64 + 64 * 64) * 2
+    assert experts.bytes_per_token(model) == (6 * (mlp + router + 2 * expert), 6 * (mlp + router + 8 * expert))
+
+
+def test_bidirectional_and_all_shared_gemma4_have_no_step(tiny_dir):
     loaded = fresh(tiny_dir)
-    loaded.model.config.enable_moe_block = True
-    assert steps.describe(loaded.model, loaded.context_len).reason == (
-        "Gemma4ForCausalLM has mixture-of-experts blocks beside its MLPs (enable_moe_block)")
-    loaded.model.config.enable_moe_block, loaded.model.config.use_bidirectional_attention = False, "all"
+    loaded.model.config.use_bidirectional_attention = "all"
     assert steps.support(loaded.model, loaded.context_len) == "Gemma4ForCausalLM attends bidirectionally"
     loaded.model.config.use_bidirectional_attention, loaded.model.config.num_kv_shared_layers = None, 6
     assert steps.support(loaded.model, loaded.context_len) == (
         "Gemma4ForCausalLM reads every layer's keys and values from another model (num_kv_shared_layers = all)")
 
 
-@pytest.mark.parametrize("dtype,tolerance", [("bfloat16", 0.0), ("float32", 1e-6), ("int4", 0.0)])
-def test_the_gemma4_step_decodes_transformers_bits_past_the_window(tiny_dir, q4_gemma4_dir, dtype, tolerance):
-    """bf16 and fp32 with float weights; "int4": bf16 on the int4 kernel (Q4_1 layers, the step's
-    fused projections against the forward's one by one)."""
-    decodes_the_forwards_bits(on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype), tolerance)
+@pytest.mark.parametrize("dtype,tolerance,kind", [("bfloat16", 0.0, "gemma4"), ("float32", 1e-6, "gemma4"),
+                                                  ("int4", 0.0, "gemma4"), ("bfloat16", 0.0, "gemma4_moe"),
+                                                  ("float32", 1e-6, "gemma4_moe")])
+def test_the_gemma4_step_decodes_transformers_bits_past_the_window(tiny_dir, q4_gemma4_dir, dtype, tolerance, kind):
+    """bf16 and fp32 with float weights, dense and MoE; "int4": bf16 on the int4 kernel (Q4_1 layers,
+    the step's fused projections against the forward's one by one)."""
+    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype, kind)
+    decodes_the_forwards_bits(loaded, tolerance)
+
+
+def routes(model):
+    """Record every router call of a MoE Gemma 4: a list that fills with (layer, ids [1, k], weights [1, k])."""
+    seen = []
+    for index, layer in enumerate(model.model.layers):
+        def hook(_module, _args, out, index=index):
+            _, weights, ids = out
+            seen.append((index, ids.clone(), weights.clone()))
+        layer.router.register_forward_hook(hook)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_moe_router_chooses_what_the_forward_chooses_and_no_other_expert_is_read(tiny_dir, dtype):
+    """Step after step the step's router call returns the forward's ids and weights exactly; then
+    with every expert a token did not choose poisoned with NaN its logits do not change, and with a
+    chosen one poisoned they are NaN (the test can fail)."""
+    loaded = fresh(tiny_dir, dtype, "gemma4_moe")
+    engine = Engine(loaded, EngineOptions(16, 1))
+    feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
+    ours, theirs = engine.new_cache(), engine.new_cache()
+    prefill(loaded.model, ours, PROMPT, 0, 16)
+    b = prefill(loaded.model, theirs, PROMPT, 0, 16)
+    with_the_steps_attention_layout(loaded.model)
+    seen = routes(loaded.model)
+    for step in range(WINDOW):
+        token = int(b.argmax())
+        seen.clear()
+        a = feed(ours, token, len(PROMPT) + step)
+        mine = seen[:]
+        seen.clear()
+        b = decode_one_token(loaded.model, theirs, token, len(PROMPT) + step)
+        assert len(mine) == len(seen) == 6
+        for (layer, ids, weights), (layer_f, ids_f, weights_f) in zip(mine, seen):
+            assert layer == layer_f and ids.shape == (1, 2)
+            assert torch.equal(ids, ids_f) and torch.equal(weights, weights_f)
+    clean, poisoned, poisoned_chosen = (engine.new_cache() for _ in range(3))
+    for cache in (clean, poisoned, poisoned_chosen):
+        prefill(loaded.model, cache, PROMPT, 0, 16)  # the prompt read every expert
+    seen.clear()
+    expected = feed(clean, 7, len(PROMPT))
+    chosen = {layer: set(ids.view(-1).tolist()) for layer, ids, _ in seen}
+    layers = loaded.model.model.layers
+    with torch.no_grad():
+        for index, layer in enumerate(layers):
+            for e in set(range(8)) - chosen[index]:
+                layer.experts.gate_up_proj[e] = float("nan")
+                layer.experts.down_proj[e] = float("nan")
+    assert torch.equal(feed(poisoned, 7, len(PROMPT)), expected)
+    with torch.no_grad():
+        layers[1].experts.down_proj[min(chosen[1])] = float("nan")
+    assert torch.isnan(feed(poisoned_chosen, 7, len(PROMPT))).all()
 
 
 def decodes_the_forwards_bits(loaded, tolerance):
@@ -143,9 +217,11 @@ def test_the_step_needs_every_part_it_has(tiny_dir):
     assert not torch.allclose(logits(lambda step: setattr(step, "producers", [0, 1, 2, 3, 1, 2])), expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int4"])
-def test_every_row_of_the_batched_gemma4_step_is_its_own_and_the_one_row_steps(tiny_dir, q4_gemma4_dir, dtype):
-    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype)
+@pytest.mark.parametrize("dtype,kind", [("bfloat16", "gemma4"), ("float32", "gemma4"), ("int4", "gemma4"),
+                                        ("bfloat16", "gemma4_moe"), ("float32", "gemma4_moe")])
+def test_every_row_of_the_batched_gemma4_step_is_its_own_and_the_one_row_steps(tiny_dir, q4_gemma4_dir, dtype, kind):
+    """MoE: each row routed on its own (memrad.engine.decode.steps.experts.feed_forward)."""
+    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype, kind)
     engine = make_engine(loaded, 16, max_batch=4)
     assert engine.runtime_choices["batch"]["value"] == "batched, 4 rows"
     first = rows_are_their_own(engine, loaded.model, 16)
@@ -156,17 +232,19 @@ def test_every_row_of_the_batched_gemma4_step_is_its_own_and_the_one_row_steps(t
         rows_decode_their_own_bits(engine, loaded.model, WINDOW)
 
 
-def test_a_gemma4_engine_resumes_turns_bit_identical_to_cold(tiny_dir):
-    turns_resume_as_cold(make_engine(fresh(tiny_dir), 16, max_sessions=16, mode="exact"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_gemma4_engine_resumes_turns_bit_identical_to_cold(tiny_dir, kind):
+    turns_resume_as_cold(make_engine(fresh(tiny_dir, kind=kind), 16, max_sessions=16, mode="exact"))
 
 
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
-def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resumes_as_cold(tiny_dir):
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resumes_as_cold(tiny_dir, kind):
     """compile = on, max_batch 2: the one-row package (memra's kernel over the window views,
     nothing handed for the KV-shared layers) decodes the eager step's logits within 1e-5 (fp32:
     inductor fuses) from windows shorter than W to past it; in bf16 the batched package gives a
     row the compiled one-row step's bits, and turns resume as cold."""
-    loaded = fresh(tiny_dir, "float32")
+    loaded = fresh(tiny_dir, "float32", kind)
     eager = Decoder(loaded.model, loaded.context_len, loaded.device, "off").feeder()
     compiled = Decoder(loaded.model, loaded.context_len, loaded.device, "on")
     compiled.start()
@@ -181,7 +259,7 @@ def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resu
         token = int(b.argmax())
         a, b = feed(ours, token, 2 + step), eager(theirs, token, 2 + step)
         assert float((a - b).abs().max()) <= 1e-5, (step, float((a - b).abs().max()))
-    engine = make_engine(fresh(tiny_dir), 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
+    engine = make_engine(fresh(tiny_dir, kind=kind), 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
     engine.decoder.start()
     assert engine.decoder.batch_choice.value == "compiled", engine.decoder.batch_choice.reason
     batched = engine.decoder.batch_step(2)

@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from memrad.engine.decode.steps import experts as routed
 from memrad.engine.decode.steps import falcon_h1, gemma, gemma2, gemma4, gpt_oss, lfm2, llama, qwen3_next
 from memrad.engine.model.hardware import Choice
 
@@ -85,7 +86,7 @@ def describe(model: nn.Module, context_len: int) -> Choice:
     kinds = Counter(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
     layers = ", ".join(f"{count} {_KIND_NAMES.get(kind, kind)}" for kind, count in kinds.items())
     experts = getattr(config, "num_experts", 0) or 0  # gpt-oss's num_local_experts too (its attribute map)
-    moe = f"; experts: top {config.num_experts_per_tok} of {experts} per token" if experts else ""
+    moe = f"; experts: top {routed.top_k(config)} of {experts} per token" if experts else ""
     shared = getattr(config, "num_kv_shared_layers", 0) or 0  # Gemma 4
     sharing = f"; the last {shared} attend earlier layers' KV" if shared else ""
     return Choice(value, f"{type(model).__name__} layers on one graph: {layers}{moe}{sharing}")
