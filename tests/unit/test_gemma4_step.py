@@ -14,6 +14,14 @@ write_gemma4_gguf), which transformers 5.24's loader cannot read (pinned), memra
 (memrad.engine.model.gguf_gemma4) loads the file's weights bit for bit and the tiny layout, on which
 the step decodes the forward's bf16 bits and turns resume as cold; a tensor it does not place, or a
 layout key a config came out without, is named.
+
+The mixture-of-experts Gemma 4 (tests/unit/tiny.py: build_gemma4(experts=8), 26B-A4B's layout: 8
+experts of 64 beside every layer's MLP, top 2) runs the same tests: the forward's bits in bf16 and
+fp32 to 1e-6, the router's ids and weights the forward's exactly, an expert no token chose never
+read (NaN-poisoned), a token's bytes the router's and 2 of 8 experts', batched rows their own, turns
+resumed as cold, compiled packages; and from a GGUF (ffn_gate_up_exps or ffn_gate_exps +
+ffn_up_exps, ffn_down_exps, the router's scales) every weight is the file's and the banner and the
+tensors line say the experts run dequantised and what a token reads of them.
 """
 
 import pytest
@@ -366,11 +374,16 @@ def test_a_gemma4_gguf_memras_reader_cannot_place_is_refused_by_name(gemma4_gguf
 
     tokenizer = build_tokenizer()
     experts = write_gemma4_gguf(tmp_path / "experts.gguf", build_gemma4(len(tokenizer)), tokenizer,
-                                extra=[("blk.0.ffn_gate_inp.weight", [[0.0] * 64] * 4)])
-    with pytest.raises(ModelUnavailable, match="tensors memra's reader does not place: blk.0.ffn_gate_inp.weight"):
+                                extra=[("blk.0.ffn_gate_inp_shexp.weight", [[0.0] * 64] * 4)])
+    with pytest.raises(ModelUnavailable, match="tensors memra's reader does not place: blk.0.ffn_gate_inp_shexp.weight"):
         inspect_gguf(experts, 0, torch.bfloat16)
-    with pytest.raises(ModelUnavailable, match="blk.0.ffn_gate_inp.weight"):
+    with pytest.raises(ModelUnavailable, match="blk.0.ffn_gate_inp_shexp.weight"):
         from_gguf(experts)
+    router = write_gemma4_gguf(tmp_path / "router.gguf", build_gemma4(len(tokenizer)), tokenizer,
+                               extra=[("blk.0.ffn_gate_inp.weight", [[0.0] * 64] * 4)])
+    with pytest.raises(ModelUnavailable, match="blk.0.ffn_gate_inp.weight goes to model.layers.0.router.proj.weight, "
+                                               "which its config does not have"):
+        from_gguf(router)  # a router without expert_count: a dense config
 
 
 def test_a_config_without_the_files_layout_is_named_key_by_key(gemma4_gguf):
@@ -391,3 +404,81 @@ def test_a_config_without_the_files_layout_is_named_key_by_key(gemma4_gguf):
         "attention.key_length_swa", "rope.freq_base", "rope.freq_base_swa", "final_logit_softcapping",
         "per_layer_token_embd rows"]
     assert "attention.shared_kv_layers: the GGUF's 2, the config's 0" in lost
+
+
+# -- a mixture-of-experts Gemma 4 from a GGUF (26B-A4B's layout): memra's reader places its router and experts --
+
+MOE_REASON = ("Gemma4ForCausalLM layers on one graph: 4 sliding-window, 2 full-attention; experts: top 2 of 8 per "
+              "token; the last 2 attend earlier layers' KV")
+
+
+def write_moe(folder, split=False):
+    """(the tiny MoE Gemma 4's GGUF, the model holding what it dequantises to)."""
+    from tiny import GEMMA4_EXPERTS, build_gemma4, build_tokenizer
+    from tiny_gguf import write_gemma4_gguf
+
+    tokenizer = build_tokenizer()
+    model = build_gemma4(len(tokenizer), experts=GEMMA4_EXPERTS)
+    return write_gemma4_gguf(folder / "tiny-gemma4-moe.gguf", model, tokenizer, split_experts=split), model
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe_gguf(tmp_path_factory):
+    return write_moe(tmp_path_factory.mktemp("tiny-gemma4-moe-gguf"))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_moe_gemma4_gguf_loads_its_router_and_experts_as_the_file_holds_them(tmp_path, split):
+    """Every parameter is what the file's tensors dequantise to: the experts' gate_up as shipped
+    whole (ffn_gate_up_exps) or as gate and up apart (its first and second I rows), the router's
+    scale and per-expert scales (ffn_gate_inp.scale, ffn_down_exps.scale), the three extra norms;
+    the config is a mixture of 8 experts, 2 a token; the banner names the step with its experts and
+    what a token reads of them, and the engine's tensors line says they run dequantised."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from memrad.engine.model.preflight import inspect_gguf
+
+    path, model = write_moe(tmp_path, split)
+    loaded = from_gguf(path, "float32")
+    ours, theirs = loaded.model.state_dict(), model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    shipped = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    as_float = lambda name: torch.from_numpy(dequantize(shipped[name].data, shipped[name].tensor_type).copy())  # noqa: E731
+    layer = loaded.model.model.layers[1]
+    if split:
+        assert "blk.1.ffn_gate_up_exps.weight" not in shipped and shipped["blk.1.ffn_up_exps.weight"].tensor_type.name == "Q8_0"
+        assert torch.equal(layer.experts.gate_up_proj, torch.cat([as_float("blk.1.ffn_gate_exps.weight"),
+                                                                  as_float("blk.1.ffn_up_exps.weight")], dim=1))
+    else:
+        assert shipped["blk.1.ffn_gate_up_exps.weight"].tensor_type.name == "Q8_0"
+        assert torch.equal(layer.experts.gate_up_proj, as_float("blk.1.ffn_gate_up_exps.weight"))
+    assert torch.equal(layer.experts.down_proj, as_float("blk.1.ffn_down_exps.weight"))
+    assert torch.equal(layer.router.scale, as_float("blk.1.ffn_gate_inp.scale"))
+    assert torch.equal(layer.router.per_expert_scale, as_float("blk.1.ffn_down_exps.scale"))
+    assert torch.equal(layer.pre_feedforward_layernorm_2.weight, as_float("blk.1.pre_ffw_norm_2.weight"))
+    config = loaded.model.config
+    assert (config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size) == (
+        True, 8, 2, 64)
+    lines = inspect_gguf(path, 0, torch.bfloat16).lines()
+    assert lines[0] == "tiny-gemma4-moe.gguf: gemma4 (Gemma4ForCausalLM)"
+    assert lines[1] == f"  fast decode step: yes, memra's gemma4 step ({MOE_REASON})"
+    # per layer 2 of 8 experts: gate_up [128, 64] and down [64, 64], 2 bytes a weight in bf16, 34 a 32 in Q8_0
+    assert lines[-1] == ("  experts: dequantised at load (3-D tensors: no packed form), a token reads 294,912 B of "
+                         "them in bfloat16 (156,672 B as shipped)")
+    engine = Engine(loaded, EngineOptions(16, 1))
+    assert engine.runtime_choices["step"] == {"value": "gemma4", "reason": MOE_REASON}
+    tensors = engine.runtime_choices["tensors"]["reason"]
+    assert ("experts.gate_up_proj Q8_0 x6: dense float32 (3-D expert tensors, dequantised: no packed form; a token "
+            "reads 393,216 B of them (104,448 B as shipped))") in tensors
+
+
+def test_the_moe_gemma4_step_from_the_gguf_decodes_transformers_bits_and_resumes_as_cold(gemma4_moe_gguf):
+    """bf16: the step's logits are the forward's bit for bit for 3W steps past the window, on the
+    GGUF's weights; an engine resumes turns bit-identically to their cold runs."""
+    path, _ = gemma4_moe_gguf
+    loaded = from_gguf(path)
+    assert isinstance(Engine(loaded, EngineOptions(16, 1)).decoder.eager_step, Gemma4Step)
+    decodes_the_forwards_bits(loaded, 0.0)
+    turns_resume_as_cold(make_engine(from_gguf(path), 16, max_sessions=16, mode="exact"))
+
