@@ -77,6 +77,13 @@ def bytes_per_token(model: nn.Module) -> tuple[int, int]:
     return routed, dense
 
 
+def has_experts(model: nn.Module) -> bool:
+    """Whether some decoder layer of `model` routes tokens to experts (Qwen3-MoE's and gpt-oss's
+    `mlp`, Gemma 4's layer); LFM2's layers name their MLP otherwise and have none."""
+    return any(router_of(getattr(layer, "mlp", None)) is not None or getattr(layer, "enable_moe_block", False)
+               for layer in model.model.layers)
+
+
 def _feed_forwards(layer: nn.Module) -> list[tuple[nn.Module | None, nn.Module | None, int]]:
     """(router, experts, bytes of both) of each feed-forward in a decoder layer, (None, None, bytes)
     for a dense MLP: its `mlp`, and Gemma 4's router and experts beside it (enable_moe_block)."""
