@@ -38,7 +38,7 @@ from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
 from stories import make_engine
 from test_batching import rows_are_their_own
-from test_experts import with_the_steps_attention_layout
+from test_experts import routes, with_the_steps_attention_layout
 from test_gemma_step import compiled_turns_equal_cold, rows_decode_their_own_bits
 from test_gguf_steps import turns_resume_as_cold
 from tiny import write_q4_folder
@@ -89,7 +89,7 @@ def test_the_moe_gemma4_step_covers_it_and_says_so(tiny_dir):
     loaded = fresh(tiny_dir, kind="gemma4_moe")
     reason = ("Gemma4ForCausalLM layers on one graph: 4 sliding-window, 2 full-attention; experts: top 2 of 8 "
               "per token; the last 2 attend earlier layers' KV")
-    assert steps.describe(loaded.model, loaded.context_len) == steps.Choice("gemma4", reason)
+    assert steps.describe(loaded.model, loaded.context_len) == steps.Choice("gemma4-moe", reason)
     step = Engine(loaded, EngineOptions(16, 1)).decoder.eager_step
     assert isinstance(step, Gemma4Step) and all(layer.moe for layer in step.layers)
 
@@ -121,17 +121,6 @@ def test_the_gemma4_step_decodes_transformers_bits_past_the_window(tiny_dir, q4_
     decodes_the_forwards_bits(loaded, tolerance)
 
 
-def routes(model):
-    """Record every router call of a MoE Gemma 4: a list that fills with (layer, ids [1, k], weights [1, k])."""
-    seen = []
-    for index, layer in enumerate(model.model.layers):
-        def hook(_module, _args, out, index=index):
-            _, weights, ids = out
-            seen.append((index, ids.clone(), weights.clone()))
-        layer.router.register_forward_hook(hook)
-    return seen
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_moe_router_chooses_what_the_forward_chooses_and_no_other_expert_is_read(tiny_dir, dtype):
     """Step after step the step's router call returns the forward's ids and weights exactly; then
@@ -144,7 +133,7 @@ def test_the_moe_router_chooses_what_the_forward_chooses_and_no_other_expert_is_
     prefill(loaded.model, ours, PROMPT, 0, 16)
     b = prefill(loaded.model, theirs, PROMPT, 0, 16)
     with_the_steps_attention_layout(loaded.model)
-    seen = routes(loaded.model)
+    seen = routes(loaded.model, lambda layer: layer.router)  # Gemma 4's sits on the layer
     for step in range(WINDOW):
         token = int(b.argmax())
         seen.clear()
@@ -353,10 +342,11 @@ def test_a_gemma4_gguf_loads_on_memras_reader_as_the_tiny_model(gemma4_gguf):
     assert lines[1] == f"  fast decode step: yes, memra's gemma4 step ({reason})"
 
 
-def test_the_gemma4_step_from_the_gguf_decodes_transformers_bits_and_resumes_as_cold(gemma4_gguf):
-    """bf16: the step's logits are the forward's bit for bit for 3W steps past the window, on the
-    GGUF's weights; an engine resumes turns bit-identically to their cold runs."""
-    path, _ = gemma4_gguf
+@pytest.mark.parametrize("gguf", ["gemma4_gguf", "gemma4_moe_gguf"])
+def test_the_gemma4_step_from_the_gguf_decodes_transformers_bits_and_resumes_as_cold(request, gguf):
+    """bf16, dense and MoE: the step's logits are the forward's bit for bit for 3W steps past the
+    window, on the GGUF's weights; an engine resumes turns bit-identically to their cold runs."""
+    path, _ = request.getfixturevalue(gguf)
     loaded = from_gguf(path)
     assert isinstance(Engine(loaded, EngineOptions(16, 1)).decoder.eager_step, Gemma4Step)
     decodes_the_forwards_bits(loaded, 0.0)
@@ -462,23 +452,14 @@ def test_a_moe_gemma4_gguf_loads_its_router_and_experts_as_the_file_holds_them(t
         True, 8, 2, 64)
     lines = inspect_gguf(path, 0, torch.bfloat16).lines()
     assert lines[0] == "tiny-gemma4-moe.gguf: gemma4 (Gemma4ForCausalLM)"
-    assert lines[1] == f"  fast decode step: yes, memra's gemma4 step ({MOE_REASON})"
+    assert lines[1] == f"  fast decode step: yes, memra's gemma4-moe step ({MOE_REASON})"
     # per layer 2 of 8 experts: gate_up [128, 64] and down [64, 64], 2 bytes a weight in bf16, 34 a 32 in Q8_0
     assert lines[-1] == ("  experts: dequantised at load (3-D tensors: no packed form), a token reads 294,912 B of "
                          "them in bfloat16 (156,672 B as shipped)")
     engine = Engine(loaded, EngineOptions(16, 1))
-    assert engine.runtime_choices["step"] == {"value": "gemma4", "reason": MOE_REASON}
+    assert engine.runtime_choices["step"] == {"value": "gemma4-moe", "reason": MOE_REASON}
     tensors = engine.runtime_choices["tensors"]["reason"]
     assert ("experts.gate_up_proj Q8_0 x6: dense float32 (3-D expert tensors, dequantised: no packed form; a token "
             "reads 393,216 B of them (104,448 B as shipped))") in tensors
 
-
-def test_the_moe_gemma4_step_from_the_gguf_decodes_transformers_bits_and_resumes_as_cold(gemma4_moe_gguf):
-    """bf16: the step's logits are the forward's bit for bit for 3W steps past the window, on the
-    GGUF's weights; an engine resumes turns bit-identically to their cold runs."""
-    path, _ = gemma4_moe_gguf
-    loaded = from_gguf(path)
-    assert isinstance(Engine(loaded, EngineOptions(16, 1)).decoder.eager_step, Gemma4Step)
-    decodes_the_forwards_bits(loaded, 0.0)
-    turns_resume_as_cold(make_engine(from_gguf(path), 16, max_sessions=16, mode="exact"))
 

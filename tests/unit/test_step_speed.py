@@ -10,7 +10,7 @@ def test_each_architecture_is_timed_on_its_own_step():
     assert [(s.arch, s.step, s.dtype, s.steps) for s in speeds] == [
         ("llama", "llama", "float32", 6), ("qwen3", "qwen3", "float32", 6), ("phi3", "phi3", "float32", 6),
         ("gemma2", "gemma2", "float32", 6), ("qwen3_moe", "qwen3-moe", "float32", 6), ("gemma4", "gemma4", "float32", 6),
-        ("gemma4_moe", "gemma4", "float32", 6), ("lfm2", "lfm2", "float32", 6), ("gpt_oss", "gpt-oss", "float32", 6)]
+        ("gemma4_moe", "gemma4-moe", "float32", 6), ("lfm2", "lfm2", "float32", 6), ("gpt_oss", "gpt-oss", "float32", 6)]
     assert all(s.step_ms > 0 and s.forward_ms > 0 and s.ratio == s.forward_ms / s.step_ms for s in speeds)
     # fp32, 2 sparse layers: router 8 x 256, experts 8 x (1536 x 256 + 256 x 768), 2 of them read a token
     router, expert = 8 * 256 * 4, (1536 * 256 + 256 * 768) * 4

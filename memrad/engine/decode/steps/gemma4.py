@@ -114,7 +114,8 @@ class _Gemma4Layer(_GemmaLayer):
         self.moe = layer.enable_moe_block
         if self.moe:
             self.router, self.experts = layer.router, layer.experts
-            self.post_ff_norm_1, self.post_ff_norm_2 = layer.post_feedforward_layernorm_1, layer.post_feedforward_layernorm_2
+            self.post_ff_norm_1 = layer.post_feedforward_layernorm_1
+            self.post_ff_norm_2 = layer.post_feedforward_layernorm_2
             self.pre_ff_norm_2 = layer.pre_feedforward_layernorm_2
         self.per_layer = getattr(layer, "per_layer_input_gate", None) is not None
         if self.per_layer:
