@@ -354,8 +354,9 @@ def test_the_gemma4_step_from_the_gguf_decodes_transformers_bits_and_resumes_as_
 
 
 def test_a_gemma4_gguf_memras_reader_cannot_place_is_refused_by_name(gemma4_gguf, tmp_path):
-    """A mixture-of-experts tensor (which memra's table does not name) is refused before the wait
-    and at the load, by name."""
+    """A tensor memra's table does not name (a shared expert's router, which Gemma 4 has not) is
+    refused before the wait and at the load, by name; a router in a file without expert_count (a
+    dense config) is refused at the load, by where it would go."""
     from tiny import build_gemma4, build_tokenizer
     from tiny_gguf import write_gemma4_gguf
 
@@ -402,14 +403,15 @@ MOE_REASON = ("Gemma4ForCausalLM layers on one graph: 4 sliding-window, 2 full-a
               "token; the last 2 attend earlier layers' KV")
 
 
-def write_moe(folder, split=False):
+def write_moe(folder, split=False, drop=()):
     """(the tiny MoE Gemma 4's GGUF, the model holding what it dequantises to)."""
     from tiny import GEMMA4_EXPERTS, build_gemma4, build_tokenizer
     from tiny_gguf import write_gemma4_gguf
 
     tokenizer = build_tokenizer()
     model = build_gemma4(len(tokenizer), experts=GEMMA4_EXPERTS)
-    return write_gemma4_gguf(folder / "tiny-gemma4-moe.gguf", model, tokenizer, split_experts=split), model
+    path = write_gemma4_gguf(folder / "tiny-gemma4-moe.gguf", model, tokenizer, split_experts=split, drop=drop)
+    return path, model
 
 
 @pytest.fixture(scope="module")
@@ -463,3 +465,15 @@ def test_a_moe_gemma4_gguf_loads_its_router_and_experts_as_the_file_holds_them(t
             "reads 393,216 B of them (104,448 B as shipped))") in tensors
 
 
+
+
+def test_a_moe_gemma4_gguf_with_a_layer_without_experts_is_refused_by_name(tmp_path):
+    """llama.cpp lets a layer go without experts (no ffn_gate_inp); transformers' Gemma 4 has them in
+    every layer or none, so the load names what the file leaves unfilled."""
+    from memrad.engine.model.pull import ModelUnavailable
+
+    path, _ = write_moe(tmp_path, drop=tuple(f"blk.5.{name}" for name in (
+        "ffn_gate_inp", "ffn_gate_up_exps", "ffn_down_exps", "pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2")))
+    with pytest.raises(ModelUnavailable, match=r"fills no tensor for model.layers.5.experts.down_proj, "
+                                               r"model.layers.5.experts.gate_up_proj, .* and 4 more"):
+        from_gguf(path)

@@ -211,7 +211,8 @@ def tiny_gguf(folder: Path, arch: str) -> tuple[Path, object]:
     return write_gguf(folder / f"tiny-{arch}.gguf", model, tokenizer), model
 
 
-def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = (), split_experts: bool = False) -> Path:
+def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = (), split_experts: bool = False,
+                      drop: tuple = ()) -> Path:
     """The tiny Gemma 4 of tests/unit/tiny.py (`build_gemma4`) as llama.cpp's converter
     (convert_hf_to_gguf.py, Gemma4Model) lays a gemma4 GGUF out: the fields transformers' loader
     reads and the layout keys it does not (sliding-window pattern, KV-shared layers, per-layer input
@@ -228,7 +229,8 @@ def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = (), split_exp
     `proj` as ffn_gate_inp.weight, its `scale` as ffn_gate_inp.scale, its per_expert_scale as
     ffn_down_exps.scale; the experts' 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] as they are
     (ffn_gate_up_exps, ffn_down_exps), Q8_0; `split_experts`: gate_up as ffn_gate_exps and ffn_up_exps
-    (its first and second I rows), as older files ship them."""
+    (its first and second I rows), as older files ship them. `drop`: prefixes of tensor names left out
+    (a layer without experts, as llama.cpp allows)."""
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
     config, arch = model.config, "gemma4"
@@ -277,6 +279,8 @@ def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = (), split_exp
              (name.replace("gate_up", "up"), target.chunk(2, dim=-2)[1])] if "ffn_gate_up_exps" in name
             else [(name, target)])]
     for name, target in named:
+        if name.startswith(drop):
+            continue
         target = target.detach()
         kind = T.Q8_0 if target.dim() in (2, 3) and target.shape[-1] % 32 == 0 else T.F32
         raw = _encode(target.float().numpy(), kind, np.random.default_rng(0))

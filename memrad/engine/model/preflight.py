@@ -242,7 +242,8 @@ def gguf_config(header: GGUFHeader, path: Path) -> Any:
 def refuse_unread_gemma4(header: GGUFHeader, config: Any, path: Path) -> None:
     """ModelUnavailable for a gemma4 GGUF memra's reader would not load as the file's model: a
     layout key its config came out without (`gemma4_layout_lost`), or a tensor its table does not
-    place (memrad.engine.model.gguf_gemma4.TABLE: a mixture of experts), each by name."""
+    place (memrad.engine.model.gguf_gemma4.TABLE; e.g. a shared expert's ffn_gate_inp_shexp), each
+    by name."""
     lost = gemma4_layout_lost(header, config)
     if lost:
         raise ModelUnavailable(f"{path} is a gemma4 GGUF whose layout memra's reader does not read, so it would "
