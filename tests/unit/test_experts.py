@@ -66,14 +66,15 @@ def with_the_steps_attention_layout(model):
     model.config._attn_implementation = "memra_test_step_layout"
 
 
-def routes(model):
-    """Record every router call of `model`: a list that fills with (layer, ids [k], weights [k])."""
+def routes(model, router=lambda layer: layer.mlp.gate):
+    """Record every router call of `model` (each layer's `router`: Qwen3-MoE's `mlp.gate`): a list
+    that fills with (layer, ids [k], weights [k])."""
     seen = []
     for index, layer in enumerate(model.model.layers):
         def hook(_module, _args, out, index=index):
             _, weights, ids = out
             seen.append((index, ids.clone(), weights.clone()))
-        layer.mlp.gate.register_forward_hook(hook)
+        router(layer).register_forward_hook(hook)
     return seen
 
 

@@ -14,6 +14,14 @@ write_gemma4_gguf), which transformers 5.24's loader cannot read (pinned), memra
 (memrad.engine.model.gguf_gemma4) loads the file's weights bit for bit and the tiny layout, on which
 the step decodes the forward's bf16 bits and turns resume as cold; a tensor it does not place, or a
 layout key a config came out without, is named.
+
+The mixture-of-experts Gemma 4 (tests/unit/tiny.py: build_gemma4(experts=8), 26B-A4B's layout: 8
+experts of 64 beside every layer's MLP, top 2) runs the same tests: the forward's bits in bf16 and
+fp32 to 1e-6, the router's ids and weights the forward's exactly, an expert no token chose never
+read (NaN-poisoned), a token's bytes the router's and 2 of 8 experts', batched rows their own, turns
+resumed as cold, compiled packages; and from a GGUF (ffn_gate_up_exps or ffn_gate_exps +
+ffn_up_exps, ffn_down_exps, the router's scales) every weight is the file's and the banner and the
+tensors line say the experts run dequantised and what a token reads of them.
 """
 
 import pytest
@@ -23,13 +31,14 @@ from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.decode import steps
 from memrad.engine.decode.decoder import Decoder
 from memrad.engine.decode.package import PackagedStep
+from memrad.engine.decode.steps import experts
 from memrad.engine.decode.steps.gemma4 import Gemma4Step, producers
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
 from memrad.engine.model.loader import load_model
 from stories import make_engine
 from test_batching import rows_are_their_own
-from test_experts import with_the_steps_attention_layout
+from test_experts import routes, with_the_steps_attention_layout
 from test_gemma_step import compiled_turns_equal_cold, rows_decode_their_own_bits
 from test_gguf_steps import turns_resume_as_cold
 from tiny import write_q4_folder
@@ -39,9 +48,12 @@ PROMPT = list(range(5, 45))  # 40 tokens: past the window before the first step
 LAYERS = ["WindowLayer", "WindowLayer", "SlabLayer", "WindowLayer", "SharedLayer", "SharedLayer"]
 
 
-def fresh(tiny_dir, dtype="bfloat16"):
+KINDS = ["gemma4", "gemma4_moe"]  # tests/unit/tiny.py: dense, and with 8 experts beside every MLP (top 2)
+
+
+def fresh(tiny_dir, dtype="bfloat16", kind="gemma4"):
     torch.set_num_threads(1)
-    return load_model(str(tiny_dir("gemma4")), device="cpu", dtype=dtype)
+    return load_model(str(tiny_dir(kind)), device="cpu", dtype=dtype)
 
 
 @pytest.fixture(scope="module")
@@ -73,23 +85,82 @@ def test_the_gemma4_step_covers_it_and_says_so(tiny_dir):
     assert [type(layer).__name__ for layer in engine.new_cache().layers] == LAYERS
 
 
-def test_moe_bidirectional_and_all_shared_gemma4_have_no_step(tiny_dir):
+def test_the_moe_gemma4_step_covers_it_and_says_so(tiny_dir):
+    loaded = fresh(tiny_dir, kind="gemma4_moe")
+    reason = ("Gemma4ForCausalLM layers on one graph: 4 sliding-window, 2 full-attention; experts: top 2 of 8 "
+              "per token; the last 2 attend earlier layers' KV")
+    assert steps.describe(loaded.model, loaded.context_len) == steps.Choice("gemma4-moe", reason)
+    step = Engine(loaded, EngineOptions(16, 1)).decoder.eager_step
+    assert isinstance(step, Gemma4Step) and all(layer.moe for layer in step.layers)
+
+
+def test_a_moe_gemma4_token_reads_its_router_and_two_of_eight_experts(tiny_dir):
+    """Per layer: the router (proj [8, 64], scale [64], per-expert scales [8]) and 2 of 8 experts
+    (gate_up [128, 64], down [64, 64]) besides the dense MLP (gate, up [128, 64], down [64, 128])."""
+    model = fresh(tiny_dir, kind="gemma4_moe").model
+    mlp, router, expert = 3 * 128 * 64 * 2, (8 * 64 + 64 + 8) * 2, (128 * 64 + 64 * 64) * 2
+    assert experts.bytes_per_token(model) == (6 * (mlp + router + 2 * expert), 6 * (mlp + router + 8 * expert))
+
+
+def test_bidirectional_and_all_shared_gemma4_have_no_step(tiny_dir):
     loaded = fresh(tiny_dir)
-    loaded.model.config.enable_moe_block = True
-    assert steps.describe(loaded.model, loaded.context_len).reason == (
-        "Gemma4ForCausalLM has mixture-of-experts blocks beside its MLPs (enable_moe_block)")
-    loaded.model.config.enable_moe_block, loaded.model.config.use_bidirectional_attention = False, "all"
+    loaded.model.config.use_bidirectional_attention = "all"
     assert steps.support(loaded.model, loaded.context_len) == "Gemma4ForCausalLM attends bidirectionally"
     loaded.model.config.use_bidirectional_attention, loaded.model.config.num_kv_shared_layers = None, 6
     assert steps.support(loaded.model, loaded.context_len) == (
         "Gemma4ForCausalLM reads every layer's keys and values from another model (num_kv_shared_layers = all)")
 
 
-@pytest.mark.parametrize("dtype,tolerance", [("bfloat16", 0.0), ("float32", 1e-6), ("int4", 0.0)])
-def test_the_gemma4_step_decodes_transformers_bits_past_the_window(tiny_dir, q4_gemma4_dir, dtype, tolerance):
-    """bf16 and fp32 with float weights; "int4": bf16 on the int4 kernel (Q4_1 layers, the step's
-    fused projections against the forward's one by one)."""
-    decodes_the_forwards_bits(on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype), tolerance)
+@pytest.mark.parametrize("dtype,tolerance,kind", [("bfloat16", 0.0, "gemma4"), ("float32", 1e-6, "gemma4"),
+                                                  ("int4", 0.0, "gemma4"), ("bfloat16", 0.0, "gemma4_moe"),
+                                                  ("float32", 1e-6, "gemma4_moe")])
+def test_the_gemma4_step_decodes_transformers_bits_past_the_window(tiny_dir, q4_gemma4_dir, dtype, tolerance, kind):
+    """bf16 and fp32 with float weights, dense and MoE; "int4": bf16 on the int4 kernel (Q4_1 layers,
+    the step's fused projections against the forward's one by one)."""
+    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype, kind)
+    decodes_the_forwards_bits(loaded, tolerance)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_moe_router_chooses_what_the_forward_chooses_and_no_other_expert_is_read(tiny_dir, dtype):
+    """Step after step the step's router call returns the forward's ids and weights exactly; then
+    with every expert a token did not choose poisoned with NaN its logits do not change, and with a
+    chosen one poisoned they are NaN (the test can fail)."""
+    loaded = fresh(tiny_dir, dtype, "gemma4_moe")
+    engine = Engine(loaded, EngineOptions(16, 1))
+    feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
+    ours, theirs = engine.new_cache(), engine.new_cache()
+    prefill(loaded.model, ours, PROMPT, 0, 16)
+    b = prefill(loaded.model, theirs, PROMPT, 0, 16)
+    with_the_steps_attention_layout(loaded.model)
+    seen = routes(loaded.model, lambda layer: layer.router)  # Gemma 4's sits on the layer
+    for step in range(WINDOW):
+        token = int(b.argmax())
+        seen.clear()
+        a = feed(ours, token, len(PROMPT) + step)
+        mine = seen[:]
+        seen.clear()
+        b = decode_one_token(loaded.model, theirs, token, len(PROMPT) + step)
+        assert len(mine) == len(seen) == 6
+        for (layer, ids, weights), (layer_f, ids_f, weights_f) in zip(mine, seen):
+            assert layer == layer_f and ids.shape == (1, 2)
+            assert torch.equal(ids, ids_f) and torch.equal(weights, weights_f)
+    clean, poisoned, poisoned_chosen = (engine.new_cache() for _ in range(3))
+    for cache in (clean, poisoned, poisoned_chosen):
+        prefill(loaded.model, cache, PROMPT, 0, 16)  # the prompt read every expert
+    seen.clear()
+    expected = feed(clean, 7, len(PROMPT))
+    chosen = {layer: set(ids.view(-1).tolist()) for layer, ids, _ in seen}
+    layers = loaded.model.model.layers
+    with torch.no_grad():
+        for index, layer in enumerate(layers):
+            for e in set(range(8)) - chosen[index]:
+                layer.experts.gate_up_proj[e] = float("nan")
+                layer.experts.down_proj[e] = float("nan")
+    assert torch.equal(feed(poisoned, 7, len(PROMPT)), expected)
+    with torch.no_grad():
+        layers[1].experts.down_proj[min(chosen[1])] = float("nan")
+    assert torch.isnan(feed(poisoned_chosen, 7, len(PROMPT))).all()
 
 
 def decodes_the_forwards_bits(loaded, tolerance):
@@ -143,9 +214,11 @@ def test_the_step_needs_every_part_it_has(tiny_dir):
     assert not torch.allclose(logits(lambda step: setattr(step, "producers", [0, 1, 2, 3, 1, 2])), expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int4"])
-def test_every_row_of_the_batched_gemma4_step_is_its_own_and_the_one_row_steps(tiny_dir, q4_gemma4_dir, dtype):
-    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype)
+@pytest.mark.parametrize("dtype,kind", [("bfloat16", "gemma4"), ("float32", "gemma4"), ("int4", "gemma4"),
+                                        ("bfloat16", "gemma4_moe"), ("float32", "gemma4_moe")])
+def test_every_row_of_the_batched_gemma4_step_is_its_own_and_the_one_row_steps(tiny_dir, q4_gemma4_dir, dtype, kind):
+    """MoE: each row routed on its own (memrad.engine.decode.steps.experts.feed_forward)."""
+    loaded = on_int4(q4_gemma4_dir) if dtype == "int4" else fresh(tiny_dir, dtype, kind)
     engine = make_engine(loaded, 16, max_batch=4)
     assert engine.runtime_choices["batch"]["value"] == "batched, 4 rows"
     first = rows_are_their_own(engine, loaded.model, 16)
@@ -156,17 +229,19 @@ def test_every_row_of_the_batched_gemma4_step_is_its_own_and_the_one_row_steps(t
         rows_decode_their_own_bits(engine, loaded.model, WINDOW)
 
 
-def test_a_gemma4_engine_resumes_turns_bit_identical_to_cold(tiny_dir):
-    turns_resume_as_cold(make_engine(fresh(tiny_dir), 16, max_sessions=16, mode="exact"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_gemma4_engine_resumes_turns_bit_identical_to_cold(tiny_dir, kind):
+    turns_resume_as_cold(make_engine(fresh(tiny_dir, kind=kind), 16, max_sessions=16, mode="exact"))
 
 
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
-def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resumes_as_cold(tiny_dir):
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resumes_as_cold(tiny_dir, kind):
     """compile = on, max_batch 2: the one-row package (memra's kernel over the window views,
     nothing handed for the KV-shared layers) decodes the eager step's logits within 1e-5 (fp32:
     inductor fuses) from windows shorter than W to past it; in bf16 the batched package gives a
     row the compiled one-row step's bits, and turns resume as cold."""
-    loaded = fresh(tiny_dir, "float32")
+    loaded = fresh(tiny_dir, "float32", kind)
     eager = Decoder(loaded.model, loaded.context_len, loaded.device, "off").feeder()
     compiled = Decoder(loaded.model, loaded.context_len, loaded.device, "on")
     compiled.start()
@@ -181,7 +256,7 @@ def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resu
         token = int(b.argmax())
         a, b = feed(ours, token, 2 + step), eager(theirs, token, 2 + step)
         assert float((a - b).abs().max()) <= 1e-5, (step, float((a - b).abs().max()))
-    engine = make_engine(fresh(tiny_dir), 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
+    engine = make_engine(fresh(tiny_dir, kind=kind), 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
     engine.decoder.start()
     assert engine.decoder.batch_choice.value == "compiled", engine.decoder.batch_choice.reason
     batched = engine.decoder.batch_step(2)
@@ -267,10 +342,11 @@ def test_a_gemma4_gguf_loads_on_memras_reader_as_the_tiny_model(gemma4_gguf):
     assert lines[1] == f"  fast decode step: yes, memra's gemma4 step ({reason})"
 
 
-def test_the_gemma4_step_from_the_gguf_decodes_transformers_bits_and_resumes_as_cold(gemma4_gguf):
-    """bf16: the step's logits are the forward's bit for bit for 3W steps past the window, on the
-    GGUF's weights; an engine resumes turns bit-identically to their cold runs."""
-    path, _ = gemma4_gguf
+@pytest.mark.parametrize("gguf", ["gemma4_gguf", "gemma4_moe_gguf"])
+def test_the_gemma4_step_from_the_gguf_decodes_transformers_bits_and_resumes_as_cold(request, gguf):
+    """bf16, dense and MoE: the step's logits are the forward's bit for bit for 3W steps past the
+    window, on the GGUF's weights; an engine resumes turns bit-identically to their cold runs."""
+    path, _ = request.getfixturevalue(gguf)
     loaded = from_gguf(path)
     assert isinstance(Engine(loaded, EngineOptions(16, 1)).decoder.eager_step, Gemma4Step)
     decodes_the_forwards_bits(loaded, 0.0)
@@ -278,8 +354,9 @@ def test_the_gemma4_step_from_the_gguf_decodes_transformers_bits_and_resumes_as_
 
 
 def test_a_gemma4_gguf_memras_reader_cannot_place_is_refused_by_name(gemma4_gguf, tmp_path):
-    """A mixture-of-experts tensor (which memra's table does not name) is refused before the wait
-    and at the load, by name."""
+    """A tensor memra's table does not name (a shared expert's router, which Gemma 4 has not) is
+    refused before the wait and at the load, by name; a router in a file without expert_count (a
+    dense config) is refused at the load, by where it would go."""
     from tiny import build_gemma4, build_tokenizer
     from tiny_gguf import write_gemma4_gguf
 
@@ -288,11 +365,16 @@ def test_a_gemma4_gguf_memras_reader_cannot_place_is_refused_by_name(gemma4_gguf
 
     tokenizer = build_tokenizer()
     experts = write_gemma4_gguf(tmp_path / "experts.gguf", build_gemma4(len(tokenizer)), tokenizer,
-                                extra=[("blk.0.ffn_gate_inp.weight", [[0.0] * 64] * 4)])
-    with pytest.raises(ModelUnavailable, match="tensors memra's reader does not place: blk.0.ffn_gate_inp.weight"):
+                                extra=[("blk.0.ffn_gate_inp_shexp.weight", [[0.0] * 64] * 4)])
+    with pytest.raises(ModelUnavailable, match="tensors memra's reader does not place: blk.0.ffn_gate_inp_shexp.weight"):
         inspect_gguf(experts, 0, torch.bfloat16)
-    with pytest.raises(ModelUnavailable, match="blk.0.ffn_gate_inp.weight"):
+    with pytest.raises(ModelUnavailable, match="blk.0.ffn_gate_inp_shexp.weight"):
         from_gguf(experts)
+    router = write_gemma4_gguf(tmp_path / "router.gguf", build_gemma4(len(tokenizer)), tokenizer,
+                               extra=[("blk.0.ffn_gate_inp.weight", [[0.0] * 64] * 4)])
+    with pytest.raises(ModelUnavailable, match="blk.0.ffn_gate_inp.weight goes to model.layers.0.router.proj.weight, "
+                                               "which its config does not have"):
+        from_gguf(router)  # a router without expert_count: a dense config
 
 
 def test_a_config_without_the_files_layout_is_named_key_by_key(gemma4_gguf):
@@ -313,3 +395,85 @@ def test_a_config_without_the_files_layout_is_named_key_by_key(gemma4_gguf):
         "attention.key_length_swa", "rope.freq_base", "rope.freq_base_swa", "final_logit_softcapping",
         "per_layer_token_embd rows"]
     assert "attention.shared_kv_layers: the GGUF's 2, the config's 0" in lost
+
+
+# -- a mixture-of-experts Gemma 4 from a GGUF (26B-A4B's layout): memra's reader places its router and experts --
+
+MOE_REASON = ("Gemma4ForCausalLM layers on one graph: 4 sliding-window, 2 full-attention; experts: top 2 of 8 per "
+              "token; the last 2 attend earlier layers' KV")
+
+
+def write_moe(folder, split=False, drop=()):
+    """(the tiny MoE Gemma 4's GGUF, the model holding what it dequantises to)."""
+    from tiny import GEMMA4_EXPERTS, build_gemma4, build_tokenizer
+    from tiny_gguf import write_gemma4_gguf
+
+    tokenizer = build_tokenizer()
+    model = build_gemma4(len(tokenizer), experts=GEMMA4_EXPERTS)
+    path = write_gemma4_gguf(folder / "tiny-gemma4-moe.gguf", model, tokenizer, split_experts=split, drop=drop)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe_gguf(tmp_path_factory):
+    return write_moe(tmp_path_factory.mktemp("tiny-gemma4-moe-gguf"))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_moe_gemma4_gguf_loads_its_router_and_experts_as_the_file_holds_them(tmp_path, split):
+    """Every parameter is what the file's tensors dequantise to: the experts' gate_up as shipped
+    whole (ffn_gate_up_exps) or as gate and up apart (its first and second I rows), the router's
+    scale and per-expert scales (ffn_gate_inp.scale, ffn_down_exps.scale), the three extra norms;
+    the config is a mixture of 8 experts, 2 a token; the banner names the step with its experts and
+    what a token reads of them, and the engine's tensors line says they run dequantised."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from memrad.engine.model.preflight import inspect_gguf
+
+    path, model = write_moe(tmp_path, split)
+    loaded = from_gguf(path, "float32")
+    ours, theirs = loaded.model.state_dict(), model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    shipped = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    as_float = lambda name: torch.from_numpy(dequantize(shipped[name].data, shipped[name].tensor_type).copy())  # noqa: E731
+    layer = loaded.model.model.layers[1]
+    if split:
+        assert "blk.1.ffn_gate_up_exps.weight" not in shipped and shipped["blk.1.ffn_up_exps.weight"].tensor_type.name == "Q8_0"
+        assert torch.equal(layer.experts.gate_up_proj, torch.cat([as_float("blk.1.ffn_gate_exps.weight"),
+                                                                  as_float("blk.1.ffn_up_exps.weight")], dim=1))
+    else:
+        assert shipped["blk.1.ffn_gate_up_exps.weight"].tensor_type.name == "Q8_0"
+        assert torch.equal(layer.experts.gate_up_proj, as_float("blk.1.ffn_gate_up_exps.weight"))
+    assert torch.equal(layer.experts.down_proj, as_float("blk.1.ffn_down_exps.weight"))
+    assert torch.equal(layer.router.scale, as_float("blk.1.ffn_gate_inp.scale"))
+    assert torch.equal(layer.router.per_expert_scale, as_float("blk.1.ffn_down_exps.scale"))
+    assert torch.equal(layer.pre_feedforward_layernorm_2.weight, as_float("blk.1.pre_ffw_norm_2.weight"))
+    config = loaded.model.config
+    assert (config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size) == (
+        True, 8, 2, 64)
+    lines = inspect_gguf(path, 0, torch.bfloat16).lines()
+    assert lines[0] == "tiny-gemma4-moe.gguf: gemma4 (Gemma4ForCausalLM)"
+    assert lines[1] == f"  fast decode step: yes, memra's gemma4-moe step ({MOE_REASON})"
+    # per layer 2 of 8 experts: gate_up [128, 64] and down [64, 64], 2 bytes a weight in bf16, 34 a 32 in Q8_0
+    assert lines[-1] == ("  experts: dequantised at load (3-D tensors: no packed form), a token reads 294,912 B of "
+                         "them in bfloat16 (156,672 B as shipped)")
+    engine = Engine(loaded, EngineOptions(16, 1))
+    assert engine.runtime_choices["step"] == {"value": "gemma4-moe", "reason": MOE_REASON}
+    tensors = engine.runtime_choices["tensors"]["reason"]
+    assert ("experts.gate_up_proj Q8_0 x6: dense float32 (3-D expert tensors, dequantised: no packed form; a token "
+            "reads 393,216 B of them (104,448 B as shipped))") in tensors
+
+
+
+
+def test_a_moe_gemma4_gguf_with_a_layer_without_experts_is_refused_by_name(tmp_path):
+    """llama.cpp lets a layer go without experts (no ffn_gate_inp); transformers' Gemma 4 has them in
+    every layer or none, so the load names what the file leaves unfilled."""
+    from memrad.engine.model.pull import ModelUnavailable
+
+    path, _ = write_moe(tmp_path, drop=tuple(f"blk.5.{name}" for name in (
+        "ffn_gate_inp", "ffn_gate_up_exps", "ffn_down_exps", "pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2")))
+    with pytest.raises(ModelUnavailable, match=r"fills no tensor for model.layers.5.experts.down_proj, "
+                                               r"model.layers.5.experts.gate_up_proj, .* and 4 more"):
+        from_gguf(path)

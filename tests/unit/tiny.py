@@ -153,13 +153,18 @@ GEMMA4_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sl
                  "full_attention"]
 
 
-def build_gemma4(vocab_size: int, seed: int = 0, window: int = 8):
+GEMMA4_EXPERTS = 8  # the tiny mixture-of-experts Gemma 4's
+
+
+def build_gemma4(vocab_size: int, seed: int = 0, window: int = 8, experts: int = 0):
     """Gemma 4 (text, Gemma4ForCausalLM) with every part its dense models have: per-layer inputs
     (P = 8), the last 2 layers reading earlier layers' KV, global layers of their own head dim (32
     against 16) with one KV head and keys as values (attention_k_eq_v), "proportional" rope on them
     (a quarter of the angles turn), v norms, layer scalars; the norm weights, layer scalars and
     rope bases off their defaults so a step that dropped one would differ; the final logits
-    soft-capped."""
+    soft-capped. `experts` > 0: the mixture-of-experts Gemma 4 (26B-A4B's layout: enable_moe_block),
+    that many experts of width 64, the top 2 a token, beside every layer's MLP; the router's scale
+    and per-expert scales drawn off 1 too."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     torch.manual_seed(seed)
@@ -171,11 +176,14 @@ def build_gemma4(vocab_size: int, seed: int = 0, window: int = 8):
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                             "rope_theta": 500_000.0}},
-        final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **(dict(enable_moe_block=True, num_experts=experts, top_k_experts=2, moe_intermediate_size=64)
+           if experts else {}))
     model = Gemma4ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "router.scale",
+                              "router.per_expert_scale")):
                 param.normal_(1.0, 0.3)
         for layer in model.model.layers:
             layer.layer_scalar.uniform_(0.5, 1.5)
@@ -214,7 +222,8 @@ def build_gpt_oss(vocab_size: int, seed: int = 0, window: int = 8):
 
 
 def save_tiny(folder: Path, kind: str) -> Path:
-    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | gemma4 | qwen3
+    """A loadable folder for `kind` in llama | llama-short | qwen3_next | falcon_h1 | gemma3 | gemma4
+    | gemma4_moe | qwen3
     | starcoder2 | mamba | lfm2 (tests/unit/tiny_gguf.py's, float weights: short convolutions beside attention)
     | gpt_oss.
     llama-short: a native context of 64 tokens, for RoPE scaling past it, with sharp attention
@@ -236,6 +245,8 @@ def save_tiny(folder: Path, kind: str) -> Path:
         model = build_gemma3(len(tokenizer))
     elif kind == "gemma4":
         model = build_gemma4(len(tokenizer))
+    elif kind == "gemma4_moe":
+        model = build_gemma4(len(tokenizer), experts=GEMMA4_EXPERTS)
     elif kind == "gpt_oss":
         model = build_gpt_oss(len(tokenizer))
     elif kind == "starcoder2":  # LayerNorm and a plain (ungated) MLP: no decode step covers it

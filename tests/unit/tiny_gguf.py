@@ -211,7 +211,8 @@ def tiny_gguf(folder: Path, arch: str) -> tuple[Path, object]:
     return write_gguf(folder / f"tiny-{arch}.gguf", model, tokenizer), model
 
 
-def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = ()) -> Path:
+def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = (), split_experts: bool = False,
+                      drop: tuple = ()) -> Path:
     """The tiny Gemma 4 of tests/unit/tiny.py (`build_gemma4`) as llama.cpp's converter
     (convert_hf_to_gguf.py, Gemma4Model) lays a gemma4 GGUF out: the fields transformers' loader
     reads and the layout keys it does not (sliding-window pattern, KV-shared layers, per-layer input
@@ -223,7 +224,13 @@ def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = ()) -> Path:
     (32 weights) Q8_0, the rest F32; the model's weights are set to what every tensor dequantizes
     to (mutates `model`), so the written model is exactly what the GGUF holds. Its widths are not
     whole k-quant super-blocks. `extra`: (name, float array) tensors written F32 besides (a layout
-    memra's reader refuses)."""
+    memra's reader refuses). A mixture of experts (build_gemma4(experts=8)) as the converter's
+    Gemma4Model writes it: expert_count, expert_used_count, expert_feed_forward_length; the router's
+    `proj` as ffn_gate_inp.weight, its `scale` as ffn_gate_inp.scale, its per_expert_scale as
+    ffn_down_exps.scale; the experts' 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] as they are
+    (ffn_gate_up_exps, ffn_down_exps), Q8_0; `split_experts`: gate_up as ffn_gate_exps and ffn_up_exps
+    (its first and second I rows), as older files ship them. `drop`: prefixes of tensor names left out
+    (a layer without experts, as llama.cpp allows)."""
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
     config, arch = model.config, "gemma4"
@@ -251,19 +258,33 @@ def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = ()) -> Path:
     writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
     writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
     writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.enable_moe_block:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.top_k_experts)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     _write_tokenizer(writer, tokenizer)
     pairs = layers[full].head_dim // 2
     turning = int(pairs * config.rope_parameters["full_attention"]["partial_rotary_factor"])
     writer.add_tensor("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (pairs - turning), dtype=np.float32))
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    for gguf_name, hf_name in get_gguf_hf_weights_map(model, TensorProcessor()).items():
-        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+    named = [(gguf_name if gguf_name.endswith(".weight") else f"{gguf_name}.weight", tensors[hf_name])  # layer_output_scale
+             for gguf_name, hf_name in get_gguf_hf_weights_map(model, TensorProcessor()).items()
+             if not (hf_name == "lm_head.weight" and config.tie_word_embeddings)]
+    for i, layer in enumerate(model.model.layers if config.enable_moe_block else ()):  # not in transformers' map
+        named += [(f"blk.{i}.ffn_gate_inp.scale", layer.router.scale),
+                  (f"blk.{i}.ffn_down_exps.scale", layer.router.per_expert_scale)]
+    if split_experts:
+        named = [split for name, target in named for split in (
+            [(name.replace("gate_up", "gate"), target.chunk(2, dim=-2)[0]),
+             (name.replace("gate_up", "up"), target.chunk(2, dim=-2)[1])] if "ffn_gate_up_exps" in name
+            else [(name, target)])]
+    for name, target in named:
+        if name.startswith(drop):
             continue
-        target = tensors[hf_name].detach()
-        kind = T.Q8_0 if target.dim() == 2 and target.shape[-1] % 32 == 0 else T.F32
+        target = target.detach()
+        kind = T.Q8_0 if target.dim() in (2, 3) and target.shape[-1] % 32 == 0 else T.F32
         raw = _encode(target.float().numpy(), kind, np.random.default_rng(0))
         target.copy_(torch.from_numpy(quants.dequantize(raw, kind).reshape(target.shape)))
-        name = gguf_name if gguf_name.endswith(".weight") else f"{gguf_name}.weight"  # layer_output_scale
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
     for name, values in extra:
         writer.add_tensor(name, np.asarray(values, dtype=np.float32))

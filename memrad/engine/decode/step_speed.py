@@ -21,6 +21,11 @@ import torch
 # The shapes of tests/unit/tiny_gguf.py (rows of whole k-quant super-blocks), llama for scale.
 _COMMON = dict(vocab_size=400, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
                max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_GEMMA4 = dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+               num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8, num_kv_shared_layers=2,
+               hidden_size_per_layer_input=64, vocab_size_per_layer_input=400, final_logit_softcapping=30.0,
+               layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                            "sliding_attention", "full_attention"])
 SHAPES = {
     "llama": ("llama", dict(num_attention_heads=4, num_key_value_heads=2)),
     "qwen3": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1)),
@@ -30,12 +35,10 @@ SHAPES = {
     "qwen3_moe": ("qwen3_moe", dict(num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2,
                                     norm_topk_prob=True)),  # experts of 768 (the default moe_intermediate_size)
     # Gemma 4's layout as tests/unit/tiny.py's tiny Gemma 4 (the last two layers KV-shared), at these widths
-    "gemma4": ("gemma4_text", dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True,
-                                   sliding_window=8, num_kv_shared_layers=2, hidden_size_per_layer_input=64,
-                                   vocab_size_per_layer_input=400, final_logit_softcapping=30.0,
-                                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                                "sliding_attention", "sliding_attention", "full_attention"])),
+    "gemma4": ("gemma4_text", _GEMMA4),
+    # and its mixture of experts (26B-A4B's layout): 8 experts of 128 beside every layer's MLP, top 2
+    "gemma4_moe": ("gemma4_text", dict(**_GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                       moe_intermediate_size=128)),
     # LFM2's layout as tests/unit/tiny_gguf.py writes it: short convolutions around two attention layers
     "lfm2": ("lfm2", dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                           block_auto_adjust_ff_dim=False,
@@ -100,6 +103,6 @@ def measure(arch: str, dtype_name: str = "bfloat16", steps: int = 64, threads: i
                 logits = run(cache, token, len(PROMPT) + offset)
                 times.append(time.perf_counter() - started)
         timings[name] = statistics.median(times[4:]) * 1e3  # the first steps warm the allocator
-    sparse = any(experts.router_of(getattr(layer, "mlp", None)) is not None for layer in model.model.layers)
     return StepSpeed(arch, step_table.describe(model, context).value, str(dtype).removeprefix("torch."), steps,
-                     timings["step"], timings["forward"], experts.bytes_per_token(model) if sparse else None)
+                     timings["step"], timings["forward"],
+                     experts.bytes_per_token(model) if experts.has_experts(model) else None)

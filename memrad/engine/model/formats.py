@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from memrad.engine.decode.steps.experts import router_of
+from memrad.engine.decode.steps.experts import router_of, top_k
 from memrad.engine.kernels import block_gemv
 from memrad.engine.model import block_experts
 from memrad.engine.model.block_experts import BlockMoE
@@ -121,9 +121,11 @@ def _expert_groups(model: Any, kinds: dict[str, str]) -> list[tuple[str, str, st
     (memrad.engine.model.block_experts.BlockMoE), or dense, dequantised."""
     found: dict[tuple[str, str, str], list[int]] = {}  # (role, kind, runs) -> [count, bytes a token, as shipped]
     for name, block in model.named_modules():
-        experts, router = getattr(block, "experts", None), router_of(block)  # Qwen3-MoE's `gate`, gpt-oss's `router`
-        if experts is None or not hasattr(router, "top_k") or not hasattr(experts, "num_experts"):
+        # Qwen3-MoE's `gate`, gpt-oss's `router` (each with its top_k); Gemma 4's layer `router` (the config's)
+        experts, router = getattr(block, "experts", None), router_of(block)
+        if experts is None or router is None or not hasattr(experts, "num_experts"):
             continue
+        k = getattr(router, "top_k", None) or top_k(model.config)
         for attribute in ("gate_up_proj", "down_proj"):
             weight = getattr(experts, attribute, None)
             if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
@@ -135,8 +137,8 @@ def _expert_groups(model: Any, kinds: dict[str, str]) -> list[tuple[str, str, st
                    dense if blocks is None else f"{block_experts.KIND} blocks")
             entry = found.setdefault(key, [0, 0, 0])
             entry[0] += 1
-            entry[1] += weight.numel() * weight.element_size() * router.top_k // experts.num_experts
-            entry[2] += (shipped_bytes(key[1], weight.numel()) if blocks is None else blocks.nbytes) * router.top_k \
+            entry[1] += weight.numel() * weight.element_size() * k // experts.num_experts
+            entry[2] += (shipped_bytes(key[1], weight.numel()) if blocks is None else blocks.nbytes) * k \
                 // experts.num_experts
     out = []
     for (role, kind, runs), (count, total, shipped) in found.items():

@@ -13,7 +13,7 @@ table does not name (memrad.engine.model.preflight).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -28,12 +28,15 @@ _BLOCK = re.compile(r"blk\.(?P<layer>\d+)\.(?P<rest>.+)")
 
 @dataclass(frozen=True, slots=True)
 class Place:
-    """Where one GGUF tensor goes: the parameter, the columns of its last dim it fills, and
-    whether llama.cpp stores it transposed (an expert's rows are its outputs)."""
+    """Where one GGUF tensor goes: the parameter, the columns of its last dim it fills, which half
+    of its next-to-last dim (None: all of it; Gemma 4's split ffn_gate_exps and ffn_up_exps fill
+    gate_up_proj's first and second I rows), and whether llama.cpp stores it transposed (an
+    expert's rows are its outputs)."""
 
     name: str
     columns: slice = field(default_factory=lambda: ALL)
     transposed: bool = False
+    half: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +61,7 @@ class Table:
         if block is None or block["rest"] not in self.layer:
             raise ModelUnavailable(f"memra does not know where {self.architecture}'s {gguf_name} goes")
         at = self.layer[block["rest"]]
-        return Place(f"model.layers.{block['layer']}.{at.name}", at.columns, at.transposed)
+        return replace(at, name=f"model.layers.{block['layer']}.{at.name}")
 
 
 def load(gguf_path: Path, table: Table, config: Any) -> tuple[Any, Any]:
@@ -109,13 +112,14 @@ def fill(model: Any, tensors: Any, source: Path, table: Table) -> None:
         value = torch.from_numpy(np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
         value = value.transpose(-1, -2) if at.transposed else value
         with torch.no_grad():
-            target = targets[at.name][..., at.columns]
+            target = targets[at.name]
+            target = (target if at.half is None else target.chunk(2, dim=-2)[at.half])[..., at.columns]  # a view
             if tuple(target.shape) != tuple(value.shape):
                 raise ModelUnavailable(f"{source}: {tensor.name} is {tuple(value.shape)} where {at.name} takes "
                                        f"{tuple(target.shape)}")
-            targets[at.name][..., at.columns] = value
-        filled.setdefault(at.name, set()).add((at.columns.start, at.columns.step))
-    whole = {(None, None)}, {(0, 2), (1, 2)}
+            target.copy_(value)
+        filled.setdefault(at.name, set()).add((at.columns.start, at.columns.step, at.half))
+    whole = {(None, None, None)}, {(0, 2, None), (1, 2, None)}, {(None, None, 0), (None, None, 1)}
     missing = sorted(name for name in targets if filled.get(name) not in whole)
     if missing:
         raise ModelUnavailable(f"{source} fills no tensor for {named(missing)}")

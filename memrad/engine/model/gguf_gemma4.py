@@ -20,12 +20,26 @@ Gemma4Model) writes it:
     feed_forward_length [per layer]              intermediate_size, doubled on KV-shared layers
                                                  (use_double_wide_mlp)
     final_logit_softcapping                      final_logit_softcapping
+    expert_count / expert_used_count             num_experts / top_k_experts, enable_moe_block (a
+    expert_feed_forward_length                   mixture of experts: 26B-A4B), moe_intermediate_size
 
 and fills every parameter by `TABLE` (memrad.engine.model.gguf_fill): llama.cpp's Gemma 4 stores
 the norms as they are (its converter's norm shift is 0, unlike Gemma 2 / 3's 1 + w), both
 embeddings unscaled (the forward scales by sqrt(width) in both), the layer scalar as
-`blk.N.layer_output_scale.weight`. A mixture-of-experts Gemma 4 ships tensors the table does not
-name and is refused by them.
+`blk.N.layer_output_scale.weight`. A mixture-of-experts Gemma 4's router and experts, as the
+converter names them (llama.cpp's src/models/gemma4.cpp reads them so):
+
+    blk.N.ffn_gate_inp.weight [E, H]             router.proj.weight
+    blk.N.ffn_gate_inp.scale [H]                 router.scale (the router's norm has no weight)
+    blk.N.ffn_down_exps.scale [E]                router.per_expert_scale (llama.cpp scales each
+                                                 expert's down output by it: the same product)
+    blk.N.ffn_gate_up_exps.weight [E, 2I, H]     experts.gate_up_proj (as it is: gate rows, then up)
+      or ffn_gate_exps, ffn_up_exps [E, I, H]    its first and second I rows
+    blk.N.ffn_down_exps.weight [E, H, I]         experts.down_proj
+    blk.N.pre_ffw_norm_2 / post_ffw_norm_1 / _2  pre_feedforward_layernorm_2 / post_feedforward_layernorm_1 / _2
+
+llama.cpp lets a layer go without experts (no ffn_gate_inp); transformers' Gemma 4 has them in every
+layer or none, so such a file leaves parameters unfilled and is refused by them.
 """
 
 from __future__ import annotations
@@ -61,6 +75,16 @@ TABLE = Table(
         "proj.weight": Place("per_layer_projection.weight"),
         "post_norm.weight": Place("post_per_layer_input_norm.weight"),
         "layer_output_scale.weight": Place("layer_scalar"),
+        "ffn_gate_inp.weight": Place("router.proj.weight"),
+        "ffn_gate_inp.scale": Place("router.scale"),
+        "ffn_down_exps.scale": Place("router.per_expert_scale"),
+        "ffn_gate_up_exps.weight": Place("experts.gate_up_proj"),
+        "ffn_gate_exps.weight": Place("experts.gate_up_proj", half=0),
+        "ffn_up_exps.weight": Place("experts.gate_up_proj", half=1),
+        "ffn_down_exps.weight": Place("experts.down_proj"),
+        "pre_ffw_norm_2.weight": Place("pre_feedforward_layernorm_2.weight"),
+        "post_ffw_norm_1.weight": Place("post_feedforward_layernorm_1.weight"),
+        "post_ffw_norm_2.weight": Place("post_feedforward_layernorm_2.weight"),
     },
     layout=frozenset({"rope_freqs.weight"}))
 
@@ -102,6 +126,10 @@ def config_fields(header: GGUFHeader, path: Path) -> dict[str, Any]:
             raise ModelUnavailable(f"{path}: gemma4's feed_forward_length per layer {widths} is neither one width "
                                    "nor one doubled on the KV-shared layers (use_double_wide_mlp)")
         values.update(intermediate_size=widths[0], use_double_wide_mlp=widths != [widths[0]] * len(kinds))
+    experts = header.arch_field("expert_count", 0)
+    if experts:
+        values.update(enable_moe_block=True, num_experts=experts, top_k_experts=header.arch_field("expert_used_count"),
+                      moe_intermediate_size=header.arch_field("expert_feed_forward_length"))
     return {key: value for key, value in values.items() if value is not None}
 
 

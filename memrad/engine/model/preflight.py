@@ -19,7 +19,7 @@ Refused here, with the reason: architectures transformers' GGUF loader does not 
 Mamba-1 family (Mamba, FalconMamba, Jamba), whose multi-token forward ignores cached recurrent
 state in transformers 5.x, so chunked prefill and resumed turns would be silently wrong. A Gemma 4
 GGUF's layout keys (layer pattern, KV-shared layers, per-layer input width, sliding head dim, rope
-bases, final soft-cap), which transformers' loader reads none of, are read by memra
+bases, final soft-cap, a mixture's expert counts and width), which transformers' loader reads none of, are read by memra
 (memrad.engine.model.gguf_gemma4); such a file is refused only where one comes out other than
 the file says (`gemma4_layout_lost`) or it ships a tensor memra's reader does not place.
 """
@@ -60,6 +60,9 @@ _GEMMA4_LAYOUT = (
     ("rope.freq_base", lambda c: c.rope_parameters["full_attention"]["rope_theta"]),
     ("rope.freq_base_swa", lambda c: c.rope_parameters["sliding_attention"]["rope_theta"]),
     ("final_logit_softcapping", lambda c: c.final_logit_softcapping),
+    ("expert_count", lambda c: c.num_experts if c.enable_moe_block else None),
+    ("expert_used_count", lambda c: c.top_k_experts if c.enable_moe_block else None),
+    ("expert_feed_forward_length", lambda c: c.moe_intermediate_size if c.enable_moe_block else None),
 )
 
 
@@ -161,13 +164,14 @@ def experts_run(header: GGUFHeader, weights: str, device: str) -> str:
 def expert_bytes(header: GGUFHeader, config: Any, dtype: torch.dtype) -> tuple[int, int] | None:
     """(bytes a token reads of the 3-D expert tensors dequantised in `dtype`, as shipped): top k of
     E experts in every layer; None for a model without them."""
+    from memrad.engine.decode.steps import experts as routed
     from memrad.engine.model.formats import shipped_bytes
 
     experts = [tensor for tensor in header.tensors if _EXPERTS.fullmatch(tensor.name)]
     total = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if not experts or not total:
         return None
-    top_k = config.num_experts_per_tok
+    top_k = routed.top_k(config)
     dense = sum(math.prod(t.shape) * dtype.itemsize for t in experts) * top_k // total
     return dense, sum(shipped_bytes(t.kind, math.prod(t.shape)) for t in experts) * top_k // total
 
@@ -238,7 +242,8 @@ def gguf_config(header: GGUFHeader, path: Path) -> Any:
 def refuse_unread_gemma4(header: GGUFHeader, config: Any, path: Path) -> None:
     """ModelUnavailable for a gemma4 GGUF memra's reader would not load as the file's model: a
     layout key its config came out without (`gemma4_layout_lost`), or a tensor its table does not
-    place (memrad.engine.model.gguf_gemma4.TABLE: a mixture of experts), each by name."""
+    place (memrad.engine.model.gguf_gemma4.TABLE; e.g. a shared expert's ffn_gate_inp_shexp), each
+    by name."""
     lost = gemma4_layout_lost(header, config)
     if lost:
         raise ModelUnavailable(f"{path} is a gemma4 GGUF whose layout memra's reader does not read, so it would "

@@ -73,7 +73,7 @@ INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 INT8_KINDS = ("Q8_0", "Q5_0")  # int8-coded blocks, run hi|lo
 K_KINDS = ("Q4_K", "Q5_K", "Q6_K")  # k-quants, kept as shipped super-blocks too (SuperBlocks)
 # A mixture of experts' 3-D tensors as llama.cpp names them (transformers joins gate and up).
-_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<w>gate|up|down)_exps\.weight")
+_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<w>gate_up|gate|up|down)_exps\.weight")
 # What the block files' contents mean; pull adds them again to a folder stamped otherwise.
 # 2: Q4_K, Q5_0 and every Q8_0 tensor (1: Q4_0/Q4_1 and the Q8_0 head only), the "kinds" header.
 BLOCKS_LAYOUT = "2"
@@ -145,12 +145,13 @@ def read_gguf_blocks(gguf_path: Path, model: Any) -> GGUFBlocks:
     q8: dict[str, Int8Blocks] = {}
     whole: dict[str, SuperBlocks] = {}
     kinds: dict[str, str] = {}
+    experts_at = "experts" if getattr(model.config, "enable_moe_block", False) else "mlp.experts"  # Gemma 4: the layer's
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         experts = _EXPERTS.fullmatch(tensor.name)
         if experts:  # 3-D experts (not Linear: they stay dense); their type is said in `memrad status`
             weight = "down_proj" if experts["w"] == "down" else "gate_up_proj"
-            name = f"model.layers.{experts['layer']}.mlp.experts.{weight}"
+            name = f"model.layers.{experts['layer']}.{experts_at}.{weight}"
             kinds[name] = kind if kinds.get(name, kind) == kind else f"{kinds[name]}+{kind}"
             continue
         module = gguf_to_module.get(tensor.name)

@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from memrad.engine.decode.steps import experts as routed
 from memrad.engine.decode.steps import falcon_h1, gemma, gemma2, gemma4, gpt_oss, lfm2, llama, qwen3_next
 from memrad.engine.model.hardware import Choice
 
@@ -72,8 +73,8 @@ def support(model: nn.Module, context_len: int) -> str | None:
 
 def describe(model: nn.Module, context_len: int) -> Choice:
     """Which step decodes `model` and what its layers are on it (/health, `memrad status`):
-    value "llama", "qwen3", "qwen3-moe", "phi3", "gemma2", "gemma3", "gemma4", "qwen3-next", "falcon-h1", "lfm2",
-    "gpt-oss", or "none" with the reason it has none."""
+    value "llama", "qwen3", "qwen3-moe", "phi3", "gemma2", "gemma3", "gemma4", "gemma4-moe", "qwen3-next",
+    "falcon-h1", "lfm2", "gpt-oss", or "none" with the reason it has none."""
     why_not = support(model, context_len)
     if why_not is not None:
         return Choice("none", why_not)
@@ -82,10 +83,12 @@ def describe(model: nn.Module, context_len: int) -> Choice:
         return Choice("falcon-h1", f"{type(model).__name__} layers on one graph: {config.num_hidden_layers} Mamba-2 "
                                    "beside full attention (conv and SSM state rewritten in place)")
     value = _STEP_NAMES.get(type(model).__name__, "llama")
+    if getattr(config, "enable_moe_block", False):  # Gemma 4's mixture (26B-A4B): the same class and step
+        value = "gemma4-moe"
     kinds = Counter(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
     layers = ", ".join(f"{count} {_KIND_NAMES.get(kind, kind)}" for kind, count in kinds.items())
     experts = getattr(config, "num_experts", 0) or 0  # gpt-oss's num_local_experts too (its attribute map)
-    moe = f"; experts: top {config.num_experts_per_tok} of {experts} per token" if experts else ""
+    moe = f"; experts: top {routed.top_k(config)} of {experts} per token" if experts else ""
     shared = getattr(config, "num_kv_shared_layers", 0) or 0  # Gemma 4
     sharing = f"; the last {shared} attend earlier layers' KV" if shared else ""
     return Choice(value, f"{type(model).__name__} layers on one graph: {layers}{moe}{sharing}")

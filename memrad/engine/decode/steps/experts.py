@@ -25,6 +25,8 @@ path and its bits never depend on its neighbours' routing.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import nn
 
@@ -43,9 +45,16 @@ def router_of(mlp: nn.Module) -> nn.Module | None:
     return getattr(mlp, "gate", None) or getattr(mlp, "router", None)
 
 
-def feed_forward(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def top_k(config: Any) -> int:
+    """How many experts a token reads: Qwen3-MoE's and gpt-oss's num_experts_per_tok, Gemma 4's
+    top_k_experts."""
+    return getattr(config, "num_experts_per_tok", None) or config.top_k_experts
+
+
+def feed_forward(mlp: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
     """The sparse block's output for h [B, 1, hidden], each row routed and computed on its own:
-    [B, 1, hidden]."""
+    [B, 1, hidden]. `mlp`: the model's block, or a step's call of its router and experts (Gemma 4's
+    sit on the decoder layer beside its dense MLP)."""
     if h.shape[0] == 1:
         return mlp(h)
     return torch.cat([mlp(h[r : r + 1]) for r in range(h.shape[0])])
@@ -57,14 +66,31 @@ def bytes_per_token(model: nn.Module) -> tuple[int, int]:
     every dense MLP's weights in both."""
     routed = dense = 0
     for layer in model.model.layers:
-        mlp = layer.mlp
-        weights = sum(p.numel() * p.element_size() for p in mlp.parameters())
-        gate = router_of(mlp)
-        if gate is None:
-            routed, dense = routed + weights, dense + weights
-            continue
-        router = sum(p.numel() * p.element_size() for p in gate.parameters())
-        expert_bytes = (weights - router) // mlp.experts.num_experts  # gpt-oss: each expert's biases too
-        routed += router + gate.top_k * expert_bytes
-        dense += weights
+        for gate, experts, weights in _feed_forwards(layer):
+            if experts is None:
+                routed, dense = routed + weights, dense + weights
+                continue
+            router = sum(p.numel() * p.element_size() for p in gate.parameters())
+            expert_bytes = (weights - router) // experts.num_experts  # gpt-oss: each expert's biases too
+            routed += router + (getattr(gate, "top_k", None) or top_k(model.config)) * expert_bytes
+            dense += weights
     return routed, dense
+
+
+def has_experts(model: nn.Module) -> bool:
+    """Whether some decoder layer of `model` routes tokens to experts (Qwen3-MoE's and gpt-oss's
+    `mlp`, Gemma 4's layer); LFM2's layers name their MLP otherwise and have none."""
+    return any(router_of(getattr(layer, "mlp", None)) is not None or getattr(layer, "enable_moe_block", False)
+               for layer in model.model.layers)
+
+
+def _feed_forwards(layer: nn.Module) -> list[tuple[nn.Module | None, nn.Module | None, int]]:
+    """(router, experts, bytes of both) of each feed-forward in a decoder layer, (None, None, bytes)
+    for a dense MLP: its `mlp`, and Gemma 4's router and experts beside it (enable_moe_block)."""
+    size = lambda *modules: sum(p.numel() * p.element_size() for m in modules for p in m.parameters())  # noqa: E731
+    mlp, out = layer.mlp, []
+    gate = router_of(mlp)
+    out.append((gate, mlp.experts, size(mlp)) if gate is not None else (None, None, size(mlp)))
+    if getattr(layer, "enable_moe_block", False):
+        out.append((layer.router, layer.experts, size(layer.router, layer.experts)))
+    return out

@@ -14,6 +14,8 @@ Gemma 3's step (memrad.engine.decode.steps.gemma) with what Gemma 4 adds:
                   KV-shared layer: q only; attend its producer's rows, written this step
                   x += post_attn_norm(o_proj(o))            (scale 1: the q/k norms carry it)
                   x += post_ff_norm(down(gelu_tanh(gate) * up)) of gate_up(pre_ff_norm(x))
+                  (MoE: x += post_ff_norm(post_ff_norm_1(that MLP) + post_ff_norm_2(the router's top k
+                  experts of pre_ff_norm_2(x))), the router reading x itself)
                   x += post_per_layer_norm(proj(gelu_tanh(gate_p(x)) * p[layer]))
                   x *= layer_scalar
     -> norm -> head -> final soft-cap (where configured) -> logits [V]
@@ -27,8 +29,19 @@ it the producer's slab or window view, which the producer wrote earlier in the s
 
 Every norm is transformers' own module (Gemma 4's RMSNorm multiplies by its weight, no +1), called
 as it is; the attention, the window views, the final soft-cap and `forward_rows` (the batched
-step's rows, memrad.engine.decode.batch) are Gemma 3's. Not covered: the mixture-of-experts block
-(`enable_moe_block`, 26B-A4B) and bidirectional attention (`support` says so).
+step's rows, memrad.engine.decode.batch) are Gemma 3's. Not covered: bidirectional attention
+(`support` says so).
+
+A mixture-of-experts Gemma 4 (`enable_moe_block`, 26B-A4B) keeps the dense MLP in every layer as a
+shared expert and adds a router and experts beside it (on the decoder layer, not in `mlp`):
+
+    router(x):  RMS-norm without weight, * scale * hidden^-1/2 -> proj -> softmax (float32) -> top k
+                -> renormalised -> * per_expert_scale[ids]                     ids, weights [1, k]
+    experts(pre_ff_norm_2(x), ids, weights): gate_up [E, 2I, H] and down [E, H, I], the chosen only
+
+The step calls the model's own router and experts on one row at a time, as Qwen3-MoE's sparse block
+(memrad.engine.decode.steps.experts.feed_forward says why): the ids and weights are the forward's,
+only the k chosen experts are read, and a row's bits never depend on its neighbours' routing.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import itertools
 import torch
 from torch import nn
 
+from memrad.engine.decode.steps import experts
 from memrad.engine.decode.steps.gemma import GemmaStep, _GemmaLayer, capped_rows, kinds_and_ropes, register_kind_ropes
 from memrad.engine.decode.steps.llama import fuse, rope
 
@@ -54,8 +68,6 @@ def is_gemma4(model: nn.Module) -> bool:
 def support(model: nn.Module, context_len: int) -> str | None:
     """None if the Gemma 4 step computes `model`'s decode, else why not."""
     name, config = type(model).__name__, model.config
-    if getattr(config, "enable_moe_block", False):
-        return f"{name} has mixture-of-experts blocks beside its MLPs (enable_moe_block)"
     if getattr(config, "use_bidirectional_attention", None) == "all":
         return f"{name} attends bidirectionally"
     if "reuse" in config.kv_sharing_modes[:1]:  # every layer shared: another model's KV is handed in
@@ -77,7 +89,8 @@ def producers(config) -> list[int]:
 class _Gemma4Layer(_GemmaLayer):
     """One Gemma4TextDecoderLayer's decode-step view: Gemma 3's layer with a v norm, K = V on
     global layers where configured, no k/v projections where KV-shared (`shared`), the per-layer
-    input's residual and the layer scalar. Its head dim and KV heads are its kind's."""
+    input's residual and the layer scalar, and where the model has them its router and experts
+    beside the MLP (`moe`). Its head dim and KV heads are its kind's."""
 
     def __init__(self, layer: nn.Module, heads: int, window: int | None) -> None:
         nn.Module.__init__(self)  # not _Layer's: the projections differ (K = V, shared layers)
@@ -98,6 +111,12 @@ class _Gemma4Layer(_GemmaLayer):
             projections = [attention.q_proj, attention.k_proj, *(() if self.keys_are_values else (attention.v_proj,))]
             self.qkv, self.split = fuse(projections), (heads * self.head_dim, *(kv,) * (len(projections) - 1))
         self.gate_up, self.down_proj, self.act = fuse([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, mlp.act_fn
+        self.moe = layer.enable_moe_block
+        if self.moe:
+            self.router, self.experts = layer.router, layer.experts
+            self.post_ff_norm_1 = layer.post_feedforward_layernorm_1
+            self.post_ff_norm_2 = layer.post_feedforward_layernorm_2
+            self.pre_ff_norm_2 = layer.pre_feedforward_layernorm_2
         self.per_layer = getattr(layer, "per_layer_input_gate", None) is not None
         if self.per_layer:
             self.per_layer_gate, self.per_layer_projection = layer.per_layer_input_gate, layer.per_layer_projection
@@ -122,11 +141,21 @@ class _Gemma4Layer(_GemmaLayer):
         o = out[0] if batch == 1 else torch.cat(out)  # [B, H_kv, G, D]
         x = x + self.post_norm(self.o_proj(o.reshape(batch, 1, self.heads * d)))
         gate, up = self.gate_up(self.pre_ff_norm(x)).chunk(2, dim=-1)
-        x = x + self.post_ff_norm(self.down_proj(self.act(gate) * up))
+        ff = self.down_proj(self.act(gate) * up)  # [B, 1, hidden]
+        if self.moe:
+            ff = self.post_ff_norm_1(ff) + self.post_ff_norm_2(experts.feed_forward(self.routed, x))
+        x = x + self.post_ff_norm(ff)
         if self.per_layer:
             gated = self.per_layer_act(self.per_layer_gate(x)) * per_layer_input
             x = x + self.per_layer_norm(self.per_layer_projection(gated))
         return x * self.layer_scalar
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' output for one row x [1, 1, hidden] (the attention's residual), as
+        Gemma4TextDecoderLayer computes it on a flat [tokens, hidden]: [1, 1, hidden]."""
+        flat = x.reshape(-1, x.shape[-1])  # [1, hidden]
+        _, weights, ids = self.router(flat)  # [1, k] each
+        return self.experts(self.pre_ff_norm_2(flat), ids, weights).reshape(x.shape)
 
     def write_row(self, position: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                   key_rows: torch.Tensor, value_rows: torch.Tensor) -> None:
