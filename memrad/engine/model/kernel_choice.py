@@ -231,10 +231,14 @@ def _write(cache: Path, kept: dict) -> None:
 
 def packable_groups(named: dict[str, Blocks], kinds: dict[str, str], head_name: str | None,
                     fits: Callable[[str, Blocks], bool]) -> dict[str, dict[str, Blocks]]:
-    """{group: {module name: blocks}} of the blocks memra's kernel can run as shipped."""
+    """{group: {module name: blocks}} of the blocks memra's kernel can run as shipped. Layers whose
+    rows are not in sixteens are a group of their own: torch's int4 packer cannot take them, and
+    in one group with the rest they would keep every layer of their type off the measurement
+    (Gemma 4's per-layer input gate: as many rows as the per-layer input width, 8 in the tiny model)."""
     out: dict[str, dict[str, Blocks]] = {}
     for name, blocks in named.items():
         if fits(name, blocks) and block_linear.packable(blocks):
             kind = kinds.get(name) or block_linear.FORMATS[block_linear.kind_of(blocks)]
-            out.setdefault(group_of(name, kind, head_name), {})[name] = blocks
+            apart = ", rows not in sixteens" if blocks.shape[0] % 16 else ""
+            out.setdefault(group_of(name, kind, head_name) + apart, {})[name] = blocks
     return out
