@@ -9,11 +9,14 @@ already past the window (fp32 held to 1e-6, what the fused matmuls may move); dr
 forward has (the per-layer inputs, a KV-shared layer's producer) changes the bits; the batched
 step gives a row the same bits at any neighbours and alone, and the one-row step's, step after
 step past the window; an engine resumes turns bit-identically to their cold runs, eager and
-compiled (one-row and batched packages). From a GGUF as llama.cpp lays it out (tests/unit/tiny_gguf.py:
+compiled (one-row and batched packages, two rows on the compiled 2-row graph each the compiled
+one-row step's bits past the window), and a rewritten reply at its windows' boundary snapshot. From a GGUF as llama.cpp lays it out (tests/unit/tiny_gguf.py:
 write_gemma4_gguf), which transformers 5.24's loader cannot read (pinned), memra's reader
 (memrad.engine.model.gguf_gemma4) loads the file's weights bit for bit and the tiny layout, on which
-the step decodes the forward's bf16 bits and turns resume as cold; a tensor it does not place, or a
-layout key a config came out without, is named.
+the step decodes the forward's bf16 bits and turns resume as cold, eager and on the compiled
+packages; the banner lists every tensor kind's quant and `memrad status`'s tensors line every group's
+kernel; a Q4_K_M-like file (width 256: Q4_K and Q6_K super-blocks) runs its blocks on the step as
+the forward does; a tensor it does not place, or a layout key a config came out without, is named.
 
 The mixture-of-experts Gemma 4 (tests/unit/tiny.py: build_gemma4(experts=8), 26B-A4B's layout: 8
 experts of 64 beside every layer's MLP, top 2) runs the same tests: the forward's bits in bf16 and

@@ -20,7 +20,7 @@ AMX (one row 0.77-0.95x torch int4's time) and on an AMD EPYC Zen 5 without AMX 
 0.69-0.90x torch int4's over two runs, the head 0.23-0.31x its plain blocks'), and at every row count to 4 on both.
 
 On AVX2 (int16 activations, integer multiply-adds as on AVX512) each group (the head; the layers of one
-GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
+GGUF type; those of them whose rows are not in sixteens apart, `packable_groups`) is timed on this machine at one activation row in the model's dtype: one layer of
 each distinct shape (the head: its first HEAD_ROWS rows) on each kernel (memra's row-major
 blocks, its interleaved ones where the group's blocks are Q4_x / Q8_0 in sixteens, torch's int4
 or the dense weight), the kernels' calls interleaved (so a burst of other work falls on all),
