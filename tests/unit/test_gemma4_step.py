@@ -9,11 +9,14 @@ already past the window (fp32 held to 1e-6, what the fused matmuls may move); dr
 forward has (the per-layer inputs, a KV-shared layer's producer) changes the bits; the batched
 step gives a row the same bits at any neighbours and alone, and the one-row step's, step after
 step past the window; an engine resumes turns bit-identically to their cold runs, eager and
-compiled (one-row and batched packages). From a GGUF as llama.cpp lays it out (tests/unit/tiny_gguf.py:
+compiled (one-row and batched packages, two rows on the compiled 2-row graph each the compiled
+one-row step's bits past the window), and a rewritten reply at its windows' boundary snapshot. From a GGUF as llama.cpp lays it out (tests/unit/tiny_gguf.py:
 write_gemma4_gguf), which transformers 5.24's loader cannot read (pinned), memra's reader
 (memrad.engine.model.gguf_gemma4) loads the file's weights bit for bit and the tiny layout, on which
-the step decodes the forward's bf16 bits and turns resume as cold; a tensor it does not place, or a
-layout key a config came out without, is named.
+the step decodes the forward's bf16 bits and turns resume as cold, eager and on the compiled
+packages; the banner lists every tensor kind's quant and `memrad status`'s tensors line every group's
+kernel; a Q4_K_M-like file (width 256: Q4_K and Q6_K super-blocks) runs its blocks on the step as
+the forward does; a tensor it does not place, or a layout key a config came out without, is named.
 
 The mixture-of-experts Gemma 4 (tests/unit/tiny.py: build_gemma4(experts=8), 26B-A4B's layout: 8
 experts of 64 beside every layer's MLP, top 2) runs the same tests: the forward's bits in bf16 and
@@ -40,7 +43,8 @@ from stories import make_engine
 from test_batching import rows_are_their_own
 from test_experts import routes, with_the_steps_attention_layout
 from test_gemma_step import compiled_turns_equal_cold, rows_decode_their_own_bits
-from test_gguf_steps import turns_resume_as_cold
+from test_gguf_steps import (compacted_reply_resumes_at_its_boundary, compiled_rows_are_the_one_row_steps,
+                             turns_resume_as_cold)
 from tiny import write_q4_folder
 
 WINDOW = 8  # tests/unit/tiny.py: build_gemma4
@@ -234,13 +238,24 @@ def test_a_gemma4_engine_resumes_turns_bit_identical_to_cold(tiny_dir, kind):
     turns_resume_as_cold(make_engine(fresh(tiny_dir, kind=kind), 16, max_sessions=16, mode="exact"))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rewritten_gemma4_reply_resumes_from_the_windows_boundary_snapshot_below_it(tiny_dir, kind):
+    """The sliding windows cannot be cut back (their older rows are gone) and the KV-shared layers
+    keep none of their own: a client that compacts turn 2's reply resumes at the snapshot taken at
+    that reply's anchor, far past the window, and its turn is the cold run's bit for bit."""
+    engine = make_engine(fresh(tiny_dir, kind=kind), 16, max_sessions=16, mode="exact")
+    assert compacted_reply_resumes_at_its_boundary(engine)[1] > 4 * WINDOW
+
+
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resumes_as_cold(tiny_dir, kind):
     """compile = on, max_batch 2: the one-row package (memra's kernel over the window views,
     nothing handed for the KV-shared layers) decodes the eager step's logits within 1e-5 (fp32:
     inductor fuses) from windows shorter than W to past it; in bf16 the batched package gives a
-    row the compiled one-row step's bits, and turns resume as cold."""
+    row the compiled one-row step's bits, and turns resume as cold; two rows side by side on the
+    compiled 2-row graph (one past the window, one filling it) are each the compiled one-row step's
+    bits, step after step."""
     loaded = fresh(tiny_dir, "float32", kind)
     eager = Decoder(loaded.model, loaded.context_len, loaded.device, "off").feeder()
     compiled = Decoder(loaded.model, loaded.context_len, loaded.device, "on")
@@ -262,6 +277,7 @@ def test_the_compiled_gemma4_step_computes_what_the_eager_step_computes_and_resu
     batched = engine.decoder.batch_step(2)
     assert batched.compiled and batched.alone is not None  # the compiled one-row step's bits, checked
     compiled_turns_equal_cold(engine)
+    compiled_rows_are_the_one_row_steps(engine, (PROMPT, PROMPT[:5]), 2 * WINDOW)  # the short one fills its window
 
 
 # -- from a GGUF: transformers 5.24's loader does not read a gemma4 header's layout; memra's reader does --
@@ -350,6 +366,134 @@ def test_the_gemma4_step_from_the_gguf_decodes_transformers_bits_and_resumes_as_
     loaded = from_gguf(path)
     assert isinstance(Engine(loaded, EngineOptions(16, 1)).decoder.eager_step, Gemma4Step)
     decodes_the_forwards_bits(loaded, 0.0)
+    turns_resume_as_cold(make_engine(from_gguf(path), 16, max_sessions=16, mode="exact"))
+
+
+@pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("gguf", ["gemma4_gguf", "gemma4_moe_gguf"])
+def test_the_compiled_gemma4_packages_from_the_gguf_resume_as_cold_and_batch_as_alone(request, gguf):
+    """compile = on, max_batch 2, from the GGUF on `auto` (its Q8_0 layers as int4 or blocks, the
+    head on memra's block kernel, dense and MoE): the one-row and 2-row packages are built (minutes
+    on a shared 2-core machine) and open, turns resume on them bit-identical to their cold runs, and
+    two rows on the compiled 2-row graph are each the compiled one-row step's bits, step after step
+    past the window."""
+    path, _ = request.getfixturevalue(gguf)
+    loaded = from_gguf(path)
+    assert loaded.weights.value == "int4"
+    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
+    compiled_turns_equal_cold(engine)
+    compiled_rows_are_the_one_row_steps(engine, (PROMPT, PROMPT[:5]), 2 * WINDOW)
+
+
+def tensor_groups(reason: str) -> dict[str, str]:
+    """{module group: "KIND xCOUNT"} of a tensors reason ("group KIND xN: kernel (why); ...")."""
+    groups = {}
+    for part in reason.split("; "):
+        if ": " in part and " x" in part.split(": ")[0]:
+            name, kind, count = part.split(": ")[0].rsplit(" ", 2)
+            groups[name] = f"{kind} {count}"
+    return groups
+
+
+@pytest.mark.parametrize("gguf", ["gemma4_gguf", "gemma4_moe_gguf"])
+def test_a_gemma4_gguf_names_its_quants_before_it_loads_and_its_kernels_in_status(request, gguf):
+    """`memrad start`'s banner lists the quant of every tensor kind the file holds (the per-layer
+    inputs' inp_gate / proj / post_norm and per_layer_* tensors, the layer scalar, rope_freqs, the
+    experts and the router's scales), the KV a token keeps (the 4 layers with rows of their own: the
+    KV-shared pair keeps none) and the windows; `memrad status`'s tensors line counts every
+    projection the file quantised by group (the KV-shared layers have no k / v; the full layers' keys
+    are their values: no v), says the 8-row per-layer gate stays dense because the int4 kernel packs
+    rows in sixteens, the F32 per-layer projection dense as shipped, and the experts dequantised."""
+    from memrad.engine.kernels import block_gemv
+    from memrad.engine.model.preflight import inspect_gguf
+
+    path, _ = request.getfixturevalue(gguf)
+    moe = gguf == "gemma4_moe_gguf"
+    lines = inspect_gguf(path, 0, torch.bfloat16).lines()
+    experts = ("ffn_gate_inp Q8_0; ffn_gate_up_exps Q8_0; ffn_down_exps Q8_0; post_ffw_norm_1 F32; "
+               "post_ffw_norm_2 F32; pre_ffw_norm_2 F32; " if moe else "")
+    scales = "; ffn_gate_inp.scale F32; ffn_down_exps.scale F32" if moe else ""
+    assert lines[2] == (
+        "  quants: rope_freqs F32; token_embd Q8_0; layer_output_scale F32; attn_q Q8_0; attn_q_norm F32; "
+        "attn_k_norm F32; attn_k Q8_0; attn_v Q8_0; attn_output Q8_0; ffn_gate Q8_0; ffn_up Q8_0; ffn_down Q8_0; "
+        "attn_norm F32; post_attention_norm F32; ffn_norm F32; post_ffw_norm F32; inp_gate Q8_0; proj F32; "
+        f"post_norm F32; {experts}output_norm F32; per_layer_token_embd F32; per_layer_model_proj Q8_0; "
+        f"per_layer_proj_norm F32{scales}")
+    # 2 sliding layers x K and V x 2 KV heads x 16 dims + 2 full layers x K (its values) x 1 x 32, bf16
+    assert lines[3:5] == ["  context: native 1,024, served 1,024 (native)",
+                          "  KV: 512 B/token in bfloat16; 4 sliding-window layers keep at most 8 rows"]
+    tensors = Engine(from_gguf(path), EngineOptions(16, 1)).runtime_choices["tensors"]
+    quantised = {"lm_head": "Q8_0 x1", "mlp.down_proj": "Q8_0 x6", "mlp.gate_proj": "Q8_0 x6",
+                 "mlp.up_proj": "Q8_0 x6", "per_layer_input_gate": "Q8_0 x6", "per_layer_projection": "F32 x6",
+                 "self_attn.k_proj": "Q8_0 x4", "self_attn.o_proj": "Q8_0 x6", "self_attn.q_proj": "Q8_0 x6",
+                 "self_attn.v_proj": "Q8_0 x3", "model.per_layer_model_projection": "Q8_0 x1"}
+    if moe:
+        quantised |= {"experts.down_proj": "Q8_0 x6", "experts.gate_up_proj": "Q8_0 x6", "router.proj": "Q8_0 x6"}
+    assert tensor_groups(tensors["reason"]) == quantised
+    assert "per_layer_input_gate Q8_0 x6: dense bfloat16 (the int4 kernel packs rows in sixteens and it has 8)" in (
+        tensors["reason"])
+    assert "per_layer_projection F32 x6: dense bfloat16 (shipped unquantized)" in tensors["reason"]
+    head = "Q8_0 x16 blocks 1" if block_gemv.interleaves() else "Q8_0 blocks 1"  # AVX512: its rows 16 side by side
+    assert tensors["value"].startswith(head)
+    dense = (6 + 6) + (6 + 6 + 6 if moe else 0)  # the gates, the F32 projections; the experts, the 8-row routers
+    assert f"dense bfloat16 {dense}" in tensors["value"].split(", ")
+    if moe:  # 2 of 8 experts, 6 layers: down [64, 64], bf16; 34 bytes a 32 in Q8_0
+        assert (f"experts.down_proj Q8_0 x6: dense bfloat16 (3-D expert tensors, dequantised: no packed form; a "
+                f"token reads {6 * 2 * 64 * 64 * 2:,} B of them ({6 * 2 * 64 * 2 * 34:,} B as shipped))"
+                ) in tensors["reason"]
+
+
+@pytest.fixture(scope="module")
+def gemma4_kquant_gguf(tmp_path_factory):
+    """(the tiny Gemma 4 at width 256 as a Q4_K_M file mixes its quants, the model holding what it
+    dequantises to): q, k, v, gate, up and the per-layer input gate Q4_K, ffn_down Q6_K,
+    attn_output (rows of 64), the embedding and the per-layer model projection Q8_0 (tiny_gguf.write_gemma4_gguf(kquants=True))."""
+    from tiny import build_gemma4, build_tokenizer
+    from tiny_gguf import write_gemma4_gguf
+
+    tokenizer = build_tokenizer()
+    model = build_gemma4(len(tokenizer), width=256)
+    folder = tmp_path_factory.mktemp("tiny-gemma4-q4_k")
+    return write_gemma4_gguf(folder / "tiny-gemma4-q4_k.gguf", model, tokenizer, kquants=True), model
+
+
+def test_a_k_quant_gemma4_gguf_runs_its_super_blocks_on_the_step_as_the_forward(gemma4_kquant_gguf):
+    """Gemma 4 GGUFs ship as Q4_K_M: the file's Q4_K and Q6_K tensors load as what they dequantise to
+    (float weights, every parameter the file's), the banner names them, on `auto` they run from their
+    super-blocks or torch's int4 as measured (the tensors line: the per-layer input gate's 8 rows,
+    which the int4 kernel cannot pack, on memra's kernel without keeping the other Q4_K layers off
+    the measurement), and the step decodes the forward's bf16 bits on them for 3W steps
+    past the window, float weights and blocks, and resumes turns as cold."""
+    from memrad.engine.model.preflight import inspect_gguf
+
+    path, model = gemma4_kquant_gguf
+    quants = dict(part.rsplit(" ", 1) for part in inspect_gguf(path, 0, torch.bfloat16).lines()[2]
+                  .removeprefix("  quants: ").split("; "))
+    assert {kind: quants[kind] for kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "ffn_down",
+                                            "attn_output", "inp_gate", "per_layer_model_proj", "token_embd")} == {
+        "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
+        "ffn_down": "Q6_K", "attn_output": "Q8_0", "inp_gate": "Q4_K", "per_layer_model_proj": "Q8_0",
+        "token_embd": "Q8_0"}
+    loaded = load_model(str(path), device="cpu", dtype="float32", weights="float", progress=lambda _: None)
+    ours, theirs = loaded.model.state_dict(), model.state_dict()
+    assert ours.keys() == theirs.keys() and [k for k in theirs if not torch.equal(ours[k], theirs[k])] == []
+    blocks = from_gguf(path)
+    assert blocks.weights.value == "int4"
+    groups = tensor_groups(blocks.tensors.reason)
+    assert {name: groups[name] for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj")} == {
+        "self_attn.q_proj": "Q4_K x6", "self_attn.k_proj": "Q4_K x4", "self_attn.v_proj": "Q4_K x3",
+        "mlp.gate_proj": "Q4_K x6", "mlp.up_proj": "Q4_K x6", "mlp.down_proj": "Q6_K x6",
+        "self_attn.o_proj": "Q8_0 x6"}
+    why = dict(part.split(": ", 1) for part in blocks.tensors.reason.split("; ") if " x" in part.split(": ")[0])
+    assert not why["self_attn.q_proj Q4_K x6"].startswith("dense")  # run from the blocks, not dequantised
+    # the 8-row gate cannot go on torch's int4 packer; the Q4_K layers in sixteens are measured all the same
+    assert why["per_layer_input_gate Q4_K x6"].endswith("(the int4 kernel packs rows in sixteens))")
+    assert why["mlp.gate_proj Q4_K x6"].endswith("(measured at load, one row))"), why["mlp.gate_proj Q4_K x6"]
+    for weights in (blocks, load_model(str(path), device="cpu", dtype="bfloat16", weights="float",
+                                       progress=lambda _: None)):
+        assert isinstance(Engine(weights, EngineOptions(16, 1)).decoder.eager_step, Gemma4Step)
+        decodes_the_forwards_bits(weights, 0.0)
     turns_resume_as_cold(make_engine(from_gguf(path), 16, max_sessions=16, mode="exact"))
 
 

@@ -156,7 +156,7 @@ GEMMA4_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sl
 GEMMA4_EXPERTS = 8  # the tiny mixture-of-experts Gemma 4's
 
 
-def build_gemma4(vocab_size: int, seed: int = 0, window: int = 8, experts: int = 0):
+def build_gemma4(vocab_size: int, seed: int = 0, window: int = 8, experts: int = 0, width: int = 64):
     """Gemma 4 (text, Gemma4ForCausalLM) with every part its dense models have: per-layer inputs
     (P = 8), the last 2 layers reading earlier layers' KV, global layers of their own head dim (32
     against 16) with one KV head and keys as values (attention_k_eq_v), "proportional" rope on them
@@ -164,12 +164,15 @@ def build_gemma4(vocab_size: int, seed: int = 0, window: int = 8, experts: int =
     rope bases off their defaults so a step that dropped one would differ; the final logits
     soft-capped. `experts` > 0: the mixture-of-experts Gemma 4 (26B-A4B's layout: enable_moe_block),
     that many experts of width 64, the top 2 a token, beside every layer's MLP; the router's scale
-    and per-expert scales drawn off 1 too."""
+    and per-expert scales drawn off 1 too. `width`: the hidden size and the MLP's (256: the rows of
+    q, k, v, gate, up, down and the per-layer projection whole k-quant super-blocks, as
+    tests/unit/tiny_gguf.py's write_gemma4_gguf(kquants=True) needs; 64: the hidden size, an MLP of 128)."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     torch.manual_seed(seed)
     config = Gemma4TextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=len(GEMMA4_LAYERS),
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width if width == 64 else width,
+        num_hidden_layers=len(GEMMA4_LAYERS),
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
         attention_k_eq_v=True, sliding_window=window, max_position_embeddings=1024, layer_types=GEMMA4_LAYERS,
         num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size,

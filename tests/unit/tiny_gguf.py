@@ -212,7 +212,7 @@ def tiny_gguf(folder: Path, arch: str) -> tuple[Path, object]:
 
 
 def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = (), split_experts: bool = False,
-                      drop: tuple = ()) -> Path:
+                      drop: tuple = (), kquants: bool = False) -> Path:
     """The tiny Gemma 4 of tests/unit/tiny.py (`build_gemma4`) as llama.cpp's converter
     (convert_hf_to_gguf.py, Gemma4Model) lays a gemma4 GGUF out: the fields transformers' loader
     reads and the layout keys it does not (sliding-window pattern, KV-shared layers, per-layer input
@@ -230,7 +230,9 @@ def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = (), split_exp
     ffn_down_exps.scale; the experts' 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] as they are
     (ffn_gate_up_exps, ffn_down_exps), Q8_0; `split_experts`: gate_up as ffn_gate_exps and ffn_up_exps
     (its first and second I rows), as older files ship them. `drop`: prefixes of tensor names left out
-    (a layer without experts, as llama.cpp allows)."""
+    (a layer without experts, as llama.cpp allows). `kquants`: as a Q4_K_M file mixes them, every
+    layer matrix whose rows are whole super-blocks (256 weights: build_gemma4(width=256)) Q4_K,
+    ffn_down Q6_K, drawn at random (`kind_for`, `_encode`); the embeddings and the rest as above."""
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
     config, arch = model.config, "gemma4"
@@ -283,7 +285,11 @@ def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = (), split_exp
             continue
         target = target.detach()
         kind = T.Q8_0 if target.dim() in (2, 3) and target.shape[-1] % 32 == 0 else T.F32
-        raw = _encode(target.float().numpy(), kind, np.random.default_rng(0))
+        if kquants and kind == T.Q8_0 and name.startswith("blk.") and target.shape[-1] % 256 == 0:
+            kind = kind_for(name, tuple(target.shape))
+        stored = target.float().numpy()  # the 3-D experts' matrices one after another: [E * rows, cols]
+        raw = _encode(stored.reshape(-1, stored.shape[-1]), kind, np.random.default_rng(0)).reshape(
+            *stored.shape[:-1], -1)
         target.copy_(torch.from_numpy(quants.dequantize(raw, kind).reshape(target.shape)))
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
     for name, values in extra:

@@ -20,7 +20,7 @@ AMX (one row 0.77-0.95x torch int4's time) and on an AMD EPYC Zen 5 without AMX 
 0.69-0.90x torch int4's over two runs, the head 0.23-0.31x its plain blocks'), and at every row count to 4 on both.
 
 On AVX2 (int16 activations, integer multiply-adds as on AVX512) each group (the head; the layers of one
-GGUF type) is timed on this machine at one activation row in the model's dtype: one layer of
+GGUF type; those of them whose rows are not in sixteens apart, `packable_groups`) is timed on this machine at one activation row in the model's dtype: one layer of
 each distinct shape (the head: its first HEAD_ROWS rows) on each kernel (memra's row-major
 blocks, its interleaved ones where the group's blocks are Q4_x / Q8_0 in sixteens, torch's int4
 or the dense weight), the kernels' calls interleaved (so a burst of other work falls on all),
@@ -231,10 +231,14 @@ def _write(cache: Path, kept: dict) -> None:
 
 def packable_groups(named: dict[str, Blocks], kinds: dict[str, str], head_name: str | None,
                     fits: Callable[[str, Blocks], bool]) -> dict[str, dict[str, Blocks]]:
-    """{group: {module name: blocks}} of the blocks memra's kernel can run as shipped."""
+    """{group: {module name: blocks}} of the blocks memra's kernel can run as shipped. Layers whose
+    rows are not in sixteens are a group of their own: torch's int4 packer cannot take them, and
+    in one group with the rest they would keep every layer of their type off the measurement
+    (Gemma 4's per-layer input gate: as many rows as the per-layer input width, 8 in the tiny model)."""
     out: dict[str, dict[str, Blocks]] = {}
     for name, blocks in named.items():
         if fits(name, blocks) and block_linear.packable(blocks):
             kind = kinds.get(name) or block_linear.FORMATS[block_linear.kind_of(blocks)]
-            out.setdefault(group_of(name, kind, head_name), {})[name] = blocks
+            apart = ", rows not in sixteens" if blocks.shape[0] % 16 else ""
+            out.setdefault(group_of(name, kind, head_name) + apart, {})[name] = blocks
     return out
