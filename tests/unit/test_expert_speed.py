@@ -17,7 +17,7 @@ def test_both_arms_multiply_the_same_weights_and_the_bytes_are_k_of_e_experts():
     x = torch.randn(1, 1, 64)
     with torch.no_grad():
         dense, _ = mlp(x)
-        on_blocks, _ = BlockMoE(mlp, blocks["gate_up"], blocks["down"])(x)
+        on_blocks, _ = BlockMoE(mlp, blocks)(x)
     assert not torch.equal(dense, on_blocks)  # the kernel rounds the activation: the arms are not one
     assert torch.allclose(dense, on_blocks, rtol=0, atol=1e-3 * float(dense.abs().max()))
     speed = measure("tiny", "float32", reps=4)
