@@ -19,21 +19,19 @@ import torch
 from gguf import GGMLQuantizationType as T, GGUFReader
 
 from memrad.engine.decode import decoder as decoder_module
-from memrad.engine.decode.decoder import Decoder
-from memrad.engine.engine import Engine, EngineOptions
-from memrad.engine.forward import decode_one_token, prefill
+from memrad.engine.forward import decode_one_token
 from memrad.engine.kernels import block_gemv
 from memrad.engine.model.block_experts import BlockMoE
 from memrad.engine.model.loader import load_model
 from memrad.engine.model.preflight import inspect_gguf
 from stories import make_engine
 from test_batching import in_flight_together_as_alone, rows_are_their_own
-from test_experts import routes
+from test_experts import PROMPT, primed, primed_and_chosen
 from test_gemma_step import compiled_turns_equal_cold
+from test_gpt_oss import dense_experts, worst_against_dense
 from test_gguf_steps import compiled_rows_are_the_one_row_steps, turns_resume_as_cold
 from tiny_gguf import kind_for, tiny_gguf
 
-PROMPT = list(range(5, 45))  # 40 tokens
 STEPS = 24
 EXPERTS, WIDTH, HIDDEN, LAYERS = 8, 768, 256, 2
 pytestmark = pytest.mark.skipif(block_gemv.why_not() is not None, reason=f"memra's block kernel: {block_gemv.why_not()}")
@@ -64,25 +62,6 @@ def fresh(path, dtype="bfloat16", weights="auto"):
     return load_model(str(path), device="cpu", dtype=dtype, weights=weights, progress=lambda _: None)
 
 
-def primed(loaded, engine):
-    cache = engine.new_cache()
-    prefill(loaded.model, cache, PROMPT, 0, 16)
-    return cache
-
-
-def dense_experts(loaded):
-    """`loaded` with every layer's experts back on transformers' sparse block (the same router
-    and dense experts, as --weights float runs them): the reference the blocks are held to."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-    for layer in loaded.model.model.layers:
-        assert isinstance(layer.mlp, BlockMoE)
-        mlp = Qwen3MoeSparseMoeBlock(loaded.model.config)
-        mlp.gate, mlp.experts = layer.mlp.gate, layer.mlp.experts
-        layer.mlp = mlp
-    return loaded
-
-
 @pytest.mark.parametrize("file,kinds", [("Q4_K_M", ("Q4_K", "Q6_K")), ("Q8_0", ("Q8_0", "Q8_0"))])
 def test_the_experts_blocks_are_the_files_bytes_and_only_the_chosen_experts_are_read(ggufs, file, kinds):
     """Each layer's experts are the file's bytes (gate rows then up rows); a token's step reads
@@ -99,13 +78,7 @@ def test_the_experts_blocks_are_the_files_bytes_and_only_the_chosen_experts_are_
         assert torch.equal(mlp.gate_up_blocks[:, :WIDTH], shipped[f"blk.{index}.ffn_gate_exps.weight"])
         assert torch.equal(mlp.gate_up_blocks[:, WIDTH:], shipped[f"blk.{index}.ffn_up_exps.weight"])
         assert torch.equal(mlp.down_blocks, shipped[f"blk.{index}.ffn_down_exps.weight"])
-    engine = Engine(loaded, EngineOptions(16, 1))
-    feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
-    clean, poisoned, poisoned_chosen = (primed(loaded, engine) for _ in range(3))  # the prompt read every expert
-    seen = routes(loaded.model)
-    expected = feed(clean, 7, len(PROMPT))
-    chosen = {layer: set(ids.view(-1).tolist()) for layer, ids, _ in seen}
-    assert len(seen) == LAYERS and all(len(ids) == 2 for ids in chosen.values())
+    feed, poisoned, poisoned_chosen, expected, chosen = primed_and_chosen(loaded)
     with torch.no_grad():
         for index, layer in enumerate(layers):
             layer.mlp.experts.gate_up_proj.fill_(float("nan"))
@@ -131,18 +104,11 @@ def test_the_step_on_the_experts_blocks_decodes_the_dense_steps_tokens_within_th
     GGUF: the same prefill bits (prefill runs the dense experts either way), then, fed the dense
     run's tokens for 24 steps, logits within EXPERTS_BOUND of the dense ones' largest and the same
     greedy token at every step."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
     path = ggufs["Q4_K_M"]
-    blocks, dense = fresh(path, dtype), dense_experts(fresh(path, dtype))
-    feeds = [Decoder(m.model, m.context_len, m.device).feeder() for m in (blocks, dense)]
-    caches = [Engine(m, EngineOptions(16, 1)).new_cache() for m in (blocks, dense)]
-    a, b = (prefill(m.model, cache, PROMPT, 0, 16) for m, cache in zip((blocks, dense), caches))
-    assert torch.equal(a, b)
-    worst = 0.0
-    for step in range(STEPS):
-        token = int(b.argmax())
-        a, b = (feed(cache, token, len(PROMPT) + step) for feed, cache in zip(feeds, caches))
-        worst = max(worst, float((a - b).abs().max() / b.abs().max()))
-        assert int(a.argmax()) == int(b.argmax()), step
+    dense = dense_experts(fresh(path, dtype), Qwen3MoeSparseMoeBlock)
+    worst = worst_against_dense(fresh(path, dtype), dense, PROMPT, STEPS)
     assert 0.0 < worst <= EXPERTS_BOUND[dtype], worst  # rounded (the blocks did run), within the bound
 
 
