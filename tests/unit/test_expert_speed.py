@@ -1,4 +1,4 @@
-"""`memrad bench experts`: one gpt-oss layer's experts for one token, dense against their MXFP4
+"""`memrad bench experts`: one layer's experts for one token (gpt-oss MXFP4, Qwen3-MoE Q4_K / Q6_K), dense against their
 blocks on the same weights, and the bytes a token reads of them each way."""
 
 import pytest
@@ -31,3 +31,17 @@ def test_the_harness_prints_a_row_per_shape(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "dtype=float32 threads=1 reps=4 (median ms a token, one layer)"
     assert lines[2].split()[0] == "tiny" and lines[2].endswith("  49,152, 6,528")
+
+
+def test_qwen3_moes_arms_multiply_the_same_k_quant_weights():
+    """Qwen3-MoE's sparse block on Q4_K gate / up and Q6_K down blocks: both arms the same weights
+    (within the kernel's activation rounding), the bytes 2 of 8 experts' each way."""
+    mlp, parts = sparse_block("q3-tiny", torch.float32)
+    x = torch.randn(1, 1, 256)
+    with torch.no_grad():
+        dense, on_blocks = mlp(x), BlockMoE(mlp, parts)(x)
+    assert not torch.equal(dense, on_blocks) and torch.allclose(dense, on_blocks, rtol=0,
+                                                                 atol=1e-3 * float(dense.abs().max()))
+    speed = measure("q3-tiny", "float32", reps=4)
+    # gate_up [512, 256] Q4_K (144 B a 256 weights) and down [256, 256] Q6_K (210 B) an expert
+    assert (speed.dense_bytes, speed.shipped_bytes) == (2 * (512 * 256 + 256 * 256) * 4, 2 * (512 * 144 + 256 * 210))
