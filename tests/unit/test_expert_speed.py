@@ -1,5 +1,5 @@
-"""`memrad bench experts`: one layer's experts for one token (gpt-oss MXFP4, Qwen3-MoE Q4_K / Q6_K), dense against their
-blocks on the same weights, and the bytes a token reads of them each way."""
+"""`memrad bench experts`: one layer's experts for one token (gpt-oss's MXFP4, Qwen3-MoE's Q4_K /
+Q6_K), dense against their blocks on the same weights, and the bytes a token reads of them each way."""
 
 import pytest
 import torch
