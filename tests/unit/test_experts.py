@@ -108,15 +108,22 @@ def test_the_router_chooses_what_the_forward_chooses(gguf, dtype):
         token = int(b.argmax())
 
 
-def test_an_expert_the_token_did_not_choose_is_never_read(gguf):
-    loaded = fresh(gguf, "float32", "float")
+def primed_and_chosen(loaded):
+    """(the step's feed, two caches primed with PROMPT (the prompt read every expert), the logits
+    of token 7 after it from a third, {layer: the experts that token chose}): for poisoning."""
     engine = Engine(loaded, EngineOptions(16, 1))
     feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
-    clean, poisoned, poisoned_chosen = (primed(loaded, engine) for _ in range(3))  # the prompt read every expert
+    clean, poisoned, poisoned_chosen = (primed(loaded, engine) for _ in range(3))
     seen = routes(loaded.model)
     expected = feed(clean, 7, len(PROMPT))
     chosen = {layer: set(ids.view(-1).tolist()) for layer, ids, _ in seen}
-    assert len(seen) == 2 and all(len(ids) == 2 for ids in chosen.values())
+    assert len(seen) == len(loaded.model.model.layers) and all(len(ids) == 2 for ids in chosen.values())
+    return feed, poisoned, poisoned_chosen, expected, chosen
+
+
+def test_an_expert_the_token_did_not_choose_is_never_read(gguf):
+    loaded = fresh(gguf, "float32", "float")
+    feed, poisoned, poisoned_chosen, expected, chosen = primed_and_chosen(loaded)
     layers = loaded.model.model.layers
     with torch.no_grad():
         for index, layer in enumerate(layers):

@@ -21,12 +21,12 @@ from tiny_gguf import ARCHITECTURES, tiny_gguf
 CLASSES = {"qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
            "qwen3_moe": "Qwen3MoeForCausalLM", "lfm2": "Lfm2ForCausalLM"}
 # What each tiny model's tensors run as on `auto`, with memra's block kernel measured the faster
-# wherever it is measured (Qwen3-MoE's 3-D experts stay dense: memrad.engine.model.formats says
-# what a token reads of them)
+# wherever it is measured (Qwen3-MoE's 3-D experts run their Q4_K / Q6_K blocks, the chosen
+# experts only: memrad.engine.model.formats says what a token reads of them)
 TENSORS = {"qwen3": "Q8_0 blocks 1, Q6_K blocks 2, Q4_K blocks 12",
            "phi3": "Q8_0 blocks 1, Q6_K blocks 2, Q4_K blocks 6",
            "gemma2": "Q8_0 blocks 1, Q6_K blocks 4, Q4_K blocks 24",
-           "qwen3_moe": "Q8_0 blocks 1, dense bfloat16 4, Q4_K blocks 8",
+           "qwen3_moe": "Q8_0 blocks 1, Q6_K blocks 2, Q4_K blocks 10",
            "lfm2": "Q8_0 blocks 1, Q4_K blocks 28, Q6_K blocks 6"}
 DOWN = {"qwen3": ("mlp.down_proj", 2), "phi3": ("mlp.down_proj", 2), "gemma2": ("mlp.down_proj", 4),
         "lfm2": ("feed_forward.w2", 6)}  # each one's Q6_K projections
@@ -71,12 +71,11 @@ def test_its_quants_run_as_shipped_and_say_which_stay_dense(written, arch, monke
         name, count = DOWN[arch]
         assert (f"{name} Q6_K x{count}: Q6_K blocks (memra block kernel, {block_gemv.path()}, 2.0x dense bfloat16 "
                 "(measured at load, one row))") in loaded.tensors.reason
-    else:  # Qwen3-MoE: the 3-D experts, dense, and what a token reads of them (2 of 8, 2 layers, bf16)
-        # as shipped: Q6_K 210 bytes a 256 weights, Q4_K 144
-        assert ("mlp.experts.down_proj Q6_K x2: dense bfloat16 (3-D expert tensors, dequantised: no packed form; "
-                f"a token reads {2 * 2 * 256 * 768 * 2:,} B of them ({2 * 2 * 768 * 210:,} B as shipped))"
-                ) in loaded.tensors.reason
-        assert ("mlp.experts.gate_up_proj Q4_K x2: dense bfloat16 (3-D expert tensors, dequantised: no packed form; "
-                f"a token reads {2 * 2 * 1536 * 256 * 2:,} B of them ({2 * 2 * 1536 * 144:,} B as shipped))"
-                ) in loaded.tensors.reason
+    else:  # Qwen3-MoE: the 3-D experts on their blocks, and what a token reads of them (2 of 8, 2 layers)
+        # as shipped: Q6_K 210 bytes a 256 weights, Q4_K 144 (tests/unit/test_qwen3_moe_blocks.py)
+        on = f"memra block kernel, {block_gemv.path()}, the chosen experts only; a token reads"
+        assert (f"mlp.experts.down_proj Q6_K x2: Q6_K blocks ({on} {2 * 2 * 768 * 210:,} B of them as shipped "
+                f"({2 * 2 * 256 * 768 * 2:,} B dense bfloat16))") in loaded.tensors.reason
+        assert (f"mlp.experts.gate_up_proj Q4_K x2: Q4_K blocks ({on} {2 * 2 * 1536 * 144:,} B of them as shipped "
+                f"({2 * 2 * 1536 * 256 * 2:,} B dense bfloat16))") in loaded.tensors.reason
     assert f"lm_head Q8_0 x1: {head.removesuffix(' 1')}" in loaded.tensors.reason

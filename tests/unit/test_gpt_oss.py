@@ -160,16 +160,18 @@ def test_a_gpt_oss_gguf_loads_on_memras_reader_with_the_files_weights(gguf):
         f"{4 * 2 * 3 * 32 * 64 * 2:,} B of them in bfloat16 ({4 * 2 * 3 * 32 * 64 // 32 * 17:,} B as shipped)")
 
 
-def dense_experts(loaded):
-    """`loaded` with every layer's experts back on transformers' GptOssMLP (the same router and
-    dense experts, as --weights float runs them; the attention stays as loaded): the reference
-    the experts' blocks are held to."""
+def dense_experts(loaded, sparse_block=None):
+    """`loaded` with every layer's experts back on transformers' sparse block (GptOssMLP unless
+    given: the same router and dense experts, as --weights float runs them; the attention stays
+    as loaded): the reference the experts' blocks are held to."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
     for layer in loaded.model.model.layers:
         assert isinstance(layer.mlp, BlockMoE)
-        mlp = GptOssMLP(loaded.model.config)
-        mlp.router, mlp.experts = layer.mlp.router, layer.mlp.experts
+        mlp = (sparse_block or GptOssMLP)(loaded.model.config)
+        router = layer.mlp.router_name
+        setattr(mlp, router, getattr(layer.mlp, router))
+        mlp.experts = layer.mlp.experts
         layer.mlp = mlp
     return loaded
 
@@ -221,18 +223,27 @@ def test_the_step_on_the_experts_blocks_decodes_the_dense_steps_tokens_within_th
     experts either way), then, fed the dense run's tokens for 24 steps past the window, logits
     within EXPERTS_BOUND of the dense ones' largest and the same greedy token at every step, so
     both decode the same tokens. The kernel's own bound per product: tests/unit/test_block_linear.py."""
-    blocks, dense = from_gguf(gguf[0], "float32"), dense_experts(from_gguf(gguf[0], "float32"))
+    worst = worst_against_dense(from_gguf(gguf[0], "float32"), dense_experts(from_gguf(gguf[0], "float32")),
+                                PROMPT, STEPS)
+    assert 0.0 < worst <= EXPERTS_BOUND, worst  # rounded (the blocks did run), within the bound
+
+
+def worst_against_dense(blocks, dense, prompt, steps: int) -> float:
+    """`blocks` (experts on their blocks) and `dense` (the same model on the dense experts): the
+    same prefill bits after `prompt`, then, fed the dense run's greedy tokens for `steps` steps,
+    the same greedy token at every step; returns the largest |logit difference| over the dense
+    logits' largest |.|."""
     feeds = [Decoder(m.model, m.context_len, m.device).feeder() for m in (blocks, dense)]
     caches = [Engine(m, EngineOptions(16, 1)).new_cache() for m in (blocks, dense)]
-    a, b = (prefill(m.model, cache, PROMPT, 0, 16) for m, cache in zip((blocks, dense), caches))
+    a, b = (prefill(m.model, cache, prompt, 0, 16) for m, cache in zip((blocks, dense), caches))
     assert torch.equal(a, b)
     worst = 0.0
-    for step in range(STEPS):
+    for step in range(steps):
         token = int(b.argmax())
-        a, b = (feed(cache, token, len(PROMPT) + step) for feed, cache in zip(feeds, caches))
+        a, b = (feed(cache, token, len(prompt) + step) for feed, cache in zip(feeds, caches))
         worst = max(worst, float((a - b).abs().max() / b.abs().max()))
         assert int(a.argmax()) == int(b.argmax()), step
-    assert 0.0 < worst <= EXPERTS_BOUND, worst  # rounded (the blocks did run), within the bound
+    return worst
 
 
 @needs_blocks

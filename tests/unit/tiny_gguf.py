@@ -131,9 +131,10 @@ def _encode(weight: np.ndarray, kind: T, rng: np.random.Generator) -> np.ndarray
     return quants.quantize(weight, kind)
 
 
-def write_gguf(path: Path, model, tokenizer, seed: int = 0) -> Path:
-    """Write `model` (from `build`) and `tokenizer` as a GGUF at `path`; sets the model's float
-    weights to what the GGUF's blocks dequantize to (mutates `model`)."""
+def write_gguf(path: Path, model, tokenizer, seed: int = 0, kinds=kind_for) -> Path:
+    """Write `model` (from `build`) and `tokenizer` as a GGUF at `path`, each tensor of the type
+    `kinds(gguf name, shape)` gives (Q4_K_M's by default); sets the model's float weights to what
+    the GGUF's blocks dequantize to (mutates `model`)."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
@@ -177,7 +178,7 @@ def write_gguf(path: Path, model, tokenizer, seed: int = 0) -> Path:
         gemma_norm = arch.startswith("gemma") and "norm.weight" in hf_name  # llama.cpp stores 1 + w
         if gemma_norm:
             stored = stored + 1.0
-        kind = kind_for(gguf_name, stored.shape)
+        kind = kinds(gguf_name, stored.shape)
         raw = _encode(stored.reshape(-1, stored.shape[-1]), kind, rng).reshape(*stored.shape[:-1], -1)
         back = quants.dequantize(raw, kind).reshape(stored.shape)
         target.copy_(torch.from_numpy((back - 1.0 if gemma_norm else back).astype(np.float32)))
@@ -204,11 +205,12 @@ def _write_tokenizer(writer: GGUFWriter, tokenizer) -> None:
     writer.add_chat_template(tokenizer.chat_template)
 
 
-def tiny_gguf(folder: Path, arch: str) -> tuple[Path, object]:
-    """(the GGUF of a tiny `arch` model in `folder`, that model with the GGUF's weights)."""
+def tiny_gguf(folder: Path, arch: str, kinds=kind_for) -> tuple[Path, object]:
+    """(the GGUF of a tiny `arch` model in `folder`, its tensors of the types `kinds` gives, that
+    model with the GGUF's weights)."""
     tokenizer = build_tokenizer()
     model = build(arch, len(tokenizer))
-    return write_gguf(folder / f"tiny-{arch}.gguf", model, tokenizer), model
+    return write_gguf(folder / f"tiny-{arch}.gguf", model, tokenizer, kinds=kinds), model
 
 
 def write_gemma4_gguf(path: Path, model, tokenizer, extra: tuple = (), split_experts: bool = False,

@@ -17,10 +17,11 @@ and what it runs as now:
 
 A mixture of experts (Qwen3-MoE, gpt-oss) ships its experts as 3-D tensors (`ffn_gate_exps`,
 `ffn_up_exps`, `ffn_down_exps`, transformers' `experts.gate_up_proj` and `experts.down_proj`;
-gpt-oss's in MXFP4): no Linear. gpt-oss's MXFP4 experts run from their blocks on memra's kernel
-where it runs ("MXFP4 blocks": memrad.engine.model.block_experts); other experts run dense,
-dequantised at conversion. Their group says which, with the bytes a token reads of them (its top
-k of E experts, every layer), as shipped and dense.
+gpt-oss's in MXFP4): no Linear. gpt-oss's and Qwen3-MoE's experts run from their blocks on
+memra's kernel where it runs and runs their kind ("MXFP4 blocks", "Q4_K blocks":
+memrad.engine.model.block_experts); other experts run dense, dequantised at conversion. Their
+group says which, with the bytes a token reads of them (its top k of E experts, every layer), as
+shipped and dense.
 
 The dense ones carry a reason (why no packed form was used), and so does a Q8_0 head that runs
 hi|lo where memra's block kernel would run its blocks themselves (why it does not here), and
@@ -44,7 +45,6 @@ import torch
 
 from memrad.engine.decode.steps.experts import router_of, top_k
 from memrad.engine.kernels import block_gemv
-from memrad.engine.model import block_experts
 from memrad.engine.model.block_experts import BlockMoE
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Int8Linear, Q8Linear
@@ -118,7 +118,7 @@ def groups(model: Any, kinds: dict[str, str], head_why: str | None = None,
 def _expert_groups(model: Any, kinds: dict[str, str]) -> list[tuple[str, str, str, str, int]]:
     """(role, GGUF type, runs, why, count) of the routed experts' 3-D weights, with the bytes a
     token reads of them (top k of E per layer, summed over the layers): on their MXFP4 blocks
-    (memrad.engine.model.block_experts.BlockMoE), or dense, dequantised."""
+    (memrad.engine.model.block_experts.BlockMoE, in their own kind), or dense, dequantised."""
     found: dict[tuple[str, str, str], list[int]] = {}  # (role, kind, runs) -> [count, bytes a token, as shipped]
     for name, block in model.named_modules():
         # Qwen3-MoE's `gate`, gpt-oss's `router` (each with its top_k); Gemma 4's layer `router` (the config's)
@@ -134,7 +134,7 @@ def _expert_groups(model: Any, kinds: dict[str, str]) -> list[tuple[str, str, st
             dense = f"dense {str(weight.dtype).removeprefix('torch.')}"
             blocks = getattr(block, attribute.replace("_proj", "_blocks"), None) if isinstance(block, BlockMoE) else None
             key = (re.sub(r"\.\d+\.", ".*.", full), kinds.get(full, "float"),
-                   dense if blocks is None else f"{block_experts.KIND} blocks")
+                   dense if blocks is None else f"{getattr(block, attribute.replace('_proj', '_kind'))} blocks")
             entry = found.setdefault(key, [0, 0, 0])
             entry[0] += 1
             entry[1] += weight.numel() * weight.element_size() * k // experts.num_experts

@@ -192,14 +192,14 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
 
 def _other_blocks(folder: Path) -> tuple[str, ...]:
     """The blocks besides the 4-bit layers' and the head's that the folder keeps as shipped, named
-    for the weights' reason: its Q8_0 / Q5_0 layers, its layers' MXFP4 experts."""
+    for the weights' reason: its Q8_0 / Q5_0 layers, its layers' experts (MXFP4, Q4_K / Q6_K, ...)."""
     from memrad.engine.model import block_experts
     from memrad.engine.model.weights import Q8_CACHE, _cached_names
 
     layers = len([name for name in _cached_names(folder / Q8_CACHE) if name != "lm_head"])  # the head: q8_head
-    experts = block_experts.count(folder)
+    experts, kinds = block_experts.kept_kinds(folder)
     return tuple(text for count, text in ((layers, f"{layers} Q8_0 / Q5_0 layers"),
-                                          (experts, f"{experts} layers' MXFP4 experts")) if count)
+                                          (experts, f"{experts} layers' {' / '.join(kinds)} experts")) if count)
 
 
 def _int4_source(spec: str, folder: Path, int4_tensors: int) -> str:

@@ -10,10 +10,10 @@ under a second) and a model built on the meta device (no weights, no memory):
     quants         the GGUF type of each tensor kind (attn_q, ffn_down, ...), as shipped
     context        native and served (memrad.engine.model.context: the same plan the load makes)
     KV             bytes per token of context in the activation dtype
-    experts        a mixture's 3-D expert tensors: gpt-oss's MXFP4 run from their blocks on memra's
-                   kernel where it runs (memrad.engine.model.block_experts), others dequantised at
-                   load; the bytes a token reads of them as shipped (MXFP4: 17 bytes a 32 weights)
-                   and dense in that dtype
+    experts        a mixture's 3-D expert tensors: gpt-oss's and Qwen3-MoE's run from their blocks
+                   on memra's kernel where it runs and runs their kinds (memrad.engine.model.block_experts),
+                   others dequantised at load; the bytes a token reads of them as shipped (MXFP4: 17
+                   bytes a 32 weights, Q4_K 144 a 256) and dense in that dtype
 
 Refused here, with the reason: architectures transformers' GGUF loader does not read, and the
 Mamba-1 family (Mamba, FalconMamba, Jamba), whose multi-token forward ignores cached recurrent
@@ -48,6 +48,8 @@ REFUSED_ARCHITECTURES = ("mamba", "jamba", "falcon_mamba", "falcon-mamba")
 _RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 _TEXT_ONLY = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}  # GGUFs hold the text backbone only
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
+ON_BLOCKS = " blocks on memra's block kernel"  # in `experts_run` where the experts run from their blocks
+_BLOCK_EXPERTS = (gguf_gpt_oss.ARCHITECTURE, "qwen3moe")  # whose experts memra keeps as blocks
 _EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight")  # a mixture's 3-D expert tensors
 # Gemma 4's layout keys that transformers' GGUF loader (5.24) does not read and memra's reader does
 # (memrad.engine.model.gguf_gemma4): (llama.cpp's key, what the built config has, in the key's terms).
@@ -83,7 +85,7 @@ class Preflight:
     # A mixture of experts: (bytes a token reads of its 3-D experts dequantised in `dtype`, as
     # shipped), their top k of E in every layer; None without experts.
     expert_bytes: tuple[int, int] | None = None
-    # Where the experts run: "MXFP4 blocks on memra's block kernel (PATH)", or why they are dequantised.
+    # Where the experts run: "MXFP4 blocks on memra's block kernel (PATH)...", or why they are dequantised.
     experts_run: str = "dequantised at load (3-D tensors: no packed form)"
 
     def lines(self) -> list[str]:
@@ -97,7 +99,7 @@ class Preflight:
                   if self.window_layers else "")
         dense, shipped = self.expert_bytes or (0, 0)
         read = (f"a token reads {shipped:,} B of them as shipped ({dense:,} B dequantised in {self.dtype})"
-                if self.experts_run.startswith(block_experts.KIND) else
+                if ON_BLOCKS in self.experts_run else
                 f"a token reads {dense:,} B of them in {self.dtype} ({shipped:,} B as shipped)")
         experts = [f"  experts: {self.experts_run}, {read}"] if self.expert_bytes else []
         return [
@@ -143,14 +145,17 @@ def inspect_gguf(path: Path, requested_context: int, dtype: torch.dtype, weights
 
 
 def experts_run(header: GGUFHeader, weights: str, device: str) -> str:
-    """Where a mixture's experts will run: gpt-oss's MXFP4 ones from their blocks on memra's kernel
-    (memrad.engine.model.block_experts) where the weights run as shipped and the kernel runs here,
-    else dequantised, and why."""
+    """Where a mixture's experts will run: gpt-oss's and Qwen3-MoE's from their blocks on memra's
+    kernel (memrad.engine.model.block_experts) where every expert tensor ships in a kind the kernel
+    runs, the weights run as shipped and the kernel runs here, else dequantised, and why."""
     from memrad.engine.kernels import block_gemv
 
-    kinds = {tensor.kind for tensor in header.tensors if _EXPERTS.fullmatch(tensor.name)}
-    if kinds != {block_experts.KIND} or header.architecture != gguf_gpt_oss.ARCHITECTURE:
+    kinds = sorted({tensor.kind for tensor in header.tensors if _EXPERTS.fullmatch(tensor.name)})
+    if header.architecture not in _BLOCK_EXPERTS:
         return "dequantised at load (3-D tensors: no packed form)"
+    other = [kind for kind in kinds if kind not in block_experts.RUNS]
+    if other:
+        return f"dequantised at load ({', '.join(other)}: a kind memra's block kernel does not run)"
     if weights in ("float", "int8"):
         return f"dequantised at load (--weights {weights})"
     if device != "cpu":
@@ -158,7 +163,7 @@ def experts_run(header: GGUFHeader, weights: str, device: str) -> str:
     why_not = block_gemv.why_not()
     if why_not is not None:
         return f"dequantised at load (memra's block kernel: {why_not})"
-    return f"{block_experts.KIND} blocks on memra's block kernel ({block_gemv.path()}), the chosen experts only"
+    return f"{' / '.join(kinds)}{ON_BLOCKS} ({block_gemv.path()}), the chosen experts only"
 
 
 def expert_bytes(header: GGUFHeader, config: Any, dtype: torch.dtype) -> tuple[int, int] | None:

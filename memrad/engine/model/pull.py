@@ -199,15 +199,16 @@ def has_block_caches(folder: Path) -> bool:
     """Whether conversion kept the GGUF's blocks in this memrad's layout (memrad.engine.model.weights):
     a folder an older memrad converted holds no Q4_K / Q5_0 blocks, or no k-quant super-blocks
     where the GGUF ships k-quants (its Q8 file's "kinds" say), or no expert blocks where it ships
-    MXFP4 experts (memrad.engine.model.block_experts), and gets them again."""
+    experts in a kind memra's kernel runs (memrad.engine.model.block_experts), and gets them again."""
     from memrad.engine.model import block_experts
     from memrad.engine.model.weights import BLOCKS_LAYOUT, INT4_CACHE, K_CACHE, K_KINDS, Q8_CACHE
 
     if not all(_safetensors_metadata(folder / name).get("layout") == BLOCKS_LAYOUT for name in (INT4_CACHE, Q8_CACHE)):
         return False
     kinds = json.loads(_safetensors_metadata(folder / Q8_CACHE).get("kinds", "{}"))
+    shipped_experts = {kind for name, kind in kinds.items() if name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     experts_kept = (_safetensors_metadata(folder / block_experts.EXPERTS_CACHE).get("layout") == block_experts.LAYOUT
-                    or block_experts.KIND not in kinds.values())
+                    or not shipped_experts & set(block_experts.RUNS))
     return experts_kept and ((folder / K_CACHE).is_file() or not any(kind in K_KINDS for kind in kinds.values()))
 
 
@@ -239,7 +240,7 @@ def _write_block_caches(gguf_path: Path, model, folder: Path, progress: Progress
     experts = block_experts.shipped(gguf_path, model)
     block_experts.save(experts, folder, gguf_path.name)
     progress(f"{int4} int4, {q8} Q8_0/Q5_0 and {whole} k-quant weight matrices kept"
-             + (f", and {len(experts)} layers' MXFP4 experts" if experts else "") + " (checked against the float weights)")
+             + (f", and {len(experts)} layers' experts" if experts else "") + " (checked against the float weights)")
 
 
 def pip_download(packages: list[str], dest: Path, show_pip_progress: bool) -> list[Path]:

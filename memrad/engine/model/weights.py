@@ -37,8 +37,9 @@ and torch build, stamped with the block files they were made from: new blocks, n
                                     header: "kinds", every Linear's GGUF type
     memra-k-blocks.safetensors      {layer}.Q4_K / .Q5_K / .Q6_K      its k-quant tensors' bytes
                                                                       as shipped (maybe none)
-    memra-expert-blocks.safetensors {layer}.mlp.experts.gate_up.MXFP4 gpt-oss's MXFP4 experts as
-                                    / .down.MXFP4                     shipped (memrad.engine.model.block_experts)
+    memra-expert-blocks.safetensors {layer}.mlp.experts.gate_up.KIND  gpt-oss's and Qwen3-MoE's experts
+                                    / .down.KIND                      as shipped (MXFP4, Q4_K, Q6_K, ...:
+                                                                      memrad.engine.model.block_experts)
     memra-int4-{device}-{dtype}-torch{version}.safetensors
                                     {layer}.packed/.scales_and_zeros  Int4Linear
                                     {head}.q8_packed/.q8_scales_and_zeros  Q8Linear
@@ -405,7 +406,7 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
         _save_packed(folder, device, kernel_dtype, packed, stamp)
     for name, blocks in on_blocks.items():  # packing them takes a second: not kept in the packed file
         _set_module(model, name, BlockLinear.from_blocks(modules[name], blocks, name in interleaved))
-    # gpt-oss's MXFP4 experts: their chosen experts' blocks for one token wherever memra's kernel runs
+    # gpt-oss's and Qwen3-MoE's experts: the chosen experts' blocks for one token wherever memra's kernel runs
     experts = block_experts.install(model, folder) if _blocks_why_not(model) is None else 0
     as_blocks = len(on_blocks)
     head = head_format(model)
@@ -418,7 +419,8 @@ def _apply_int4(model: Any, folder: Path, kernel_dtype: torch.dtype) -> WeightsA
                                                 if layers_on_blocks else "")
             + (" + Q8_0 head as shipped on memra's kernel" if head.endswith("blocks") else
                " + Q8_0 head as int4 hi|lo" if head == "q8_0" else "")
-            + (f" + {experts} layers' MXFP4 experts as shipped on memra's kernel" if experts else ""))
+            + (f" + {experts} layers' {' / '.join(block_experts.kept_kinds(folder)[1])} experts as shipped "
+               "on memra's kernel" if experts else ""))
     block_bytes = sum(sum(b.nbytes for b in m.buffers(recurse=False)) for m in model.modules()
                       if isinstance(m, (BlockLinear, block_experts.BlockMoE)))
     reasons = {name: verdicts[group].reason for group, members in groups.items() for name in members
