@@ -242,10 +242,8 @@ def _qwen3_k_quants(tmp_path, monkeypatch):
     import tiny_gguf
 
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path))
-    kind_for = tiny_gguf.kind_for
-    monkeypatch.setattr(tiny_gguf, "kind_for", lambda name, shape: (GGMLQuantizationType.Q5_K if ".attn_output" in name
-                                                                    else kind_for(name, shape)))
-    return tiny_gguf.tiny_gguf(tmp_path, "qwen3")[0]
+    return tiny_gguf.tiny_gguf(tmp_path, "qwen3", kinds=lambda name, shape: (
+        GGMLQuantizationType.Q5_K if ".attn_output" in name else tiny_gguf.kind_for(name, shape)))[0]
 
 
 def _load_gguf(path):

@@ -12,6 +12,7 @@ import torch
 from gguf import GGUFReader, GGUFWriter
 
 from memrad import cli
+from memrad.engine.kernels import block_gemv
 from memrad.engine.model import gguf_header, pull
 from memrad.engine.model.gguf_header import LongArray, read_header
 from memrad.engine.model.preflight import gguf_config, inspect_gguf
@@ -95,9 +96,14 @@ def test_a_qwen3_moe_gguf_says_its_experts_and_their_quants_before_it_loads(gguf
     assert "ffn_gate_exps Q4_K; ffn_up_exps Q4_K; ffn_down_exps Q6_K; ffn_gate_inp F32" in lines[2]
     assert lines[4] == "  KV: 1,024 B/token in bfloat16"  # 2 layers x K and V x 1 KV head x 128 dims x 2 bytes
     # 2 of 8 experts in 2 layers: gate and up [768, 256] Q4_K (144 B a 256), down [256, 768] Q6_K (210 B)
-    assert lines[5] == ("  experts: dequantised at load (3-D tensors: no packed form), a token reads "
-                        f"{2 * 2 * 3 * 768 * 256 * 2:,} B of them in bfloat16 "
-                        f"({2 * 2 * (2 * 768 * 144 + 768 * 210):,} B as shipped)")
+    dense, shipped = 2 * 2 * 3 * 768 * 256 * 2, 2 * 2 * (2 * 768 * 144 + 768 * 210)
+    if block_gemv.why_not() is None:  # the shipped blocks run on memra's kernel (test_qwen3_moe_blocks)
+        assert lines[5] == (f"  experts: Q4_K / Q6_K blocks on memra's block kernel ({block_gemv.path()}), the chosen "
+                            f"experts only, a token reads {shipped:,} B of them as shipped ({dense:,} B dequantised "
+                            "in bfloat16)")
+    else:  # without the kernel they stay dense, and the line says what that costs
+        assert lines[5].startswith("  experts: dequantised at load (") and lines[5].endswith(
+            f"a token reads {dense:,} B of them in bfloat16 ({shipped:,} B as shipped)")
 
 
 def test_a_gemma2_gguf_served_past_its_length_says_the_scaling_and_its_windows(ggufs):
