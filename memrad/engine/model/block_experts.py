@@ -62,7 +62,9 @@ EXPERTS_CACHE = "memra-expert-blocks.safetensors"
 LAYOUT = "2"  # what the file's contents mean (1: gpt-oss's MXFP4 only); pull writes it again for a file stamped otherwise
 KIND = FORMATS[MXFP4]  # gpt-oss's
 RUNS = {name: kind for kind, name in FORMATS.items()}  # GGUF type -> the kernel's kind, for the types it runs as shipped
-_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
+# A mixture's 3-D expert tensors as llama.cpp names them (gate and up apart, or joined as gate_up);
+# memrad.engine.model.weights and preflight find them by this too.
+EXPERT_TENSORS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate_up|gate|up|down)_exps\.weight")
 Parts = dict[str, tuple[str, torch.Tensor]]  # {"gate_up": (GGUF type, [E, 2I, row bytes]), "down": (..., [E, H, ...])} uint8
 
 
@@ -75,7 +77,7 @@ def shipped(gguf_path: Path, model: Any) -> dict[str, Parts]:
 
     found: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     for tensor in GGUFReader(gguf_path).tensors:
-        match = _EXPERTS.fullmatch(tensor.name)
+        match = EXPERT_TENSORS.fullmatch(tensor.name)
         if match and tensor.tensor_type.name in RUNS:  # data: [E, rows, row bytes]
             found.setdefault(f"model.layers.{match['layer']}.mlp.experts", {})[match["part"]] = (
                 tensor.tensor_type.name, torch.from_numpy(np.array(tensor.data)))  # a copy: the map is read-only

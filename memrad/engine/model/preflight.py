@@ -50,7 +50,6 @@ _TEXT_ONLY = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}  # GGUFs hold th
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 ON_BLOCKS = " blocks on memra's block kernel"  # in `experts_run` where the experts run from their blocks
 _BLOCK_EXPERTS = (gguf_gpt_oss.ARCHITECTURE, "qwen3moe")  # whose experts memra keeps as blocks
-_EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight")  # a mixture's 3-D expert tensors
 # Gemma 4's layout keys that transformers' GGUF loader (5.24) does not read and memra's reader does
 # (memrad.engine.model.gguf_gemma4): (llama.cpp's key, what the built config has, in the key's terms).
 _GEMMA4_LAYOUT = (
@@ -150,7 +149,8 @@ def experts_run(header: GGUFHeader, weights: str, device: str) -> str:
     runs, the weights run as shipped and the kernel runs here, else dequantised, and why."""
     from memrad.engine.kernels import block_gemv
 
-    kinds = sorted({tensor.kind for tensor in header.tensors if _EXPERTS.fullmatch(tensor.name)})
+    experts = block_experts.EXPERT_TENSORS
+    kinds = sorted({tensor.kind for tensor in header.tensors if experts.fullmatch(tensor.name)})
     if header.architecture not in _BLOCK_EXPERTS:
         return "dequantised at load (3-D tensors: no packed form)"
     other = [kind for kind in kinds if kind not in block_experts.RUNS]
@@ -172,7 +172,7 @@ def expert_bytes(header: GGUFHeader, config: Any, dtype: torch.dtype) -> tuple[i
     from memrad.engine.decode.steps import experts as routed
     from memrad.engine.model.formats import shipped_bytes
 
-    experts = [tensor for tensor in header.tensors if _EXPERTS.fullmatch(tensor.name)]
+    experts = [tensor for tensor in header.tensors if block_experts.EXPERT_TENSORS.fullmatch(tensor.name)]
     total = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if not experts or not total:
         return None

@@ -50,7 +50,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -73,8 +72,6 @@ log = logging.getLogger("memrad.engine")
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 INT8_KINDS = ("Q8_0", "Q5_0")  # int8-coded blocks, run hi|lo
 K_KINDS = ("Q4_K", "Q5_K", "Q6_K")  # k-quants, kept as shipped super-blocks too (SuperBlocks)
-# A mixture of experts' 3-D tensors as llama.cpp names them (transformers joins gate and up).
-_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<w>gate_up|gate|up|down)_exps\.weight")
 # What the block files' contents mean; pull adds them again to a folder stamped otherwise.
 # 2: Q4_K, Q5_0 and every Q8_0 tensor (1: Q4_0/Q4_1 and the Q8_0 head only), the "kinds" header.
 BLOCKS_LAYOUT = "2"
@@ -149,9 +146,9 @@ def read_gguf_blocks(gguf_path: Path, model: Any) -> GGUFBlocks:
     experts_at = "experts" if getattr(model.config, "enable_moe_block", False) else "mlp.experts"  # Gemma 4: the layer's
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        experts = _EXPERTS.fullmatch(tensor.name)
+        experts = block_experts.EXPERT_TENSORS.fullmatch(tensor.name)
         if experts:  # 3-D experts (not Linear: they stay dense); their type is said in `memrad status`
-            weight = "down_proj" if experts["w"] == "down" else "gate_up_proj"
+            weight = "down_proj" if experts["part"] == "down" else "gate_up_proj"  # transformers joins gate and up
             name = f"model.layers.{experts['layer']}.{experts_at}.{weight}"
             kinds[name] = kind if kinds.get(name, kind) == kind else f"{kinds[name]}+{kind}"
             continue
