@@ -535,7 +535,8 @@ def _build_decode_step(spec: str) -> None:
 
     loaded = load_model(spec, settings.model.device, settings.model.dtype, progress=lambda _: None,
                         allow_pull=False, weights=settings.model.weights, context=settings.model.context)
-    recipe = Recipe(str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len)
+    recipe = Recipe(str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len,
+                    loaded.threads)
     # The batched step's package too where the settings decode batched (a start would build it).
     batch_rows = settings.server.max_batch if settings.engine.batch_decode == "batched" else None
     run_rows = speculation.RUN_ROWS if settings.engine.speculate == "auto" else None

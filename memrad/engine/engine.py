@@ -159,7 +159,7 @@ class Engine:
                                   self.chat.format.markup_ids, self.chat.grammars.token_bytes, self._shaper)
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
         self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, options.compile, builder.Recipe(
-            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len),
+            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len, loaded.threads),
             batch_rows=self.max_batch if self._batches() else None,
             run_rows=speculation.RUN_ROWS if options.speculate == "auto" else None)
         # Which step that is (llama-shaped, Gemma 3, Qwen3-Next) and its layers; none where transformers decodes.

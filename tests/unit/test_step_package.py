@@ -161,9 +161,37 @@ def test_the_batched_steps_build_at_a_lower_priority_than_serving(q4_dir, tmp_pa
     monkeypatch.setattr(builder, "die_with", lambda parent: None)
     monkeypatch.setattr(step_package, "build", lambda *args: built.append(args[5]))  # (..., path, rows, phase)
     argv = [str(q4_dir), loaded.dtype_name, loaded.weights_name, str(loaded.context_len), "kernel", str(path),
-            str(rows), str(os.getpid())]
+            str(rows), str(os.getpid()), "1"]
     try:
         assert builder.main(argv) == 0
     finally:
         torch.set_num_threads(1)
     assert niced == niceness and built == [rows or None]
+
+
+def test_the_child_loads_at_the_daemons_thread_count_and_builds_at_one(q4_dir, tmp_path, monkeypatch):
+    # The kernel verdicts (memrad.engine.model.kernel_choice) are measured and kept per thread
+    # count: a child loading at one thread where the daemon loaded at two measured anew, chose
+    # another kernel for a group (Q6_K: 948 vs 976 us at two threads, 1609 vs 1027 at one, Zen 2)
+    # and refused to build under the daemon's name. The recipe carries the load's threads.
+    torch.set_num_threads(2)
+    try:
+        loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
+    finally:
+        torch.set_num_threads(1)
+    assert loaded.threads == 2
+    recipe = builder.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len, loaded.threads)
+    args = []
+    monkeypatch.setattr(builder, "run_child", lambda argv, timeout_s, phase: args.extend(argv))
+    builder.build_in_child(recipe, True, tmp_path / "step.pt2")
+    at_load, at_build = [], []
+    monkeypatch.setattr(builder, "die_with", lambda parent: None)
+    monkeypatch.setattr("memrad.engine.model.loader.load_model",
+                        lambda *a, **k: at_load.append(torch.get_num_threads()) or loaded)
+    monkeypatch.setattr(step_package, "package_path", lambda *a: tmp_path / "step.pt2")
+    monkeypatch.setattr(step_package, "build", lambda *a: at_build.append(torch.get_num_threads()))
+    try:
+        assert builder.main(args[3:]) == 0  # after the interpreter, "-m" and the module
+    finally:
+        torch.set_num_threads(1)
+    assert args[-1] == "2" and at_load == [2] and at_build == [1]

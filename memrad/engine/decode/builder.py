@@ -122,6 +122,9 @@ class Recipe:
     dtype: str  # "bfloat16", "float32", ...
     weights: str  # "int4", "float", ...
     context_len: int
+    # torch threads at the daemon's load (LoadedModel.threads): the child loads at it, so it reads
+    # the kernel verdicts the daemon measured (kept per thread count) and makes the daemon's step.
+    threads: int = 1
 
 
 _children: set[subprocess.Popen] = set()  # builds running now (`stop_children`)
@@ -145,7 +148,8 @@ def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 
     child reaches (its PHASE_LINE lines). Raises RuntimeError with the child's last lines if
     it fails."""
     args = [sys.executable, "-m", "memrad.engine.decode.builder", recipe.folder, recipe.dtype, recipe.weights,
-            str(recipe.context_len), "kernel" if kernel else "torch", str(path), str(rows or 0), str(os.getpid())]
+            str(recipe.context_len), "kernel" if kernel else "torch", str(path), str(rows or 0), str(os.getpid()),
+            str(recipe.threads)]
     run_child(args, timeout_s, phase)
 
 
@@ -208,12 +212,12 @@ def main(argv: list[str]) -> int:
     """The child of `build_in_child`: load the model as the daemon did, build the package."""
     from memrad.engine.model.loader import load_model
 
-    folder, dtype, weights, context_len, attention, path, batch, parent = argv
+    folder, dtype, weights, context_len, attention, path, batch, parent, threads = argv
     die_with(int(parent))
     kernel, rows = attention == "kernel", int(batch) or None
     if rows:  # the batched steps build while the daemon serves on the one-row step: serving first
         os.nice(_BATCH_BUILD_NICENESS)
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(threads))  # the load's: the daemon's kernel verdicts, kept per thread count
 
     def say(phase: str) -> None:
         print(f"{PHASE_LINE}{phase}", flush=True)
@@ -221,6 +225,7 @@ def main(argv: list[str]) -> int:
     say(build_times.PHASES[0])
     loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights, allow_pull=False,
                         progress=lambda _: None, context=int(context_len))
+    torch.set_num_threads(1)  # then one thread for the build, the other core left to serving
     if kernel and decode_attention.load(cxx_compiler()) is not None:
         print("memra's attention kernel is not available to the child", file=sys.stderr)
         return 2

@@ -55,6 +55,9 @@ class LoadedModel:
     rope: Any = None
     # {scaling name: rope parameters as JSON} of the ropes its state can be computed under.
     rope_keys: dict = dataclasses.field(default_factory=dict)
+    # torch's thread count at the load: the one its kernel verdicts were measured and kept at
+    # (memrad.engine.model.kernel_choice), so a compile child loading at it makes the same step.
+    threads: int = 1
 
     @property
     def context_len(self) -> int:
@@ -153,6 +156,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     except (OSError, ValueError, KeyError) as exc:
         raise ModelUnavailable(f"transformers cannot load {folder}: {exc}") from exc
     # The int4 kernels take bf16 inputs (fp16 where the activations are fp16).
+    threads = torch.get_num_threads()  # the verdicts' thread count (LoadedModel.threads)
     applied = apply_weights(model, weights_choice, folder, torch.float16 if dt == torch.float16 else torch.bfloat16)
     progress(f"dtype {dtype_choice.value}: {dtype_choice.reason}")
     # Chosen with the weights, once: a model never changes attention under a parked state.
@@ -187,6 +191,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         products=products,
         rope=switch,
         rope_keys=rope_switch.keys(served, model.config, shipped if switch is not None else None),
+        threads=threads,
     )
 
 
