@@ -25,12 +25,13 @@ _TYPES = {"Q8_0": (GGMLQuantizationType.Q8_0, unpack_q8_0, Q8_0),
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
-INTERLEAVED = ("Q8_0 x16", "Q4_1 x16") if block_gemv.interleaves() else ()  # the AVX512 and AVX2 builds' layouts
+# the AVX512 and AVX2 builds' layouts ("Q5_0 x16": Q5_0's codes as Q8_0 x16 blocks)
+INTERLEAVED = ("Q8_0 x16", "Q4_1 x16", "Q5_0 x16") if block_gemv.interleaves() else ()
 
 
 def _packed(kind: str, blocks) -> tuple[int, torch.Tensor]:
     """The op's kind and bytes for `kind` ("Q4_1 x16": Q4_1's blocks, 16 rows interleaved)."""
-    op_kind, packed = block_linear.pack(blocks)
+    op_kind, packed = block_linear.pack(blocks, widen=kind.endswith(" x16"))
     return block_linear.interleave(op_kind, packed) if kind.endswith(" x16") else (op_kind, packed)
 
 
@@ -284,3 +285,22 @@ def test_interleaved_blocks_hold_every_row_s_own_blocks_and_a_cut_at_sixteen_row
     assert block_linear.interleave(block_linear.Q5_0, plain)[0] == block_linear.Q5_0
     linear = torch.nn.Linear(96, 48, bias=False)
     assert BlockLinear.from_blocks(linear, blocks, interleaved=True).format == kind
+
+
+@pytest.mark.skipif(not INTERLEAVED, reason="the interleaved kinds run on the AVX512 and AVX2 builds only")
+def test_q5_0_blocks_interleave_as_q8_0_blocks_of_the_same_weights():
+    # a Q5_0 code q - 16 is an int8: laid out 16 rows side by side, its blocks are Q8_0 x16 blocks
+    # (34 bytes where 22 are shipped) of exactly the shipped weights, with no bits to unpack
+    raw, blocks = _shipped("Q5_0", 48, 96, seed=8)
+    assert block_linear.pack(blocks)[0] == Q5_0 and block_linear.interleaved_kind(blocks) == block_linear.Q8_0_X16
+    kind, widened = block_linear.pack(blocks, widen=True)
+    assert kind == Q8_0 and widened.shape == (48, 3 * 34)
+    shipped = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q5_0))  # as gguf-py reads them
+    assert torch.equal(unpack_q8_0(widened.numpy()).dequantize(), shipped)
+    layer = BlockLinear.from_blocks(torch.nn.Linear(96, 48, bias=False), blocks, interleaved=True)
+    assert layer.kind == block_linear.Q8_0_X16 and layer.format == "Q8_0"
+    assert torch.equal(layer.blocks, block_linear.interleave(Q8_0, widened)[1])
+    x = torch.randn(3, 1, 96)
+    expected = x.view(3, -1).double() @ shipped.double().t()
+    bound = block_gemv.rounding_bound(x.view(3, -1), shipped.double(), block_gemv.activation_step(block_gemv.path()))
+    assert bool(((layer(x).view(3, -1).double() - expected).abs() <= bound + 1e-6).all())

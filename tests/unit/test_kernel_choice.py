@@ -110,6 +110,28 @@ def test_a_group_of_one_shape_is_timed_on_one_layer_and_counted_for_each(monkeyp
     assert verdicts["layers Q4_0"].interleaved  # a tie goes to the block kernel, interleaved
 
 
+@pytest.mark.skipif(not block_gemv.interleaves(), reason="the interleaved kinds run on the AVX512 and AVX2 builds only")
+def test_on_avx2_q5_0_layers_are_also_timed_as_q8_0_x16_and_a_verdict_kept_without_that_arm_is_measured_again(
+        monkeypatch, tmp_path):
+    monkeypatch.setattr(block_gemv, "capability", lambda: "AVX2")
+    g = torch.Generator().manual_seed(2)
+    q5 = Int8Blocks(torch.randint(-16, 16, (64, 128), generator=g).to(torch.int8), (torch.rand(64, 4, generator=g) / 50).half().float())
+    assert block_linear.kind_of(q5) == block_linear.Q5_0
+    group = {"layers Q5_0": {"d.0": q5}}
+    cache = tmp_path / "c.json"
+    key = (f"{block_gemv.library().name} layers Q5_0 [(((64, 128), 'Int8Blocks'), 1)] torch.float32 "
+           f"threads {torch.get_num_threads()}")
+    cache.write_text(json.dumps({key: {"block_s": 1e-4, "int4_s": 3e-4}}))  # kept before Q5_0 had its x16 arm
+    calls = []
+    verdict = kernel_choice.choose(group, {}, torch.float32, cache=cache,
+                                   timer=lambda *fns: calls.append(fns) or (2e-4, 3e-4, 1e-4)[:len(fns)])["layers Q5_0"]
+    assert len(calls) == 1 and len(calls[0]) == 3
+    assert verdict == Verdict("layers Q5_0", True, f"memra block kernel, {block_gemv.path()}, 16 rows interleaved as "
+                                                   "Q8_0 (34 B a block, 22 shipped), 3.0x torch int4 hi|lo, 2.0x "
+                                                   "row-major blocks (measured at load, one row)", interleaved=True)
+    assert json.loads(cache.read_text())[key] == {"block_s": 2e-4, "int4_s": 3e-4, "x16_s": 1e-4}
+
+
 def _load(folder):
     torch.set_num_threads(1)
     return load_model(str(folder), device="cpu", dtype="float32", weights="auto")

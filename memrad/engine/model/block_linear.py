@@ -87,10 +87,21 @@ def kind_of(blocks: Blocks) -> int:
     return Q5_0 if int(blocks.codes.min()) >= -16 and int(blocks.codes.max()) <= 15 else Q8_0
 
 
-def pack(blocks: Blocks) -> tuple[int, torch.Tensor]:
+def interleaved_kind(blocks: Blocks) -> int | None:
+    """The kind `blocks` run as laid out 16 rows side by side (`interleave`): Q4_1 x16 for 4-bit
+    blocks, Q8_0 x16 for the 8- and 5-bit ones (a Q5_0 code q - 16 is an int8, so its block is a
+    Q8_0 block of the same weights: 34 bytes where 22 are shipped, read with no bits to unpack);
+    None for super-blocks."""
+    if isinstance(blocks, SuperBlocks):
+        return None
+    return Q4_1_X16 if isinstance(blocks, Int4Blocks) else Q8_0_X16
+
+
+def pack(blocks: Blocks, widen: bool = False) -> tuple[int, torch.Tensor]:
     """(kind, bytes [N, K/32 · block bytes]): the GGUF block layout of `blocks`: a k-quant's
-    super-blocks as they are; Q4_1 for 4-bit blocks, Q5_0 where every 8-bit code fits 5 bits,
-    else Q8_0. Requires `packable(blocks)`."""
+    super-blocks as they are; Q4_1 for 4-bit blocks, Q5_0 where every 8-bit code fits 5 bits
+    (unless `widen`: the same codes as Q8_0, `interleaved_kind`), else Q8_0. Requires
+    `packable(blocks)`."""
     if isinstance(blocks, SuperBlocks):
         return _KINDS[blocks.kind], blocks.raw.contiguous()
     n, k = blocks.codes.shape
@@ -101,7 +112,7 @@ def pack(blocks: Blocks) -> tuple[int, torch.Tensor]:
         m = _mins(blocks).half().contiguous().view(torch.uint8).view(n, nb, 2)
         qs = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8)  # weight j low, j + 16 high
         return Q4_1, torch.cat([d, m, qs], dim=-1).reshape(n, nb * _BLOCK_BYTES[Q4_1]).contiguous()
-    if kind_of(blocks) == Q5_0:
+    if kind_of(blocks) == Q5_0 and not widen:
         q = (codes.to(torch.int16) + 16).to(torch.int32)  # 0..31
         bits = (q >> 4) & 1  # [N, nb, 32]: the high bit of weight j is bit j of qh
         qh = (bits << torch.arange(GROUP, dtype=torch.int32)).sum(-1, dtype=torch.int64).to(torch.int32)
@@ -150,9 +161,10 @@ class BlockLinear(torch.nn.Linear):
 
     @classmethod
     def from_blocks(cls, linear: torch.nn.Linear, blocks: Blocks, interleaved: bool = False) -> "BlockLinear":
-        """`interleaved`: lay Q4_1 / Q8_0 blocks out 16 rows side by side (`interleave`): where the
-        loaded kernel runs them (`memrad.engine.kernels.block_gemv.interleaves()`: AVX512, AVX2)."""
-        kind, raw = pack(blocks)
+        """`interleaved`: lay the blocks out 16 rows side by side as `interleaved_kind` (Q5_0's as
+        Q8_0): where the loaded kernel runs them (`memrad.engine.kernels.block_gemv.interleaves()`:
+        AVX512, AVX2)."""
+        kind, raw = pack(blocks, widen=interleaved)
         if interleaved:
             kind, raw = interleave(kind, raw)
         return cls(linear, raw, kind)

@@ -22,7 +22,8 @@ AMX (one row 0.77-0.95x torch int4's time) and on an AMD EPYC Zen 5 without AMX 
 On AVX2 (int16 activations, integer multiply-adds as on AVX512) each group (the head; the layers of one
 GGUF type; those of them whose rows are not in sixteens apart, `packable_groups`) is timed on this machine at one activation row in the model's dtype: one layer of
 each distinct shape (the head: its first HEAD_ROWS rows) on each kernel (memra's row-major
-blocks, its interleaved ones where the group's blocks are Q4_x / Q8_0 in sixteens, torch's int4
+blocks, its interleaved ones where the group's blocks are Q4_x / Q8_0 / Q5_0 in sixteens (Q5_0's as
+Q8_0 x16: the same weights, 34 bytes a block where 22 are shipped, with no bits to unpack), torch's int4
 or the dense weight), the kernels' calls interleaved (so a burst of other work falls on all),
 the fastest of REPS calls each (the least disturbed), weighted by how many layers have that
 shape. The group runs where the sum is lowest (a tie: interleaved, then row-major blocks). A verdict is kept in the kernel cache beside
@@ -98,7 +99,8 @@ def decide(group: str, block_s: float, int4_s: float, path: str, int4_name: str,
     `int4_name`: the other kernel's, torch's int4 or the dense weight; `x16_s`: memra's interleaved
     blocks', where they were measured). The fastest wins; a tie goes to memra's kernel, interleaved."""
     if x16_s is not None and x16_s <= min(block_s, int4_s):
-        return Verdict(group, True, f"memra block kernel, {path}, 16 rows interleaved, {int4_s / x16_s:.1f}x "
+        widened = " as Q8_0 (34 B a block, 22 shipped)" if group.endswith("Q5_0") else ""
+        return Verdict(group, True, f"memra block kernel, {path}, 16 rows interleaved{widened}, {int4_s / x16_s:.1f}x "
                                     f"{int4_name}, {block_s / x16_s:.1f}x row-major blocks (measured at load, one row)",
                        interleaved=True)
     versus = "" if x16_s is None else f", {x16_s / block_s:.1f}x interleaved"
@@ -135,8 +137,9 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
         if int4_name.startswith("torch int4") and any(b.shape[0] % 16 for b in members.values()):
             out[group] = Verdict(group, True, f"memra block kernel, {path} (the int4 kernel packs rows in sixteens)")
             continue
-        if key not in kept:
-            kept[key] = _measure(members, modules, dtype, timer or _fastest, _in_sixteens(members))
+        sixteens = _in_sixteens(members)
+        if key not in kept or (sixteens and "x16_s" not in kept[key]):  # (kept before Q5_0 had its x16 arm)
+            kept[key] = _measure(members, modules, dtype, timer or _fastest, sixteens)
             _write(cache, kept)
         out[group] = decide(group, kept[key]["block_s"], kept[key]["int4_s"], path, int4_name, kept[key].get("x16_s"))
         log.info("%s: %s", group, out[group].reason)
@@ -150,9 +153,9 @@ def interleaved_4_bit(members: dict[str, Blocks]) -> bool:
 
 
 def _in_sixteens(members: dict[str, Blocks]) -> bool:
-    """Whether BlockLinear.from_blocks can lay every member out interleaved: Q4_x / Q8_0 blocks, its
+    """Whether BlockLinear.from_blocks can lay every member out interleaved: Q4_x / Q8_0 / Q5_0 blocks, its
     rows in sixteens, on a kernel build that interleaves (AVX512, AVX2)."""
-    return block_gemv.interleaves() and all(b.shape[0] % 16 == 0 and block_linear.kind_of(b) in block_linear.INTERLEAVED
+    return block_gemv.interleaves() and all(b.shape[0] % 16 == 0 and block_linear.interleaved_kind(b) is not None
                                             for b in members.values())
 
 
