@@ -42,7 +42,8 @@ SHAPES = [(3, 3, 64), (2, 2, 16), (1, 4, 128), (2, 9, 48)]
 
 
 @pytest.mark.parametrize("heads,group,dim", SHAPES)
-@pytest.mark.parametrize("rows", [1, 255, 256, 257, 1000])
+# 544, 4160: more chunks than 256-row ones, so that heads x chunks is a multiple of 4 (balanced threads)
+@pytest.mark.parametrize("rows", [1, 255, 256, 257, 544, 1000, 4160])
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
 def test_the_kernel_computes_attention_over_the_first_rows_only(heads, group, dim, rows, dtype, tolerance):
     keys, values = slab(heads, rows, dim, dtype, seed=rows + dim)
@@ -55,17 +56,18 @@ def test_the_kernel_computes_attention_over_the_first_rows_only(heads, group, di
 
 
 def test_the_bits_do_not_depend_on_the_thread_count():
-    keys, values = slab(3, 4000, 64, torch.bfloat16, seed=1)
+    keys, values = slab(3, 4160, 64, torch.bfloat16, seed=1)
     q = torch.randn(1, 3, 3, 64).to(torch.bfloat16)
     before = torch.get_num_threads()
     try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(torch.ops.memra.decode_attention(q, keys[:, :, :4000], values[:, :, :4000], 0.125))
+        for rows in (4000, 4160, 544):  # 16 chunks; 17 raised to 20; 3 raised to 4
+            outs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outs.append(torch.ops.memra.decode_attention(q, keys[:, :, :rows], values[:, :, :rows], 0.125))
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), rows
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,12 +7,14 @@
 //                                (row r over its first lengths[r] rows, as the op above gives it)
 //
 // The G query heads that share a KV head are scored together, so each key and value row is
-// read once per token. Rows are cut into chunks of CHUNK_ROWS; each (KV head, chunk) is one
-// task with its own max, sum and weighted values (flash-decoding), spread over torch's
-// threads, then merged in chunk order. The partition depends only on L, never on the thread
-// count, so the result has the same bits with any number of threads.
+// read once per token. Rows are cut into C chunks of at most CHUNK_ROWS, as equal as integers
+// allow (`chunk_count`: C raised, while chunks keep MIN_CHUNK_ROWS, until H_kv x C is a multiple
+// of 4); each (KV head, chunk) is one task with its own max, sum and weighted values
+// (flash-decoding), spread over torch's threads, then merged in chunk order. The partition
+// depends only on L and H_kv, never on the thread count, so the result has the same bits with
+// any number of threads.
 //
-//   rows  | chunk 0 (256) | chunk 1 (256) | ... | chunk C-1 (L - 256 (C-1)) |
+//   rows  | chunk 0 (L/C) | chunk 1 | ... | chunk C-1 |    chunk c: rows [c L / C, (c + 1) L / C)
 //   task (h, c): scores s = q_h . k_j (scaled), m = max s, l = sum e^(s-m), a = sum e^(s-m) v_j
 //   out_h = sum_c e^(m_c - M) a_c / sum_c e^(m_c - M) l_c,   M = max_c m_c
 //
@@ -35,6 +37,17 @@ namespace {
 
 using VF = at::vec::Vectorized<float>;
 constexpr int64_t CHUNK_ROWS = 256;
+constexpr int64_t MIN_CHUNK_ROWS = 32;
+
+// A row's chunk count: ceil(L / CHUNK_ROWS), raised while chunks keep MIN_CHUNK_ROWS until
+// heads x chunks is a multiple of 4. at::parallel_for hands each thread a contiguous run of
+// tasks: equal tasks in a count 2 and 4 divide give the threads equal shares (SmolLM2 at 544
+// rows: 9 tasks of 256, 256 and 32 rows split 5 / 4 left one thread 800 rows, the other 576).
+inline int64_t chunk_count(int64_t length, int64_t heads) {
+  int64_t chunks = (length + CHUNK_ROWS - 1) / CHUNK_ROWS;
+  while ((heads * chunks) % 4 != 0 && (chunks + 1) * MIN_CHUNK_ROWS <= length) ++chunks;
+  return chunks;
+}
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline VF load_float(const float* p) { return VF::loadu(p); }
@@ -166,7 +179,7 @@ void attend(const at::Tensor& q, at::TensorList keys, at::TensorList values, at:
   // Row r's tasks are [first[r], first[r + 1]): heads x chunks of its length.
   std::vector<int64_t> chunks(batch), first(batch + 1, 0);
   for (int64_t r = 0; r < batch; ++r) {
-    chunks[r] = (lengths[r] + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    chunks[r] = chunk_count(lengths[r], heads);
     first[r + 1] = first[r] + heads * chunks[r];
   }
   const int64_t tasks = first[batch];
@@ -184,10 +197,10 @@ void attend(const at::Tensor& q, at::TensorList keys, at::TensorList values, at:
     int64_t r = std::upper_bound(first.begin(), first.end(), begin_task) - first.begin() - 1;
     for (int64_t task = begin_task; task < end_task; ++task) {
       while (task >= first[r + 1]) ++r;
-      const int64_t local = task - first[r], h = local / chunks[r], begin = (local % chunks[r]) * CHUNK_ROWS;
+      const int64_t local = task - first[r], h = local / chunks[r], c = local % chunks[r];
+      const int64_t begin = c * lengths[r] / chunks[r], rows = (c + 1) * lengths[r] / chunks[r] - begin;  // <= CHUNK_ROWS
       const at::Tensor &row_keys = keys[r], &row_values = values[r];
       const int64_t row_stride = row_keys.stride(2);
-      const int64_t rows = std::min(lengths[r] - begin, CHUNK_ROWS);
       const T* k = row_keys.const_data_ptr<T>() + h * row_keys.stride(1) + begin * row_stride;
       const T* v = row_values.const_data_ptr<T>() + h * row_values.stride(1) + begin * row_stride;
       float *m = &maxes[task * G], *l = &sums[task * G], *a = &accs[task * G * D];
