@@ -6,11 +6,12 @@ CLI's first prompt (SmolLM2 tokens: Claude Code ~22.9k, Qwen Code ~15.9k, Codex 
 opencode ~7.7k), and lowers their `max_tokens` (32000 / 8000) to the reply cap
 (`limits.max_reply_tokens`). The daemon here caps replies at 64 tokens (MEMRA_MAX_REPLY_TOKENS),
 as tests/integration/test_agent_cli_gemma3.py does, to keep the run in CI's time: the 135M model
-rambles to whatever cap it gets, so its replies end at the cap whatever it is (opencode, Codex
-and Qwen Code make the requests docs/BENCHMARKS.md#agent-clis lists at 256; Claude Code asks
-for its three continuations of a reply cut at the cap as on gemma3), and every token decoded at
-8-23k tokens of context reads the whole KV: at 256, Claude Code's four replies and Qwen Code's
-six decoded up to 1,024 and 1,536 tokens, at 7 tokens/s at 16k and 16 at 8k (2-core AMD EPYC Zen 2).
+rambles to whatever cap it gets, so its replies end at the cap whatever it is and each CLI
+makes the kinds of requests it makes at 256 (Qwen Code: a 16.5k prompt under yarn and its
+resumed turns, then a ~8k one and its continuations, resumed: at 64 that one fits the native
+8,192 with its reply and runs native, at 256 it runs under yarn; Claude Code asks for its three
+continuations of a reply cut at the cap, as on gemma3), and every token decoded at 8-23k tokens
+of context reads the whole KV: 7-10 tokens/s at 16k and 16 at 8k on a 2-core AMD EPYC Zen 2.
 Each run is measured between two idle daemons, and how each CLI ends is its own
 (tests/integration/cli_runs.py).
 """
