@@ -26,6 +26,8 @@ from memrad.engine.decode.steps.gemma2 import Gemma2Step
 from memrad.engine.decode.steps.llama import DecodeStep
 from memrad.engine.engine import Engine, EngineOptions
 from memrad.engine.forward import decode_one_token, prefill
+from memrad.engine.kernels import block_gemv
+from memrad.engine.model.block_experts import BlockMoE
 from memrad.engine.model.loader import load_model
 from stories import ask, make_engine
 from test_batching import rows_are_their_own
@@ -187,9 +189,14 @@ def test_the_compiled_packages_resume_bit_identical_and_give_a_batched_row_its_a
     """compile = on, max_batch 2, from the GGUF on `auto` (the int4 kernel's blocks): the one-row
     package and the 2-row one are built (minutes on a shared 2-core machine) and open, turns
     resume on them bit-identical to their cold runs, and two rows on the compiled 2-row graph are
-    each the compiled one-row step's bits, step after step (Gemma 2: past its window of 8)."""
-    engine = make_engine(fresh(ggufs[arch], "bfloat16", "auto"), 16, max_sessions=16, mode="exact", compile="on",
-                         max_batch=2)
+    each the compiled one-row step's bits, step after step (Gemma 2: past its window of 8).
+    Qwen3-MoE's packages export its experts' blocks where memra's block kernel runs (each row's
+    expert ids unbacked sizes from `.item()`, as gpt-oss's); the blocks' other checks are
+    tests/unit/test_qwen3_moe_blocks.py's, on this same file."""
+    loaded = fresh(ggufs[arch], "bfloat16", "auto")
+    if arch == "qwen3_moe" and block_gemv.why_not() is None:  # the packages export the chosen experts' blocks
+        assert isinstance(loaded.model.model.layers[0].mlp, BlockMoE)
+    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
     compiled_turns_equal_cold(engine)
     compiled_rows_are_the_one_row_steps(engine, (PROMPT, PROMPT[:5]), 16)
 

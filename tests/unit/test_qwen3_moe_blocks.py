@@ -12,13 +12,14 @@ chosen expert's blocks poisoned change them); the step on the blocks decodes the
 step's greedy tokens for 24 steps with logits within EXPERTS_BOUND (bf16, fp32; measured); a row's
 bits are its own batched and alone, at 1 and 2 threads; resumed turns are the cold run's; the
 start banner and `memrad status` say where the experts run and what a token reads as shipped.
+Compiled (the one-row and 2-row packages over the experts' blocks, this Q4_K_M file's model): in
+tests/unit/test_gguf_steps.py, whose Qwen3-MoE is this one (tiny_gguf, seed 0, the same kinds).
 """
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T, GGUFReader
 
-from memrad.engine.decode import decoder as decoder_module
 from memrad.engine.forward import decode_one_token
 from memrad.engine.kernels import block_gemv
 from memrad.engine.model.block_experts import BlockMoE
@@ -27,9 +28,8 @@ from memrad.engine.model.preflight import inspect_gguf
 from stories import make_engine
 from test_batching import in_flight_together_as_alone, rows_are_their_own
 from test_experts import PROMPT, primed, primed_and_chosen
-from test_gemma_step import compiled_turns_equal_cold
 from test_gpt_oss import dense_experts, worst_against_dense
-from test_gguf_steps import compiled_rows_are_the_one_row_steps, turns_resume_as_cold
+from test_gguf_steps import turns_resume_as_cold
 from tiny_gguf import kind_for, tiny_gguf
 
 STEPS = 24
@@ -162,16 +162,3 @@ def test_the_banner_and_status_say_the_experts_run_from_their_blocks_and_what_a_
     q4_0 = fresh(ggufs["Q4_0"])
     assert not any(isinstance(layer.mlp, BlockMoE) for layer in q4_0.model.model.layers)
     assert "mlp.experts.gate_up_proj Q4_0 x2: dense bfloat16 (3-D expert tensors" in q4_0.tensors.reason
-
-
-@pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler")
-def test_the_compiled_qwen3_moe_steps_on_the_experts_blocks_resume_and_batch_bit_identical(ggufs):
-    """compile = on, max_batch 2: the one-row and 2-row packages export the chosen experts' blocks
-    (each row's expert ids unbacked sizes from `.item()`, as gpt-oss's) and open (minutes on a
-    shared 2-core machine); turns resume on them bit-identical to their cold runs, and a row of
-    the compiled 2-row step is the compiled one-row step's bits beside a neighbour and alone."""
-    loaded = fresh(ggufs["Q4_K_M"])
-    assert isinstance(loaded.model.model.layers[0].mlp, BlockMoE)
-    engine = make_engine(loaded, 16, max_sessions=16, mode="exact", compile="on", max_batch=2)
-    compiled_turns_equal_cold(engine)
-    compiled_rows_are_the_one_row_steps(engine, (PROMPT, PROMPT[:5]), 16)
