@@ -137,7 +137,7 @@ def choose(groups: dict[str, dict[str, Blocks]], modules: dict[str, torch.nn.Mod
         if int4_name.startswith("torch int4") and any(b.shape[0] % 16 for b in members.values()):
             out[group] = Verdict(group, True, f"memra block kernel, {path} (the int4 kernel packs rows in sixteens)")
             continue
-        sixteens = _in_sixteens(members)
+        sixteens = _in_sixteens(members, widen=True)
         if key not in kept or (sixteens and "x16_s" not in kept[key]):  # (kept before Q5_0 had its x16 arm)
             kept[key] = _measure(members, modules, dtype, timer or _fastest, sixteens)
             _write(cache, kept)
@@ -152,11 +152,13 @@ def interleaved_4_bit(members: dict[str, Blocks]) -> bool:
     return all(isinstance(b, Int4Blocks) for b in members.values()) and _in_sixteens(members)
 
 
-def _in_sixteens(members: dict[str, Blocks]) -> bool:
-    """Whether BlockLinear.from_blocks can lay every member out interleaved: Q4_x / Q8_0 / Q5_0 blocks, its
-    rows in sixteens, on a kernel build that interleaves (AVX512, AVX2)."""
-    return block_gemv.interleaves() and all(b.shape[0] % 16 == 0 and block_linear.interleaved_kind(b) is not None
-                                            for b in members.values())
+def _in_sixteens(members: dict[str, Blocks], widen: bool = False) -> bool:
+    """Whether BlockLinear.from_blocks can lay every member out interleaved: Q4_x / Q8_0 blocks (and,
+    where `widen`, Q5_0's as Q8_0: timed where verdicts are measured, never taken on the offline
+    ones), its rows in sixteens, on a kernel build that interleaves (AVX512, AVX2)."""
+    def kind(b: Blocks) -> bool:
+        return block_linear.interleaved_kind(b) is not None if widen else block_linear.kind_of(b) in block_linear.INTERLEAVED
+    return block_gemv.interleaves() and all(b.shape[0] % 16 == 0 and kind(b) for b in members.values())
 
 
 def _measured_once(path: str, interleaved: bool) -> str:
