@@ -58,10 +58,10 @@ def test_cuda_picks_bf16_without_looking_at_the_cpu():
 
 def test_auto_weights_run_shipped_4_bit_blocks_and_fall_back_to_float_with_the_reason():
     assert pick_weights("auto", CPU, 210, "the shipped Q4_1 GGUF") == Choice(
-        "int4", "auto: as shipped, 210 Q4 tensors from the shipped Q4_1 GGUF on the CPU int4 kernel (bf16 inputs)")
+        "int4", "auto: as shipped, 210 Q4 tensors from the shipped Q4_1 GGUF (each group's kernel: the tensors line)")
     assert pick_weights("auto", CPU, 210, "the shipped Q4_1 GGUF", q8_head=True).reason == (
-        "auto: as shipped, 210 Q4 tensors from the shipped Q4_1 GGUF and its Q8_0 head on the CPU int4 kernel "
-        "(bf16 inputs)")
+        "auto: as shipped, 210 Q4 tensors from the shipped Q4_1 GGUF and its Q8_0 head (each group's kernel: "
+        "the tensors line)")
     assert pick_weights("auto", torch.device("cuda"), 4, "the GGUF").reason.endswith("on tinygemm")
     assert pick_weights("auto", CPU, 0, "the model is not a GGUF (no 4-bit blocks shipped)") == Choice(
         "float", "auto: the model is not a GGUF (no 4-bit blocks shipped)")

@@ -89,5 +89,7 @@ def pick_weights(requested: str, device: torch.device, int4_tensors: int, source
     if int4_tensors == 0:
         return Choice("int4", f"auto: as shipped, {' and '.join(also)} from the GGUF{head} (each group's kernel: "
                               "the tensors line)")
-    kernel = "tinygemm" if device.type == "cuda" else "the CPU int4 kernel (bf16 inputs)"
-    return Choice("int4", f"auto: as shipped, {int4_tensors} Q4 tensors from {source}{head} on {kernel}")
+    # On the CPU each group runs memra's block kernel or torch's int4 as measured (kernel_choice),
+    # which is decided after this: the tensors line says which.
+    kernel = "on tinygemm" if device.type == "cuda" else "(each group's kernel: the tensors line)"
+    return Choice("int4", f"auto: as shipped, {int4_tensors} Q4 tensors from {source}{head} {kernel}")
