@@ -70,8 +70,12 @@ def test_second_start_reports_already_running_and_starts_nothing(daemon):
     assert f"memrad is already running (pid {pid}, {daemon.url})" in result.stdout
     assert "serving" not in result.stdout
     assert daemon.status()["pid"] == pid
-    # A second daemon would have logged its own start (or its lock failure) to the same log.
-    assert daemon.log_text() == log_before
+    # A second daemon would have logged its own start (its first line: loading the model) to the
+    # same log. The running one may log meanwhile: its background batched-step check and compile
+    # finish when they finish (on a 2-core Zen 2 the check's line came during this test).
+    after = daemon.log_text()
+    assert after.startswith(log_before)
+    assert not [line for line in after[len(log_before):].splitlines() if " memrad: loading " in line]
     assert daemon.log_text().count(f"serving {MODEL_ID} on {daemon.url}") == 1
 
 
