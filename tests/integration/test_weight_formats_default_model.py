@@ -65,7 +65,9 @@ def test_auto_runs_the_shipped_4_bit_blocks_in_the_dtype_the_cpu_is_fast_at(load
         assert len(on_blocks) == (210 if block_gemv.interleaves() else 0)
         assert all(m.kind == block_linear.Q4_1_X16 for m in on_blocks)
     elif block_gemv.why_not() is None:  # AVX2: each group as measured at load, and status says so
-        runs = "Q8_0 blocks (memra block kernel" if type(smol.model.lm_head) is BlockLinear else "int4 hi|lo ("
+        head = smol.model.lm_head
+        runs = (f"Q8_0{' x16' if head.interleaved else ''} blocks (memra block kernel" if type(head) is BlockLinear
+                else "int4 hi|lo (")
         assert f"lm_head Q8_0 x1: {runs}" in smol.tensors.reason
     else:
         assert type(smol.model.lm_head) is Q8Linear and smol.head == "q8_0"
