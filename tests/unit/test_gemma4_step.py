@@ -209,7 +209,8 @@ def test_the_step_needs_every_part_it_has(tiny_dir):
                 return step.forward_rows(torch.tensor([7]), torch.tensor([len(PROMPT)]), [len(PROMPT) + 1],
                                      [[k for k, _ in buffers]], [[v for _, v in buffers]], False)[0]
 
-    assert float((logits(lambda step: None) - expected).abs().max()) <= 1e-6
+    # fp32 sums in other orders than the forward's: 1e-6 apart on AVX512, 1.15e-6 on an AVX2-only Zen 2
+    assert float((logits(lambda step: None) - expected).abs().max()) <= 4e-6
     def without_per_layer_inputs(step):
         for layer in step.layers:
             layer.per_layer = False
@@ -405,6 +406,7 @@ def test_a_gemma4_gguf_names_its_quants_before_it_loads_and_its_kernels_in_statu
     are their values: no v), says the 8-row per-layer gate stays dense because the int4 kernel packs
     rows in sixteens, the F32 per-layer projection dense as shipped, and the experts dequantised."""
     from memrad.engine.kernels import block_gemv
+    from memrad.engine.model import kernel_choice
     from memrad.engine.model.preflight import inspect_gguf
 
     path, _ = request.getfixturevalue(gguf)
@@ -430,12 +432,19 @@ def test_a_gemma4_gguf_names_its_quants_before_it_loads_and_its_kernels_in_statu
     if moe:
         quantised |= {"experts.down_proj": "Q8_0 x6", "experts.gate_up_proj": "Q8_0 x6", "router.proj": "Q8_0 x6"}
     assert tensor_groups(tensors["reason"]) == quantised
-    assert "per_layer_input_gate Q8_0 x6: dense bfloat16 (the int4 kernel packs rows in sixteens and it has 8)" in (
-        tensors["reason"])
+    # AVX512: the Q8_0 layers' offline verdict (torch's int4), which cannot take 8 rows: dense; AVX2
+    # (verdicts measured at load): such layers run memra's block kernel unmeasured
+    measured = block_gemv.capability() in kernel_choice.MEASURED_ON
+    gate = (f"Q8_0 blocks (memra block kernel, {block_gemv.path()} (the int4 kernel packs rows in sixteens))"
+            if measured else "dense bfloat16 (the int4 kernel packs rows in sixteens and it has 8)")
+    assert f"per_layer_input_gate Q8_0 x6: {gate}" in tensors["reason"]
     assert "per_layer_projection F32 x6: dense bfloat16 (shipped unquantized)" in tensors["reason"]
-    head = "Q8_0 x16 blocks 1" if block_gemv.interleaves() else "Q8_0 blocks 1"  # AVX512: its rows 16 side by side
-    assert tensors["value"].startswith(head)
-    dense = (6 + 6) + (6 + 6 + 6 if moe else 0)  # the gates, the F32 projections; the experts, the 8-row routers
+    # AVX512: the head's rows 16 side by side; AVX2: as measured, with the Q8_0 layers it may share a row with
+    heads = ("Q8_0 x16 blocks ", "Q8_0 blocks ") if measured else (
+        "Q8_0 x16 blocks 1" if block_gemv.interleaves() else "Q8_0 blocks 1",)
+    assert tensors["value"].startswith(heads)
+    # the gates (AVX512), the F32 projections; the experts, the 8-row routers (AVX512)
+    dense = (6 + (0 if measured else 6)) + ((6 + 6) + (0 if measured else 6) if moe else 0)
     assert f"dense bfloat16 {dense}" in tensors["value"].split(", ")
     if moe:  # 2 of 8 experts, 6 layers: down [64, 64], bf16; 34 bytes a 32 in Q8_0
         assert (f"experts.down_proj Q8_0 x6: dense bfloat16 (3-D expert tensors, dequantised: no packed form; a "
