@@ -16,6 +16,7 @@ from memrad.engine.model.weights import (
     BLOCKS_LAYOUT, INT4_CACHE, Q8_CACHE, load_int4_cache, load_kinds, load_q8_cache, save_block_caches,
 )
 from tiny import build_llama
+from test_kernel_choice import _timer  # a fake clock: (row-major, the other kernel[, interleaved]) a call
 
 
 def pack_q4_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -262,7 +263,7 @@ def test_a_tiny_gguf_of_k_quants_loads_its_super_blocks_onto_memras_kernel_where
         pytest.skip(block_gemv.why_not())
     path = _qwen3_k_quants(tmp_path, monkeypatch)
     # (on AVX2 the Q8_0 head is measured too, with its interleaved arm third)
-    monkeypatch.setattr(kernel_choice, "_fastest", lambda *calls: ([c() for c in calls], (1e-4, 3e-4, 3e-4))[-1][:len(calls)])
+    monkeypatch.setattr(kernel_choice, "_fastest", _timer(1e-4, 3e-4, 3e-4))
     loaded = _load_gguf(path)
     model = loaded.model
     layer = model.model.layers[0]
@@ -295,7 +296,7 @@ def test_where_memras_kernel_loses_q4_k_runs_on_the_int4_kernel_and_q6_k_q5_k_st
     if block_gemv.why_not() is not None:
         pytest.skip(block_gemv.why_not())
     path = _qwen3_k_quants(tmp_path, monkeypatch)
-    monkeypatch.setattr(kernel_choice, "_fastest", lambda *calls: ([c() for c in calls], (4e-4, 2e-4, 4e-4))[-1][:len(calls)])
+    monkeypatch.setattr(kernel_choice, "_fastest", _timer(4e-4, 2e-4, 4e-4))
     loaded = _load_gguf(path)
     layer = loaded.model.model.layers[0]
     assert type(layer.self_attn.q_proj) is Int4Linear
