@@ -34,6 +34,7 @@ FLAGS = {
     "dtype": "model.dtype",
     "threads": "model.threads",
     "weights": "model.weights",
+    "kv_dtype": "model.kv_dtype",
     "context": "model.context",
     "prefill_chunk": "engine.prefill_chunk",
     "compile": "engine.compile",
@@ -73,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--threads", type=int, help="torch intra-op threads (0: all available cores)")
     start.add_argument("--weights", choices=("auto", "float", "int4", "int8"),
                        help="decode weights: int4 runs a GGUF's 4-bit blocks as shipped (auto where present)")
+    start.add_argument("--kv-dtype", choices=("auto", "activations", "bfloat16"),
+                       help="KV cache rows: auto keeps bf16 rows under fp32 activations where the decode step reads "
+                            "them on memra's kernel (half a long context's bytes), activations keeps their dtype")
     start.add_argument("--context", type=int,
                        help="tokens served (prompt + reply); past the model's native length RoPE scaling "
                             "(YaRN) extends it (0: the model's default; the default model serves 32768)")
@@ -534,9 +538,9 @@ def _build_decode_step(spec: str) -> None:
     from memrad.engine.model.loader import load_model
 
     loaded = load_model(spec, settings.model.device, settings.model.dtype, progress=lambda _: None,
-                        allow_pull=False, weights=settings.model.weights, context=settings.model.context)
-    recipe = Recipe(str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len,
-                    loaded.threads)
+                        allow_pull=False, weights=settings.model.weights, context=settings.model.context,
+                        kv_dtype=settings.model.kv_dtype)
+    recipe = Recipe.of(loaded)
     # The batched step's package too where the settings decode batched (a start would build it).
     batch_rows = settings.server.max_batch if settings.engine.batch_decode == "batched" else None
     run_rows = speculation.RUN_ROWS if settings.engine.speculate == "auto" else None

@@ -49,6 +49,7 @@ class ModelSettings:
     threads: int = _key(0, "MEMRA_THREADS")
     weights: str = _key("auto", "MEMRA_WEIGHTS")
     context: int = _key(0, "MEMRA_CONTEXT")
+    kv_dtype: str = _key("auto", "MEMRA_KV_DTYPE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +146,7 @@ _CHOICES = {
     "model.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.weights": ("auto", "float", "int4", "int8"),
+    "model.kv_dtype": ("auto", "activations", "bfloat16"),
     "log.level": ("debug", "info", "warning", "error"),
     "reuse.mode": ("exact", "fast"),
     "engine.compile": ("auto", "wait", "on", "off"),

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from memrad.bench.daemons import Daemon
 from memrad.engine.model.hardware import native_bf16
+from memrad.engine.model.kv_dtype import MODES as KV_DTYPES
 from memrad.engine.model.loader import load_model, resolve_model_folder, resolve_threads
 from memrad.engine.threads import pin
 from memrad.engine.model.random_model import NAMED_SHAPES, copy_shape, write_named_shape, write_random_model
@@ -58,14 +59,16 @@ def pair(text: str) -> tuple[int, int]:
     return parsed
 
 
-def arm_spec(text: str) -> tuple[str, str, str]:
-    """WEIGHTS[:DTYPE[:DECODE]] -> (weights, dtype, decode); dtype defaults to auto, decode to
-    the eager step."""
+def arm_spec(text: str) -> tuple[str, str, str, str]:
+    """WEIGHTS[:DTYPE[:DECODE[:KV]]] -> (weights, dtype, decode, kv); dtype defaults to auto, decode
+    to the eager step, kv (model.kv_dtype: the cache rows' dtype) to auto."""
     parts = text.split(":")
     weights, dtype, decode = parts[0], (parts[1:2] or ["auto"])[0], (parts[2:3] or ["eager"])[0]
-    if len(parts) > 3 or decode not in DECODES:
-        raise SystemExit(f"arm {text}: expected WEIGHTS:DTYPE:DECODE with DECODE one of {', '.join(DECODES)}")
-    return weights, dtype, decode
+    kv = (parts[3:4] or ["auto"])[0]
+    if len(parts) > 4 or decode not in DECODES or kv not in KV_DTYPES:
+        raise SystemExit(f"arm {text}: expected WEIGHTS:DTYPE:DECODE[:KV] with DECODE one of {', '.join(DECODES)} "
+                         f"and KV one of {', '.join(KV_DTYPES)}")
+    return weights, dtype, decode, kv
 
 
 def default_arms() -> list[str]:
@@ -151,10 +154,10 @@ def _speed(args: argparse.Namespace, threads: int) -> int:
     loads: dict[str, tuple[float, int]] = {}
     pin(threads)  # as the daemon does before it loads: what is measured at load runs on the threads served
     for spec in args.arms or default_arms():
-        weights, dtype, decode = arm_spec(spec)
+        weights, dtype, decode, kv = arm_spec(spec)
         rss, started = current_rss_bytes(), time.perf_counter()
         loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights,
-                            context=args.context, prefill_attention=args.prefill_attention)
+                            context=args.context, prefill_attention=args.prefill_attention, kv_dtype=kv)
         loads[spec] = (time.perf_counter() - started, current_rss_bytes() - rss)
         arms.append(Arm(spec, loaded, args.chunk, threads, decode))
     rng = random.Random(0)
@@ -194,9 +197,9 @@ def _grammar(args: argparse.Namespace, threads: int) -> int:
     from memrad.bench import grammar_cost
 
     spec = (args.arms or [default_arms()[0]])[0]  # the step the daemon decodes with once compiled
-    weights, dtype, decode = arm_spec(spec)
+    weights, dtype, decode, kv = arm_spec(spec)
     loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights,
-                        context=args.context)
+                        context=args.context, kv_dtype=kv)
     arm = Arm(spec, loaded, args.chunk, threads, decode)
     print(f"model={args.model} arm={spec} context={loaded.context.describe()} threads={threads} cpu={_cpu_name()} "
           f"step={arm.engine.decoder.choice.value} ({arm.engine.decoder.choice.reason})", flush=True)
@@ -207,8 +210,9 @@ def _grammar(args: argparse.Namespace, threads: int) -> int:
 def _spec(args: argparse.Namespace, threads: int) -> int:
     from memrad.bench import speculation
 
-    weights, dtype, _ = arm_spec((args.arms or [default_arms()[0]])[0])
-    loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights, context=args.context)
+    weights, dtype, _, kv = arm_spec((args.arms or [default_arms()[0]])[0])
+    loaded = load_model(args.model, args.device, dtype, progress=lambda _: None, weights=weights, context=args.context,
+                        kv_dtype=kv)
     speculation.run(loaded, threads, args.chunk, args.max_tokens, args.reps, _cpu_name())
     return 0
 
@@ -220,6 +224,8 @@ def _report(args, threads, arms, cells, peer_cells, loads) -> None:
           f"reps={args.reps} chunk={args.chunk} (medians, interleaved)")
     print(f"cpu={_cpu_name()} bf16: {native_bf16().reason}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(f"prefill attention: {arms[0].loaded.attention.value} ({arms[0].loaded.attention.reason})")
+    for arm in arms:
+        print(f"KV cache of {arm.name}: {arm.loaded.kv.value} ({arm.loaded.kv.reason})")
     names = [arm.name for arm in arms]
     base = names[-1]
     header = "| measure | " + " | ".join(names) + (" | llama.cpp |" if peer_cells else " |")

@@ -33,7 +33,8 @@ def build_engine(settings: Settings) -> Engine:
     started = time.perf_counter()
     loaded = load_model(settings.model.name, settings.model.device, settings.model.dtype,
                         progress=lambda msg: log.info("%s", msg), weights=settings.model.weights,
-                        context=settings.model.context, prefill_attention=settings.engine.prefill_attention)
+                        context=settings.model.context, prefill_attention=settings.engine.prefill_attention,
+                        kv_dtype=settings.model.kv_dtype)
     log.info("loaded %s in %.1f s on %s (%s, %s weights, %d threads, prefill chunk %d, context %d %s)",
              loaded.model_id, time.perf_counter() - started, loaded.device.type, loaded.dtype_name,
              loaded.weights_name, threads, settings.engine.prefill_chunk, loaded.context_len,

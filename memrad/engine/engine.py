@@ -47,6 +47,7 @@ from memrad.engine.parking import (DiskLike, NoDisk, NoParking, Parking, Parking
                                    essential)
 from memrad.engine import speculation
 from memrad.engine.sampling import Shaper, sample, shapes
+from memrad.engine.model import kv_dtype
 from memrad.engine.state.layers import install as install_slabs
 from memrad.engine.state.snapshot import is_croppable
 from memrad.engine.model.products import Products
@@ -158,8 +159,7 @@ class Engine:
         self._sampling = Sampling(lambda *args: self.sampler(*args), loaded.eos_ids, loaded.tokenizer,
                                   self.chat.format.markup_ids, self.chat.grammars.token_bytes, self._shaper)
         # The one-token step (memrad.engine.decode.decoder): eager, compiled, or transformers' forward.
-        self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, options.compile, builder.Recipe(
-            str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len, loaded.threads),
+        self.decoder = Decoder(loaded.model, loaded.context_len, loaded.device, options.compile, builder.Recipe.of(loaded),
             batch_rows=self.max_batch if self._batches() else None,
             run_rows=speculation.RUN_ROWS if options.speculate == "auto" else None)
         # Which step that is (llama-shaped, Gemma 3, Qwen3-Next) and its layers; none where transformers decodes.
@@ -201,6 +201,7 @@ class Engine:
                             "native_context_length": loaded.context.native_tokens,
                             "context_scaling": loaded.context.describe()},
                 "attention": {"value": loaded.attention.value, "reason": loaded.attention.reason},
+                "kv": {"value": loaded.kv.value, "reason": loaded.kv.reason},
                 "products": {"value": loaded.products.choice.value, "reason": loaded.products.choice.reason},
                 "batch": self._batch_choice(), "threads": self._threads_choice(),
                 "speculation": self._speculation_choice()}
@@ -274,7 +275,8 @@ class Engine:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.loaded.model.config)
-        return install_slabs(cache, self.context_len) if in_place and self.loaded.device.type == "cpu" else cache
+        return (install_slabs(cache, self.context_len, kv_dtype.of(self.loaded.model))
+                if in_place and self.loaded.device.type == "cpu" else cache)
 
     def namespace(self, request: GenerationRequest) -> Namespace:
         return Namespace(self.model_id, request.cache_salt)

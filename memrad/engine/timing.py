@@ -186,7 +186,10 @@ def decode_bytes_per_token(loaded: LoadedModel) -> int:
 
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
-    """Bytes of K and V one position holds over all layers: what attention reads per row."""
+    """Bytes of K and V one position holds over all layers, in the rows' dtype
+    (memrad.engine.model.kv_dtype): what attention reads per row."""
+    from memrad.engine.model import kv_dtype
+
     config = loaded.model.config
     _, kv_heads, head_dim = attention_shape(config)
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * loaded.dtype.itemsize
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * kv_dtype.of(loaded.model).itemsize

@@ -53,7 +53,7 @@ def greedy(loaded, feed, prompt):
 
 def test_the_eager_gemma_step_decodes_transformers_tokens(gemma_loaded, prompt, transformers_tokens):
     chosen = Decoder(gemma_loaded.model, gemma_loaded.context_len, gemma_loaded.device, "off")
-    assert (chosen.choice.value, chosen.choice.reason) == ("eager", "compile = off: torch's attention")
+    assert (chosen.choice.value, chosen.choice.reason) == ("eager", "compile = off: memra's attention kernel")
     assert greedy(gemma_loaded, chosen.feeder(), prompt) == transformers_tokens
 
 

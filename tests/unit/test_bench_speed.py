@@ -1,4 +1,4 @@
-"""`memrad bench speed` arms: WEIGHTS[:DTYPE[:DECODE]], as the docs and .ci/device-check write them."""
+"""`memrad bench speed` arms: WEIGHTS[:DTYPE[:DECODE[:KV]]], as the docs and .ci/device-check write them."""
 
 import pytest
 
@@ -6,18 +6,20 @@ from memrad.bench.speed import arm_spec, default_arms
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("int4:bfloat16:compiled", ("int4", "bfloat16", "compiled")),
-    ("int4:bfloat16", ("int4", "bfloat16", "eager")),  # .ci/device-check's form
-    ("float", ("float", "auto", "eager")),
-    ("float:float32:transformers", ("float", "float32", "transformers")),
+    ("int4:bfloat16:compiled", ("int4", "bfloat16", "compiled", "auto")),
+    ("int4:bfloat16", ("int4", "bfloat16", "eager", "auto")),  # .ci/device-check's form
+    ("float", ("float", "auto", "eager", "auto")),
+    ("float:float32:transformers", ("float", "float32", "transformers", "auto")),
+    ("int4:float32:compiled:activations", ("int4", "float32", "compiled", "activations")),  # the KV A/B
 ])
 def test_arm_specs_read_weights_dtype_and_decode_step(text, expected):
     assert arm_spec(text) == expected
 
 
-@pytest.mark.parametrize("text", ["int4:bfloat16:fast", "int4:bfloat16:eager:x"])
+@pytest.mark.parametrize("text", ["int4:bfloat16:fast", "int4:bfloat16:eager:x", "int4:float32:eager:auto:x"])
 def test_a_bad_arm_says_what_it_expects(text):
-    with pytest.raises(SystemExit, match="expected WEIGHTS:DTYPE:DECODE with DECODE one of compiled, eager, transformers"):
+    with pytest.raises(SystemExit, match="expected WEIGHTS:DTYPE:DECODE\\[:KV\\] with DECODE one of compiled, eager, "
+                                         "transformers and KV one of auto, activations, bfloat16"):
         arm_spec(text)
 
 

@@ -104,9 +104,9 @@ def test_a_first_start_makes_the_eager_batched_step_before_its_first_request(tin
     for thread in threading.enumerate():
         if thread.name == "memrad-batch-check":
             thread.join(60)
-    assert made == [("memrad-batch-check", (2, False, False))]
+    assert made == [("memrad-batch-check", (2, True, False))]
     flight = engine.admit(request(engine, "a"), lambda _: None, lambda: False)
-    assert flight.feed is engine.decoder._batched[(2, False, False)]  # the one made ahead, not another
+    assert flight.feed is engine.decoder._batched[(2, True, False)]  # the one made ahead, not another
     assert len(made) == 2  # the engine asked, under the lock, and found it made
 
 

@@ -106,7 +106,8 @@ def whole_forward(model, tokens):
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 0.01)])
 def test_scaled_prefill_and_decode_match_transformers_forward_with_the_same_rope(short_dir, dtype, atol):
     torch.set_num_threads(1)
-    loaded = load_model(str(short_dir), device="cpu", dtype=dtype, context=SERVED)
+    # The rows in the activations' dtype: the reference's (bf16 rows under fp32: test_kv_dtype)
+    loaded = load_model(str(short_dir), device="cpu", dtype=dtype, context=SERVED, kv_dtype="activations")
     assert (loaded.context_len, loaded.context.describe()) == (SERVED, "yarn x4")
     torch_dtype = getattr(torch, dtype)
     expected = whole_forward(reference(short_dir, torch_dtype, YARN), TOKENS)
@@ -128,7 +129,7 @@ def test_scaled_prefill_and_decode_match_transformers_forward_with_the_same_rope
 @pytest.mark.skipif(decoder_module.cxx_compiler() is None, reason="compiling the step needs a C++ compiler")
 def test_the_compiled_step_decodes_scaled_positions_as_transformers_does(short_dir):
     torch.set_num_threads(1)
-    loaded = load_model(str(short_dir), device="cpu", dtype="float32", context=SERVED)
+    loaded = load_model(str(short_dir), device="cpu", dtype="float32", context=SERVED, kv_dtype="activations")
     expected = whole_forward(reference(short_dir, torch.float32, YARN), TOKENS)
     compiled = Decoder(loaded.model, loaded.context_len, loaded.device, "on")
     compiled.start()

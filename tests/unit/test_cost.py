@@ -9,7 +9,8 @@ from memrad.reuse.cost import ATTENTION_SPAN, COPY_ROWS_PER_TOKEN, copy_cost, pr
 
 CHUNK = 8
 SYSTEM = "You are a helpful coding assistant. Read the file, then answer. " * 22
-BYTES_PER_ROW = 2 * 2 * 2 * 16 * 4  # tiny llama, fp32: 2 layers x (keys, values) x 2 KV heads x 16 dims x 4 B
+# tiny llama, fp32 activations, bf16 rows (model.kv_dtype): 2 layers x (keys, values) x 2 KV heads x 16 dims x 2 B
+BYTES_PER_ROW = 2 * 2 * 2 * 16 * 2
 
 
 def test_a_primed_token_costs_more_the_further_in_it_sits_and_a_copy_is_never_free():
@@ -42,7 +43,7 @@ def test_a_replayed_conversation_forks_the_earlier_run_until_the_copy_costs_more
     d = [c.decision for c in done]
     assert d[0].render() == "prefix: resumed (longest prefix with s16, 456 of 458; forked)"
     assert (d[0].copied_rows, d[0].copied_bytes, d[0].cost_tokens) == (456, 456 * BYTES_PER_ROW, 10)
-    assert d[0].render_cost().startswith("cost: primed 2 tokens, copied 456 rows (0.2 MiB), state ready in ")
+    assert d[0].render_cost().startswith("cost: primed 2 tokens, copied 456 rows (0.1 MiB), state ready in ")
     for turn in range(2, 10):  # the fork: 8 tokens more than the request's own session offers
         x, checkpoint = d[turn - 1], 458 + 15 * (turn - 1) - 7
         assert x.render() == (f"affinity: resumed (implicit, {2 * turn} shared segments; checkpoint {checkpoint}; "

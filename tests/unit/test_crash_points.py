@@ -134,7 +134,7 @@ def test_a_package_build_killed_mid_way_is_never_opened_and_the_next_build_clean
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty compile cache
     torch.set_num_threads(1)
     loaded = load_model(str(q4_dir), device="cpu", dtype="bfloat16", weights="int4")
-    recipe = builder.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len)
+    recipe = builder.Recipe.of(loaded)
     kernel = decode_attention.load(cxx_compiler()) is None
     decoder = Decoder(loaded.model, loaded.context_len, loaded.device, "auto", recipe)
     path = decoder._package(kernel)

@@ -55,6 +55,32 @@ def test_the_kernel_computes_attention_over_the_first_rows_only(heads, group, di
     assert (got.double() - expected).abs().max() <= tolerance
 
 
+@pytest.mark.parametrize("heads,group,dim", SHAPES[:3])
+@pytest.mark.parametrize("rows", [1, 257, 544, 4160])
+def test_fp32_queries_over_bf16_rows_are_the_rows_widened_bit_for_bit(heads, group, dim, rows):
+    """A bf16 cache under fp32 activations (memrad.engine.model.kv_dtype): the kernel widens each
+    row as it reads it, so on its vector paths the output is the all-fp32 call's over the rows
+    widened first, exactly (the plain loops, SHAPES[3], are compiled apart per dtype: within the
+    fp32 bound there)."""
+    keys, values = slab(heads, rows, dim, torch.bfloat16, seed=rows + dim)
+    q = torch.randn(1, heads, group, dim)
+    got = torch.ops.memra.decode_attention(q, keys[:, :, :rows], values[:, :, :rows], dim ** -0.5)
+    widened = torch.ops.memra.decode_attention(q, keys[:, :, :rows].float(), values[:, :, :rows].float(), dim ** -0.5)
+    assert got.dtype == torch.float32 and torch.equal(got, widened)
+    lengths = [rows, 1]
+    together = torch.ops.memra.decode_attention_rows(torch.cat([q, q]), [keys, keys], [values, values], lengths,
+                                                      dim ** -0.5)
+    assert torch.equal(together[:1], got)
+
+
+def test_fp32_queries_over_bf16_rows_on_the_plain_loops_are_within_the_fp32_bound():
+    keys, values = slab(2, 257, 48, torch.bfloat16, seed=5)
+    q = torch.randn(1, 2, 9, 48)
+    got = torch.ops.memra.decode_attention(q, keys[:, :, :257], values[:, :, :257], 48 ** -0.5)
+    expected = reference(q, keys[:, :, :257].float(), values[:, :, :257].float(), 48 ** -0.5)
+    assert got.dtype == torch.float32 and (got.double() - expected).abs().max() <= 2e-6
+
+
 def test_the_bits_do_not_depend_on_the_thread_count():
     keys, values = slab(3, 4160, 64, torch.bfloat16, seed=1)
     q = torch.randn(1, 3, 3, 64).to(torch.bfloat16)
@@ -106,8 +132,10 @@ def test_rows_refuse_counts_and_lengths_the_keys_do_not_have():
 
 def test_mismatched_inputs_are_refused_with_what_is_wrong():
     keys, values = slab(3, 8, 64, torch.bfloat16, seed=2)
-    with pytest.raises(RuntimeError, match="q, keys and values differ in dtype"):
-        torch.ops.memra.decode_attention(torch.randn(1, 3, 3, 64), keys, values, 0.125)
+    with pytest.raises(RuntimeError, match="keys and values differ in dtype"):
+        torch.ops.memra.decode_attention(torch.randn(1, 3, 3, 64), keys, values.float(), 0.125)
+    with pytest.raises(RuntimeError, match="decode_attention takes bfloat16 or float32"):
+        torch.ops.memra.decode_attention(torch.randn(1, 3, 3, 64).half(), keys, values, 0.125)
     with pytest.raises(RuntimeError, match="q does not match the keys' heads"):
         torch.ops.memra.decode_attention(torch.randn(1, 2, 3, 64).to(torch.bfloat16), keys, values, 0.125)
     with pytest.raises(RuntimeError, match="no rows to attend"):

@@ -8,12 +8,12 @@ do); the batched step routes each row on its own, so in fp32, where one grouped 
 several rows would change a row's bits, a row is the same bits alone and beside any others; and
 the feed-forward bytes a token reads are the router's plus 2 of 8 experts'.
 
-The forward the step is held to attends one token's queries with the step's layout (the query
-heads of a KV head as the rows of one query block, `pack_gqa`, which transformers itself takes
-for one token under a mask): transformers' maskless one-token call (`enable_gqa`, one row per
-head) differs from it in the last bit now and then (here: one of 14 steps, 0.0039 in a bf16
-logit), for every llama-shaped step alike; with the layout held equal, every step is the
-forward's bit for bit, MoE block, router, norms and all.
+The forward the step is held to attends one token's queries as the step does (memra's decode
+kernel, the query heads of a KV head as the rows of one query block): transformers' maskless
+one-token call (`enable_gqa`, one row per head) differs from it in the last bit now and then
+(torch's SDPA in the step's layout did too: one of 14 steps, 0.0039 in a bf16 logit), for every
+llama-shaped step alike; with the attention held equal, every step is the forward's bit for
+bit, MoE block, router, norms and all.
 """
 
 import pytest
@@ -47,8 +47,9 @@ def fresh(path, dtype="bfloat16", weights="auto"):
     return load_model(str(path), device="cpu", dtype=dtype, weights=weights, progress=lambda _: None)
 
 
-def with_the_steps_attention_layout(model):
-    """Make `model`'s forward attend one token as the step does (prefill: unchanged)."""
+def with_the_steps_attention_layout(model, kernel):
+    """Make `model`'s forward attend one token as the step does, on memra's kernel or not (prefill:
+    unchanged)."""
     from transformers import AttentionInterface
 
     prefill_attention = AttentionInterface()[model.config._attn_implementation]
@@ -58,8 +59,11 @@ def with_the_steps_attention_layout(model):
             return prefill_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         _, heads, _, dim = query.shape
         kv_heads = key.shape[1]
-        out = F.scaled_dot_product_attention(query.view(1, kv_heads, heads // kv_heads, dim), key, value,
-                                             scale=scaling)  # [1, H_kv, G, D]
+        q = query.view(1, kv_heads, heads // kv_heads, dim)
+        # the step's attention: memra's kernel over bf16 rows (its bits over the rows widened, as the cache
+        # hands them here), else torch's (compile = off)
+        out = (torch.ops.memra.decode_attention(q, key, value, scaling) if kernel
+               else F.scaled_dot_product_attention(q, key, value, scale=scaling))  # [1, H_kv, G, D]
         return out.reshape(1, heads, 1, dim).transpose(1, 2), None  # [1, 1, H, D]
 
     AttentionInterface.register("memra_test_step_layout", attend)
@@ -90,7 +94,7 @@ def test_the_router_chooses_what_the_forward_chooses(gguf, dtype):
     engine = Engine(loaded, EngineOptions(16, 1))
     feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
     ours, theirs = primed(loaded, engine), primed(loaded, engine)
-    with_the_steps_attention_layout(loaded.model)
+    with_the_steps_attention_layout(loaded.model, feed.kernel)
     seen = routes(loaded.model)
     token = 7
     for step in range(12):

@@ -136,7 +136,7 @@ def test_the_moe_router_chooses_what_the_forward_chooses_and_no_other_expert_is_
     ours, theirs = engine.new_cache(), engine.new_cache()
     prefill(loaded.model, ours, PROMPT, 0, 16)
     b = prefill(loaded.model, theirs, PROMPT, 0, 16)
-    with_the_steps_attention_layout(loaded.model)
+    with_the_steps_attention_layout(loaded.model, feed.kernel)
     seen = routes(loaded.model, lambda layer: layer.router)  # Gemma 4's sits on the layer
     for step in range(WINDOW):
         token = int(b.argmax())
@@ -177,7 +177,7 @@ def decodes_the_forwards_bits(loaded, tolerance):
     a = prefill(loaded.model, ours, PROMPT, 0, 16)
     b = prefill(loaded.model, theirs, PROMPT, 0, 16)
     assert torch.equal(a, b)
-    with_the_steps_attention_layout(loaded.model)
+    with_the_steps_attention_layout(loaded.model, feed.kernel)
     for step in range(3 * WINDOW):  # the window's buffer (2W rows) moves
         token = int(b.argmax())
         a = feed(ours, token, len(PROMPT) + step)

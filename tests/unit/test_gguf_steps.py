@@ -86,7 +86,7 @@ def test_the_step_decodes_transformers_bits(ggufs, arch, dtype, weights, toleran
     if arch == "gemma2":
         tolerance = 0.0  # no fused matmul changes a shape: every dtype gives the forward's bits
     else:  # the forward attends one token as the step does (test_experts: one row per head differs now and then)
-        with_the_steps_attention_layout(loaded.model)
+        with_the_steps_attention_layout(loaded.model, feed.kernel)
     for step in range(12):  # Gemma 2: past its window of 8 (the 40-token prompt already is)
         token = int(b.argmax())
         a = feed(ours, token, len(PROMPT) + step)

@@ -95,7 +95,7 @@ def test_the_lfm2_step_decodes_transformers_bits(gguf, dtype, weights, tolerance
     loaded = fresh(gguf, dtype, weights)
     feed = Decoder(loaded.model, loaded.context_len, loaded.device).feeder()
     ours, theirs = Engine(loaded, EngineOptions(16, 1)).new_cache(), DynamicCache(config=loaded.model.config)
-    with_the_steps_attention_layout(loaded.model)  # as test_experts says why
+    with_the_steps_attention_layout(loaded.model, feed.kernel)  # as test_experts says why
     a = prefill(loaded.model, ours, PROMPT, 0, 16)
     b = prefill(loaded.model, theirs, PROMPT, 0, 16)
     assert torch.equal(a, b)  # the in-place layers leave prefill's bits alone

@@ -69,7 +69,8 @@ def test_a_qwen3_gguf_is_described_before_it_loads(ggufs):
         "  fast decode step: yes, memra's qwen3 step (Qwen3ForCausalLM layers on one graph: 2 full-attention)",
         f"  quants: {QWEN3_QUANTS}",
         "  context: native 1,024, served 1,024 (native)",
-        "  KV: 2,048 B/token in float32",  # 2 layers x K and V x 1 KV head x 128 dims x 4 bytes
+        # 2 layers x K and V x 1 KV head x 128 dims x 2 bytes: bf16 rows under fp32 activations (model.kv_dtype)
+        "  KV: 1,024 B/token in bfloat16",
     ]
 
 

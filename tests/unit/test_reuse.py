@@ -92,8 +92,8 @@ def test_parked_bytes_equal_the_tensors_held(loaded):
     _, state = ask(engine, [SYSTEM, {"role": "user", "content": "hi"}], "r")
     expected = sum(t.numel() * t.element_size() for layer in state.cache.layers for t in (layer.keys, layer.values))
     assert state.session.num_bytes == expected
-    # fp32, 2 layers, 2 kv heads x 16 dims, keys and values
-    assert expected == state.session.num_tokens * 2 * 2 * 2 * 16 * 4
+    # bf16 rows under fp32 activations (model.kv_dtype), 2 layers, 2 kv heads x 16 dims, keys and values
+    assert expected == state.session.num_tokens * 2 * 2 * 2 * 16 * 2
 
 
 def test_parked_bytes_count_recurrent_snapshots(loaded):

@@ -135,7 +135,7 @@ def test_a_child_builds_the_package_the_daemon_would_and_refuses_any_other_name(
     # loads the model from the recipe and must arrive at the very step the parent holds.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     loaded = load(q4_dir)
-    recipe = builder.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len)
+    recipe = builder.Recipe.of(loaded)
     parent = Decoder(loaded.model, loaded.context_len, loaded.device, "on", recipe)
     kernel = decode_attention.load(cxx_compiler()) is None
     wrong = parent._package(kernel).with_name("decode-step-elsewhere.pt2")
@@ -161,7 +161,7 @@ def test_the_batched_steps_build_at_a_lower_priority_than_serving(q4_dir, tmp_pa
     monkeypatch.setattr(builder, "die_with", lambda parent: None)
     monkeypatch.setattr(step_package, "build", lambda *args: built.append(args[5]))  # (..., path, rows, phase)
     argv = [str(q4_dir), loaded.dtype_name, loaded.weights_name, str(loaded.context_len), "kernel", str(path),
-            str(rows), str(os.getpid()), "1"]
+            str(rows), str(os.getpid()), "1", builder.Recipe.of(loaded).kv_dtype]
     try:
         assert builder.main(argv) == 0
     finally:
@@ -180,7 +180,7 @@ def test_the_child_loads_at_the_daemons_thread_count_and_builds_at_one(q4_dir, t
     finally:
         torch.set_num_threads(1)
     assert loaded.threads == 2
-    recipe = builder.Recipe(str(q4_dir), loaded.dtype_name, loaded.weights_name, loaded.context_len, loaded.threads)
+    recipe = builder.Recipe.of(loaded)
     args = []
     monkeypatch.setattr(builder, "run_child", lambda argv, timeout_s, phase: args.extend(argv))
     builder.build_in_child(recipe, True, tmp_path / "step.pt2")
@@ -194,4 +194,4 @@ def test_the_child_loads_at_the_daemons_thread_count_and_builds_at_one(q4_dir, t
         assert builder.main(args[3:]) == 0  # after the interpreter, "-m" and the module
     finally:
         torch.set_num_threads(1)
-    assert args[-1] == "2" and at_load == [2] and at_build == [1]
+    assert args[-2:] == ["2", recipe.kv_dtype] and at_load == [2] and at_build == [1]

@@ -103,8 +103,8 @@ class BatchGraph(nn.Module):
         k = rope(layer.k_norm(k.view(batch, h_kv, d)), cos, sin)  # [B, H_kv, D]
         v = v.view(batch, h_kv, d)
         for r in range(batch):  # every row's KV first: a run's row j attends the rows before it only
-            keys[r].index_copy_(2, positions[r : r + 1], k[r].view(1, h_kv, 1, d))
-            values[r].index_copy_(2, positions[r : r + 1], v[r].view(1, h_kv, 1, d))
+            keys[r].index_copy_(2, positions[r : r + 1], k[r].view(1, h_kv, 1, d).to(keys[r].dtype))  # bf16: rounded
+            values[r].index_copy_(2, positions[r : r + 1], v[r].view(1, h_kv, 1, d).to(values[r].dtype))
         o = attend_rows(q.view(batch, h_kv, heads // h_kv, d), keys, values, lengths, layer.scale, self.kernel)
         x = x + layer.o_proj(o.reshape(batch, 1, heads * d))
         return x + layer.feed_forward(layer.post_norm(x))  # routed experts (Qwen3-MoE): each row on its own

@@ -125,6 +125,15 @@ class Recipe:
     # torch threads at the daemon's load (LoadedModel.threads): the child loads at it, so it reads
     # the kernel verdicts the daemon measured (kept per thread count) and makes the daemon's step.
     threads: int = 1
+    # The cache rows' dtype as the daemon's load chose it (memrad.engine.model.kv_dtype): the child's
+    # step is handed those rows.
+    kv_dtype: str = "activations"
+
+    @classmethod
+    def of(cls, loaded: Any) -> "Recipe":
+        """The recipe for a memrad.engine.model.loader.LoadedModel as it was loaded."""
+        return cls(str(loaded.folder), loaded.dtype_name, loaded.weights_name, loaded.context_len, loaded.threads,
+                   "bfloat16" if loaded.kv.value == "bfloat16" else "activations")
 
 
 _children: set[subprocess.Popen] = set()  # builds running now (`stop_children`)
@@ -149,7 +158,7 @@ def build_in_child(recipe: Recipe, kernel: bool, path: Path, timeout_s: float = 
     it fails."""
     args = [sys.executable, "-m", "memrad.engine.decode.builder", recipe.folder, recipe.dtype, recipe.weights,
             str(recipe.context_len), "kernel" if kernel else "torch", str(path), str(rows or 0), str(os.getpid()),
-            str(recipe.threads)]
+            str(recipe.threads), recipe.kv_dtype]
     run_child(args, timeout_s, phase)
 
 
@@ -212,7 +221,7 @@ def main(argv: list[str]) -> int:
     """The child of `build_in_child`: load the model as the daemon did, build the package."""
     from memrad.engine.model.loader import load_model
 
-    folder, dtype, weights, context_len, attention, path, batch, parent, threads = argv
+    folder, dtype, weights, context_len, attention, path, batch, parent, threads, kv_dtype = argv
     die_with(int(parent))
     kernel, rows = attention == "kernel", int(batch) or None
     if rows:  # the batched steps build while the daemon serves on the one-row step: serving first
@@ -224,7 +233,7 @@ def main(argv: list[str]) -> int:
 
     say(build_times.PHASES[0])
     loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights, allow_pull=False,
-                        progress=lambda _: None, context=int(context_len))
+                        progress=lambda _: None, context=int(context_len), kv_dtype=kv_dtype)
     torch.set_num_threads(1)  # then one thread for the build, the other core left to serving
     if kernel and decode_attention.load(cxx_compiler()) is not None:
         print("memra's attention kernel is not available to the child", file=sys.stderr)

@@ -94,7 +94,11 @@ _AOTI_OPTIONS = {
     "aot_inductor.enable_line_tables": False,
 }
 _LAYOUT = "1"  # of the files this module writes; bump when it changes
-KEEP_PACKAGES = 8  # in the compile cache: several models and configurations side by side
+# In the compile cache: several models and configurations side by side. A configuration's packages
+# are its one-row step and 2, 4 and 8 rows (speculation's runs); 8 kept two, so a third one's builds
+# pruned a package another had just built and not yet opened (its constants gone: seen in one test
+# run with the default model in two dtypes and gemma3). 2-6 MB each.
+KEEP_PACKAGES = 24
 
 
 def graph_ranges(capacity: int, kernel: bool) -> dict[str, tuple[int, int]]:
@@ -128,6 +132,8 @@ def package_path(step: DecodeStep, config: Any, capacity: int, kernel: bool, dir
     label = Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model"
     attention = "memra" if kernel else "torch"
     batch = f"-rows{rows}" if rows else ""
+    rows_dtype = str(rows_dtype_of(step)).removeprefix("torch.")
+    dtype += f"-kv-{rows_dtype}" if rows_dtype != dtype else ""
     return directory / (f"decode-step-{_safe(label)}{batch}-{weights}-{dtype}-attn-{attention}-"
                         f"torch{_safe(torch.__version__)}-{torch.backends.cpu.get_cpu_capability().lower()}-"
                         f"{_key(step, config, capacity, kernel, rows)}.pt2")
@@ -365,6 +371,7 @@ def example_buffers(step: Any, config: Any, capacity: int, length: int, make: An
     own KV heads and head dim where they differ by kind (Gemma 4); a KV-shared layer (Gemma 4)
     is handed an empty pair (memrad.engine.state.shared.SharedLayer)."""
     param = _param(step)
+    rows_dtype = rows_dtype_of(step)
     keys, values, windowed = [], [], []
     for layer, window, state in zip(step.layers, steps.windows(step), steps.recurrent(step)):
         if state:  # a spec per argument: (shape, dtype), or a list of them for a pair (FalconH1)
@@ -374,17 +381,23 @@ def example_buffers(step: Any, config: Any, capacity: int, length: int, make: An
             pair = [SharedLayer().step_buffers(length - 1)[0] for _ in range(2)]
         elif window is None:
             kv_heads, head_dim = _rows_shape(layer, config)
-            pair = [make((1, kv_heads, capacity, head_dim), param.dtype, param.device) for _ in range(2)]
+            pair = [make((1, kv_heads, capacity, head_dim), rows_dtype, param.device) for _ in range(2)]
         else:
             kv_heads, head_dim = _rows_shape(layer, config)
             rows = view_rows or (3 if length == 2 else 2)
-            pair = [make((1, kv_heads, buffer_rows(window), head_dim), param.dtype, param.device)[:, :, :rows]
+            pair = [make((1, kv_heads, buffer_rows(window), head_dim), rows_dtype, param.device)[:, :, :rows]
                     for _ in range(2)]
         keys.append(pair[0])
         values.append(pair[1])
         if window is not None:
             windowed.extend(pair)
     return keys, values, windowed
+
+
+def rows_dtype_of(step: Any) -> torch.dtype:
+    """The dtype of the KV rows `step` is handed: its `kv_dtype` (the llama-shaped and Gemma 3
+    steps: memrad.engine.model.kv_dtype), else its weights'."""
+    return getattr(step, "kv_dtype", None) or _param(step).dtype
 
 
 def _rows_shape(layer: Any, config: Any) -> tuple[int, int]:
@@ -454,7 +467,8 @@ def _key(step: DecodeStep, config: Any, capacity: int, kernel: bool, rows: int |
 
     digest = hashlib.sha256()
     for part in (_LAYOUT, torch.__version__, transformers.__version__, torch.backends.cpu.get_cpu_capability(),
-                 _cpu_flags(), capacity, decode_step.SPLIT_ROWS, kernel, config.to_json_string(use_diff=False)):
+                 _cpu_flags(), capacity, decode_step.SPLIT_ROWS, kernel, rows_dtype_of(step),
+                 config.to_json_string(use_diff=False)):
         digest.update(f"{part}\n".encode())
     kernel_source = [decode_attention.__file__, decode_attention.SOURCE] if kernel else []
     if rows:  # the batched step: its code and row count (the one-row step's key is unchanged)

@@ -84,6 +84,7 @@ def measure(arch: str, dtype_name: str = "bfloat16", steps: int = 64, threads: i
     from memrad.engine.decode.decoder import Decoder
     from memrad.engine.decode.steps import experts
     from memrad.engine.forward import decode_one_token, prefill
+    from memrad.engine.model import kv_dtype
     from memrad.engine.state.layers import install
 
     torch.set_num_threads(threads)
@@ -93,7 +94,7 @@ def measure(arch: str, dtype_name: str = "bfloat16", steps: int = 64, threads: i
     feed = Decoder(model, context, torch.device("cpu")).feeder()
     timings = {}
     for name, run in (("step", feed), ("forward", lambda c, t, p: decode_one_token(model, c, t, p))):
-        cache = install(DynamicCache(config=model.config), context)
+        cache = install(DynamicCache(config=model.config), context, kv_dtype.of(model))
         with torch.inference_mode():
             logits = prefill(model, cache, PROMPT, 0, 16)
             times = []

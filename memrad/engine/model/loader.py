@@ -47,6 +47,8 @@ class LoadedModel:
     tensors: Choice = Choice("", "")
     # Prefill attention (memrad.engine.model.attention): "memra" (memra's prefill kernel, any of its paths) or "torch".
     attention: Choice = Choice("torch", "set by engine.prefill_attention")
+    # The KV cache's dtype (memrad.engine.model.kv_dtype): "bfloat16", or the activations' dtype name.
+    kv: Choice = Choice("float32", "set by model.kv_dtype")
     # A prefill chunk's dense products (memrad.engine.model.products): fixed spans whose bits
     # hold at any thread count (so prefill's team may follow the CPU), or torch's own.
     products: Products = TORCH
@@ -118,10 +120,11 @@ def resolve_model_folder(spec: str, progress: Progress, allow_pull: bool = True)
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto",
                progress: Progress = log.info, allow_pull: bool = True, weights: str = "auto",
-               context: int = 0, prefill_attention: str = "auto") -> LoadedModel:
+               context: int = 0, prefill_attention: str = "auto", kv_dtype: str = "auto") -> LoadedModel:
     """`context`: the tokens to serve (0: the catalog row's served context, else the model's
     native length); past the native length the config gets RoPE scaling before the model is built.
-    `prefill_attention`: auto (memra's kernel where it runs) or torch (memrad.engine.model.attention)."""
+    `prefill_attention`: auto (memra's kernel where it runs) or torch (memrad.engine.model.attention).
+    `kv_dtype`: the cache rows' dtype, auto, activations or bfloat16 (memrad.engine.model.kv_dtype)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from memrad.engine.model.weights import apply_weights, count_int4_cache, count_q8_cache
@@ -165,6 +168,11 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
     attention = install_attention(model, prefill_attention)
     switch = rope_switch.install(model, shipped, served) if shipped is not None else None
     progress(f"prefill attention {attention.value}: {attention.reason}")
+    from memrad.engine.decode.steps import attends_on_kernel
+    from memrad.engine.model import kv_dtype as kv_choice
+
+    kv = kv_choice.choose(model, kv_dtype, attends_on_kernel(model, served.num_tokens))
+    progress(f"KV cache {kv.value}: {kv.reason}")
     from memrad.engine.threads import cpu_ceiling
 
     products = prefill_products(model.config, cpu_ceiling().cpus)
@@ -188,6 +196,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
         head=applied.head,
         tensors=Choice(formats.summary(applied.groups), formats.describe(applied.groups)),
         attention=attention,
+        kv=kv,
         products=products,
         rope=switch,
         rope_keys=rope_switch.keys(served, model.config, shipped if switch is not None else None),

@@ -9,7 +9,7 @@ under a second) and a model built on the meta device (no weights, no memory):
     decode step    which compiled step decodes it (memrad.engine.decode.steps), or why none does
     quants         the GGUF type of each tensor kind (attn_q, ffn_down, ...), as shipped
     context        native and served (memrad.engine.model.context: the same plan the load makes)
-    KV             bytes per token of context in the activation dtype
+    KV             bytes per token of context in the rows' dtype (memrad.engine.model.kv_dtype)
     experts        a mixture's 3-D expert tensors: gpt-oss's and Qwen3-MoE's run from their blocks
                    on memra's kernel where it runs and runs their kinds (memrad.engine.model.block_experts),
                    others dequantised at load; the bytes a token reads of them as shipped (MXFP4: 17
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from memrad.engine.model import context as served_context
-from memrad.engine.model import block_experts, gguf_fill, gguf_gemma4, gguf_gpt_oss
+from memrad.engine.model import block_experts, gguf_fill, gguf_gemma4, gguf_gpt_oss, kv_dtype
 from memrad.engine.model.context import ServedContext
 from memrad.engine.model.gguf_header import GGUFHeader, LongArray, read_header
 from memrad.engine.model.hardware import Choice
@@ -77,8 +77,9 @@ class Preflight:
     step: Choice  # memrad.engine.decode.steps.describe: "llama", "gemma3", ..., or "none" and why
     quants: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]  # (tensor kind, ((GGUF type, tensors), ...))
     context: ServedContext
-    kv_bytes_per_token: int  # every attention layer's K and V row for one token, in `dtype`
+    kv_bytes_per_token: int  # every attention layer's K and V row for one token, in `kv_dtype`
     dtype: str
+    kv_dtype: str  # the rows' (memrad.engine.model.kv_dtype): bf16 under fp32 activations where the step reads it
     window_layers: int  # sliding-window layers among the attention ones (their rows stop at the window)
     window_tokens: int | None
     # A mixture of experts: (bytes a token reads of its 3-D experts dequantised in `dtype`, as
@@ -107,7 +108,7 @@ class Preflight:
             f"  quants: {quants}",
             f"  context: native {self.context.native_tokens:,}, served {self.context.num_tokens:,} "
             f"({self.context.describe()})",
-            f"  KV: {self.kv_bytes_per_token:,} B/token in {self.dtype}{window}",
+            f"  KV: {self.kv_bytes_per_token:,} B/token in {self.kv_dtype}{window}",
             *experts,
         ]
 
@@ -120,6 +121,7 @@ def inspect_gguf(path: Path, requested_context: int, dtype: torch.dtype, weights
     from transformers import AutoModelForCausalLM
 
     from memrad.engine.decode import steps
+    from memrad.engine.kernels.build import cxx_compiler
 
     header = read_header(path)
     config = gguf_config(header, path)
@@ -132,13 +134,16 @@ def inspect_gguf(path: Path, requested_context: int, dtype: torch.dtype, weights
         raise ModelUnavailable(f"{path} ({header.architecture}) is not a causal language model "
                                f"transformers can build: {exc}") from exc
     step = steps.describe(model, served.num_tokens)
+    rows = kv_dtype.decide("auto", dtype, device, steps.attends_on_kernel(model, served.num_tokens),
+                           lambda: None if cxx_compiler() else "no C++ compiler to build it")
+    rows_dtype = torch.bfloat16 if rows.value == "bfloat16" else dtype
     kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
     window_layers = kinds.count("sliding_attention")
     return Preflight(
         path=path, architecture=header.architecture, model_class=type(model).__name__, step=step,
         quants=quants_by_kind(header), context=served,
-        kv_bytes_per_token=sum(2 * heads * dim for heads, dim in steps.kv_row_shapes(config)) * dtype.itemsize,
-        dtype=str(dtype).removeprefix("torch."), window_layers=window_layers,
+        kv_bytes_per_token=sum(2 * heads * dim for heads, dim in steps.kv_row_shapes(config)) * rows_dtype.itemsize,
+        dtype=str(dtype).removeprefix("torch."), kv_dtype=rows.value, window_layers=window_layers,
         window_tokens=getattr(config, "sliding_window", None) if window_layers else None,
         expert_bytes=expert_bytes(header, config, dtype), experts_run=experts_run(header, weights, device))
 

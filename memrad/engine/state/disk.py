@@ -81,6 +81,7 @@ def state_format(loaded: Any, prefill_chunk: int, mode: str) -> dict[str, str]:
             "kernels": kernels(loaded.model, loaded.tensors.value),
             "rope": rope_key(loaded.model.config),  # a scaled context rotates every row differently
             "attention": loaded.attention.value,  # memra's prefill kernel and SDPA round differently
+            "kv": loaded.kv.value,  # the rows' dtype (memrad.engine.model.kv_dtype)
             "products": loaded.products.choice.value,  # sliced (any count) or torch's (memrad.engine.model.products)
             "device": loaded.device.type,
             "chunk": str(prefill_chunk), "mode": mode}

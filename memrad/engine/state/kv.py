@@ -11,6 +11,10 @@ place instead, into a buffer that reserves room for the model's whole context on
              |<--- length --->|<------------- reserved, never touched ------------->|
     keys    [1, H_kv, length, D]  =  buffer[..., :length, :]   (a view; values alike)
 
+A slab may keep its rows in another dtype than the model computes them in (bf16 under fp32
+activations: memrad.engine.model.kv_dtype): rows are rounded as they are written, and prefill
+attends the slab's rows widened back, so a row reads the same whichever chunk or step wrote it.
+
 Rewinding shares the buffer (`rewound(p)`): the next write overwrites rows p.. of whoever
 held them before, so a rewind *consumes* the longer state. The engine only rewinds a parked
 session it has checked out of the pool (a resume replaces its parent). Rows below the
@@ -76,9 +80,10 @@ class SlabLayer(DynamicLayer):
 
     steps_in_place = True  # the decode step writes its row itself (`all_slabs`)
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, row_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.capacity = min(capacity, MAX_RESERVED_TOKENS)
+        self.row_dtype = row_dtype  # the rows' dtype; None: the first rows' own
         self.slab: Slab | None = None
         self.length = 0
 
@@ -86,9 +91,9 @@ class SlabLayer(DynamicLayer):
         # key_states: [1, H_kv, T, D]
         self.device = key_states.device
         b, h, _, d = key_states.shape
-        self.slab = Slab(reserve((b, h, self.capacity, d), key_states.dtype, self.device),
-                          reserve((b, value_states.shape[1], self.capacity, value_states.shape[3]),
-                                   value_states.dtype, self.device))
+        dtype = self.row_dtype or key_states.dtype
+        self.slab = Slab(reserve((b, h, self.capacity, d), dtype, self.device),
+                          reserve((b, value_states.shape[1], self.capacity, value_states.shape[3]), dtype, self.device))
         self.is_initialized = True
         self._expose()
 
@@ -105,7 +110,8 @@ class SlabLayer(DynamicLayer):
         self.length = end
         self.slab.high_water = max(self.slab.high_water, end)
         self._expose()
-        return self.keys, self.values
+        # Attended as stored: bf16 rows widened for fp32 queries (copies; none where the dtypes match).
+        return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
 
     def step_buffers(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole key and value buffers [1, H_kv, capacity, D], with room for row
@@ -140,7 +146,7 @@ class SlabLayer(DynamicLayer):
         """A layer sharing this buffer, holding the first `position` rows; its writes land at
         `position` onwards, overwriting this layer's later rows (see the module docstring)."""
         assert 0 <= position <= self.length, f"cannot rewind {self.length} rows to {position}"
-        out = SlabLayer(self.capacity)
+        out = SlabLayer(self.capacity, self.row_dtype)
         out.device, out.slab, out.is_initialized, out.length = self.device, self.slab, self.is_initialized, position
         if out.is_initialized:
             out._expose()
@@ -150,7 +156,7 @@ class SlabLayer(DynamicLayer):
         """A layer with its own buffer holding a copy of the first `position` rows: a fork
         appends there and leaves this layer's rows untouched (memrad.engine.state.snapshot)."""
         assert 0 <= position <= self.length, f"cannot copy {position} of {self.length} rows"
-        out = SlabLayer(self.capacity)
+        out = SlabLayer(self.capacity, self.row_dtype)
         if self.is_initialized:
             k, v = self.slab.keys, self.slab.values  # [1, H_kv, capacity, D]
             out.lazy_initialization(k[..., :0, :], v[..., :0, :])

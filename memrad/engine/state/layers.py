@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import torch
 from transformers.cache_utils import (DummyLayer, DynamicLayer, DynamicSlidingWindowLayer,
                                       LinearAttentionAndFullAttentionLayer, LinearAttentionLayer)
 
@@ -20,18 +21,19 @@ from memrad.engine.state.shared import SharedLayer
 from memrad.engine.state.window import WindowLayer
 
 
-def install(cache, capacity: int):
-    """Swap `cache`'s layers for their in-place kinds (the table above); returns `cache`."""
+def install(cache, capacity: int, row_dtype: torch.dtype | None = None):
+    """Swap `cache`'s layers for their in-place kinds (the table above); returns `cache`.
+    `row_dtype`: the KV rows' dtype (memrad.engine.model.kv_dtype.of); None: the model's."""
 
     def in_place(layer):
         if type(layer) is DynamicLayer:
-            return SlabLayer(capacity)
+            return SlabLayer(capacity, row_dtype)
         if type(layer) is DynamicSlidingWindowLayer:
-            return WindowLayer(layer.sliding_window)
+            return WindowLayer(layer.sliding_window, row_dtype)
         if type(layer) is LinearAttentionLayer:
             return RecurrentLayer(layer.number_of_states)
         if type(layer) is LinearAttentionAndFullAttentionLayer:
-            return HybridSlabLayer(capacity, layer.number_of_states)
+            return HybridSlabLayer(capacity, layer.number_of_states, row_dtype)
         if type(layer) is DummyLayer:
             return SharedLayer()
         return layer

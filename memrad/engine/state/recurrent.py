@@ -61,8 +61,8 @@ class HybridSlabLayer(LinearAttentionLayer, SlabLayer):
 
     steps_in_place = True
 
-    def __init__(self, capacity: int, number_of_states: int = 1) -> None:
-        SlabLayer.__init__(self, capacity)
+    def __init__(self, capacity: int, number_of_states: int = 1, row_dtype: torch.dtype | None = None) -> None:
+        SlabLayer.__init__(self, capacity, row_dtype)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
@@ -93,7 +93,7 @@ class HybridSlabLayer(LinearAttentionLayer, SlabLayer):
         return self._with_state(SlabLayer.copied(self, position))
 
     def _with_state(self, rows: SlabLayer) -> "HybridSlabLayer":
-        out = HybridSlabLayer(self.capacity, self.number_of_states)
+        out = HybridSlabLayer(self.capacity, self.number_of_states, self.row_dtype)
         out.__dict__.update(rows.__dict__)
         for name in ("conv_states", "recurrent_states"):
             setattr(out, name, {i: None if t is None else t.clone() for i, t in getattr(self, name).items()})

@@ -19,7 +19,8 @@ buffer.
 
 The state is still a window: rows before it are gone, so the cache is not croppable and
 boundary snapshots keep their role (memrad.engine.parking). Prefill returns what transformers'
-layer returns (`cat` of the window and the chunk), so prefill's bits are transformers'; the disk
+layer returns (`cat` of the window and the chunk), so prefill's bits are transformers' (over the
+rows as kept: a bf16 window's chunk rounded, then both widened for fp32 queries); the disk
 tier writes the window rows and the token count (memrad.engine.state.disk).
 """
 
@@ -41,8 +42,9 @@ class WindowLayer(DynamicSlidingWindowLayer):
 
     steps_in_place = True  # the decode step writes its row itself (memrad.engine.state.kv.all_slabs)
 
-    def __init__(self, sliding_window: int) -> None:
+    def __init__(self, sliding_window: int, row_dtype: torch.dtype | None = None) -> None:
         super().__init__(sliding_window)
+        self.row_dtype = row_dtype  # the rows' dtype (memrad.engine.state.kv.SlabLayer); None: the first rows' own
         self.slab: Slab | None = None
         self.start = self.end = 0  # the kept window: buffer rows [start, end)
 
@@ -54,9 +56,9 @@ class WindowLayer(DynamicSlidingWindowLayer):
         b, h, _, d = like_keys.shape
         capacity = buffer_rows(self.sliding_window)
         assert rows < capacity, f"{rows} rows do not fit a window of {self.sliding_window}"
-        self.slab = Slab(reserve((b, h, capacity, d), like_keys.dtype, like_keys.device),
-                          reserve((b, like_values.shape[1], capacity, like_values.shape[3]),
-                                  like_values.dtype, like_values.device))
+        dtype = self.row_dtype or like_keys.dtype
+        self.slab = Slab(reserve((b, h, capacity, d), dtype, like_keys.device),
+                          reserve((b, like_values.shape[1], capacity, like_values.shape[3]), dtype, like_values.device))
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Start a fresh buffer holding rows `keys`, `values` [1, H_kv, n, D] as the window."""
@@ -76,8 +78,9 @@ class WindowLayer(DynamicSlidingWindowLayer):
             self._place(key_states[..., :0, :], value_states[..., :0, :])
             self._expose()
         self.cumulative_length += key_states.shape[-2]
-        full_keys = torch.cat([self.keys, key_states], dim=-2)  # what transformers attends
-        full_values = torch.cat([self.values, value_states], dim=-2)
+        # What transformers attends, as stored (bf16 rows: the chunk rounded as its rows are kept)
+        full_keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=-2)
+        full_values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=-2)
         new = key_states.shape[-2]
         if self.end + new <= self.slab.capacity:
             self.slab.keys[..., self.end:self.end + new, :].copy_(key_states)
@@ -89,7 +92,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
             kept = min(self.kept, full_keys.shape[-2])
             self._place(full_keys[..., full_keys.shape[-2] - kept:, :], full_values[..., full_values.shape[-2] - kept:, :])
         self._expose()
-        return full_keys, full_values
+        return full_keys.to(key_states.dtype), full_values.to(value_states.dtype)  # widened for fp32 queries
 
     def step_buffers(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [1, H_kv, n, D] of the window and one free row after it (n <= W), for a
@@ -127,7 +130,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         """A layer with its own buffer holding this window: a fork appends there and leaves
         this layer's rows untouched (memrad.engine.state.snapshot)."""
         assert position == self.cumulative_length, f"a window after {self.cumulative_length} tokens is not at {position}"
-        out = WindowLayer(self.sliding_window)
+        out = WindowLayer(self.sliding_window, self.row_dtype)
         return out.restore(self.keys, self.values, position) if self.is_initialized else out
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -100,6 +100,19 @@ def new_step(model: nn.Module, max_positions: int) -> nn.Module:
     return (other[2] if other is not None else llama.DecodeStep)(model, max_positions)
 
 
+def attends_on_kernel(model: nn.Module, context_len: int) -> str | None:
+    """None where every attention layer of `model`'s step runs memra's decode kernel (given the
+    kernel), so a bf16 cache under fp32 activations is read as it is (memrad.engine.model.kv_dtype):
+    the llama-shaped step and Gemma 3's; else why not."""
+    why_not = support(model, context_len)
+    if why_not is not None:
+        return why_not
+    other = _other_step(model)
+    if other is not None and other[2] is not gemma.GemmaStep:
+        return f"{other[2].__name__} attends with torch, not memra's kernel"
+    return None
+
+
 def has_batched(step: Any) -> bool:
     """Whether `step` has a batched twin (memrad.engine.decode.batch): the llama-shaped step,
     LFM2's (its attention layers llama's, its conv state one tensor per request), Gemma 3's,

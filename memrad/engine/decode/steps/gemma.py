@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from memrad.engine.decode.steps.llama import _Layer, attend, rope
+from memrad.engine.model import kv_dtype
 
 _GEMMA = ("Gemma3ForCausalLM",)
 _LAYER_KINDS = ("sliding_attention", "full_attention")
@@ -82,8 +83,8 @@ def write_row(position: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows
     """Write one row's k, v [1, H_kv, 1, D]: at `position` [1] of the slab (a full layer's,
     window None), or as the last row of the window view (a sliding layer's)."""
     if window is None:
-        key_rows.index_copy_(2, position, k)
-        value_rows.index_copy_(2, position, v)
+        key_rows.index_copy_(2, position, k.to(key_rows.dtype))  # a bf16 cache's rows: rounded (copy_ casts)
+        value_rows.index_copy_(2, position, v.to(value_rows.dtype))
     else:
         n = key_rows.shape[2]
         key_rows.narrow(2, n - 1, 1).copy_(k)
@@ -164,7 +165,7 @@ class _GemmaLayer(_Layer):
             return attend(q, key_rows, value_rows, length, self.scale, kernel)
         if kernel:
             return torch.ops.memra.decode_attention(q, key_rows, value_rows, self.scale)
-        return F.scaled_dot_product_attention(q, key_rows, value_rows, scale=self.scale)
+        return F.scaled_dot_product_attention(q, key_rows.to(q.dtype), value_rows.to(q.dtype), scale=self.scale)
 
 
 class GemmaStep(nn.Module):
@@ -182,6 +183,7 @@ class GemmaStep(nn.Module):
         head_dim = config.head_dim
         self.embed, self.norm, self.head = body.embed_tokens, body.norm, model.lm_head
         self.final_softcap = config.final_logit_softcapping
+        self.kv_dtype = kv_dtype.of(model)  # the slabs' and windows' rows (memrad.engine.model.kv_dtype)
         kinds = list(config.layer_types)
         self.layers = nn.ModuleList(
             _GemmaLayer(layer, heads, kv_heads, head_dim, config.sliding_window if kind == "sliding_attention" else None)

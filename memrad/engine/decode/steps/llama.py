@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from memrad.engine.decode.steps import experts
+from memrad.engine.model import kv_dtype
 from memrad.engine.model.block_linear import BlockLinear
 from memrad.engine.model.quant import Int4Linear, Q8Linear
 
@@ -198,6 +199,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: in
     """
     if kernel:
         return torch.ops.memra.decode_attention(q, keys[:, :, :length], values[:, :, :length], scale)
+    if keys.dtype != q.dtype:  # a bf16 cache without the kernel: torch's attention takes one dtype
+        rows = min(keys.shape[2], 2 * ((length + 1) // 2))  # what the split below reads
+        keys, values = keys[:, :, :rows].to(q.dtype), values[:, :, :rows].to(q.dtype)
     if q.device.type != "cpu" or length < SPLIT_ROWS:
         return F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length], scale=scale)
     half = (length + 1) // 2
@@ -248,8 +252,8 @@ class _Layer(nn.Module):
         q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
         q = rope(self.q_norm(q.view(self.heads, d)), cos, sin)  # [H, D]
         k = rope(self.k_norm(k.view(h_kv, d)), cos, sin)  # [H_kv, D]
-        key_rows.index_copy_(2, position, k.view(1, h_kv, 1, d))
-        value_rows.index_copy_(2, position, v.view(1, h_kv, 1, d))
+        key_rows.index_copy_(2, position, k.view(1, h_kv, 1, d).to(key_rows.dtype))  # bf16 rows: rounded
+        value_rows.index_copy_(2, position, v.view(1, h_kv, 1, d).to(value_rows.dtype))
         q = q.view(1, h_kv, self.heads // h_kv, d)  # the G query heads of a KV head as rows
         o = attend(q, key_rows, value_rows, length, self.scale, kernel)  # [1, H_kv, G, D]
         x = x + self.o_proj(o.reshape(1, 1, self.heads * d))
@@ -266,6 +270,7 @@ class DecodeStep(nn.Module):
         heads, kv_heads, head_dim = attention_shape(config)
         self.embed, self.norm, self.head = body.embed_tokens, body.norm, model.lm_head
         self.layers = nn.ModuleList(_Layer(layer, heads, kv_heads, head_dim) for layer in body.layers)
+        self.kv_dtype = kv_dtype.of(model)  # the slabs' rows (memrad.engine.model.kv_dtype)
         register_rope(self, model, max_positions)
 
     def forward(self, token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,

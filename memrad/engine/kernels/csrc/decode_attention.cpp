@@ -1,7 +1,7 @@
 // One token's attention over a KV cache on the CPU, reading the cache once at memory speed.
 //
 //   memra::decode_attention(q [1, H_kv, G, D], keys [1, H_kv, L, D], values [1, H_kv, L, D],
-//                           scale) -> out [1, H_kv, G, D]      (q, keys, values: one dtype)
+//                           scale) -> out [1, H_kv, G, D]      (out: q's dtype)
 //   memra::decode_attention_rows(q [B, H_kv, G, D], keys [B x [1, H_kv, capacity_r, D]], values [same],
 //                                lengths [B], scale) -> out [B, H_kv, G, D]
 //                                (row r over its first lengths[r] rows, as the op above gives it)
@@ -17,6 +17,10 @@
 //   rows  | chunk 0 (L/C) | chunk 1 | ... | chunk C-1 |    chunk c: rows [c L / C, (c + 1) L / C)
 //   task (h, c): scores s = q_h . k_j (scaled), m = max s, l = sum e^(s-m), a = sum e^(s-m) v_j
 //   out_h = sum_c e^(m_c - M) a_c / sum_c e^(m_c - M) l_c,   M = max_c m_c
+//
+// q is bf16 or fp32, keys and values bf16 or fp32 (both one dtype): fp32 activations over a bf16
+// cache (memrad.engine.model.kv_dtype) read half the bytes, and a bf16 row widens to fp32 exactly,
+// so the scores are those of the same rows held in fp32.
 //
 // Built at run time with the flags of the machine's CPU (memrad.engine.kernels.build).
 #include <ATen/Parallel.h>
@@ -172,7 +176,7 @@ Task pick(int64_t G, int64_t D) {
 // values[r] [1, H_kv, >= L_r, D]: every (row, KV head, chunk) is one task of one parallel loop, so B rows cost
 // one call (one thread wake-up, one dispatch), not B. A task's arithmetic and a row's merge do
 // not depend on the other rows, so a row has the bits the row alone gives (B = 1 is the one-row op).
-template <typename T>
+template <typename TQ, typename T>
 void attend(const at::Tensor& q, at::TensorList keys, at::TensorList values, at::IntArrayRef lengths, double scale,
             at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), G = q.size(2), D = q.size(3);
@@ -185,7 +189,7 @@ void attend(const at::Tensor& q, at::TensorList keys, at::TensorList values, at:
   const int64_t tasks = first[batch];
   // Queries as float, scaled: [B, H_kv, G, D] (here, not as torch ops: two dispatches a call).
   const at::Tensor qc = q.contiguous();
-  const T* qsrc = qc.const_data_ptr<T>();
+  const TQ* qsrc = qc.const_data_ptr<TQ>();
   const float qscale = static_cast<float>(scale);
   std::vector<float> qf(qc.numel());
   for (size_t i = 0; i < qf.size(); ++i) qf[i] = static_cast<float>(qsrc[i]) * qscale;
@@ -212,7 +216,7 @@ void attend(const at::Tensor& q, at::TensorList keys, at::TensorList values, at:
       }
     }
   });
-  T* op = out.data_ptr<T>();
+  TQ* op = out.data_ptr<TQ>();
   std::vector<float> o(D);
   for (int64_t r = 0; r < batch; ++r) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -228,8 +232,8 @@ void attend(const at::Tensor& q, at::TensorList keys, at::TensorList values, at:
           total += w * sums[at];
           for (int64_t d = 0; d < D; ++d) o[d] += w * accs[at * D + d];
         }
-        T* dst = op + ((r * heads + h) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] / total);
+        TQ* dst = op + ((r * heads + h) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<TQ>(o[d] / total);
       }
     }
   }
@@ -248,15 +252,19 @@ at::Tensor attend_any(const at::Tensor& q, at::TensorList keys, at::TensorList v
     TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "key and value rows must be contiguous");
     TORCH_CHECK(lengths[r] > 0, "no rows to attend");
     TORCH_CHECK(lengths[r] <= k.size(2), "a length past its keys' rows");
-    TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-                "q, keys and values differ in dtype");
+    TORCH_CHECK(k.scalar_type() == keys[0].scalar_type() && v.scalar_type() == k.scalar_type(),
+                "keys and values differ in dtype");
   }
+  const auto q_type = q.scalar_type(), kv_type = keys[0].scalar_type();
+  TORCH_CHECK((q_type == at::kBFloat16 || q_type == at::kFloat) && (kv_type == at::kBFloat16 || kv_type == at::kFloat),
+              "decode_attention takes bfloat16 or float32");
   at::Tensor out = at::empty(q.sizes(), q.options());
-  if (q.scalar_type() == at::kBFloat16) {
-    attend<c10::BFloat16>(q, keys, values, lengths, scale, out);
+  if (q_type == at::kBFloat16) {
+    if (kv_type == at::kBFloat16) attend<c10::BFloat16, c10::BFloat16>(q, keys, values, lengths, scale, out);
+    else attend<c10::BFloat16, float>(q, keys, values, lengths, scale, out);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention takes bfloat16 or float32");
-    attend<float>(q, keys, values, lengths, scale, out);
+    if (kv_type == at::kBFloat16) attend<float, c10::BFloat16>(q, keys, values, lengths, scale, out);
+    else attend<float, float>(q, keys, values, lengths, scale, out);
   }
   return out;
 }
