@@ -60,6 +60,7 @@ def test_one_row_and_batched_decode_give_the_same_bits_at_1_and_2_threads(smol_s
                     "on, and off over bf16 rows) keeps them at any")
     engine.decoder.start()
     if compile == "auto":
+        engine.decoder.want_batch()  # as a second request would: built after the one-row step, whatever ran before
         engine.decoder.wait()
         assert (engine.decoder.choice.value, engine.decoder.batch_choice.value) == ("compiled", "compiled")
     for count in (1, 3):  # alone: the one-row step; three together: the batched step
