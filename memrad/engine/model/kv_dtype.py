@@ -13,7 +13,7 @@ which widens a bf16 row to fp32 exactly (a shift) as it reads it:
 
 Every token attends rounded rows, whichever chunk or step wrote them, so resumed == cold,
 batched == alone and any thread count keep their bits; what changes is the cache's precision
-(8 bits of mantissa, fp32's range), as it already is where the activations are bf16. Chosen
+(8 significant bits, fp32's range), as it already is where the activations are bf16. Chosen
 once at load and named in the disk tier's key and the step package's key.
 
     model.kv_dtype   auto         bf16 where the above holds, else the activations' dtype (the reason says why)
